@@ -1,0 +1,60 @@
+"""The exceptions of vmstoolkit: one base class, one type per kind of failure.
+
+Every message names the problem and the values involved, so the CLI can print it as one line.
+"""
+
+from __future__ import annotations
+
+
+class VmsError(Exception):
+    """Base class of every error vmstoolkit raises on purpose."""
+
+
+class InvalidSizeError(VmsError, ValueError):
+    """A requested size of zero or below, or not an integer."""
+
+
+class InvalidFreeError(VmsError, KeyError):
+    """A free of an address that no live allocation starts at (unknown or already freed)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DoubleFreeError(InvalidFreeError):
+    """A free of an address whose allocation was already freed."""
+
+
+class OutOfMemoryError(VmsError, MemoryError):
+    """The physical memory cannot serve a request, even after releasing every cached block."""
+
+    def __init__(self, message: str, *, requested: int = 0, reserved: int = 0, capacity: int | None = None):
+        super().__init__(message)
+        self.requested = requested
+        self.reserved = reserved
+        self.capacity = capacity
+
+
+class DriverError(VmsError, RuntimeError):
+    """A VMM driver call failed; ``result`` is the CUresult name (``CUDA_ERROR_OUT_OF_MEMORY``)."""
+
+    def __init__(self, result: str, message: str, *, code: int | None = None):
+        super().__init__(f"{result}: {message}")
+        self.result = result
+        self.code = code
+
+
+class DriverOutOfMemoryError(DriverError):
+    """``CUDA_ERROR_OUT_OF_MEMORY`` from the driver: the allocator may release caches and retry."""
+
+
+class TraceFormatError(VmsError, ValueError):
+    """A memory snapshot that cannot be read: truncated, corrupt, or not a snapshot."""
+
+
+class ConfigError(VmsError, ValueError):
+    """An unknown allocator name, option, or a malformed configuration string."""
+
+
+class NoGPUError(VmsError, RuntimeError):
+    """A real GPU path was asked for on a machine without a usable CUDA GPU."""

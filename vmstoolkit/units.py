@@ -1,0 +1,68 @@
+"""Sizes: one parser and one formatter shared by the API and the CLI.
+
+>>> parse_size("80GiB")
+85899345920
+>>> parse_size(4096)
+4096
+>>> format_size(3 * 2**30 + 2**29)
+'3.50 GiB'
+"""
+
+from __future__ import annotations
+
+import re
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
+    "ki": KiB, "mi": MiB, "gi": GiB, "ti": TiB,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": KiB, "m": MiB, "g": GiB, "t": TiB,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an ``int`` or a string such as ``"80GiB"``, ``"512 MiB"``, ``"1.5GB"``.
+
+    Binary units (KiB, MiB, GiB, TiB, and the bare K/M/G/T) are powers of 1024, decimal
+    units (kB, MB, GB, TB) powers of 1000. Raises ``ValueError`` naming the value when it is
+    not a size; zero is allowed here (callers that need a positive size check it).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative: {value}")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"not a size: {value!r}")
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"not a size: {value!r} (expected e.g. 4096, '512MiB', '80GiB')")
+    number, unit = m.groups()
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise ValueError(f"unknown size unit {unit!r} in {value!r} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)")
+    return int(round(float(number) * factor))
+
+
+def format_size(nbytes: int | float) -> str:
+    """A human-readable binary size: ``'1.00 GiB'``, ``'512.00 MiB'``, ``'12 B'``."""
+    n = float(nbytes)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, factor in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= factor:
+            return f"{sign}{n / factor:.2f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``n``."""
+    return -(-n // multiple) * multiple
