@@ -1,0 +1,179 @@
+"""The allocator protocol every allocator speaks, and the bookkeeping they all share.
+
+The replay engine, the experiments and the Numba and PyTorch integrations only ever call
+``allocate``, ``free``, ``stats``, ``empty_cache``, ``close`` and ``_check``: they never
+special-case an allocator.
+
+:class:`Allocator` does what every allocator must do the same way: validate sizes, catch frees
+of unknown addresses and double frees *before* touching any state, count requested bytes and
+their peak, and read physical bytes from the driver. Subclasses implement ``_allocate`` and
+``_free``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+
+from vmstoolkit.errors import DoubleFreeError, InvalidFreeError, InvalidSizeError, OutOfMemoryError
+from vmstoolkit.pools.driver import VMMDriver
+
+_FREED_MEMORY = 4096  # how many recently freed addresses are remembered to name a double free
+
+
+@dataclass
+class AllocatorStats:
+    """Counters of one allocator, in the spirit of RMM's statistics and PyTorch's memory_stats.
+
+    ``allocated_*`` count the bytes the program asked for (live requests); ``reserved_*``
+    count the physical bytes the allocator holds from the driver.
+    """
+
+    allocated_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    allocated_count: int = 0
+    peak_allocated_count: int = 0
+    reserved_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    total_allocs: int = 0
+    total_frees: int = 0
+    num_ooms: int = 0
+    driver_calls: dict = field(default_factory=dict)
+
+    @property
+    def utilization(self) -> float:
+        """Peak allocated / peak reserved (1.0 when nothing was reserved)."""
+        return self.peak_allocated_bytes / self.peak_reserved_bytes if self.peak_reserved_bytes else 1.0
+
+    @property
+    def fragmentation(self) -> float:
+        return 1.0 - self.utilization
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["utilization"] = self.utilization
+        d["fragmentation"] = self.fragmentation
+        return d
+
+
+class Allocator(ABC):
+    """Base of every allocator. ``name`` is the registry name (``"vms"``, ``"pytorch-caching"``)."""
+
+    name: str = "abstract"
+
+    def __init__(self, driver: VMMDriver) -> None:
+        self.driver = driver
+        self._live: dict[int, int] = {}  # address -> requested size
+        self._recently_freed: OrderedDict[int, None] = OrderedDict()
+        self._allocated = 0
+        self._peak_allocated = 0
+        self._peak_count = 0
+        self._total_allocs = 0
+        self._total_frees = 0
+        self._num_ooms = 0
+
+    # -- the protocol ----------------------------------------------------------------------
+    def allocate(self, size: int, stream: int = 0) -> int:
+        """Allocate ``size`` bytes on ``stream``; returns the device address.
+
+        Raises :class:`~vmstoolkit.errors.InvalidSizeError` for a size of zero or below and
+        :class:`~vmstoolkit.errors.OutOfMemoryError` when physical memory cannot serve it.
+        """
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise InvalidSizeError(f"allocation size must be an integer, got {size!r}")
+        if size <= 0:
+            raise InvalidSizeError(f"allocation size must be positive, got {size}")
+        try:
+            addr = self._allocate(size, stream)
+        except OutOfMemoryError:
+            self._num_ooms += 1
+            raise
+        self._live[addr] = size
+        self._recently_freed.pop(addr, None)
+        self._allocated += size
+        self._total_allocs += 1
+        if self._allocated > self._peak_allocated:
+            self._peak_allocated = self._allocated
+        if len(self._live) > self._peak_count:
+            self._peak_count = len(self._live)
+        return addr
+
+    def free(self, addr: int) -> None:
+        """Free the allocation that starts at ``addr``.
+
+        An address that no live allocation starts at raises
+        :class:`~vmstoolkit.errors.DoubleFreeError` (recently freed) or
+        :class:`~vmstoolkit.errors.InvalidFreeError` (unknown), and changes nothing.
+        """
+        size = self._live.get(addr)
+        if size is None:
+            if addr in self._recently_freed:
+                raise DoubleFreeError(f"double free of address {addr:#x}")
+            raise InvalidFreeError(f"free of unknown address {addr:#x}")
+        self._free(addr)
+        del self._live[addr]
+        self._recently_freed[addr] = None
+        if len(self._recently_freed) > _FREED_MEMORY:
+            self._recently_freed.popitem(last=False)
+        self._allocated -= size
+        self._total_frees += 1
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of live requests now (cheap: no stats object)."""
+        return self._allocated
+
+    def size_of(self, addr: int) -> int:
+        """The requested size of the live allocation at ``addr``."""
+        try:
+            return self._live[addr]
+        except KeyError:
+            raise InvalidFreeError(f"no live allocation at address {addr:#x}") from None
+
+    def stats(self) -> AllocatorStats:
+        return AllocatorStats(
+            allocated_bytes=self._allocated,
+            peak_allocated_bytes=self._peak_allocated,
+            allocated_count=len(self._live),
+            peak_allocated_count=self._peak_count,
+            reserved_bytes=self.driver.physical_bytes,
+            peak_reserved_bytes=self.driver.peak_physical_bytes,
+            total_allocs=self._total_allocs,
+            total_frees=self._total_frees,
+            num_ooms=self._num_ooms,
+            driver_calls=dict(self.driver.calls),
+        )
+
+    def reset_peak_stats(self) -> None:
+        self._peak_allocated = self._allocated
+        self._peak_count = len(self._live)
+        self.driver.reset_peak()
+
+    def live_allocations(self) -> dict[int, int]:
+        """address -> requested size of every live allocation (a copy)."""
+        return dict(self._live)
+
+    def empty_cache(self) -> None:
+        """Give every cached byte that no live allocation uses back to the driver."""
+
+    def close(self) -> None:
+        """Free every live allocation and give everything back to the driver."""
+        for addr in list(self._live):
+            self.free(addr)
+        self.empty_cache()
+
+    def _check(self) -> None:
+        """Assert every invariant of the allocator; raises ``AssertionError`` naming the broken one."""
+        assert self._allocated == sum(self._live.values()), "allocated bytes disagree with live allocations"
+
+    # -- what subclasses provide ----------------------------------------------------------
+    @abstractmethod
+    def _allocate(self, size: int, stream: int) -> int: ...
+
+    @abstractmethod
+    def _free(self, addr: int) -> None: ...
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return f"<{type(self).__name__} {self.name!r} live={s.allocated_count} reserved={s.reserved_bytes}>"

@@ -1,0 +1,189 @@
+"""The VMM driver interface: the CUDA virtual-memory calls every pool is written against.
+
+Two implementations speak it: :class:`~vmstoolkit.pools.sim_driver.SimulatedDriver` (pure
+Python, tracks every physical chunk, mapping and alias, injects faults) and
+:class:`~vmstoolkit.pools.cuda_driver.CudaDriver` (``cuda.bindings.driver``). Pools receive a
+driver object and never import the real one; :func:`make_driver` is the one place that picks.
+
+The public methods are a template: each counts the call in :attr:`VMMDriver.calls`, keeps the
+physical-memory accounting (``physical_bytes`` and its peak, identical in both worlds) and
+delegates to a ``_`` method of the implementation.
+
+=================  ==========================  =======================================
+method             CUDA driver call            meaning
+=================  ==========================  =======================================
+``create``         ``cuMemCreate``             a physical allocation (handle)
+``release``        ``cuMemRelease``            drop the handle (memory goes once unmapped)
+``reserve``        ``cuMemAddressReserve``     a virtual address range
+``free_address``   ``cuMemAddressFree``        give the range back (must be unmapped)
+``map``            ``cuMemMap``                map a handle into part of a reserved range
+``unmap``          ``cuMemUnmap``              unmap whole mappings
+``set_access``     ``cuMemSetAccess``          make a mapped range readable and writable
+``mem_alloc``      ``cuMemAlloc``              a plain allocation (the non-VMM baselines)
+``mem_free``       ``cuMemFree``
+``memset``         ``cuMemsetD8``              touch memory (checks it is accessible)
+``mem_info``       ``cuMemGetInfo``            (free, total) bytes of the device
+=================  ==========================  =======================================
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+
+Handle = int
+"""An opaque physical-allocation handle (``CUmemGenericAllocationHandle`` as an int)."""
+
+OPERATIONS = (
+    "create", "release", "reserve", "free_address", "map", "unmap", "set_access",
+    "mem_alloc", "mem_free", "memset",
+)
+
+
+class VMMDriver(ABC):
+    """Abstract CUDA VMM driver. See the module docstring for the call table."""
+
+    name: str = "abstract"
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self._handle_sizes: dict[Handle, int] = {}
+        self._alloc_sizes: dict[int, int] = {}
+        self.physical_bytes = 0
+        self.peak_physical_bytes = 0
+
+    # -- properties every implementation provides ------------------------------------------
+    @property
+    @abstractmethod
+    def granularity(self) -> int:
+        """Minimum (and recommended) granularity of physical allocations, in bytes."""
+
+    @property
+    @abstractmethod
+    def capacity(self) -> int:
+        """Total physical bytes of the device."""
+
+    # -- the template ----------------------------------------------------------------------
+    def _count(self, op: str) -> None:
+        self.calls[op] += 1
+        self._before(op, self.calls[op])
+
+    def _before(self, op: str, n: int) -> None:
+        """Hook run before the ``n``-th call of ``op`` (the simulated driver injects faults)."""
+
+    def _grow(self, nbytes: int) -> None:
+        self.physical_bytes += nbytes
+        if self.physical_bytes > self.peak_physical_bytes:
+            self.peak_physical_bytes = self.physical_bytes
+
+    def create(self, size: int) -> Handle:
+        """Allocate ``size`` bytes of physical memory (a multiple of :attr:`granularity`)."""
+        if size <= 0 or size % self.granularity:
+            raise ValueError(f"physical allocation size {size} is not a positive multiple of the granularity {self.granularity}")
+        self._count("create")
+        handle = self._create(size)
+        self._handle_sizes[handle] = size
+        self._grow(size)
+        return handle
+
+    def release(self, handle: Handle) -> None:
+        self._count("release")
+        self._release(handle)
+        self.physical_bytes -= self._handle_sizes.pop(handle)
+
+    def reserve(self, size: int, alignment: int = 0) -> int:
+        if size <= 0 or size % self.granularity:
+            raise ValueError(f"virtual range size {size} is not a positive multiple of the granularity {self.granularity}")
+        self._count("reserve")
+        return self._reserve(size, alignment)
+
+    def free_address(self, va: int, size: int) -> None:
+        self._count("free_address")
+        self._free_address(va, size)
+
+    def map(self, va: int, size: int, handle: Handle, offset: int = 0) -> None:
+        self._count("map")
+        self._map(va, size, handle, offset)
+
+    def unmap(self, va: int, size: int) -> None:
+        self._count("unmap")
+        self._unmap(va, size)
+
+    def set_access(self, va: int, size: int) -> None:
+        self._count("set_access")
+        self._set_access(va, size)
+
+    def mem_alloc(self, size: int) -> int:
+        if size <= 0:
+            raise ValueError(f"allocation size must be positive, got {size}")
+        self._count("mem_alloc")
+        ptr = self._mem_alloc(size)
+        self._alloc_sizes[ptr] = size
+        self._grow(size)
+        return ptr
+
+    def mem_free(self, ptr: int) -> None:
+        self._count("mem_free")
+        self._mem_free(ptr)
+        self.physical_bytes -= self._alloc_sizes.pop(ptr)
+
+    def memset(self, va: int, size: int, value: int = 0) -> None:
+        self._count("memset")
+        self._memset(va, size, value)
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory as the device reports them."""
+        return self._mem_info()
+
+    def reset_peak(self) -> None:
+        self.peak_physical_bytes = self.physical_bytes
+
+    def synchronize(self) -> None:
+        """Wait for outstanding device work (no-op where there is none)."""
+
+    def close(self) -> None:
+        """Give back driver resources (contexts); allocations must be released first."""
+
+    # -- what implementations provide ------------------------------------------------------
+    @abstractmethod
+    def _create(self, size: int) -> Handle: ...
+    @abstractmethod
+    def _release(self, handle: Handle) -> None: ...
+    @abstractmethod
+    def _reserve(self, size: int, alignment: int) -> int: ...
+    @abstractmethod
+    def _free_address(self, va: int, size: int) -> None: ...
+    @abstractmethod
+    def _map(self, va: int, size: int, handle: Handle, offset: int) -> None: ...
+    @abstractmethod
+    def _unmap(self, va: int, size: int) -> None: ...
+    @abstractmethod
+    def _set_access(self, va: int, size: int) -> None: ...
+    @abstractmethod
+    def _mem_alloc(self, size: int) -> int: ...
+    @abstractmethod
+    def _mem_free(self, ptr: int) -> None: ...
+    @abstractmethod
+    def _memset(self, va: int, size: int, value: int) -> None: ...
+    @abstractmethod
+    def _mem_info(self) -> tuple[int, int]: ...
+
+
+def make_driver(kind: str = "sim", *, capacity: int | str | None = None, device: int = 0) -> VMMDriver:
+    """The one place that picks a driver: ``"sim"`` (default) or ``"cuda"``.
+
+    ``capacity`` bounds the simulated device (default 141 GiB, an H200); the real driver
+    ignores it. A missing GPU raises :class:`~vmstoolkit.errors.NoGPUError`.
+    """
+    from vmstoolkit.errors import ConfigError
+    from vmstoolkit.units import parse_size
+
+    if kind == "sim":
+        from vmstoolkit.pools.sim_driver import SimulatedDriver
+
+        return SimulatedDriver(capacity=parse_size(capacity) if capacity is not None else None)
+    if kind == "cuda":
+        from vmstoolkit.pools.cuda_driver import CudaDriver
+
+        return CudaDriver(device=device)
+    raise ConfigError(f"unknown driver {kind!r} (choose 'sim' or 'cuda')")

@@ -1,0 +1,55 @@
+"""``native``: the cudaMalloc/cudaFree baseline. Every request gets its own physical memory,
+rounded up to the granularity, mapped at once and given back at once on free: no caching, no
+reuse, the most driver calls and no fragmentation beyond rounding."""
+
+from __future__ import annotations
+
+from vmstoolkit.errors import DriverOutOfMemoryError, OutOfMemoryError
+from vmstoolkit.pools.base import Allocator
+from vmstoolkit.pools.driver import VMMDriver
+from vmstoolkit.pools.registry import register_allocator
+from vmstoolkit.pools.txn import Transaction
+from vmstoolkit.units import round_up
+
+
+@register_allocator("native", "cudaMalloc/cudaFree baseline: own chunks per request, freed at once")
+class NativeAllocator(Allocator):
+    name = "native"
+
+    def __init__(self, driver: VMMDriver) -> None:
+        super().__init__(driver)
+        self._ranges: dict[int, tuple[int, int]] = {}  # va -> (size, handle)
+
+    def _allocate(self, size: int, stream: int) -> int:
+        d = self.driver
+        nbytes = round_up(size, d.granularity)
+        try:
+            with Transaction() as tx:
+                h = d.create(nbytes)
+                tx.on_rollback(lambda: d.release(h))
+                va = d.reserve(nbytes)
+                tx.on_rollback(lambda: d.free_address(va, nbytes))
+                d.map(va, nbytes, h)
+                tx.on_rollback(lambda: d.unmap(va, nbytes))
+                d.set_access(va, nbytes)
+                tx.commit()
+        except DriverOutOfMemoryError as e:
+            raise OutOfMemoryError(
+                f"native: cannot allocate {size} bytes ({nbytes} physical) with {d.physical_bytes} in use: {e}",
+                requested=size, reserved=d.physical_bytes, capacity=d.capacity) from None
+        self._ranges[va] = (nbytes, h)
+        return va
+
+    def _free(self, addr: int) -> None:
+        nbytes, h = self._ranges.pop(addr)
+        d = self.driver
+        d.unmap(addr, nbytes)
+        d.release(h)
+        d.free_address(addr, nbytes)
+
+    def _check(self) -> None:
+        super()._check()
+        assert set(self._ranges) == set(self._live), "native: mapped ranges differ from live allocations"
+        g = self.driver.granularity
+        for va, (nbytes, _) in self._ranges.items():
+            assert va % g == 0 and nbytes % g == 0, f"native: range {va:#x}+{nbytes} not granule-aligned"

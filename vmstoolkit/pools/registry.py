@@ -1,0 +1,52 @@
+"""Allocators by name: the one table the CLI, replay and integrations look names up in."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from vmstoolkit.errors import ConfigError
+from vmstoolkit.pools.base import Allocator
+from vmstoolkit.pools.driver import VMMDriver, make_driver
+
+_FACTORIES: dict[str, Callable[..., Allocator]] = {}
+_DESCRIPTIONS: dict[str, str] = {}
+
+
+def register_allocator(name: str, description: str):
+    """Class or factory decorator: make ``name`` available to :func:`make_allocator`.
+
+    The factory is called as ``factory(driver, **options)``.
+    """
+
+    def deco(factory):
+        if name in _FACTORIES:
+            raise ValueError(f"allocator {name!r} registered twice")
+        _FACTORIES[name] = factory
+        _DESCRIPTIONS[name] = description
+        return factory
+
+    return deco
+
+
+def allocator_names() -> list[str]:
+    return list(_FACTORIES)
+
+
+def describe_allocators() -> dict[str, str]:
+    return dict(_DESCRIPTIONS)
+
+
+def make_allocator(name: str, driver: VMMDriver | None = None, *, capacity: int | str | None = None, **options) -> Allocator:
+    """A new allocator ``name`` over ``driver`` (default: a fresh simulated driver of ``capacity``).
+
+    >>> a = make_allocator("native"); p = a.allocate(1000); a.free(p)
+    """
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ConfigError(f"unknown allocator {name!r}; choose one of: {', '.join(_FACTORIES)}")
+    if driver is None:
+        driver = make_driver("sim", capacity=capacity)
+    try:
+        return factory(driver, **options)
+    except TypeError as e:
+        raise ConfigError(f"bad options for allocator {name!r}: {e}") from None

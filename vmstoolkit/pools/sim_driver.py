@@ -1,0 +1,253 @@
+"""A simulated CUDA VMM driver: the same interface as the real one, checked like the real one.
+
+It owns no memory. It tracks every physical handle, virtual reservation and mapping, enforces
+the rules the CUDA driver enforces (aligned sizes, maps only inside reservations, no overlap,
+unmap of whole mappings, no free of a mapped range, access only on mapped ranges), records which
+handles are mapped in more than one range (aliases: the basis of stitching), bounds physical
+memory by a capacity, and can be told to fail the N-th call of any operation.
+
+>>> d = SimulatedDriver(capacity="8MiB")
+>>> h = d.create(2 << 20); va = d.reserve(4 << 20)
+>>> d.map(va, 2 << 20, h); d.map(va + (2 << 20), 2 << 20, h)  # one chunk, two places
+>>> d.set_access(va, 4 << 20); d.aliases(h)
+2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sortedcontainers import SortedDict
+
+from vmstoolkit.errors import DriverError, DriverOutOfMemoryError
+from vmstoolkit.pools.driver import OPERATIONS, Handle, VMMDriver
+from vmstoolkit.units import GiB, MiB, parse_size
+
+DEFAULT_CAPACITY = 141 * GiB  # an H200
+GRANULARITY = 2 * MiB  # what cuMemGetAllocationGranularity reports on the H200
+VA_BASE = 0x7F00_0000_0000  # where simulated reservations start, as on a real Linux process
+
+
+@dataclass
+class _Mapping:
+    size: int
+    handle: Handle
+    offset: int
+    accessible: bool = False
+
+
+class SimulatedDriver(VMMDriver):
+    """See the module docstring. ``capacity`` (bytes or ``"80GiB"``) bounds physical memory."""
+
+    name = "sim"
+
+    def __init__(self, capacity: int | str | None = None, granularity: int = GRANULARITY) -> None:
+        super().__init__()
+        self._capacity = parse_size(capacity) if capacity is not None else DEFAULT_CAPACITY
+        self._granularity = granularity
+        self._next_handle = 1
+        self._next_va = VA_BASE
+        self._released: set[Handle] = set()  # released but still mapped somewhere
+        self._handle_maps: dict[Handle, set[int]] = {}  # handle -> VAs it is mapped at
+        self._reservations: SortedDict = SortedDict()  # va -> size
+        self._mappings: SortedDict = SortedDict()  # va -> _Mapping
+        self._faults: dict[str, tuple[int, str]] = {}
+        self._allocs: dict[int, int] = {}
+        self._sizes: dict[Handle, int] = {}  # every handle not yet freed, released ones included
+        self._live_handle_bytes = 0  # bytes of handles not yet freed (released handles count until unmapped)
+
+    # -- configuration ---------------------------------------------------------------------
+    @property
+    def granularity(self) -> int:
+        return self._granularity
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def fail_on(self, op: str, n: int, result: str | None = None) -> None:
+        """Make the ``n``-th call (counting from 1, over the driver's life) of ``op`` fail.
+
+        ``result`` names the CUresult; the default is ``CUDA_ERROR_OUT_OF_MEMORY`` for
+        ``create``/``mem_alloc``/``reserve`` and ``CUDA_ERROR_UNKNOWN`` otherwise.
+        """
+        if op not in OPERATIONS:
+            raise ValueError(f"unknown driver operation {op!r}; one of {', '.join(OPERATIONS)}")
+        if result is None:
+            result = "CUDA_ERROR_OUT_OF_MEMORY" if op in ("create", "mem_alloc", "reserve") else "CUDA_ERROR_UNKNOWN"
+        self._faults[op] = (n, result)
+
+    def clear_faults(self) -> None:
+        self._faults.clear()
+
+    def _before(self, op: str, n: int) -> None:
+        fault = self._faults.get(op)
+        if fault is not None and fault[0] == n:
+            result = fault[1]
+            cls = DriverOutOfMemoryError if result == "CUDA_ERROR_OUT_OF_MEMORY" else DriverError
+            raise cls(result, f"injected fault on call {n} of {op}")
+
+    # -- physical memory -------------------------------------------------------------------
+    def _in_use(self) -> int:
+        return self._live_handle_bytes + sum(self._allocs.values())
+
+    def _create(self, size: int) -> Handle:
+        if self._in_use() + size > self._capacity:
+            raise DriverOutOfMemoryError(
+                "CUDA_ERROR_OUT_OF_MEMORY",
+                f"cuMemCreate of {size} bytes with {self._in_use()} of {self._capacity} in use")
+        h = self._next_handle
+        self._next_handle += 1
+        self._handle_maps[h] = set()
+        self._sizes[h] = size
+        self._live_handle_bytes += size
+        return h
+
+    def _release(self, handle: Handle) -> None:
+        if handle not in self._handle_maps or handle in self._released:
+            raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemRelease of unknown or released handle {handle}")
+        if self._handle_maps[handle]:
+            self._released.add(handle)  # freed when its last mapping goes, as in CUDA
+        else:
+            self._drop_handle(handle)
+
+    def _drop_handle(self, handle: Handle) -> None:
+        del self._handle_maps[handle]
+        self._released.discard(handle)
+        self._live_handle_bytes -= self._sizes.pop(handle)
+
+    # -- virtual ranges --------------------------------------------------------------------
+    def _reserve(self, size: int, alignment: int) -> int:
+        align = max(alignment, self._granularity)
+        va = -(-self._next_va // align) * align
+        self._next_va = va + size
+        self._reservations[va] = size
+        return va
+
+    def _reservation_of(self, va: int, size: int) -> tuple[int, int]:
+        i = self._reservations.bisect_right(va) - 1
+        if i >= 0:
+            start, rsize = self._reservations.peekitem(i)
+            if start <= va and va + size <= start + rsize:
+                return start, rsize
+        raise DriverError("CUDA_ERROR_INVALID_VALUE", f"range [{va:#x}, +{size}) is not inside one reserved range")
+
+    def _free_address(self, va: int, size: int) -> None:
+        if self._reservations.get(va) != size:
+            raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemAddressFree({va:#x}, {size}) does not match a reservation")
+        if self._overlapping(va, size):
+            raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemAddressFree({va:#x}, {size}) of a range that is still mapped")
+        del self._reservations[va]
+
+    def _overlapping(self, va: int, size: int) -> list[int]:
+        """Start addresses of the mappings that overlap [va, va+size)."""
+        out = []
+        i = self._mappings.bisect_right(va) - 1
+        if i >= 0:
+            start, m = self._mappings.peekitem(i)
+            if start + m.size > va:
+                out.append(start)
+        for start in self._mappings.irange(va, va + size, inclusive=(False, False)):
+            out.append(start)
+        return out
+
+    def _map(self, va: int, size: int, handle: Handle, offset: int) -> None:
+        g = self._granularity
+        if va % g or size % g or offset % g or size <= 0:
+            raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemMap({va:#x}, {size}, offset={offset}) is not aligned to {g}")
+        if handle not in self._handle_maps or handle in self._released:
+            raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemMap of unknown or released handle {handle}")
+        if offset + size > self._sizes[handle]:
+            raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemMap of {size} bytes at offset {offset} of a {self._sizes[handle]}-byte handle")
+        self._reservation_of(va, size)
+        if self._overlapping(va, size):
+            raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemMap({va:#x}, {size}) overlaps an existing mapping")
+        self._mappings[va] = _Mapping(size, handle, offset)
+        self._handle_maps[handle].add(va)
+
+    def _unmap(self, va: int, size: int) -> None:
+        starts = self._overlapping(va, size)
+        covered = sum(self._mappings[s].size for s in starts)
+        if not starts or starts[0] != va or covered != size:
+            raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemUnmap({va:#x}, {size}) does not cover whole mappings exactly")
+        pos = va
+        for s in starts:
+            if s != pos:
+                raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemUnmap({va:#x}, {size}) spans a hole at {pos:#x}")
+            pos += self._mappings[s].size
+        for s in starts:
+            m = self._mappings.pop(s)
+            maps = self._handle_maps[m.handle]
+            maps.discard(s)
+            if not maps and m.handle in self._released:
+                self._drop_handle(m.handle)
+
+    def _covered(self, va: int, size: int) -> list[_Mapping]:
+        starts = self._overlapping(va, size)
+        pos = va
+        out = []
+        for s in starts:
+            m = self._mappings[s]
+            if s > pos:
+                break
+            pos = max(pos, s + m.size)
+            out.append(m)
+        if pos < va + size:
+            raise DriverError("CUDA_ERROR_INVALID_VALUE", f"range [{va:#x}, +{size}) is not fully mapped (hole at {pos:#x})")
+        return out
+
+    def _set_access(self, va: int, size: int) -> None:
+        for m in self._covered(va, size):
+            m.accessible = True
+
+    def _memset(self, va: int, size: int, value: int) -> None:
+        for m in self._covered(va, size):
+            if not m.accessible:
+                raise DriverError("CUDA_ERROR_ILLEGAL_ADDRESS", f"memset of [{va:#x}, +{size}) touches a mapping without access rights")
+
+    # -- plain allocations -----------------------------------------------------------------
+    def _mem_alloc(self, size: int) -> int:
+        if self._in_use() + size > self._capacity:
+            raise DriverOutOfMemoryError(
+                "CUDA_ERROR_OUT_OF_MEMORY",
+                f"cuMemAlloc of {size} bytes with {self._in_use()} of {self._capacity} in use")
+        va = -(-self._next_va // 512) * 512
+        self._next_va = va + size
+        self._allocs[va] = size
+        return va
+
+    def _mem_free(self, ptr: int) -> None:
+        if ptr not in self._allocs:
+            raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemFree of unknown pointer {ptr:#x}")
+        del self._allocs[ptr]
+
+    def _mem_info(self) -> tuple[int, int]:
+        return self._capacity - self._in_use(), self._capacity
+
+    # -- introspection (tests, invariants, leak checks) -----------------------------------
+    def aliases(self, handle: Handle) -> int:
+        """In how many virtual places ``handle`` is mapped now."""
+        return len(self._handle_maps.get(handle, ()))
+
+    def live_handles(self) -> set[Handle]:
+        """Handles created and not yet released."""
+        return set(self._handle_maps) - self._released
+
+    def live_reservations(self) -> dict[int, int]:
+        return dict(self._reservations)
+
+    def live_mappings(self) -> dict[int, tuple[int, Handle]]:
+        """va -> (size, handle) of every mapping."""
+        return {va: (m.size, m.handle) for va, m in self._mappings.items()}
+
+    def live_allocs(self) -> dict[int, int]:
+        return dict(self._allocs)
+
+    def is_empty(self) -> bool:
+        """True when nothing is created, reserved, mapped or allocated: nothing leaked."""
+        return not (self._handle_maps or self._reservations or self._mappings or self._allocs)
+
+    def leak_report(self) -> str:
+        return (f"{len(self._handle_maps)} handles ({len(self._released)} released but mapped), "
+                f"{len(self._reservations)} reservations, {len(self._mappings)} mappings, "
+                f"{len(self._allocs)} plain allocations")

@@ -1,0 +1,56 @@
+"""A small transaction for multi-step driver sequences (create, reserve, map, set access).
+
+Each step registers its undo right after it succeeds; leaving the ``with`` block without
+``commit()`` (an exception) runs the undos in reverse order, so a failure in the middle leaves
+nothing created, reserved or mapped. An undo that itself fails is reported on the original
+error as a note, never hidden.
+
+>>> log = []
+>>> try:
+...     with Transaction() as tx:
+...         tx.on_rollback(lambda: log.append("undo a"))
+...         tx.on_rollback(lambda: log.append("undo b"))
+...         raise RuntimeError("step c failed")
+... except RuntimeError:
+...     pass
+>>> log
+['undo b', 'undo a']
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class Transaction:
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+        self._committed = False
+
+    def on_rollback(self, undo: Callable[[], None]) -> None:
+        self._undo.append(undo)
+
+    def commit(self) -> None:
+        self._committed = True
+        self._undo.clear()
+
+    def rollback(self) -> list[BaseException]:
+        errors = []
+        while self._undo:
+            undo = self._undo.pop()
+            try:
+                undo()
+            except Exception as e:  # keep undoing: report, never hide
+                errors.append(e)
+        return errors
+
+    def __enter__(self) -> "Transaction":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and not self._committed:
+            for err in self.rollback():
+                exc.add_note(f"rollback step failed too: {type(err).__name__}: {err}")
+        elif not self._committed:
+            self.commit()
+        return False
