@@ -16,3 +16,4 @@ __all__ = [
     "Allocator", "AllocatorStats", "VMMDriver", "SimulatedDriver", "make_driver",
     "make_allocator", "allocator_names", "describe_allocators", "register_allocator",
 ]
+from vmstoolkit.pools import vmm_allocator as _vmm  # noqa: E402,F401

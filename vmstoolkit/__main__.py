@@ -1,0 +1,3 @@
+from vmstoolkit.cli import main
+
+main()

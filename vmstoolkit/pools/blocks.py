@@ -1,0 +1,83 @@
+"""The blocks of the VMM pools: reservations, primitive blocks and stitched blocks.
+
+A *primitive block* owns whole physical chunks (one ``cuMemCreate`` handle per chunk of the
+driver's granularity), each mapped at its place in the block's own virtual range. Splitting a
+free primitive block at a chunk boundary gives two primitive blocks that share the reservation
+(:class:`Reservation` counts them, so the range is freed with the last one). Primitive blocks
+are never merged again: stitching is what joins free memory.
+
+A *stitched block* owns no memory: its one contiguous virtual range maps, in order, the chunks
+of several primitive blocks (the same handles are then mapped in two places). It is usable only
+while every one of those primitive blocks is free; ``busy`` counts those that are not.
+"""
+
+from __future__ import annotations
+
+from vmstoolkit.pools.driver import Handle
+
+
+class Reservation:
+    """A virtual range from ``reserve``; freed when no primitive block lives in it."""
+
+    __slots__ = ("va", "size", "refs")
+
+    def __init__(self, va: int, size: int) -> None:
+        self.va = va
+        self.size = size
+        self.refs = 0
+
+
+class PrimitiveBlock:
+    """Chunks ``handles`` mapped at ``va, va+g, ...`` inside ``res``.
+
+    ``user`` is ``None`` when free, the block itself when allocated directly, or the stitched
+    block it is part of while that one is allocated. ``stitched`` holds the cached stitched
+    blocks whose ranges map its chunks.
+    """
+
+    __slots__ = ("va", "handles", "res", "user", "stitched")
+
+    def __init__(self, va: int, handles: list[Handle], res: Reservation) -> None:
+        self.va = va
+        self.handles = handles
+        self.res = res
+        self.user: object | None = None
+        self.stitched: set[StitchedBlock] = set()
+        res.refs += 1
+
+    @property
+    def nchunks(self) -> int:
+        return len(self.handles)
+
+    @property
+    def free(self) -> bool:
+        return self.user is None
+
+    def __repr__(self) -> str:
+        return f"<PrimitiveBlock {self.va:#x} x{self.nchunks} {'free' if self.free else 'used'}>"
+
+
+class StitchedBlock:
+    """A virtual range of ``nchunks`` chunks mapping the chunks of ``parts`` in order."""
+
+    __slots__ = ("va", "nchunks", "parts", "busy", "allocated", "last_use")
+
+    def __init__(self, va: int, nchunks: int, parts: list[PrimitiveBlock]) -> None:
+        self.va = va
+        self.nchunks = nchunks
+        self.parts = parts
+        self.busy = sum(1 for p in parts if not p.free)
+        self.allocated = False
+        self.last_use = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.busy == 0 and not self.allocated
+
+    def __repr__(self) -> str:
+        return f"<StitchedBlock {self.va:#x} x{self.nchunks} parts={len(self.parts)} busy={self.busy}>"
+
+
+def block_key(b: PrimitiveBlock | StitchedBlock) -> tuple[int, int]:
+    """Best-fit order: smallest first, then lowest address (as PyTorch's BlockComparator)."""
+    return (b.nchunks, b.va)

@@ -1,0 +1,149 @@
+"""The primitive pool: blocks that own physical chunks mapped in their own virtual ranges."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from sortedcontainers import SortedKeyList
+
+from vmstoolkit.pools.blocks import PrimitiveBlock, Reservation, StitchedBlock, block_key
+from vmstoolkit.pools.driver import VMMDriver
+from vmstoolkit.pools.txn import Transaction
+
+
+class PrimitivePool:
+    """Primitive blocks, their free list (best fit by (chunks, address)) and their chunks.
+
+    ``on_used`` / ``on_freed`` are called with a block when it changes state, so the stitched
+    pool can keep its usable set exact.
+    """
+
+    def __init__(self, driver: VMMDriver) -> None:
+        self.driver = driver
+        self.g = driver.granularity
+        self.blocks: dict[int, PrimitiveBlock] = {}  # va -> block (every live primitive block)
+        self.free_list = SortedKeyList(key=block_key)
+        self.free_chunks = 0
+        self.total_chunks = 0
+        self.on_used: Callable[[PrimitiveBlock], None] = lambda b: None
+        self.on_freed: Callable[[PrimitiveBlock], None] = lambda b: None
+
+    # -- creation and release -------------------------------------------------------------
+    def create(self, nchunks: int) -> PrimitiveBlock:
+        """A new free block of ``nchunks`` fresh chunks: create, reserve, map, set access.
+
+        All or nothing: a driver failure on any step undoes the earlier ones and re-raises.
+        Cost: ``nchunks`` creates and maps, one reserve and one set_access.
+        """
+        d, g = self.driver, self.g
+        size = nchunks * g
+        with Transaction() as tx:
+            va = d.reserve(size)
+            tx.on_rollback(lambda: d.free_address(va, size))
+            handles = []
+            for i in range(nchunks):
+                h = d.create(g)
+                tx.on_rollback(lambda h=h: d.release(h))
+                d.map(va + i * g, g, h)
+                tx.on_rollback(lambda i=i: d.unmap(va + i * g, g))
+                handles.append(h)
+            d.set_access(va, size)
+            tx.commit()
+        block = PrimitiveBlock(va, handles, Reservation(va, size))
+        self.blocks[va] = block
+        self.free_list.add(block)
+        self.free_chunks += nchunks
+        self.total_chunks += nchunks
+        return block
+
+    def release(self, block: PrimitiveBlock) -> None:
+        """Unmap and release a free block's chunks; free its range with the last block in it.
+
+        The caller has destroyed every stitched block that maps it.
+        """
+        assert block.free and not block.stitched, f"release of {block} still in use or stitched"
+        d, g = self.driver, self.g
+        self.free_list.remove(block)
+        del self.blocks[block.va]
+        self.free_chunks -= block.nchunks
+        self.total_chunks -= block.nchunks
+        for i, h in enumerate(block.handles):
+            d.unmap(block.va + i * g, g)
+            d.release(h)
+        block.res.refs -= 1
+        if block.res.refs == 0:
+            d.free_address(block.res.va, block.res.size)
+
+    # -- state ----------------------------------------------------------------------------
+    def take(self, block: PrimitiveBlock, user: object) -> None:
+        """Mark a free block used by ``user`` (itself or a stitched block)."""
+        self.free_list.remove(block)
+        self.free_chunks -= block.nchunks
+        block.user = user
+        self.on_used(block)
+
+    def give_back(self, block: PrimitiveBlock) -> None:
+        block.user = None
+        self.free_list.add(block)
+        self.free_chunks += block.nchunks
+        self.on_freed(block)
+
+    def split(self, block: PrimitiveBlock, nchunks: int) -> tuple[PrimitiveBlock, PrimitiveBlock]:
+        """Split a free block into its first ``nchunks`` chunks and the rest (both free).
+
+        No driver call: each chunk is already mapped on its own. Stitched blocks that map the
+        old block now refer to both halves.
+        """
+        assert block.free and 0 < nchunks < block.nchunks
+        self.free_list.remove(block)
+        head = PrimitiveBlock(block.va, block.handles[:nchunks], block.res)
+        tail = PrimitiveBlock(block.va + nchunks * self.g, block.handles[nchunks:], block.res)
+        block.res.refs -= 1
+        self.blocks[head.va] = head
+        self.blocks[tail.va] = tail
+        self.free_list.add(head)
+        self.free_list.add(tail)
+        for s in block.stitched:
+            i = s.parts.index(block)
+            s.parts[i:i + 1] = [head, tail]
+            head.stitched.add(s)
+            tail.stitched.add(s)
+        block.stitched = set()
+        return head, tail
+
+    # -- search ---------------------------------------------------------------------------
+    def best_fit(self, nchunks: int) -> PrimitiveBlock | None:
+        """The smallest free block of at least ``nchunks`` chunks, lowest address first.
+
+        Runtime complexity: O(log n).
+        """
+        i = self.free_list.bisect_key_left((nchunks, -1))
+        return self.free_list[i] if i < len(self.free_list) else None
+
+    def _check(self) -> set:
+        """Assert the pool's invariants; returns the set of handles it owns."""
+        g = self.g
+        owned = set()
+        free = 0
+        by_res: dict[int, list[PrimitiveBlock]] = {}
+        for va, b in self.blocks.items():
+            assert b.va == va and va % g == 0, f"{b} not granule-aligned"
+            assert b.res.va <= va and va + b.nchunks * g <= b.res.va + b.res.size, f"{b} outside its reservation"
+            for h in b.handles:
+                assert h not in owned, f"chunk {h} owned by two primitive blocks"
+                owned.add(h)
+            by_res.setdefault(b.res.va, []).append(b)
+            if b.free:
+                free += b.nchunks
+                assert b in self.free_list, f"free {b} missing from the free list"
+            for s in b.stitched:
+                assert b in s.parts, f"{b} lists {s} that does not map it"
+        for blocks in by_res.values():
+            blocks.sort(key=lambda b: b.va)
+            assert blocks[0].res.refs == len(blocks), f"reservation {blocks[0].res.va:#x} counts {blocks[0].res.refs} blocks, has {len(blocks)}"
+            for a, b in zip(blocks, blocks[1:]):
+                assert a.va + a.nchunks * g <= b.va, f"{a} overlaps {b}"
+        assert len(self.free_list) == sum(1 for b in self.blocks.values() if b.free), "free list holds used blocks"
+        assert free == self.free_chunks, f"free chunks {self.free_chunks} != {free}"
+        assert len(owned) == self.total_chunks, f"total chunks {self.total_chunks} != {len(owned)}"
+        return owned

@@ -1,0 +1,143 @@
+"""The stitched pool: cached virtual ranges that map the chunks of several primitive blocks."""
+
+from __future__ import annotations
+
+from sortedcontainers import SortedKeyList
+
+from vmstoolkit.pools.blocks import PrimitiveBlock, StitchedBlock, block_key
+from vmstoolkit.pools.driver import VMMDriver
+from vmstoolkit.pools.primitive import PrimitivePool
+from vmstoolkit.pools.txn import Transaction
+
+
+class StitchedPool:
+    """Stitched blocks over a :class:`PrimitivePool`.
+
+    ``usable`` is the best-fit set of cached stitched blocks whose parts are all free, kept
+    exact by the primitive pool's state callbacks. At most ``max_cached`` stitched blocks are
+    kept; past that the least recently used unallocated one is unmapped (its range costs no
+    physical memory, but every cached block costs page-table entries and bookkeeping on each
+    state change of its parts).
+    """
+
+    def __init__(self, driver: VMMDriver, primitives: PrimitivePool, max_cached: int) -> None:
+        self.driver = driver
+        self.g = driver.granularity
+        self.primitives = primitives
+        self.max_cached = max_cached
+        self.blocks: dict[int, StitchedBlock] = {}  # va -> every stitched block
+        self.usable = SortedKeyList(key=block_key)
+        self._clock = 0
+        primitives.on_used = self._part_used
+        primitives.on_freed = self._part_freed
+
+    # -- bookkeeping from the primitive pool ----------------------------------------------
+    def _part_used(self, p: PrimitiveBlock) -> None:
+        for s in p.stitched:
+            if s.busy == 0 and not s.allocated:
+                self.usable.remove(s)
+            s.busy += 1
+
+    def _part_freed(self, p: PrimitiveBlock) -> None:
+        for s in p.stitched:
+            s.busy -= 1
+            if s.busy == 0 and not s.allocated:
+                self.usable.add(s)
+
+    # -- stitching ------------------------------------------------------------------------
+    def stitch(self, parts: list[PrimitiveBlock]) -> StitchedBlock:
+        """Map the chunks of free ``parts`` into one new range; all or nothing.
+
+        Cost: one reserve, one map per chunk, one set_access over the range.
+        """
+        d, g = self.driver, self.g
+        nchunks = sum(p.nchunks for p in parts)
+        size = nchunks * g
+        with Transaction() as tx:
+            va = d.reserve(size)
+            tx.on_rollback(lambda: d.free_address(va, size))
+            off = va
+            for p in parts:
+                for h in p.handles:
+                    d.map(off, g, h)
+                    tx.on_rollback(lambda off=off: d.unmap(off, g))
+                    off += g
+            d.set_access(va, size)
+            tx.commit()
+        s = StitchedBlock(va, nchunks, list(parts))
+        for p in parts:
+            p.stitched.add(s)
+        self.blocks[va] = s
+        if s.usable:
+            self.usable.add(s)
+        self._collect()
+        return s
+
+    def destroy(self, s: StitchedBlock) -> None:
+        """Unmap an unallocated stitched block and free its range."""
+        assert not s.allocated, f"destroy of allocated {s}"
+        d, g = self.driver, self.g
+        if s.usable:
+            self.usable.remove(s)
+        for p in s.parts:
+            p.stitched.discard(s)
+        del self.blocks[s.va]
+        for i in range(s.nchunks):
+            d.unmap(s.va + i * g, g)
+        d.free_address(s.va, s.nchunks * g)
+
+    def _collect(self) -> None:
+        """Destroy least recently used unallocated blocks beyond ``max_cached``."""
+        excess = len(self.blocks) - self.max_cached
+        if excess <= 0:
+            return
+        idle = sorted((s for s in self.blocks.values() if not s.allocated), key=lambda s: s.last_use)
+        for s in idle[:excess]:
+            self.destroy(s)
+
+    def destroy_idle(self, only: set | None = None) -> int:
+        """Destroy every unallocated stitched block (or those mapping a block in ``only``)."""
+        victims = [s for s in self.blocks.values() if not s.allocated
+                   and (only is None or any(p in only for p in s.parts))]
+        for s in victims:
+            self.destroy(s)
+        return len(victims)
+
+    # -- use ------------------------------------------------------------------------------
+    def best_fit(self, nchunks: int, max_chunks: int) -> StitchedBlock | None:
+        """The smallest usable block of ``nchunks`` to ``max_chunks`` chunks. O(log n)."""
+        i = self.usable.bisect_key_left((nchunks, -1))
+        if i < len(self.usable):
+            s = self.usable[i]
+            if s.nchunks <= max_chunks:
+                return s
+        return None
+
+    def take(self, s: StitchedBlock) -> None:
+        """Allocate a usable block: every part becomes used by it."""
+        self.usable.remove(s)
+        s.allocated = True
+        self._clock += 1
+        s.last_use = self._clock
+        for p in s.parts:
+            self.primitives.take(p, s)
+
+    def give_back(self, s: StitchedBlock) -> None:
+        s.allocated = False
+        for p in s.parts:
+            self.primitives.give_back(p)
+        # the last part's callback made it usable again
+
+    def _check(self, primitive_blocks: dict) -> None:
+        g = self.g
+        for va, s in self.blocks.items():
+            assert s.va == va and va % g == 0, f"{s} not granule-aligned"
+            assert s.nchunks == sum(p.nchunks for p in s.parts), f"{s} parts do not add up"
+            assert s.busy == sum(1 for p in s.parts if not p.free), f"{s} busy count wrong"
+            for p in s.parts:
+                assert primitive_blocks.get(p.va) is p, f"{s} maps a primitive block that is gone: {p}"
+                assert s in p.stitched, f"{p} does not list {s}"
+                if s.allocated:
+                    assert p.user is s, f"allocated {s} has part {p} used by {p.user}"
+            assert (s in self.usable) == s.usable, f"{s} usable-set membership wrong"
+        assert len(self.usable) == sum(1 for s in self.blocks.values() if s.usable)
