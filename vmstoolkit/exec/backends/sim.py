@@ -1,0 +1,178 @@
+"""Discrete-event simulation backend: a virtual clock, per-stream queues, a cost model, jitter.
+
+Each stream is a FIFO: work starts at ``max(stream free, host issue time)`` and lasts its cost
+(FLOPs over the GPU's rate or bytes over memory bandwidth for kernels, bytes over the copy
+bandwidth for transfers) stretched by seeded jitter ``x [1, 1 + jitter)`` (never shorter, so
+the jitter-free cost stays a lower bound). The host pays ``launch_s`` per launch and learns of a
+completion ``notify_s`` after it.
+
+It integrates with asyncio: ``completion()`` hands out futures that :meth:`drive` resolves as
+it advances the virtual clock. The executor's callbacks run synchronously when a future
+resolves, so after each resolution ``drive`` yields to the loop until the launches they make
+are queued, then takes the next earliest event.
+
+With ``numerics=True`` every GPU has a real byte region of ``budget`` bytes and the numpy
+kernels run: a vertex reads its inputs from the region when it *starts* and writes its outputs
+when it *ends*, so a race the graph allowed would show up as a wrong result in some order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from vmstoolkit.exec.ops import run_op
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Costs of one H200-like GPU (defaults) as seen by the runtime."""
+
+    flops_per_s: float = 45e12  # fp32 GEMM rate; cuBLAS reaches ~46 TFLOP/s on the H200
+    mem_bytes_per_s: float = 3.0e12  # HBM3e for memory-bound kernels
+    h2d_bytes_per_s: float = 55e9  # pinned host -> device, measured ~55 GB/s
+    d2h_bytes_per_s: float = 55e9
+    p2p_bytes_per_s: float = 150e9  # GPU -> GPU over NVLink
+    kernel_s: float = 4e-6  # fixed cost of a kernel
+    copy_s: float = 8e-6  # fixed cost of a copy
+    launch_s: float = 6e-6  # host time to launch a vertex
+    notify_s: float = 15e-6  # completion -> host callback
+
+    def duration(self, mg, v) -> float:
+        """Jitter-free seconds of vertex ``v`` of memory graph ``mg``."""
+        if v.kind == "reload":
+            return self.copy_s + v.nbytes / self.h2d_bytes_per_s
+        if v.kind == "offload":
+            return self.copy_s + v.nbytes / self.d2h_bytes_per_s
+        if v.op == "copy":
+            return self.copy_s + v.nbytes / self.p2p_bytes_per_s
+        moved = sum(mg.buffers[b].size for b in (*v.reads, *v.writes))
+        return self.kernel_s + max(v.flops / self.flops_per_s, moved / self.mem_bytes_per_s)
+
+    def lower_bound(self, mg) -> dict:
+        """max(compute time, H2D bytes / bandwidth, D2H bytes / bandwidth), the worst GPU."""
+        comp = [0.0] * mg.n_gpus
+        h2d = [0] * mg.n_gpus
+        d2h = [0] * mg.n_gpus
+        for v in mg.vertices:
+            if v.stream == "compute":
+                comp[v.gpu] += self.duration(mg, v)
+            elif v.kind == "reload":
+                h2d[v.gpu] += v.nbytes
+            elif v.kind == "offload":
+                d2h[v.gpu] += v.nbytes
+        # one micro-batch through a pipeline of GPUs: compute is serial across them
+        compute = sum(comp) if mg.n_gpus > 1 else comp[0]
+        h2d_s = max(h2d) / self.h2d_bytes_per_s
+        d2h_s = max(d2h) / self.d2h_bytes_per_s
+        return {"compute_s": compute, "h2d_s": h2d_s, "d2h_s": d2h_s, "lower_bound_s": max(compute, h2d_s, d2h_s)}
+
+
+class SimBackend:
+    def __init__(self, cost: CostModel | None = None, *, seed: int = 0, jitter: float = 0.2,
+                 numerics: bool = False, values: dict | None = None):
+        self.cost = cost or CostModel()
+        self.rng = random.Random(seed)
+        self.jitter = jitter
+        self.numerics = numerics
+        self.values = values or {}
+        self.now = 0.0
+
+    # -- backend protocol ----------------------------------------------------------------------
+    def setup(self, mg) -> None:
+        self.mg = mg
+        self.now = 0.0
+        self.host_free = 0.0
+        self.stream_free: dict[tuple[int, str], float] = {}
+        self.events: list = []  # (time, seq, kind, payload)
+        self.seq = 0
+        self.busy: dict[tuple[int, str], float] = {}
+        self._pending: dict[int, list] = {}
+        if self.numerics:
+            missing = [t.name for t in mg.graph.tensors if t.kind.value != "activation" and t.id not in self.values]
+            if missing:
+                raise ValueError(f"numerics need host values of {missing[:5]}")
+            self.regions = [np.zeros(mg.budget, dtype=np.uint8) for _ in range(mg.n_gpus)]
+            self.host = {t: np.array(a) for t, a in self.values.items()}
+            for b in mg.preloaded:
+                self._view(b)[...] = self.host[mg.buffers[b].tensor]
+
+    def clock(self) -> float:
+        return self.now
+
+    def launch(self, v):
+        c = self.cost
+        self.host_free = max(self.host_free, self.now) + c.launch_s
+        k = (v.gpu, v.stream)
+        start = max(self.stream_free.get(k, 0.0), self.host_free)
+        dur = c.duration(self.mg, v) * (1.0 + self.jitter * self.rng.random())
+        end = start + dur
+        self.stream_free[k] = end
+        self.busy[k] = self.busy.get(k, 0.0) + dur
+        fut = asyncio.get_running_loop().create_future()
+        if self.numerics:
+            self._push(start, "start", v)
+            self._push(end, "end", v)
+        self._push(end + c.notify_s, "notify", fut)
+        return fut
+
+    def completion(self, token):
+        return token
+
+    async def drive(self, done) -> None:
+        while not done.done():
+            for _ in range(2):  # let the callbacks of the last resolution queue their launches
+                await asyncio.sleep(0)
+            if done.done():
+                break
+            if not self.events:
+                raise RuntimeError("simulation deadlock: nothing in flight and the run is not done")
+            t, _, kind, payload = heapq.heappop(self.events)
+            self.now = max(self.now, t)
+            if kind == "notify":
+                payload.set_result(t)
+            else:
+                self._data(kind, payload)
+
+    # -- numerics ------------------------------------------------------------------------------
+    def _push(self, t, kind, payload) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, payload))
+
+    def _view(self, bid: int) -> np.ndarray:
+        b = self.mg.buffers[bid]
+        t = self.mg.graph.tensors[b.tensor]
+        return self.regions[b.gpu][b.offset:b.offset + t.nbytes].view(t.dtype).reshape(t.shape)
+
+    def _data(self, kind: str, v) -> None:
+        if kind == "start":  # read inputs now
+            if v.kind == "reload":
+                out = [self.host[v.tensor].copy()]
+            elif v.kind == "offload":
+                out = [self._view(v.reads[0]).copy()]
+            else:
+                tv = self.mg.graph.vertices[v.task]
+                out = run_op(tv, [self._view(b).copy() for b in v.reads])
+            self._pending[v.id] = out
+        else:  # write outputs now
+            out = self._pending.pop(v.id)
+            if v.kind == "offload":
+                self.host[v.tensor] = out[0]
+            else:
+                for b, a in zip(v.writes, out):
+                    view = self._view(b)
+                    view[...] = a.reshape(view.shape)
+
+    def result(self) -> dict[int, np.ndarray]:
+        """Values of the graph's output tensors after a numeric run."""
+        out = {}
+        for t, bid in self.mg.output_location.items():
+            out[t] = self._view(bid).copy() if bid >= 0 else self.host[t].copy()
+        return out
+
+    def utilisation(self, makespan: float) -> dict[str, float]:
+        return {f"gpu{g}.{s}": busy / makespan for (g, s), busy in sorted(self.busy.items()) if makespan > 0}

@@ -1,0 +1,34 @@
+"""Numpy execution of one task-graph vertex (the sim backend's kernels and the ground truth)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vmstoolkit.kernels import reference as ref
+
+
+def run_op(v, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """Outputs of vertex ``v`` for host ``inputs`` (each reshaped to the vertex's view)."""
+    n_in = len(v.inputs)
+    xs = [a.reshape(shape) for a, shape in zip(inputs, v.views[:n_in])]
+    out_shape = v.views[n_in]
+    op = v.op
+    if op == "linear":
+        y = ref.linear(xs[0], xs[1])
+    elif op == "rmsnorm":
+        y = ref.rmsnorm(xs[0], xs[1], v.params.get("eps", 1e-6))
+    elif op == "rope":
+        y = ref.rope(xs[0], v.params.get("theta", 10000.0))
+    elif op == "attention":
+        y = ref.attention(xs[0], xs[1], xs[2])
+    elif op == "swiglu":
+        y = ref.swiglu(xs[0], xs[1])
+    elif op == "residual_add":
+        y = ref.residual_add(xs[0], xs[1])
+    elif op == "concat":
+        y = np.concatenate(xs, axis=-1)
+    elif op == "copy":
+        y = xs[0].copy()
+    else:
+        raise ValueError(f"vertex {v.name!r}: no numpy implementation of op {op!r}")
+    return [np.ascontiguousarray(y, dtype=xs[0].dtype).reshape(out_shape)]
