@@ -58,6 +58,8 @@ def check_race_free(mg) -> int:
     need: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # w -> (u, old buffer, new buffer)
     by_gpu = defaultdict(list)
     for b in mg.buffers:
+        if b.writer == -2:
+            continue  # void: never written nor read
         by_gpu[b.gpu].append(b)
         for r in b.readers:
             if b.writer >= 0:

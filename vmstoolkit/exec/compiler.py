@@ -129,10 +129,15 @@ class Buffer:
     gpu: int
     offset: int
     size: int
-    writer: int  # vertex id, -1 when preloaded before the run
+    writer: int  # vertex id, -1 when preloaded before the run, -2 when void (see below)
     readers: list[int] = field(default_factory=list)
+    # A void buffer was allocated and given back before anyone wrote it (a placement attempt
+    # undone); whoever takes its bytes next must still wait for what was there before it.
+    inherited: list[int] = field(default_factory=list)
 
     def last_accesses(self) -> list[int]:
+        if self.writer == -2:
+            return self.inherited
         if self.readers:
             return self.readers
         return [self.writer] if self.writer >= 0 else []
@@ -239,14 +244,17 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
 
     # reserve: the largest single vertex per GPU; also the "no schedule fits" check
     reserve = [0] * n_gpus
+    worst = (0, "", 0)
     for v in tverts:
         need: dict[int, int] = {}
         for t in {*v.inputs, *v.outputs}:
             need[tgpu[t]] = need.get(tgpu[t], 0) + nbytes[t]
         for gpu, b in need.items():
             reserve[gpu] = max(reserve[gpu], b)
-            if check_budget and b > budget:
-                raise BudgetTooSmallError(v.name, gpu, b, budget)
+            if b > worst[0]:
+                worst = (b, v.name, gpu)
+    if check_budget and worst[0] > budget:  # name the hungriest vertex, not merely the first
+        raise BudgetTooSmallError(worst[1], worst[2], worst[0], budget)
 
     # uses of every tensor, as positions in program order; outputs get a use at the end
     uses: list[list[int]] = [[] for _ in tensors]
@@ -312,10 +320,7 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
             if victim is None:
                 for item in stash:
                     heapq.heappush(heaps[gpu], item)
-                raise BudgetTooSmallError(
-                    where, gpu, sum(nbytes[p] for p in pinned if tgpu[p] == gpu), budget,
-                    detail=f"no contiguous {size} bytes for {tensors[t].name!r} after evicting everything "
-                    f"else (fragmentation; {a.used} bytes pinned)")
+                raise _Fragmented(gpu, size, tensors[t].name, a.used)
             evict(victim)
             off = a.allocate(size)
         for item in stash:
@@ -395,7 +400,8 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
             preloaded.append(bid)
 
     # -- simulate ------------------------------------------------------------------------------
-    for v in tverts:
+    def place(v) -> list[int]:
+        """Make ``v``'s inputs resident (reloading them) and allocate its outputs."""
         ins = list(dict.fromkeys(v.inputs))
         pinned = set(ins) | set(v.outputs)
         for t in ins:
@@ -405,7 +411,30 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
                 bid = new_buffer(t, True, pinned, v.name)
                 emit("reload", "reload", f"reload {tensors[t].name}", tgpu[t], "h2d", -1, t, [], [bid],
                      nb=tensors[t].nbytes, extra_preds=[host_copy[t]])
-        outs = [new_buffer(t, True, pinned, v.name) for t in v.outputs]
+        return [new_buffer(t, True, pinned, v.name) for t in v.outputs]
+
+    for v in tverts:
+        ins = list(dict.fromkeys(v.inputs))
+        try:
+            outs = place(v)
+        except _Fragmented as e:
+            # The vertex fits in total but the holes left around its pinned inputs are too
+            # small: evict everything on that GPU (clean tensors are dropped, the others
+            # offloaded) and place again into the empty region, which packs from offset 0 and
+            # so always succeeds (the total was checked above).
+            for t in v.outputs:  # allocated by the failed attempt, not written: void them
+                if t in resident:
+                    bid = resident.pop(t)
+                    b = buffers[bid]
+                    b.writer, b.inherited = -2, pending_reuse.pop(bid)
+                    alloc[b.gpu].free(b.offset, len(vertices))
+            for t in [t for t in resident if tgpu[t] == e.gpu]:
+                evict(t)
+            try:
+                outs = place(v)
+            except _Fragmented as e2:
+                raise BudgetTooSmallError(v.name, e2.gpu, reserve[e2.gpu], budget,
+                                          detail=f"no contiguous {e2.size} bytes for {e2.tensor!r}") from None
         nb = sum(tensors[t].nbytes for t in v.outputs) if v.op == "copy" else 0
         emit("compute", v.op, v.name, v.gpu, "h2d" if v.op == "copy" else "compute", v.id, -1,
              [resident[t] for t in v.inputs], outs, flops=v.flops, nb=nb)
@@ -425,6 +454,11 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
     kept = {(u, v) for v, ps in enumerate(reduced) for u in ps}
     return MemoryGraph(graph, budget, n_gpus, vertices, buffers, reduced, preloaded, output_location,
                        [a.peak for a in alloc], edges_before, {e: k for e, k in kinds.items() if e in kept})
+
+
+class _Fragmented(Exception):
+    def __init__(self, gpu: int, size: int, tensor: str, used: int):
+        self.gpu, self.size, self.tensor, self.used = gpu, size, tensor, used
 
 
 def transitive_reduction(preds: list) -> list[list[int]]:

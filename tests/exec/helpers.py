@@ -1,0 +1,42 @@
+"""Small graphs for the runtime's tests."""
+
+from __future__ import annotations
+
+import random
+
+from vmstoolkit.exec.graph import LlamaConfig, TaskGraph, TensorKind, build_llama
+
+TINY = LlamaConfig(n_blocks=3, seq=16, hidden=64, heads=4, kv_heads=2, ffn=128)
+
+
+def tiny_llama(parts: int = 1, n_gpus: int = 1, n_blocks: int = 3) -> TaskGraph:
+    return build_llama(LlamaConfig(n_blocks=n_blocks, seq=16, hidden=64, heads=4, kv_heads=2, ffn=128),
+                       parts=parts, n_gpus=n_gpus)
+
+
+def random_graph(seed: int, n: int = 30, width: int = 16) -> TaskGraph:
+    """A random DAG of elementwise ops on (8, width) tensors with long skip connections, so that
+    small budgets force activations (not only weights) to be offloaded and reloaded."""
+    rng = random.Random(seed)
+    g = TaskGraph()
+    shape = (8, width)
+    x = g.tensor("x", shape, kind=TensorKind.INPUT)
+    acts = [x]
+    for i in range(n):
+        r = rng.random()
+        a = acts[-1]
+        b = rng.choice(acts)
+        y = g.tensor(f"t{i}", shape)
+        if i % 3 == 2:  # normalise often so values stay finite through the chain
+            w = g.tensor(f"w{i}", (width,), kind=TensorKind.WEIGHT)
+            g.add(f"norm{i}", "rmsnorm", [a, w], [y], params={"eps": 1e-6}, flops=32 * width)
+        elif r < 0.4:
+            g.add(f"add{i}", "residual_add", [a, b], [y], flops=8 * width)
+        elif r < 0.7:
+            g.add(f"swiglu{i}", "swiglu", [a, b], [y], flops=40 * width)
+        else:
+            w = g.tensor(f"w{i}", (width,), kind=TensorKind.WEIGHT)
+            g.add(f"norm{i}", "rmsnorm", [a, w], [y], params={"eps": 1e-6}, flops=32 * width)
+        acts.append(y)
+    g.outputs = [acts[-1], acts[n // 2]]
+    return g
