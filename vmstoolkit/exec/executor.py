@@ -30,6 +30,16 @@ import time
 from dataclasses import dataclass, field
 
 
+# Copy streams are FIFO: a copy queued early, but needed late, delays one that becomes ready
+# after it and is needed first. Holding at most COPY_DEPTH copies in flight per copy stream
+# (the rest wait in the ready heap, ordered by urgency) fixed that. Sim, 16 LLaMA-7B blocks,
+# 8 parts, budget 1/8 of the working set, makespan / lower bound (mean of 3 seeds):
+# unlimited 1.109, depth 4 1.076, depth 2 1.060, depth 1 1.044 (fixed order 1.033).
+# Depth 1 would leave the copy engine idle for a host round trip between small copies on a
+# real GPU, so 2.
+COPY_DEPTH = 2
+
+
 @dataclass
 class RunResult:
     executor: str
@@ -40,7 +50,7 @@ class RunResult:
     host_s: float = 0.0  # host wall time of the whole run
 
 
-async def _run(mg, backend, *, fixed_order: bool, lookahead: bool) -> RunResult:
+async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: int | None = None) -> RunResult:
     loop = asyncio.get_running_loop()
     verts = mg.vertices
     n = len(verts)
@@ -59,8 +69,11 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool) -> RunResult:
         if unsat[s] == 0:
             heapq.heappush(ready, s)
 
+    inflight: dict[tuple[int, str], int] = {}
+
     def launch(v: int) -> None:
         token = backend.launch(verts[v])
+        inflight[key[v]] = inflight.get(key[v], 0) + 1
         launch_order.append(v)
         if lookahead:
             for s in succs[v]:
@@ -74,6 +87,7 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool) -> RunResult:
                 done.set_exception(f.exception() or asyncio.CancelledError())
             return
         finish_order.append(v)
+        inflight[key[v]] -= 1
         for s in succs[v]:
             if not (lookahead and key[s] == key[v]):
                 release(s)
@@ -88,9 +102,19 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool) -> RunResult:
             while state["next"] < n and unsat[state["next"]] == 0:
                 launch(state["next"])
                 state["next"] += 1
-        else:
+        elif copy_depth is None:
             while ready:
                 launch(heapq.heappop(ready))
+        else:
+            deferred = []
+            while ready:
+                v = heapq.heappop(ready)
+                if key[v][1] != "compute" and inflight.get(key[v], 0) >= copy_depth:
+                    deferred.append(v)  # a FIFO copy stream: keep room for a more urgent copy
+                else:
+                    launch(v)
+            for v in deferred:
+                heapq.heappush(ready, v)
 
     t_host = time.perf_counter()
     t0 = backend.clock()
@@ -107,9 +131,10 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool) -> RunResult:
                      time.perf_counter() - t_host)
 
 
-async def run_event_driven(mg, backend, *, lookahead: bool = True) -> RunResult:
-    """Run ``mg`` on ``backend`` (already ``setup``) launching whatever is ready."""
-    return await _run(mg, backend, fixed_order=False, lookahead=lookahead)
+async def run_event_driven(mg, backend, *, lookahead: bool = True, copy_depth: int | None = COPY_DEPTH) -> RunResult:
+    """Run ``mg`` on ``backend`` (already ``setup``) launching whatever is ready, most urgent
+    (earliest in compile order) first; at most ``copy_depth`` copies queued per copy stream."""
+    return await _run(mg, backend, fixed_order=False, lookahead=lookahead, copy_depth=copy_depth)
 
 
 async def run_fixed_order(mg, backend, *, lookahead: bool = True) -> RunResult:
