@@ -82,3 +82,29 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 def residual_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a + b
+
+
+def llama_block(
+    x: np.ndarray,
+    weights: dict,
+    n_heads: int,
+    n_kv_heads: int,
+    eps: float = 1e-6,
+    theta: float = 10000.0,
+) -> np.ndarray:
+    """A Hugging Face ``LlamaDecoderLayer`` (no bias, no cache, positions 0..T-1, causal) on
+    ``x`` (B, T, H), with ``weights`` named like its ``state_dict()``; returns (B, T, H)."""
+    b, t, h = x.shape
+    hd = h // n_heads
+    w = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
+    x2d = x.reshape(b * t, h)  # (M, H)
+    hn = rmsnorm(x2d, w["input_layernorm.weight"], eps)  # (M, H)
+    q = linear(hn, w["self_attn.q_proj.weight"]).reshape(b, t, n_heads, hd)  # (B, T, nh, hd)
+    k = linear(hn, w["self_attn.k_proj.weight"]).reshape(b, t, n_kv_heads, hd)  # (B, T, nkv, hd)
+    v = linear(hn, w["self_attn.v_proj.weight"]).reshape(b, t, n_kv_heads, hd)  # (B, T, nkv, hd)
+    a = attention(rope(q, theta), rope(k, theta), v).reshape(b * t, n_heads * hd)  # (M, nh*hd)
+    x2 = residual_add(x2d, linear(a, w["self_attn.o_proj.weight"]))  # (M, H)
+    hn = rmsnorm(x2, w["post_attention_layernorm.weight"], eps)  # (M, H)
+    s = swiglu(linear(hn, w["mlp.gate_proj.weight"]), linear(hn, w["mlp.up_proj.weight"]))  # (M, F)
+    out = residual_add(x2, linear(s, w["mlp.down_proj.weight"]))  # (M, H)
+    return out.reshape(b, t, h)

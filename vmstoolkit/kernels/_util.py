@@ -1,0 +1,73 @@
+"""Small helpers shared by the kernel modules: simulator detection, argument checks, streams.
+
+Every launcher in this package takes device arrays (Numba ``DeviceNDArray`` on a GPU, the
+simulator's fake arrays under ``NUMBA_ENABLE_CUDASIM=1``), enqueues work on the given stream and
+returns at once. Nothing here allocates on the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+from numba.cuda.core import config as _cuda_config
+
+# Grid-stride elementwise kernels use this many threads per block on a GPU. 256 keeps eight
+# warps per block and lets an SM hold eight blocks; the kernels are bandwidth bound, so the exact
+# figure matters little. Under the simulator every GPU thread is an OS thread: keep it small.
+ELEMENTWISE_THREADS_GPU = 256
+ELEMENTWISE_THREADS_SIM = 32
+# Upper bound on elementwise blocks: enough to fill 132 SMs several times over; the kernels
+# loop (grid-stride) over whatever is left.
+ELEMENTWISE_MAX_BLOCKS_GPU = 132 * 16
+ELEMENTWISE_MAX_BLOCKS_SIM = 2
+
+
+def simulating() -> bool:
+    """True when ``numba.cuda`` runs on the CPU simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
+    return bool(_cuda_config.ENABLE_CUDASIM)
+
+
+def check_float32(name: str, a) -> None:
+    dtype = np.dtype(a.dtype)
+    if dtype != np.float32:
+        raise ValueError(f"{name} must be float32, got dtype={dtype} (shape={tuple(a.shape)})")
+
+
+def check_shape(name: str, a, shape: tuple) -> None:
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+
+
+def check_ndim(name: str, a, ndim: int) -> None:
+    if len(a.shape) != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(a.shape)}")
+
+
+def elementwise_grid(n: int) -> tuple[int, int]:
+    """(blocks, threads) for a grid-stride loop over ``n`` elements."""
+    if simulating():
+        threads, max_blocks = ELEMENTWISE_THREADS_SIM, ELEMENTWISE_MAX_BLOCKS_SIM
+    else:
+        threads, max_blocks = ELEMENTWISE_THREADS_GPU, ELEMENTWISE_MAX_BLOCKS_GPU
+    blocks = max(1, min(max_blocks, (n + threads - 1) // threads))
+    return blocks, threads
+
+
+def flat(a):
+    """A 1-D view of a contiguous device (or simulator) array."""
+    return a.reshape(int(np.prod(a.shape)))
+
+
+def is_device_array(a) -> bool:
+    """True for Numba device arrays, the simulator's fake ones, and CUDA-array-interface objects."""
+    return hasattr(a, "__cuda_array_interface__") or type(a).__name__ == "FakeCUDAArray"
+
+
+def to_device(a, stream=0):
+    """``a`` as a device array: device arrays pass through (CUDA-array-interface objects such as
+    torch tensors are wrapped without a copy), host arrays are copied."""
+    if type(a).__name__ in ("FakeCUDAArray", "DeviceNDArray"):
+        return a
+    if hasattr(a, "__cuda_array_interface__"):
+        return cuda.as_cuda_array(a)
+    return cuda.to_device(np.ascontiguousarray(np.asarray(a)), stream=stream)
