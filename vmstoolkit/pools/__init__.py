@@ -11,6 +11,8 @@ from vmstoolkit.pools.sim_driver import SimulatedDriver
 
 # Importing an allocator module registers it (the registry is the one list of names).
 from vmstoolkit.pools import native as _native  # noqa: E402,F401
+from vmstoolkit.pools import pytorch_caching as _pytorch_caching  # noqa: E402,F401
+from vmstoolkit.pools import pytorch_expandable as _pytorch_expandable  # noqa: E402,F401
 
 __all__ = [
     "Allocator", "AllocatorStats", "VMMDriver", "SimulatedDriver", "make_driver",
