@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
-from vmstoolkit.errors import DoubleFreeError, InvalidFreeError, InvalidSizeError, OutOfMemoryError
+from vmstoolkit.errors import DoubleFreeError, DriverError, InvalidFreeError, InvalidSizeError, OutOfMemoryError
 from vmstoolkit.pools.driver import VMMDriver
 
 _FREED_MEMORY = 4096  # how many recently freed addresses are remembered to name a double free
@@ -111,7 +111,16 @@ class Allocator(ABC):
             if addr in self._recently_freed:
                 raise DoubleFreeError(f"double free of address {addr:#x}")
             raise InvalidFreeError(f"free of unknown address {addr:#x}")
-        self._free(addr)
+        try:
+            self._free(addr)
+        except DriverError:
+            # The pool let go of the block before its driver teardown failed; the failed steps
+            # wait in its graveyard for empty_cache/close. The allocation is gone either way.
+            self._forget(addr, size)
+            raise
+        self._forget(addr, size)
+
+    def _forget(self, addr: int, size: int) -> None:
         del self._live[addr]
         self._recently_freed[addr] = None
         if len(self._recently_freed) > _FREED_MEMORY:
@@ -158,10 +167,20 @@ class Allocator(ABC):
         """Give every cached byte that no live allocation uses back to the driver."""
 
     def close(self) -> None:
-        """Free every live allocation and give everything back to the driver."""
+        """Free every live allocation and give everything back to the driver.
+
+        Keeps going past driver errors (their steps wait in the graveyard and are retried by
+        the final ``empty_cache``); the first error is raised at the end.
+        """
+        first: DriverError | None = None
         for addr in list(self._live):
-            self.free(addr)
+            try:
+                self.free(addr)
+            except DriverError as e:
+                first = first or e
         self.empty_cache()
+        if first is not None:
+            raise first
 
     def _check(self) -> None:
         """Assert every invariant of the allocator; raises ``AssertionError`` naming the broken one."""

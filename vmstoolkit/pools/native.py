@@ -8,7 +8,7 @@ from vmstoolkit.errors import DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
 from vmstoolkit.pools.driver import VMMDriver
 from vmstoolkit.pools.registry import register_allocator
-from vmstoolkit.pools.txn import Transaction
+from vmstoolkit.pools.txn import Graveyard, Transaction
 from vmstoolkit.units import round_up
 
 
@@ -19,6 +19,7 @@ class NativeAllocator(Allocator):
     def __init__(self, driver: VMMDriver) -> None:
         super().__init__(driver)
         self._ranges: dict[int, tuple[int, int]] = {}  # va -> (size, handle)
+        self.graveyard = Graveyard(driver)
 
     def _allocate(self, size: int, stream: int) -> int:
         d = self.driver
@@ -42,14 +43,17 @@ class NativeAllocator(Allocator):
 
     def _free(self, addr: int) -> None:
         nbytes, h = self._ranges.pop(addr)
-        d = self.driver
-        d.unmap(addr, nbytes)
-        d.release(h)
-        d.free_address(addr, nbytes)
+        self.graveyard.run([("unmap", addr, nbytes), ("release", h, nbytes), ("free_address", addr, nbytes)])
+
+    def empty_cache(self) -> None:
+        """Nothing is cached; only teardown steps that failed earlier are retried."""
+        self.graveyard.retry()
 
     def _check(self) -> None:
         super()._check()
         assert set(self._ranges) == set(self._live), "native: mapped ranges differ from live allocations"
+        held = sum(n for n, _ in self._ranges.values()) + self.graveyard.held_bytes()
+        assert held == self.driver.physical_bytes, f"native: holds {held} bytes, driver counts {self.driver.physical_bytes}"
         g = self.driver.granularity
         for va, (nbytes, _) in self._ranges.items():
             assert va % g == 0 and nbytes % g == 0, f"native: range {va:#x}+{nbytes} not granule-aligned"

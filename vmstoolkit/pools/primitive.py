@@ -8,7 +8,7 @@ from sortedcontainers import SortedKeyList
 
 from vmstoolkit.pools.blocks import PrimitiveBlock, Reservation, StitchedBlock, block_key
 from vmstoolkit.pools.driver import VMMDriver
-from vmstoolkit.pools.txn import Transaction
+from vmstoolkit.pools.txn import Graveyard, Transaction
 
 
 class PrimitivePool:
@@ -18,8 +18,9 @@ class PrimitivePool:
     pool can keep its usable set exact.
     """
 
-    def __init__(self, driver: VMMDriver) -> None:
+    def __init__(self, driver: VMMDriver, graveyard: Graveyard) -> None:
         self.driver = driver
+        self.graveyard = graveyard
         self.g = driver.granularity
         self.blocks: dict[int, PrimitiveBlock] = {}  # va -> block (every live primitive block)
         self.free_list = SortedKeyList(key=block_key)
@@ -62,17 +63,18 @@ class PrimitivePool:
         The caller has destroyed every stitched block that maps it.
         """
         assert block.free and not block.stitched, f"release of {block} still in use or stitched"
-        d, g = self.driver, self.g
+        g = self.g
         self.free_list.remove(block)
         del self.blocks[block.va]
         self.free_chunks -= block.nchunks
         self.total_chunks -= block.nchunks
+        steps = []
         for i, h in enumerate(block.handles):
-            d.unmap(block.va + i * g, g)
-            d.release(h)
+            steps += [("unmap", block.va + i * g, g), ("release", h, g)]
         block.res.refs -= 1
         if block.res.refs == 0:
-            d.free_address(block.res.va, block.res.size)
+            steps.append(("free_address", block.res.va, block.res.size))
+        self.graveyard.run(steps)
 
     # -- state ----------------------------------------------------------------------------
     def take(self, block: PrimitiveBlock, user: object) -> None:

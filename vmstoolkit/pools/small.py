@@ -11,7 +11,7 @@ from __future__ import annotations
 from sortedcontainers import SortedKeyList
 
 from vmstoolkit.pools.driver import VMMDriver
-from vmstoolkit.pools.txn import Transaction
+from vmstoolkit.pools.txn import Graveyard, Transaction
 from vmstoolkit.units import MiB, round_up
 
 SMALL_SIZE = 1 * MiB  # requests up to this size are small (PyTorch's kSmallSize)
@@ -47,8 +47,9 @@ def _key(b: _Block) -> tuple[int, int]:
 class SmallPool:
     """See the module docstring. ``allocate`` takes a rounded size; the caller validates."""
 
-    def __init__(self, driver: VMMDriver) -> None:
+    def __init__(self, driver: VMMDriver, graveyard: Graveyard) -> None:
         self.driver = driver
+        self.graveyard = graveyard
         self.segment_size = driver.granularity
         self.segments: dict[int, _Segment] = {}
         self.free_blocks = SortedKeyList(key=_key)
@@ -123,15 +124,13 @@ class SmallPool:
 
     def release_empty(self) -> int:
         """Give back every segment with no allocated block; returns the bytes released."""
-        d = self.driver
         released = 0
         for seg in [s for s in self.segments.values() if s.used == 0]:
             self.free_blocks.remove(_find_whole(self.free_blocks, seg))
             del self.segments[seg.va]
-            d.unmap(seg.va, seg.size)
-            d.release(seg.handle)
-            d.free_address(seg.va, seg.size)
             released += seg.size
+            self.graveyard.run([("unmap", seg.va, seg.size), ("release", seg.handle, seg.size),
+                                ("free_address", seg.va, seg.size)])
         return released
 
     @property

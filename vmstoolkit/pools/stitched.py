@@ -70,28 +70,28 @@ class StitchedPool:
         self.blocks[va] = s
         if s.usable:
             self.usable.add(s)
-        self._collect()
+        self._collect(keep=s)
         return s
 
     def destroy(self, s: StitchedBlock) -> None:
         """Unmap an unallocated stitched block and free its range."""
         assert not s.allocated, f"destroy of allocated {s}"
-        d, g = self.driver, self.g
+        g = self.g
         if s.usable:
             self.usable.remove(s)
         for p in s.parts:
             p.stitched.discard(s)
         del self.blocks[s.va]
-        for i in range(s.nchunks):
-            d.unmap(s.va + i * g, g)
-        d.free_address(s.va, s.nchunks * g)
+        steps = [("unmap", s.va + i * g, g) for i in range(s.nchunks)]
+        steps.append(("free_address", s.va, s.nchunks * g))
+        self.primitives.graveyard.run(steps)
 
-    def _collect(self) -> None:
-        """Destroy least recently used unallocated blocks beyond ``max_cached``."""
+    def _collect(self, keep: StitchedBlock) -> None:
+        """Destroy least recently used unallocated blocks (never ``keep``) beyond ``max_cached``."""
         excess = len(self.blocks) - self.max_cached
         if excess <= 0:
             return
-        idle = sorted((s for s in self.blocks.values() if not s.allocated), key=lambda s: s.last_use)
+        idle = sorted((s for s in self.blocks.values() if not s.allocated and s is not keep), key=lambda s: s.last_use)
         for s in idle[:excess]:
             self.destroy(s)
 

@@ -54,3 +54,55 @@ class Transaction:
         elif not self._committed:
             self.commit()
         return False
+
+
+class Graveyard:
+    """Teardown that survives driver failures.
+
+    Pools update their own state first, then hand the driver steps of a teardown (unmap,
+    release, free_address) to :meth:`run`. If a step fails, it and every later step are kept
+    here, owned by the graveyard, and the error is raised; :meth:`retry` (called by
+    ``empty_cache`` and ``close``) runs them again. So after any failure every driver resource
+    is owned by exactly one block or by the graveyard: nothing leaks, nothing is freed twice.
+    """
+
+    def __init__(self, driver) -> None:
+        self.driver = driver
+        self.pending: list[tuple[str, int, int]] = []  # (op, a, b) in order
+
+    def run(self, steps: list[tuple[str, int, int]]) -> None:
+        for i, step in enumerate(steps):
+            try:
+                self._do(step)
+            except Exception:
+                self.pending.extend(steps[i:])
+                raise
+
+    def _do(self, step: tuple[str, int, int]) -> None:
+        op, a, b = step
+        if op == "unmap":
+            self.driver.unmap(a, b)
+        elif op == "release":
+            self.driver.release(a)
+        elif op == "free_address":
+            self.driver.free_address(a, b)
+        else:
+            raise ValueError(f"unknown teardown step {op!r}")
+
+    def retry(self) -> None:
+        """Run the pending steps again, in order; stops (and raises) at the first failure."""
+        steps, self.pending = self.pending, []
+        self.run(steps)
+
+    def handles(self) -> set[int]:
+        return {a for op, a, _ in self.pending if op == "release"}
+
+    def held_bytes(self) -> int:
+        """Physical bytes of handles that are still waiting to be released."""
+        return sum(b for op, _, b in self.pending if op == "release")
+
+    def mappings(self) -> int:
+        return sum(1 for op, _, _ in self.pending if op == "unmap")
+
+    def reservations(self) -> set[int]:
+        return {a for op, a, _ in self.pending if op == "free_address"}

@@ -30,6 +30,7 @@ from vmstoolkit.pools.registry import register_allocator
 from vmstoolkit.pools.sim_driver import SimulatedDriver
 from vmstoolkit.pools.small import SMALL_SIZE, SmallPool
 from vmstoolkit.pools.stitched import StitchedPool
+from vmstoolkit.pools.txn import Graveyard
 from vmstoolkit.units import MiB, parse_size
 
 SELECTIONS = ("largest-first", "best-fit")
@@ -82,9 +83,10 @@ class VMMAllocator(Allocator):
         self.name = name
         self.policy = policy
         self.g = driver.granularity
-        self.primitives = PrimitivePool(driver)
+        self.graveyard = Graveyard(driver)
+        self.primitives = PrimitivePool(driver, self.graveyard)
         self.stitched = StitchedPool(driver, self.primitives, policy.max_cached_stitched)
-        self.small = SmallPool(driver)
+        self.small = SmallPool(driver, self.graveyard)
         self._blocks: dict[int, PrimitiveBlock | StitchedBlock] = {}  # allocated large blocks by address
         self.counts = {"exact": 0, "split": 0, "reuse_stitched": 0, "stitch": 0, "stitch_missing": 0, "new": 0, "small": 0}
 
@@ -208,7 +210,9 @@ class VMMAllocator(Allocator):
 
     def empty_cache(self) -> None:
         """Unmap every idle stitched range, give back every free primitive block and empty
-        small segment. Live allocations keep their memory."""
+        small segment. Live allocations keep their memory. Teardown steps that failed
+        earlier are retried first."""
+        self.graveyard.retry()
         self.stitched.destroy_idle()
         for b in list(self.primitives.free_list):
             self.primitives.release(b)
@@ -229,14 +233,15 @@ class VMMAllocator(Allocator):
             else:
                 assert b.user is b, f"{b} is live but used by {b.user}"
             assert b.nchunks * g >= self._live[addr], f"block at {addr:#x} smaller than its request"
-        reserved = (self.primitives.total_chunks + len(self.small.segments)) * g
+        gy = self.graveyard
+        reserved = (self.primitives.total_chunks + len(self.small.segments)) * g + gy.held_bytes()
         assert reserved == self.driver.physical_bytes, f"pools hold {reserved} bytes, driver counts {self.driver.physical_bytes}"
         if isinstance(self.driver, SimulatedDriver):
             d = self.driver
-            assert d.live_handles() == owned | small_handles, "driver handles that no block owns (leak) or blocks with dead handles"
-            n_maps = self.primitives.total_chunks + sum(s.nchunks for s in self.stitched.blocks.values()) + len(self.small.segments)
+            assert d.live_handles() == owned | small_handles | gy.handles(), "driver handles that no block owns (leak) or blocks with dead handles"
+            n_maps = self.primitives.total_chunks + sum(s.nchunks for s in self.stitched.blocks.values()) + len(self.small.segments) + gy.mappings()
             assert len(d.live_mappings()) == n_maps, f"driver has {len(d.live_mappings())} mappings, pools account for {n_maps}"
-            res = {b.res.va for b in self.primitives.blocks.values()} | set(self.stitched.blocks) | set(self.small.segments)
+            res = {b.res.va for b in self.primitives.blocks.values()} | set(self.stitched.blocks) | set(self.small.segments) | gy.reservations()
             assert set(d.live_reservations()) == res, "driver reservations differ from the pools' ranges"
 
 

@@ -1,0 +1,78 @@
+"""Fault injection: fail the N-th call of each driver operation, for every N a replay reaches.
+
+After the failure the allocator has raised a clear error (or reported OOM), its invariants hold,
+and every driver resource is owned by a block or by the graveyard: closing it leaves the driver
+empty.
+"""
+
+import pytest
+
+from vmstoolkit.errors import DriverError, OutOfMemoryError
+from vmstoolkit.pools import make_allocator
+from vmstoolkit.pools.driver import OPERATIONS
+from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.trace import load_trace
+
+PREFIX = 160  # alloc/free events of a real trace: enough to reach every path of each allocator
+
+
+@pytest.fixture(scope="module")
+def events(traces_dir):
+    evs = load_trace(traces_dir / "llama-lora.caching.pickle.gz").alloc_free_events()[:PREFIX]
+    return evs
+
+
+def _replay(alloc, events, after_each=None) -> BaseException | None:
+    addr = {}
+    try:
+        for i, e in enumerate(events):
+            if e.action.value == "alloc":
+                addr[e.addr] = alloc.allocate(e.size)
+            elif e.addr in addr:
+                alloc.free(addr.pop(e.addr))
+            if after_each and i % 50 == 0:
+                after_each()
+        alloc.empty_cache()
+        alloc.allocate(1 << 30)  # reaches the creation path again after empty_cache
+        alloc.close()  # and every teardown step
+    except (DriverError, OutOfMemoryError) as err:
+        return err
+    return None
+
+
+def _calls_reached(name, events):
+    a = make_allocator(name, SimulatedDriver())
+    assert _replay(a, events, after_each=a.empty_cache if name != "native" else None) is None
+    assert a.driver.is_empty()
+    return dict(a.driver.calls)
+
+
+@pytest.mark.parametrize("name", ["vms", "gmlake", "native"])
+def test_every_nth_call_of_every_operation(name, events):
+    reached = _calls_reached(name, events)
+    ops = [op for op in OPERATIONS if reached.get(op)]
+    assert {"create", "reserve", "map", "set_access", "unmap", "release", "free_address"} <= set(ops)
+    tried = 0
+    for op in ops:
+        # every N up to 20, then 15 spread over the rest, the last call included
+        last = reached[op]
+        step = max(1, (last - 20) // 15)
+        ns = sorted(set(range(1, min(last, 20) + 1)) | set(range(21, last + 1, step)) | {last})
+        for n in ns:
+            d = SimulatedDriver()
+            d.fail_on(op, n)
+            a = make_allocator(name, d)
+            err = _replay(a, events, after_each=a.empty_cache if name != "native" else None)
+            assert d.calls[op] >= n, f"{op} #{n} was not reached"
+            if err is None:
+                # only an out-of-memory fault may be absorbed: the allocator released its
+                # caches and retried, as it does on a real OOM
+                assert op in ("create", "reserve", "mem_alloc"), f"a fault on {op} #{n} vanished"
+            else:
+                assert "injected fault" in str(err) or isinstance(err, OutOfMemoryError), err
+            a._check()
+            d.clear_faults()
+            a.close()
+            assert d.is_empty(), f"{name}: after a fault on {op} #{n}: {d.leak_report()}"
+            tried += 1
+    assert tried > 60

@@ -1,0 +1,158 @@
+"""The stitching allocators: each allocation path, aliasing, OOM only when memory truly lacks."""
+
+import pytest
+
+from vmstoolkit.errors import ConfigError, DoubleFreeError, InvalidFreeError, InvalidSizeError, OutOfMemoryError
+from vmstoolkit.pools import make_allocator
+from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.units import MiB
+
+G = 2 * MiB
+
+
+def vms(capacity=64 * G, **options):
+    return make_allocator("vms", SimulatedDriver(capacity=capacity), **options)
+
+
+def test_exact_split_and_reuse_without_driver_calls():
+    a = vms()
+    p = a.allocate(8 * G)
+    assert a.counts["new"] == 1
+    a.free(p)
+    creates = a.driver.calls["create"]
+    q = a.allocate(8 * G - 100)  # same chunk count: exact match
+    assert q == p and a.counts["exact"] == 1
+    a.free(q)
+    r = a.allocate(3 * G)  # split the 8-chunk block
+    assert r == p and a.counts["split"] == 1
+    assert a.driver.calls["create"] == creates
+    a._check()
+    a.close()
+    assert a.driver.is_empty()
+
+
+def test_stitch_maps_the_same_chunks_in_one_new_range():
+    a = vms()
+    x, y, z = a.allocate(4 * G), a.allocate(2 * G), a.allocate(4 * G)
+    a.free(x)
+    a.free(z)  # 8 chunks free, in two non-adjacent blocks
+    reserved = a.driver.physical_bytes
+    s = a.allocate(8 * G)
+    assert a.counts["stitch"] == 1
+    assert a.driver.physical_bytes == reserved  # no new physical memory
+    a.driver.memset(s, 8 * G)  # the whole stitched range is mapped and accessible
+    block = a._blocks[s]
+    handles = [h for p in block.parts for h in p.handles]
+    assert len(handles) == 8 and all(a.driver.aliases(h) == 2 for h in handles)
+    a._check()
+    a.free(s)
+    # the stitched range is cached: the same request reuses it with no new mapping
+    maps = a.driver.calls["map"]
+    assert a.allocate(8 * G) == s and a.driver.calls["map"] == maps
+    a._check()
+    a.close()
+    assert a.driver.is_empty()
+
+
+def test_missing_part_is_created_and_stitched():
+    a = vms()
+    x, keep = a.allocate(3 * G), a.allocate(G + 1)
+    a.free(x)
+    big = a.allocate(5 * G)  # 3 free chunks + 2 new ones
+    assert a.counts["stitch_missing"] == 1
+    assert a.driver.physical_bytes == (3 + 2 + 2) * G  # x, keep (G+1 takes 2 chunks), the missing 2
+    a._check()
+    for p in (big, keep):
+        a.free(p)
+    a.close()
+    assert a.driver.is_empty()
+
+
+def test_oom_only_when_memory_truly_lacks():
+    a = vms(capacity=10 * G)
+    ptrs = [a.allocate(2 * G) for _ in range(5)]  # device full
+    for p in ptrs[::2]:
+        a.free(p)  # 6 chunks free, scattered
+    big = a.allocate(6 * G)  # served by stitching, no OOM
+    a._check()
+    with pytest.raises(OutOfMemoryError, match="out of memory allocating"):
+        a.allocate(G + 1)
+    a._check()
+    assert a.stats().num_ooms == 1
+    a.free(big)
+    a.close()
+    assert a.driver.is_empty()
+
+
+def test_gmlake_below_threshold_creates_then_stitches_only_when_full():
+    a = make_allocator("gmlake", SimulatedDriver(capacity=6 * G))
+    x, y = a.allocate(2 * G), a.allocate(2 * G)
+    a.free(x)
+    a.free(y)
+    # 4 free chunks in two blocks; 3 chunks < 512 MiB: GMLake splits one block... needs 3: no single
+    # block fits, so it creates a new block while memory lasts...
+    with pytest.raises(OutOfMemoryError):
+        a.allocate(8 * G)
+    p = a.allocate(3 * G)
+    assert a.counts["new"] + a.counts["stitch"] + a.counts["stitch_missing"] >= 3
+    a._check()
+    a.free(p)
+    a.close()
+    assert a.driver.is_empty()
+
+
+def test_small_requests_share_segments():
+    a = vms()
+    ptrs = [a.allocate(1000) for _ in range(100)]
+    assert a.driver.physical_bytes == G  # 100 x 1024 B in one 2 MiB segment
+    assert len(set(ptrs)) == 100
+    a._check()
+    for p in ptrs:
+        a.free(p)
+    a.empty_cache()
+    assert a.driver.physical_bytes == 0
+    a._check()
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5, "1"])
+def test_bad_sizes_are_rejected_without_change(size):
+    a = vms()
+    with pytest.raises(InvalidSizeError, match="allocation size"):
+        a.allocate(size)
+    assert a.driver.calls.total() == 0
+
+
+def test_double_and_unknown_free():
+    a = vms()
+    p = a.allocate(3 * G)
+    a.free(p)
+    with pytest.raises(DoubleFreeError, match=f"double free of address {p:#x}"):
+        a.free(p)
+    with pytest.raises(InvalidFreeError, match="unknown address 0x1234"):
+        a.free(0x1234)
+    a._check()
+
+
+def test_policy_options_are_checked():
+    with pytest.raises(ConfigError, match="unknown stitch policy option"):
+        vms(nope=1)
+    with pytest.raises(ConfigError, match="selection"):
+        vms(selection="random")
+    a = vms(stitch_min_bytes="1GiB")
+    assert a.policy.stitch_min_bytes == 1 << 30
+    with pytest.raises(ConfigError, match="unknown allocator 'vmz'"):
+        make_allocator("vmz")
+
+
+def test_stitched_cache_is_collected_under_its_limit():
+    a = vms(max_cached_stitched=2)
+    blocks = [a.allocate(2 * G) for _ in range(8)]
+    for p in blocks[::2]:
+        a.free(p)  # four free 1-chunk... 2-chunk blocks, not adjacent
+    for n in (4, 6, 8):
+        s = a.allocate(n * G)
+        a.free(s)
+        a._check()
+    assert len(a.stitched.blocks) <= 2
+    a.close()
+    assert a.driver.is_empty()
