@@ -1,0 +1,84 @@
+"""The replay command: formats, and one-line errors with non-zero exits for bad input."""
+
+import gzip
+import json
+import pickle
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from vmstoolkit.cli import app
+
+runner = CliRunner(env={"COLUMNS": "200"})
+
+
+def test_json_lines_have_the_documented_keys(traces_dir):
+    res = runner.invoke(app, ["replay", str(traces_dir / "llama-lora.caching.pickle.gz"), "-a", "vms", "-a", "native", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["allocator"] for r in rows] == ["vms", "native"]
+    for r in rows:
+        for key in ("trace", "allocator", "events", "peak_allocated", "peak_reserved", "utilization",
+                    "fragmentation", "oom", "driver_calls", "seconds"):
+            assert key in r
+        assert r["trace"] == "llama-lora.caching" and r["oom"] is False
+    assert rows[0]["utilization"] > rows[1]["utilization"] - 1  # both real numbers
+
+
+def test_table_and_csv(traces_dir):
+    t = str(traces_dir / "llama-full.caching.pickle.gz")
+    res = runner.invoke(app, ["replay", t, "-a", "gmlake"])
+    assert res.exit_code == 0 and "gmlake" in res.stdout and "utilization" in res.stdout
+    res = runner.invoke(app, ["replay", t, "-a", "vms", "--format", "csv", "--capacity", "40GiB"])
+    assert res.exit_code == 0 and res.stdout.startswith("trace,allocator,events")
+
+
+def test_capacity_oom(traces_dir):
+    res = runner.invoke(app, ["replay", str(traces_dir / "llama-full.caching.pickle.gz"), "--capacity", "10GiB", "-f", "json"])
+    assert res.exit_code == 0
+    row = json.loads(res.stdout)
+    assert row["oom"] is True and "out of memory" in row["oom_message"]
+
+
+def _cli(*args):
+    """Run the installed entry point as a user would: exit code and both streams."""
+    return subprocess.run([sys.executable, "-m", "vmstoolkit", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda p: p.write_bytes(gzip.compress(b"garbage" * 10)[:20]), "truncated or corrupt gzip"),
+    (lambda p: p.write_bytes(b"\x80\x04garbage"), "truncated or not a pickle"),
+    (lambda p: p.write_bytes(pickle.dumps({"a": 1})), "not a PyTorch memory snapshot"),
+])
+def test_bad_files_give_one_line_and_exit_1(tmp_path, make, match):
+    p = tmp_path / "bad.pickle.gz"
+    make(p)
+    r = _cli("replay", str(p))
+    assert r.returncode == 1
+    assert match in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, match", [
+    (["-a", "nope"], "unknown allocator 'nope'"),
+    (["--capacity", "-5GiB"], "--capacity"),
+    (["--capacity", "0"], "--capacity must be positive"),
+    (["--capacity", "lots"], "not a size: 'lots'"),
+])
+def test_bad_options(traces_dir, args, match):
+    r = _cli("replay", str(traces_dir / "llama-lora.caching.pickle.gz"), *args)
+    assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr
+
+
+def test_double_free_in_a_snapshot_is_a_clear_error(tmp_path):
+    snap = {"device_traces": [[{"action": "alloc", "addr": 4096, "size": 3 << 20},
+                               {"action": "free_completed", "addr": 4096},
+                               {"action": "free_completed", "addr": 4096}]]}
+    p = tmp_path / "df.pickle"
+    p.write_bytes(pickle.dumps(snap))
+    r = _cli("replay", str(p), "-f", "json")
+    # a second free of a trace address that is no longer live is counted, not replayed
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["events"] == 3
