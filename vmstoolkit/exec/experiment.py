@@ -69,7 +69,12 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
         compile_s = time.perf_counter() - t0
         lb = lower_bound(mg)
         for ex in executors:
-            spans = [execute(mg, make_backend(i), ex).makespan_s for i in range(repeats)]
+            spans = []
+            for i in range(repeats):
+                be = make_backend(i)
+                spans.append(execute(mg, be, ex).makespan_s)
+                if hasattr(be, "close"):
+                    be.close()  # give the GPU region back
             rows.append({**base, "executor": ex, "makespan_s": min(spans), **lb,
                          "offloaded_bytes": mg.offloaded_bytes, "reloaded_bytes": mg.reloaded_bytes,
                          "vertices": len(mg.vertices), "compile_s": compile_s})

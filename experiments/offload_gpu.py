@@ -1,0 +1,203 @@
+"""The offload experiment on the H200, side by side with Hugging Face accelerate, in one run.
+
+    python experiments/offload_gpu.py --out experiments/results/offload-h200 [--gpus 2] [--blocks 16]
+    python experiments/offload_gpu.py --dry-run --out /tmp/x     # CPU: sim backend, tiny shapes
+
+Writes ``<out>/offload.jsonl`` (one JSON object per measurement), ``<out>/summary.json`` and
+``<out>/makespan.png``. Measurements, all on the same model shape and prompt:
+
+- ``direct``: the block-by-block forward with our Numba kernels, every weight resident, kernels
+  launched back to back on one stream with no events: the equality reference and the compute time;
+- ``runtime``: our memory graph at budgets full (the no-offload working set), half and quarter
+  of the weights, and half of the working set; executors event-driven (host callback and event
+  polling) and fixed-order; each checked equal to ``direct``;
+- ``accelerate``: ``infer_auto_device_map`` with GPU ``max_memory`` = the same budgets, then
+  ``dispatch_model``, forward of ``inputs_embeds`` (skipped, and said so, without torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vmstoolkit.exec.compiler import compile_memory_graph, working_set  # noqa: E402
+from vmstoolkit.exec.executor import execute  # noqa: E402
+from vmstoolkit.exec.graph import LlamaConfig, build_llama, random_weights, reference_forward  # noqa: E402
+
+
+def budgets(graph, ws):
+    w = graph.weight_bytes()
+    return {"full": ws, "half_ws": ws // 2, "half_weights": w // 2, "quarter_weights": w // 4}
+
+
+def run_ours(graph, values, ref, out, emit, dry: bool, parts: int):
+    ws = working_set(graph)
+    if dry:
+        from vmstoolkit.exec.backends.sim import CostModel, SimBackend
+
+        def backend(notify):
+            return SimBackend(seed=0, jitter=0.05, numerics=True, values=values)
+
+        def lb(mg):
+            return CostModel().lower_bound(mg)
+        modes = [("event-driven", "sim"), ("fixed-order", "sim")]
+    else:
+        from vmstoolkit.exec.backends.cuda import CudaBackend, measure_lower_bound
+
+        def backend(notify):
+            return CudaBackend(values, notify=notify)
+
+        def lb(mg):
+            return measure_lower_bound(mg, values)
+        modes = [("event-driven", "callback"), ("event-driven", "poll"), ("fixed-order", "callback"),
+                 ("fixed-order", "poll")]
+    for name, budget in budgets(graph, ws).items():
+        t0 = time.perf_counter()
+        try:
+            mg = compile_memory_graph(graph, budget)
+        except Exception as e:  # a budget too small is a result, reported as such
+            emit({"kind": "runtime", "budget_name": name, "budget": budget, "error": str(e)})
+            continue
+        compile_s = time.perf_counter() - t0
+        bound = lb(mg)
+        for ex, notify in modes:
+            row = {"kind": "runtime", "budget_name": name, "budget": budget, "working_set": ws, "parts": parts,
+                   "executor": ex, "notify": notify, "compile_s": compile_s, **bound,
+                   "offloaded_bytes": mg.offloaded_bytes, "reloaded_bytes": mg.reloaded_bytes,
+                   "fits_without_offload": budget >= ws, "vertices": len(mg.vertices)}
+            try:
+                spans = []
+                for rep in range(1 if dry else 3):
+                    be = backend(notify)
+                    r = execute(mg, be, ex)
+                    spans.append(r.makespan_s)
+                    res = be.result()
+                    if hasattr(be, "close"):
+                        be.close()
+                err = max(float(np.max(np.abs(res[t] - ref[t]))) for t in graph.outputs)
+                scale = max(float(np.max(np.abs(ref[t]))) for t in graph.outputs)
+                row.update(makespan_s=min(spans), makespans_s=spans, max_abs_err=err, ref_max_abs=scale,
+                           equal=bool(err <= 1e-3 * max(1.0, scale)),
+                           ratio_to_lower_bound=min(spans) / bound["lower_bound_s"])
+            except Exception as e:
+                row.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-2000:])
+            emit(row)
+
+
+def run_accelerate(cfg: LlamaConfig, graph, ws, emit, seed: int):
+    try:
+        import torch
+        from accelerate import dispatch_model, infer_auto_device_map
+        from transformers import LlamaConfig as HFConfig
+        from transformers.models.llama.modeling_llama import LlamaModel
+    except ImportError as e:
+        emit({"kind": "accelerate", "skipped": f"not installed: {e}"})
+        return
+    if not torch.cuda.is_available():
+        emit({"kind": "accelerate", "skipped": "no CUDA device for torch"})
+        return
+    hf = HFConfig(hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_attention_heads=cfg.heads,
+                  num_key_value_heads=cfg.kv_heads, num_hidden_layers=cfg.n_blocks, vocab_size=128,
+                  max_position_embeddings=cfg.seq, rms_norm_eps=cfg.eps, torch_dtype="float32")
+    torch.manual_seed(seed)
+    x = torch.randn(cfg.batch, cfg.seq, cfg.hidden)
+    for name, budget in budgets(graph, ws).items():
+        row = {"kind": "accelerate", "budget_name": name, "budget": budget}
+        try:
+            model = LlamaModel(hf).eval()
+            if name == "full":
+                model = model.to("cuda:0")
+                device_map = "all on cuda:0"
+            else:
+                dm = infer_auto_device_map(model, max_memory={0: budget, "cpu": 400 * 2**30},
+                                           no_split_module_classes=["LlamaDecoderLayer"])
+                model = dispatch_model(model, device_map=dm)
+                device_map = {k: str(v) for k, v in dm.items()}
+            xin = x.to("cuda:0")
+            times = []
+            with torch.no_grad():
+                for _ in range(4):  # first is warm-up
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    model(inputs_embeds=xin)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+            row.update(wall_s=min(times[1:]), walls_s=times, device_map=device_map,
+                       tf32=bool(torch.backends.cuda.matmul.allow_tf32))
+            del model
+            torch.cuda.empty_cache()
+        except Exception as e:
+            row.update(error=f"{type(e).__name__}: {e}")
+        emit(row)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--dry-run", action="store_true", help="CPU only: sim backend, tiny shapes, no accelerate")
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--blocks", type=int, default=16)
+    ap.add_argument("--parts", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-accelerate", action="store_true")
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.dry_run:
+        cfg = LlamaConfig(n_blocks=4, seq=16, hidden=64, heads=4, kv_heads=4, ffn=128)
+    else:
+        cfg = LlamaConfig(n_blocks=a.blocks)
+    graph = build_llama(cfg, parts=a.parts, n_gpus=a.gpus)
+    values = random_weights(graph, a.seed)
+    rows_path = a.out / "offload.jsonl"
+    rows = []
+
+    def emit(row):
+        row = {"command": " ".join(sys.argv), "gpus": a.gpus, "blocks": cfg.n_blocks, **row}
+        rows.append(row)
+        with rows_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps({k: v for k, v in row.items() if k not in ("traceback", "device_map", "command")}),
+              flush=True)
+
+    rows_path.write_text("")
+    t0 = time.perf_counter()
+    if a.dry_run:
+        ref = reference_forward(graph, values)
+        emit({"kind": "direct", "backend": "numpy", "compute_s": time.perf_counter() - t0})
+    else:
+        from vmstoolkit.exec.backends.cuda import copy_bandwidth, direct_forward
+
+        ref, compute_s = direct_forward(graph, values)
+        emit({"kind": "direct", "backend": "cuda", "compute_s": compute_s, **copy_bandwidth()})
+    ref = {t: ref[t] for t in graph.outputs}
+    run_ours(graph, values, ref, a.out, emit, a.dry_run, a.parts)
+    if a.dry_run or a.skip_accelerate:
+        emit({"kind": "accelerate", "skipped": "dry run" if a.dry_run else "--skip-accelerate"})
+    else:
+        run_accelerate(cfg, graph, working_set(graph), emit, a.seed)
+    summary = {"command": " ".join(sys.argv), "config": cfg.__dict__, "parts": a.parts, "gpus": a.gpus,
+               "wall_s": time.perf_counter() - t0, "rows": len(rows),
+               "all_equal": all(r.get("equal", True) for r in rows if r["kind"] == "runtime" and "error" not in r)}
+    (a.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    try:
+        from vmstoolkit.exec.experiment import plot_makespan
+
+        ok = [dict(r, executor=f"{r['executor']} ({r['notify']})") for r in rows
+              if r["kind"] == "runtime" and "makespan_s" in r]
+        plot_makespan(ok, a.out / "makespan.png")
+    except Exception as e:  # the figure is a convenience; the JSON is the result
+        print(f"figure failed: {e}", file=sys.stderr)
+    return 0 if summary["all_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""CUDA backend: the Numba kernels on numba streams, one budgeted region per GPU, pinned host
+buffers, completions delivered to the asyncio loop by a host callback or by polling events.
+
+Importable without a GPU: numba.cuda, cuda-bindings and the kernels are imported when a backend
+is set up. NOT YET RUN ON A GPU by its author: ``experiments/offload_gpu.py`` is the first run.
+
+Memory: the compiler placed every buffer at an offset of one region of ``budget`` bytes per GPU,
+so the backend takes exactly one allocation per GPU (:func:`take_region`) and makes device
+arrays over ``region + offset`` (numba ``MemoryPointer`` + ``DeviceNDArray(gpu_data=...)``).
+
+Streams: ``compute``, ``h2d``, ``d2h`` per GPU (numba streams). Completions:
+
+- ``notify="callback"``: ``stream.async_done()`` after the vertex, i.e. ``cuStreamAddCallback``
+  whose callback does ``loop.call_soon_threadsafe`` (no event object needed: the stream order
+  makes "everything before this point is done" equal to "this vertex is done");
+- ``notify="poll"``: a CUDA event recorded after the vertex; one poller coroutine queries the
+  oldest outstanding event of every stream (events of one stream complete in order), spinning on
+  ``asyncio.sleep(0)`` for a while, then backing off to 1 ms sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from vmstoolkit.exec.graph import TaskGraph, TensorKind, random_weights
+
+SPIN_POLLS = 2000  # sleep(0) rounds before backing off; asyncio timers are 1 ms granular
+
+
+def take_region(gpu: int, nbytes: int):
+    """One device allocation of ``nbytes`` on ``gpu`` (current context): from a vmstoolkit
+    ``vms`` pool over the real VMM driver when that exists, else ``cuMemAlloc``.
+    Returns ``(address, release)``."""
+    try:
+        from vmstoolkit.pools import make_allocator
+        from vmstoolkit.pools.driver import make_driver
+
+        alloc = make_allocator("vms", driver=make_driver("cuda", device=gpu))
+        addr = alloc.allocate(nbytes)
+        return addr, (lambda: alloc.free(addr))
+    except (ImportError, ModuleNotFoundError):
+        pass  # TODO(pools): the real VMM driver (vmstoolkit.pools.cuda_driver) had not landed
+    from cuda.bindings import driver as cu
+
+    err, ptr = cu.cuMemAlloc(nbytes)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise MemoryError(f"{err.name}: cuMemAlloc({nbytes}) on GPU {gpu}")
+    return int(ptr), (lambda: cu.cuMemFree(ptr))
+
+
+def pinned(shape, dtype) -> np.ndarray:
+    """A page-locked host array usable by every context (portable)."""
+    from numba import cuda
+
+    dtype = np.dtype(dtype)
+    nbytes = max(1, int(np.prod(shape)) * dtype.itemsize)
+    mem = cuda.current_context().memhostalloc(nbytes, mapped=False, portable=True)
+    return np.ndarray(shape=tuple(shape), dtype=dtype, buffer=mem)
+
+
+def random_host_values(graph: TaskGraph, seed: int = 0) -> dict[int, np.ndarray]:
+    return random_weights(graph, seed)
+
+
+_CONCAT = None
+
+
+def _concat_kernel():
+    global _CONCAT
+    if _CONCAT is None:
+        from numba import cuda
+
+        @cuda.jit
+        def concat_cols(dst, src, col0):  # dst[:, col0:col0+w] = src
+            i, j = cuda.grid(2)
+            if i < src.shape[0] and j < src.shape[1]:
+                dst[i, col0 + j] = src[i, j]
+
+        _CONCAT = concat_cols
+    return _CONCAT
+
+
+def launch_concat(stream, parts, out) -> None:
+    k = _concat_kernel()
+    col = 0
+    for p in parts:
+        m, w = p.shape
+        k[((m + 15) // 16, (w + 15) // 16), (16, 16), stream](out, p, col)
+        col += w
+
+
+def device_view(ctx, base: int, offset: int, shape, dtype):
+    from numba.cuda.cudadrv import driver
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    mp = driver.MemoryPointer(ctx, base + offset, nbytes)
+    return DeviceNDArray(tuple(shape), _c_strides(shape, dtype.itemsize), dtype, gpu_data=mp)
+
+
+def _c_strides(shape, itemsize):
+    strides, acc = [], itemsize
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def run_kernel(v, stream, ins, outs) -> None:
+    """Launch task vertex ``v`` on ``stream`` over device arrays already in the vertex's views."""
+    if v.op == "concat":
+        launch_concat(stream, ins, outs[0])
+    elif v.op == "copy":
+        from cuda.bindings import driver as cu
+
+        cu.cuMemcpyAsync(outs[0].device_ctypes_pointer.value, ins[0].device_ctypes_pointer.value,
+                         outs[0].nbytes, stream.handle.value)
+    else:
+        from vmstoolkit.kernels.tasks import KERNEL_TASKS
+
+        KERNEL_TASKS[v.op].launch(stream, ins, outs, **v.params)
+
+
+class CudaBackend:
+    def __init__(self, values: dict[int, np.ndarray], *, notify: str = "callback"):
+        if notify not in ("callback", "poll"):
+            raise ValueError(f"notify must be 'callback' or 'poll', not {notify!r}")
+        self.values = values
+        self.notify = notify
+        self._host: dict[int, np.ndarray] = {}
+
+    def setup(self, mg) -> None:
+        from numba import cuda
+
+        self.mg = mg
+        g = mg.graph
+        self.ctx, self.base, self.streams, self._release = [], [], [], []
+        for gpu in range(mg.n_gpus):
+            with cuda.gpus[gpu]:
+                ctx = cuda.current_context()
+                addr, rel = take_region(gpu, mg.budget)
+                self.ctx.append(ctx)
+                self.base.append(addr)
+                self._release.append(rel)
+                self.streams.append({k: cuda.stream() for k in ("compute", "h2d", "d2h")})
+        with cuda.gpus[0]:
+            for t in g.tensors:  # host copies: weights, inputs, and a slot for each offload
+                if t.kind is not TensorKind.ACTIVATION and t.id not in self._host:
+                    self._host[t.id] = pinned(t.shape, t.dtype)
+                    self._host[t.id][...] = self.values[t.id]
+            for v in mg.vertices:
+                if v.kind == "offload" and v.tensor not in self._host:
+                    t = g.tensors[v.tensor]
+                    self._host[v.tensor] = pinned(t.shape, t.dtype)
+        self._views: dict[int, object] = {}
+        for b in mg.preloaded:
+            with cuda.gpus[mg.buffers[b].gpu]:
+                self.view(b).copy_to_device(self._host[mg.buffers[b].tensor])
+        for gpu in range(mg.n_gpus):
+            with cuda.gpus[gpu]:
+                cuda.synchronize()
+        self._pending: dict[tuple[int, str], list] = {}
+        self._poller = None
+
+    def view(self, bid: int, shape=None):
+        key = (bid, shape)
+        a = self._views.get(key)
+        if a is None:
+            b = self.mg.buffers[bid]
+            t = self.mg.graph.tensors[b.tensor]
+            a = device_view(self.ctx[b.gpu], self.base[b.gpu], b.offset, shape or t.shape, t.dtype)
+            self._views[key] = a
+        return a
+
+    def clock(self) -> float:
+        return time.perf_counter()
+
+    def launch(self, v):
+        from numba import cuda
+
+        multi = self.mg.n_gpus > 1
+        if multi:
+            cm = cuda.gpus[v.gpu]
+            cm.__enter__()
+        try:
+            s = self.streams[v.gpu][v.stream]
+            if v.kind == "reload":
+                self.view(v.writes[0]).copy_to_device(self._host[v.tensor], stream=s)
+            elif v.kind == "offload":
+                self.view(v.reads[0]).copy_to_host(self._host[v.tensor], stream=s)
+            else:
+                tv = self.mg.graph.vertices[v.task]
+                n_in = len(tv.inputs)
+                ins = [self.view(b, tv.views[i]) for i, b in enumerate(v.reads)]
+                outs = [self.view(b, tv.views[n_in + i]) for i, b in enumerate(v.writes)]
+                run_kernel(tv, s, ins, outs)
+            if self.notify == "callback":
+                return s.async_done()
+            ev = cuda.event(timing=False)
+            ev.record(s)
+            fut = asyncio.get_running_loop().create_future()
+            self._pending.setdefault((v.gpu, v.stream), []).append((ev, fut))
+            if self._poller is None or self._poller.done():
+                self._poller = asyncio.ensure_future(self._poll())
+            return fut
+        finally:
+            if multi:
+                cm.__exit__(None, None, None)
+
+    def completion(self, token):
+        return token
+
+    async def _poll(self) -> None:
+        spins, delay = 0, 0.0
+        while any(self._pending.values()):
+            progressed = False
+            for q in self._pending.values():
+                while q and q[0][0].query():
+                    _, fut = q.pop(0)
+                    if not fut.done():
+                        fut.set_result(None)
+                    progressed = True
+            if progressed:
+                spins, delay = 0, 0.0
+                await asyncio.sleep(0)
+            elif spins < SPIN_POLLS:
+                spins += 1
+                await asyncio.sleep(0)
+            else:
+                delay = min(1e-3, max(1e-4, delay * 2))
+                await asyncio.sleep(delay)
+
+    async def drive(self, done) -> None:
+        return None
+
+    def result(self) -> dict[int, np.ndarray]:
+        from numba import cuda
+
+        out = {}
+        for t, bid in self.mg.output_location.items():
+            if bid >= 0:
+                with cuda.gpus[self.mg.buffers[bid].gpu]:
+                    out[t] = self.view(bid).copy_to_host()
+            else:
+                out[t] = np.array(self._host[t])
+        return out
+
+    def close(self) -> None:
+        from numba import cuda
+
+        for gpu, rel in enumerate(self._release):
+            with cuda.gpus[gpu]:
+                cuda.synchronize()
+                rel()
+        self._release = []
+
+
+def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int = 3):
+    """The block-by-block forward with the same kernels, every tensor its own device array,
+    every weight resident, launched back to back on one stream per GPU with no events.
+    Returns ``(outputs, best seconds)``: the equality reference and the compute time."""
+    from numba import cuda
+
+    n_gpus = graph.n_gpus
+    dev: dict[int, object] = {}
+    streams = []
+    for gpu in range(n_gpus):
+        with cuda.gpus[gpu]:
+            streams.append(cuda.stream())
+    for t in graph.tensors:
+        with cuda.gpus[t.gpu]:
+            dev[t.id] = cuda.to_device(values[t.id]) if t.id in values else cuda.device_array(t.shape, t.dtype)
+
+    def once():
+        for v in graph.vertices:
+            with cuda.gpus[v.gpu]:
+                n_in = len(v.inputs)
+                if v.op == "copy":
+                    src_gpu = graph.tensors[v.inputs[0]].gpu
+                    streams[src_gpu].synchronize()
+                ins = [dev[t].reshape(v.views[i]) for i, t in enumerate(v.inputs)]
+                outs = [dev[t].reshape(v.views[n_in + i]) for i, t in enumerate(v.outputs)]
+                run_kernel(v, streams[v.gpu], ins, outs)
+        for gpu in range(n_gpus):
+            streams[gpu].synchronize()
+
+    once()  # compile and warm up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - t0)
+    outs = {t: dev[t].copy_to_host() for t in graph.outputs}
+    return outs, best
+
+
+def copy_bandwidth(nbytes: int = 1 << 28, gpu: int = 0) -> dict[str, float]:
+    """Pinned host <-> device bandwidth in bytes/s (best of 3)."""
+    from numba import cuda
+
+    with cuda.gpus[gpu]:
+        h = pinned((nbytes,), np.uint8)
+        d = cuda.device_array(nbytes, np.uint8)
+        s = cuda.stream()
+        res = {}
+        for name, fn in (("h2d", lambda: d.copy_to_device(h, stream=s)), ("d2h", lambda: d.copy_to_host(h, stream=s))):
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                fn()
+                s.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            res[name] = nbytes / best
+    return res
+
+
+_LB_CACHE: dict = {}
+
+
+def measure_lower_bound(mg, values) -> dict:
+    """max(back-to-back compute time, H2D bytes / measured bandwidth, D2H bytes / bandwidth)."""
+    key = id(mg.graph)
+    if key not in _LB_CACHE:
+        _, compute = direct_forward(mg.graph, values)
+        _LB_CACHE[key] = (compute, copy_bandwidth())
+    compute, bw = _LB_CACHE[key]
+    h2d = max(mg.bytes_moved("reload", g) for g in range(mg.n_gpus)) / bw["h2d"]
+    d2h = max(mg.bytes_moved("offload", g) for g in range(mg.n_gpus)) / bw["d2h"]
+    return {"compute_s": compute, "h2d_s": h2d, "d2h_s": d2h, "lower_bound_s": max(compute, h2d, d2h),
+            "h2d_bytes_per_s": bw["h2d"], "d2h_bytes_per_s": bw["d2h"]}
