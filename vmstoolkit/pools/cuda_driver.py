@@ -1,0 +1,223 @@
+"""The real VMM driver on ``cuda.bindings.driver``.
+
+Imported only by :func:`~vmstoolkit.pools.driver.make_driver` (pools never import it). Every
+failing call raises :class:`~vmstoolkit.errors.DriverError` naming the CUresult and the values
+involved; a machine without a usable GPU raises :class:`~vmstoolkit.errors.NoGPUError`.
+Handles cross the interface as ints; the driver objects stay here.
+"""
+
+from __future__ import annotations
+
+from vmstoolkit.errors import DriverError, DriverOutOfMemoryError, NoGPUError
+from vmstoolkit.pools.driver import Handle, VMMDriver
+
+
+def _load():
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as e:  # pragma: no cover - cuda-bindings is a dependency
+        raise NoGPUError(f"cuda-bindings is not installed ({e}); the simulated driver needs no GPU") from None
+    return cu
+
+
+def cuda_init(device: int = 0):
+    """``(cu, device handle)`` after cuInit; :class:`NoGPUError` when there is no usable GPU."""
+    cu = _load()
+    try:
+        (err,) = cu.cuInit(0)
+    except Exception as e:  # the driver library itself is missing: no NVIDIA driver here
+        raise NoGPUError(f"no CUDA driver on this machine ({type(e).__name__}: {e}); use the simulated driver (--device sim)") from None
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise NoGPUError(f"cuInit failed with {_name(cu, err)}: no usable GPU; use the simulated driver (--device sim)")
+    err, count = cu.cuDeviceGetCount()
+    if err != cu.CUresult.CUDA_SUCCESS or count == 0:
+        raise NoGPUError("no CUDA device found; use the simulated driver (--device sim)")
+    if not 0 <= device < count:
+        raise NoGPUError(f"CUDA device {device} does not exist (this machine has {count})")
+    err, dev = cu.cuDeviceGet(device)
+    _check(cu, err, f"cuDeviceGet({device})")
+    return cu, dev
+
+
+def _name(cu, err) -> str:
+    try:
+        e, name = cu.cuGetErrorName(err)
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:
+        return str(err)
+
+
+def _check(cu, err, what: str) -> None:
+    if err != cu.CUresult.CUDA_SUCCESS:
+        name = _name(cu, err)
+        cls = DriverOutOfMemoryError if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY else DriverError
+        raise cls(name, what, code=int(err))
+
+
+class CudaDriver(VMMDriver):
+    """VMM calls on a real GPU, in the device's primary context (shared with PyTorch and Numba)."""
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0) -> None:
+        super().__init__()
+        cu, dev = cuda_init(device)
+        self._cu = cu
+        self.device = device
+        self._dev = dev
+        err, ctx = cu.cuDevicePrimaryCtxRetain(dev)
+        _check(cu, err, f"cuDevicePrimaryCtxRetain({device})")
+        self._ctx = ctx
+        (err,) = cu.cuCtxSetCurrent(ctx)
+        _check(cu, err, "cuCtxSetCurrent")
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        self._prop = prop
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = device
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [access]
+        err, gran = cu.cuMemGetAllocationGranularity(prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        _check(cu, err, "cuMemGetAllocationGranularity")
+        self._granularity = int(gran)
+        err, free, total = cu.cuMemGetInfo()
+        _check(cu, err, "cuMemGetInfo")
+        self._total = int(total)
+        self._baseline_used = int(total) - int(free)
+        self.peak_device_used = 0  # bytes the device reports in use above the baseline, at our peaks
+        self._handles: dict[int, object] = {}
+        self._closed = False
+
+    @property
+    def granularity(self) -> int:
+        return self._granularity
+
+    @property
+    def capacity(self) -> int:
+        return self._total
+
+    def _sample_device_used(self) -> None:
+        err, free, total = self._cu.cuMemGetInfo()
+        if err == self._cu.CUresult.CUDA_SUCCESS:
+            used = int(total) - int(free) - self._baseline_used
+            self.peak_device_used = max(self.peak_device_used, used)
+
+    def _grow(self, nbytes: int) -> None:
+        new_peak = self.physical_bytes + nbytes > self.peak_physical_bytes
+        super()._grow(nbytes)
+        if new_peak:
+            self._sample_device_used()
+
+    def replay_extra(self) -> dict:
+        """What the device itself says: physical memory in use (cuMemGetInfo) at our peaks."""
+        return {"device_used_at_peak": self.peak_device_used, "device": self.device_name()}
+
+    def device_name(self) -> str:
+        err, name = self._cu.cuDeviceGetName(256, self._dev)
+        return name.split(b"\0", 1)[0].decode() if err == self._cu.CUresult.CUDA_SUCCESS else "?"
+
+    # -- the calls ------------------------------------------------------------------------
+    def _create(self, size: int) -> Handle:
+        cu = self._cu
+        err, h = cu.cuMemCreate(size, self._prop, 0)
+        _check(cu, err, f"cuMemCreate({size})")
+        key = int(h)
+        self._handles[key] = h
+        return key
+
+    def _release(self, handle: Handle) -> None:
+        cu = self._cu
+        (err,) = cu.cuMemRelease(self._handles[handle])
+        _check(cu, err, f"cuMemRelease({handle:#x})")
+        del self._handles[handle]
+
+    def _reserve(self, size: int, alignment: int) -> int:
+        cu = self._cu
+        err, ptr = cu.cuMemAddressReserve(size, alignment, 0, 0)
+        _check(cu, err, f"cuMemAddressReserve({size}, alignment={alignment})")
+        return int(ptr)
+
+    def _free_address(self, va: int, size: int) -> None:
+        cu = self._cu
+        (err,) = cu.cuMemAddressFree(va, size)
+        _check(cu, err, f"cuMemAddressFree({va:#x}, {size})")
+
+    def _map(self, va: int, size: int, handle: Handle, offset: int) -> None:
+        cu = self._cu
+        (err,) = cu.cuMemMap(va, size, offset, self._handles[handle], 0)
+        _check(cu, err, f"cuMemMap({va:#x}, {size}, offset={offset}, handle={handle:#x})")
+
+    def _unmap(self, va: int, size: int) -> None:
+        cu = self._cu
+        (err,) = cu.cuMemUnmap(va, size)
+        _check(cu, err, f"cuMemUnmap({va:#x}, {size})")
+
+    def _set_access(self, va: int, size: int) -> None:
+        cu = self._cu
+        (err,) = cu.cuMemSetAccess(va, size, self._access, 1)
+        _check(cu, err, f"cuMemSetAccess({va:#x}, {size})")
+
+    def _mem_alloc(self, size: int) -> int:
+        cu = self._cu
+        err, ptr = cu.cuMemAlloc(size)
+        _check(cu, err, f"cuMemAlloc({size})")
+        return int(ptr)
+
+    def _mem_free(self, ptr: int) -> None:
+        cu = self._cu
+        (err,) = cu.cuMemFree(ptr)
+        _check(cu, err, f"cuMemFree({ptr:#x})")
+
+    def _memset(self, va: int, size: int, value: int) -> None:
+        cu = self._cu
+        (err,) = cu.cuMemsetD8(va, value, size)
+        _check(cu, err, f"cuMemsetD8({va:#x}, {value}, {size})")
+
+    def _mem_info(self) -> tuple[int, int]:
+        cu = self._cu
+        err, free, total = cu.cuMemGetInfo()
+        _check(cu, err, "cuMemGetInfo")
+        return int(free), int(total)
+
+    def synchronize(self) -> None:
+        (err,) = self._cu.cuCtxSynchronize()
+        _check(self._cu, err, "cuCtxSynchronize")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        (err,) = self._cu.cuDevicePrimaryCtxRelease(self._dev)
+        _check(self._cu, err, "cuDevicePrimaryCtxRelease")
+
+
+def device_info(device: int = 0) -> dict:
+    """What the machine offers: GPU, driver, VMM support, granularity, memory.
+
+    Raises :class:`NoGPUError` when there is no usable GPU.
+    """
+    cu, dev = cuda_init(device)
+    attr = cu.CUdevice_attribute
+    info: dict = {"device": device}
+    err, name = cu.cuDeviceGetName(256, dev)
+    info["name"] = name.split(b"\0", 1)[0].decode() if err == cu.CUresult.CUDA_SUCCESS else "?"
+    err, version = cu.cuDriverGetVersion()
+    info["driver_version"] = f"{version // 1000}.{version % 1000 // 10}" if err == cu.CUresult.CUDA_SUCCESS else "?"
+    err, major = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+    err2, minor = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+    info["compute_capability"] = f"{major}.{minor}"
+    err, vmm = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev)
+    info["vmm_supported"] = bool(vmm) if err == cu.CUresult.CUDA_SUCCESS else False
+    err, count = cu.cuDeviceGetCount()
+    info["device_count"] = int(count)
+    drv = CudaDriver(device)
+    try:
+        info["granularity"] = drv.granularity
+        free, total = drv.mem_info()
+        info["free_bytes"], info["total_bytes"] = free, total
+    finally:
+        drv.close()
+    return info
