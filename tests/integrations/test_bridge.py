@@ -1,0 +1,93 @@
+"""The integration logic on the simulated driver: the C callbacks PyTorch would call, the
+bridge Numba's plugin uses, PyTorch-vocabulary statistics, and clear errors without a GPU."""
+
+import ctypes
+import threading
+
+import pytest
+
+from vmstoolkit.errors import VmsError
+from vmstoolkit.integrations import AllocatorBridge
+from vmstoolkit.integrations.torch import ALLOC_FN, FREE_FN, make_handle
+from vmstoolkit.pools import make_allocator, make_driver
+from vmstoolkit.units import GiB, MiB
+
+
+def test_ctypes_callbacks_through_raw_function_pointers():
+    h = make_handle("vms", driver_factory=lambda device: make_driver("sim", capacity=1 * GiB))
+    # call them exactly as C++ would: through the raw addresses handed to PyTorch
+    alloc = ctypes.cast(h.alloc_ptr, ALLOC_FN)
+    free = ctypes.cast(h.free_ptr, FREE_FN)
+    ptrs = [alloc(size, 0, None) for size in (512, 3 * MiB, 100 * MiB)]
+    assert all(ptrs) and len(set(ptrs)) == 3
+    s = h.memory_stats(0)
+    assert s["allocated_bytes.all.current"] == 512 + 103 * MiB
+    assert s["reserved_bytes.all.current"] >= s["allocated_bytes.all.current"]
+    assert alloc(0, 0, None) is None  # size 0: the null pointer
+    assert alloc(2 * GiB, 0, None) is None  # OOM: the null pointer, recorded
+    b = h.bridges[0]
+    assert b.failed_mallocs == 1 and "out of memory" in str(b.last_error)
+    assert h.memory_stats(0)["num_ooms"] == 1
+    for p in ptrs:
+        free(p, 0, 0, None)
+    free(ptrs[0], 0, 0, None)  # double free: recorded, not raised into C
+    assert b.failed_frees == 1 and "double free" in str(b.last_error)
+    s = h.memory_stats(0)
+    assert s["allocated_bytes.all.current"] == 0 and s["allocated_bytes.all.peak"] == 512 + 103 * MiB
+    h.reset_peak_memory_stats(0)
+    assert h.max_memory_allocated(0) == 0
+    b.allocator._check()
+
+
+def test_devices_get_their_own_allocator():
+    h = make_handle("gmlake", driver_factory=lambda device: make_driver("sim"))
+    alloc = ctypes.cast(h.alloc_ptr, ALLOC_FN)
+    alloc(4 * MiB, 0, None)
+    alloc(4 * MiB, 1, None)
+    assert set(h.bridges) == {0, 1}
+    assert h.memory_stats(1)["allocated_bytes.all.current"] == 4 * MiB
+
+
+def test_bridge_is_thread_safe():
+    b = AllocatorBridge(make_allocator("vms"))
+
+    def work():
+        for _ in range(200):
+            p = b.malloc(3 * MiB)
+            b.free(p)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert b.failed_mallocs == b.failed_frees == 0
+    b.allocator._check()
+    assert b.stats()["allocation.all.allocated"] == 800
+
+
+def test_bad_allocator_name_is_caught_early():
+    with pytest.raises(VmsError, match="unknown allocator 'nope'"):
+        make_handle("nope")
+
+
+def test_numba_plugin_under_the_simulator_says_why_not(monkeypatch):
+    from vmstoolkit.integrations.numba import make_memory_manager
+
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
+    with pytest.raises(VmsError, match="simulator.*has no external memory management"):
+        make_memory_manager("vms")
+
+
+def test_torch_install_without_torch_or_gpu_is_a_clear_error():
+    from vmstoolkit.integrations import torch as vt
+
+    try:
+        import torch
+    except ImportError:
+        with pytest.raises(VmsError, match="PyTorch is not installed"):
+            vt.install("vms")
+        return
+    if not torch.cuda.is_available():
+        with pytest.raises(VmsError, match="PyTorch sees no CUDA GPU"):
+            vt.install("vms")

@@ -1,0 +1,79 @@
+"""The framework-neutral side of an integration: pointers in, pointers out, statistics.
+
+A framework hands over raw ``malloc(size) -> ptr`` and ``free(ptr)`` requests, possibly from
+several threads (PyTorch's autograd engine frees from its own threads). The bridge serialises
+them with a lock, turns a zero-size request into the null pointer, never lets an exception
+cross into C (a failure returns the null pointer and is kept in ``last_error``), and reports
+statistics in PyTorch's ``memory_stats()`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from vmstoolkit.errors import OutOfMemoryError, VmsError
+from vmstoolkit.pools.base import Allocator
+
+
+class AllocatorBridge:
+    def __init__(self, allocator: Allocator) -> None:
+        self.allocator = allocator
+        self._lock = threading.Lock()
+        self.last_error: BaseException | None = None
+        self.failed_mallocs = 0
+        self.failed_frees = 0
+
+    def malloc(self, size: int) -> int:
+        """Device pointer of a new ``size``-byte allocation; 0 for size 0 or on failure."""
+        if size == 0:
+            return 0
+        with self._lock:
+            try:
+                return self.allocator.allocate(int(size))
+            except (VmsError, MemoryError) as e:
+                self.last_error = e
+                self.failed_mallocs += 1
+                return 0
+
+    def free(self, ptr: int) -> None:
+        """Free ``ptr`` (0 is ignored); a bad pointer is recorded, never raised into C."""
+        if not ptr:
+            return
+        with self._lock:
+            try:
+                self.allocator.free(int(ptr))
+            except VmsError as e:
+                self.last_error = e
+                self.failed_frees += 1
+
+    def stats(self) -> dict:
+        with self._lock:
+            return torch_style_stats(self.allocator)
+
+
+def torch_style_stats(allocator: Allocator) -> dict:
+    """An allocator's statistics under the names ``torch.cuda.memory_stats()`` uses.
+
+    ``allocated_bytes`` here are the bytes requested (PyTorch counts its rounded blocks);
+    ``reserved_bytes`` the physical bytes the allocator holds from the driver.
+    """
+    s = allocator.stats()
+    return {
+        "allocated_bytes.all.current": s.allocated_bytes,
+        "allocated_bytes.all.peak": s.peak_allocated_bytes,
+        "requested_bytes.all.current": s.allocated_bytes,
+        "requested_bytes.all.peak": s.peak_allocated_bytes,
+        "reserved_bytes.all.current": s.reserved_bytes,
+        "reserved_bytes.all.peak": s.peak_reserved_bytes,
+        "active.all.current": s.allocated_count,
+        "active.all.peak": s.peak_allocated_count,
+        "allocation.all.allocated": s.total_allocs,
+        "allocation.all.freed": s.total_frees,
+        "num_ooms": s.num_ooms,
+        "num_alloc_retries": 0,
+        "num_device_alloc": s.driver_calls.get("create", 0) + s.driver_calls.get("mem_alloc", 0),
+        "num_device_free": s.driver_calls.get("release", 0) + s.driver_calls.get("mem_free", 0),
+    }
+
+
+__all__ = ["AllocatorBridge", "torch_style_stats", "OutOfMemoryError"]
