@@ -1,0 +1,148 @@
+"""Train the traces' LLaMA three ways on a GPU: PyTorch default, expandable_segments, vmstoolkit.
+
+    python experiments/train_llama_gpu.py --out DIR [--variants full,ckpt,lora,offload]
+        [--modes default,expandable,vms] [--rounds 3] [--steps-per-round 6]
+
+The model and workloads are those of ``vmstoolkit/data/traces``: a LLaMA-architecture causal LM
+(hidden 2048, 12 layers, 16 heads, FFN 5504, vocab 32000), random weights (seed 0), AdamW,
+bf16 autocast, SDPA attention; each step draws batch from {4, 6, 8} and sequence length from
+256..2048 (seeded), the same shapes in every mode. Variants: ``full``; ``ckpt`` (gradient
+checkpointing); ``lora`` (peft r=16 on every projection + checkpointing); ``offload``
+(activations saved to pinned CPU memory). Each (mode, variant) runs in its own process, since
+allocator settings are fixed at a process's first CUDA allocation.
+
+Per run: losses of every step, step times (median of the rounds after the first: steady
+state), peak allocated and peak reserved (PyTorch's counters; for vmstoolkit the allocator's,
+which are what its driver holds), and utilization. Output: ``DIR/train.jsonl`` and a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HIDDEN, LAYERS, HEADS, FFN, VOCAB = 2048, 12, 16, 5504, 32000
+
+
+def shapes(n: int, seed: int = 0) -> list[tuple[int, int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [(rng.choice([4, 6, 8]), rng.choice(range(256, 2049, 128))) for _ in range(n)]
+
+
+def worker(mode: str, variant: str, rounds: int, steps_per_round: int) -> dict:
+    handle = None
+    if mode == "vms":
+        from vmstoolkit.integrations.torch import install
+
+        handle = install("vms")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                      num_key_value_heads=HEADS, vocab_size=VOCAB, max_position_embeddings=2048)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).cuda()
+    if variant in ("ckpt", "lora"):
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if variant == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model.enable_input_require_grads()
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    plan = shapes(steps_per_round)
+    losses, times = [], []
+    for r in range(rounds):
+        for bs, seq in plan:
+            ids = torch.randint(0, VOCAB, (bs, seq), generator=gen).cuda()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                if variant == "offload":
+                    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                        loss = model(input_ids=ids, labels=ids).loss
+                else:
+                    loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss))
+    if handle is not None:
+        peak_alloc, peak_res = handle.max_memory_allocated(), handle.max_memory_reserved()
+        extra = {"allocator_stats": handle.memory_stats(), "failed_mallocs": handle.bridge(0).failed_mallocs}
+    else:
+        peak_alloc, peak_res = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        extra = {"num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)}
+    steady = times[steps_per_round:] if rounds > 1 else times
+    return {"mode": mode, "variant": variant, "losses": losses, "step_times": times,
+            "median_step_s": statistics.median(steady), "peak_allocated": peak_alloc, "peak_reserved": peak_res,
+            "utilization": peak_alloc / peak_res if peak_res else None, "device": torch.cuda.get_device_name(), **extra}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--variants", default="full,ckpt,lora,offload")
+    ap.add_argument("--modes", default="default,expandable,vms")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps-per-round", type=int, default=6)
+    ap.add_argument("--worker", nargs=2, metavar=("MODE", "VARIANT"))
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(*args.worker, args.rounds, args.steps_per_round)), flush=True)
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for variant in args.variants.split(","):
+        for mode in args.modes.split(","):
+            env = dict(os.environ)
+            env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+            if mode == "expandable":
+                env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+            p = subprocess.run([sys.executable, __file__, "--worker", mode, variant, "--rounds", str(args.rounds),
+                                "--steps-per-round", str(args.steps_per_round)], env=env, capture_output=True, text=True)
+            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if p.returncode != 0 or line is None:
+                row = {"mode": mode, "variant": variant, "error": (p.stderr or p.stdout)[-2000:]}
+            else:
+                row = json.loads(line[len("RESULT "):])
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_times", "allocator_stats")}), flush=True)
+    with open(args.out / "train.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    summary = []
+    for variant in args.variants.split(","):
+        by = {r["mode"]: r for r in rows if r["variant"] == variant and "error" not in r}
+        base = by.get("default")
+        for mode, r in by.items():
+            s = {"variant": variant, "mode": mode, "peak_reserved_GiB": r["peak_reserved"] / 2**30,
+                 "peak_allocated_GiB": r["peak_allocated"] / 2**30, "utilization": r["utilization"],
+                 "median_step_s": r["median_step_s"]}
+            if base:
+                s["step_time_vs_default"] = r["median_step_s"] / base["median_step_s"]
+                s["max_loss_diff_vs_default"] = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
+            summary.append(s)
+    (args.out / "summary.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": summary}, indent=1))
+    for s in summary:
+        print(json.dumps(s))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
