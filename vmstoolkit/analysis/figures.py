@@ -1,0 +1,72 @@
+"""Figures of the fragmentation experiment (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+GiB = 1 << 30
+_MAX_POINTS = 4000  # timelines are thinned to this many points: the figure looks the same, 10x smaller PNG
+
+
+def utilization_figure(rows: list[dict], allocators: list[str], path: Path) -> Path:
+    """Grouped bars: utilization (peak allocated / peak reserved) per workload and allocator.
+    Synthetic workloads are labelled as such."""
+    workloads = [r["workload"] + (" (synthetic)" if r.get("synthetic") else "") for r in rows]
+    x = np.arange(len(rows))
+    width = 0.8 / max(1, len(allocators))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows) + 2), 4.2))
+    for i, a in enumerate(allocators):
+        vals = [r.get(f"{a}.utilization") or 0.0 for r in rows]
+        bars = ax.bar(x + (i - (len(allocators) - 1) / 2) * width, vals, width, label=a)
+        for b, v in zip(bars, vals):
+            ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(x, workloads, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("utilization (peak allocated / peak reserved)")
+    ax.set_ylim(0, 1.25)  # headroom for the legend above the bars
+    ax.set_title("Memory utilization per workload and allocator")
+    ax.legend(fontsize=7, ncol=min(4, len(allocators)), loc="upper center")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return path
+
+
+def _thin(n: int) -> np.ndarray:
+    if n <= _MAX_POINTS:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, _MAX_POINTS).astype(np.int64))
+
+
+def timeline_figure(timelines: dict[str, dict], workload: str, path: Path, *, synthetic: bool = False) -> Path:
+    """Reserved memory of each allocator and allocated memory over the replay of one trace.
+
+    ``timelines`` maps allocator name to a replay timeline (``allocated``, ``reserved``,
+    ``time_us`` arrays, one entry per event). The x axis is the event index, which is the
+    same for every allocator (a trace's clock is not meaningful for a synthetic one).
+    """
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    allocated_drawn = False
+    for name, tl in timelines.items():
+        reserved = np.asarray(tl["reserved"])
+        idx = _thin(len(reserved))
+        ax.plot(idx, reserved[idx] / GiB, label=f"{name} reserved", linewidth=1.1)
+        if not allocated_drawn:
+            allocated = np.asarray(tl["allocated"])
+            ax.fill_between(idx, allocated[idx] / GiB, color="0.75", label="allocated", step="post")
+            allocated_drawn = True
+    ax.set_xlabel("event (alloc or free)")
+    ax.set_ylabel("GiB")
+    ax.set_title(f"Reserved vs allocated memory: {workload}" + (" (SYNTHETIC workload)" if synthetic else ""))
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return path
