@@ -3,6 +3,7 @@ import pytest
 from numba import cuda
 
 from vmstoolkit.kernels import gemm as G
+from vmstoolkit.kernels._util import simulating
 
 
 @pytest.mark.parametrize("variant", sorted(G.VARIANTS))
@@ -18,12 +19,16 @@ def test_other_tile_shape_with_4x4_micro_tiles():
 
 
 def test_h200_tiles_on_a_tiny_ragged_problem():
-    # The exact launch shape used on the GPU (128 x 128 x 8, 8 x 8 per thread, 256 threads).
-    G.validate(shapes=((3, 5, 11),), tiles=G.GemmTiles(), variants=(2,))
+    # The launch shape used on the GPU for large problems (128 x 128 x 16, 8 x 8 per thread).
+    G.validate(shapes=((3, 5, 11),), tiles=G.GemmTiles(), variants=(G.DEFAULT_VARIANT,))
 
 
-def test_choose_tiles_under_simulator_is_small():
-    assert G.choose_tiles(4096, 4096, 4096).threads <= 64
+def test_choose_tiles():
+    if simulating():
+        assert G.choose_tiles(4096, 4096, 4096).threads <= 64
+    else:
+        assert G.choose_tiles(4096, 4096, 4096) == G.GPU_TILES[0]
+        assert G.choose_tiles(1024, 512, 2048) == G.GPU_TILES[-1]
 
 
 def test_k_mismatch_dtype_and_output_shape_raise():

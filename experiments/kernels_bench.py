@@ -1,0 +1,355 @@
+"""Validation at full size and benchmark of the Numba kernels on a real GPU (issue 5).
+
+Prints, in one run:
+1. correctness: the Numba LLaMA block against ``transformers``' ``LlamaDecoderLayer`` (fp32, eager
+   attention, explicit causal mask) and against ``reference.llama_block``, at hidden 2048,
+   16 heads (16 and 4 key/value heads), seq 1024; attention against SDPA; GEMM against cuBLAS;
+2. GEMM TFLOP/s against cuBLAS fp32 (torch.matmul, TF32 off) at 4096^3 and at the block's shapes,
+   for the launcher's choice and a sweep of variants / tile shapes;
+3. attention time against ``torch.nn.functional.scaled_dot_product_attention`` in fp32;
+4. the whole block against the transformers layer in fp32, with the per-kernel breakdown.
+
+Relative error everywhere: max |ours - theirs| / max |theirs|.
+
+    python3 experiments/kernels_bench.py --out DIR      # writes DIR/kernels_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from numba import cuda
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vmstoolkit.kernels import LlamaBlock, LlamaBlockConfig, llama_block_forward  # noqa: E402
+from vmstoolkit.kernels import attention as A  # noqa: E402
+from vmstoolkit.kernels import gemm as G  # noqa: E402
+from vmstoolkit.kernels import reference as R  # noqa: E402
+from vmstoolkit.kernels.residual import residual_add  # noqa: E402
+from vmstoolkit.kernels.rmsnorm import rmsnorm  # noqa: E402
+from vmstoolkit.kernels.rope import rope  # noqa: E402
+from vmstoolkit.kernels.swiglu import swiglu  # noqa: E402
+
+RESULTS: dict = {}
+
+
+def say(*a):
+    print(*a, flush=True)
+
+
+def tf32_off():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+def rel(a, b) -> float:
+    a = a.detach().double().cpu().numpy() if torch.is_tensor(a) else np.asarray(a, np.float64)
+    b = b.detach().double().cpu().numpy() if torch.is_tensor(b) else np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def time_numba(fn, iters: int, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn()`` (enqueues on the default stream), by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        e0, e1 = cuda.event(), cuda.event()
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        times.append(cuda.event_elapsed_time(e0, e1))
+    return float(np.median(times))
+
+
+def time_torch(fn, iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    return float(np.median(times))
+
+
+# ---- HF layer ---------------------------------------------------------------------------------
+
+
+def hf_layer(c: LlamaBlockConfig, seed: int):
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as ML
+
+    hc = LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.ffn_size,
+                     num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                     num_hidden_layers=1, rms_norm_eps=c.rms_eps, max_position_embeddings=8192,
+                     attention_bias=False, mlp_bias=False)
+    hc._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    layer = ML.LlamaDecoderLayer(hc, layer_idx=0).cuda().float().eval()
+    with torch.no_grad():  # non-trivial norm weights (HF initialises them to ones)
+        layer.input_layernorm.weight.add_(0.1 * torch.randn_like(layer.input_layernorm.weight))
+        layer.post_attention_layernorm.weight.add_(
+            0.1 * torch.randn_like(layer.post_attention_layernorm.weight))
+    rot = ML.LlamaRotaryEmbedding(config=hc).cuda()
+    theta = getattr(hc, "rope_theta", None) or (getattr(hc, "rope_parameters", None) or {}).get(
+        "rope_theta", 10000.0)
+    assert float(theta) == c.rope_theta, f"HF rope theta {theta} != {c.rope_theta}"
+    return layer, rot
+
+
+def hf_forward(layer, rot, x):
+    b, t, _ = x.shape
+    pos = torch.arange(t, device=x.device)[None].expand(b, t)
+    cos, sin = rot(x, pos)
+    mask = torch.full((t, t), torch.finfo(torch.float32).min, device=x.device).triu(1)
+    mask = mask[None, None].expand(b, 1, t, t)  # (B, 1, T, T) additive causal mask
+    out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin),
+                use_cache=False)
+    return out[0] if isinstance(out, tuple) else out
+
+
+# ---- 1. correctness ---------------------------------------------------------------------------
+
+
+def check_block(c: LlamaBlockConfig, b: int, t: int, seed: int = 0) -> dict:
+    layer, rot = hf_layer(c, seed)
+    sd = {k: v.detach().contiguous() for k, v in layer.state_dict().items()}
+    x = torch.randn(b, t, c.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    with torch.no_grad():
+        want = hf_forward(layer, rot, x)  # (B, T, H)
+    # numpy in, numpy out, CPU torch weights
+    ours_np = llama_block_forward(x.cpu().numpy(), {k: v.cpu() for k, v in sd.items()}, c)
+    # device in (torch CUDA tensor through __cuda_array_interface__), device out
+    ours_dev = llama_block_forward(x, sd, c).copy_to_host()
+    ref = R.llama_block(x.cpu().numpy(), {k: v.cpu().numpy() for k, v in sd.items()},
+                        c.n_heads, c.n_kv_heads, c.rms_eps, c.rope_theta)
+    rec = {
+        "config": c.__dict__, "batch": b, "seq": t,
+        "rel_err_vs_transformers": rel(ours_np, want),
+        "rel_err_device_path_vs_transformers": rel(ours_dev, want),
+        "rel_err_vs_numpy_reference": rel(ours_np, ref),
+        "rel_err_numpy_reference_vs_transformers": rel(ref, want),
+        "max_abs_err_vs_transformers": float(np.max(np.abs(ours_np - want.cpu().numpy()))),
+        "max_abs_transformers": float(want.abs().max()),
+    }
+    rec["pass_1e-4"] = max(rec["rel_err_vs_transformers"],
+                           rec["rel_err_device_path_vs_transformers"]) <= 1e-4
+    return rec
+
+
+# ---- 2. GEMM ----------------------------------------------------------------------------------
+
+SWEEP = [(1, G.GemmTiles(128, 128, 16, 8, 8)), (1, G.GemmTiles(128, 128, 32, 8, 8)),
+         (1, G.GemmTiles(64, 128, 8, 4, 8)), (1, G.GemmTiles(64, 128, 16, 4, 8)),
+         (1, G.GemmTiles(128, 64, 16, 8, 4)), (1, G.GemmTiles(64, 64, 16, 4, 4)),
+         (2, G.GemmTiles(128, 128, 16, 8, 8))]
+
+
+def bench_gemm(shapes, sweep: bool) -> list[dict]:
+    rows = []
+    for name, (m, n, k) in shapes:
+        x = torch.randn(m, k, device="cuda")  # (M, K)
+        w = torch.randn(n, k, device="cuda")  # (N, K)
+        y = torch.empty(m, n, device="cuda")  # (M, N)
+        flops = 2.0 * m * n * k
+        iters = 10 if flops > 1e11 else 30
+        t_cublas = time_torch(lambda: torch.matmul(x, w.T, out=y), iters)
+        want = y.clone()
+        dx, dw, dy = cuda.as_cuda_array(x), cuda.as_cuda_array(w), cuda.as_cuda_array(y)
+        configs = [("auto", None, G.DEFAULT_VARIANT)]
+        if sweep:
+            configs += [(f"v{v} {t.bm}x{t.bn}x{t.bk}/{t.tm}x{t.tn}", t, v)
+                        for v, t in SWEEP]
+        for label, tiles, v in configs:
+            y.zero_()
+            G.gemm(dx, dw, dy, tiles=tiles, variant=v)
+            cuda.synchronize()
+            err = rel(y, want)
+            ms = time_numba(lambda: G.gemm(dx, dw, dy, tiles=tiles, variant=v), iters)
+            chosen = tiles or G.choose_tiles(m, n, k)
+            rows.append({
+                "shape": name, "M": m, "N": n, "K": k, "config": label,
+                "tiles": chosen.__dict__, "variant": v,
+                "ms": ms, "tflops": flops / ms / 1e9, "cublas_ms": t_cublas,
+                "cublas_tflops": flops / t_cublas / 1e9, "pct_of_cublas": 100 * t_cublas / ms,
+                "rel_err_vs_cublas": err,
+            })
+            r = rows[-1]
+            say(f"  {name:<22} {label:<22} {r['tflops']:6.2f} TFLOP/s  cuBLAS {r['cublas_tflops']:6.2f}"
+                f"  {r['pct_of_cublas']:5.1f}%  err {err:.1e}")
+    return rows
+
+
+# ---- 3. attention -----------------------------------------------------------------------------
+
+ATT_SWEEP = [
+    A.AttentionTiles(32, 16, 2, 8),
+    A.AttentionTiles(16, 32, 1, 8),
+    A.AttentionTiles(64, 8, 4, 8),
+    A.AttentionTiles(32, 16, 1, 4),
+]
+
+
+def bench_attention(cases, sweep: bool) -> list[dict]:
+    import torch.nn.functional as F
+
+    rows = []
+    for b, t, nh, nkv, hd in cases:
+        g = torch.Generator("cuda").manual_seed(1)
+        q = torch.randn(b, t, nh, hd, device="cuda", generator=g)  # (B, T, nh, hd)
+        k = torch.randn(b, t, nkv, hd, device="cuda", generator=g)  # (B, T, nkv, hd)
+        v = torch.randn(b, t, nkv, hd, device="cuda", generator=g)
+        o = torch.empty_like(q)
+        qh, kh, vh = (a.transpose(1, 2).contiguous() for a in (q, k, v))  # (B, n, T, hd)
+        gqa = nkv != nh
+
+        def sdpa():
+            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
+
+        t_sdpa = time_torch(sdpa, 10)
+        want = sdpa().transpose(1, 2)  # (B, T, nh, hd)
+        flops = 4.0 * b * nh * hd * t * (t + 1) / 2
+        dq, dk, dv, do = (cuda.as_cuda_array(a) for a in (q, k, v, o))
+        configs = [("auto", None)]
+        if sweep:
+            configs += [(f"{s.bq}q x {s.bkv}k rm{s.rm} tpr{s.tpr}", s) for s in ATT_SWEEP]
+        for label, tiles in configs:
+            try:
+                A.attention(dq, dk, dv, do, tiles=tiles)
+            except ValueError as e:
+                say(f"  skip {label}: {e}")
+                continue
+            cuda.synchronize()
+            err = rel(o, want)
+            ms = time_numba(lambda: A.attention(dq, dk, dv, do, tiles=tiles), 10)
+            rows.append({"B": b, "T": t, "nh": nh, "nkv": nkv, "hd": hd, "config": label,
+                         "ms": ms, "tflops": flops / ms / 1e9, "sdpa_ms": t_sdpa,
+                         "sdpa_tflops": flops / t_sdpa / 1e9, "speed_vs_sdpa": t_sdpa / ms,
+                         "rel_err_vs_sdpa": err})
+            say(f"  B{b} T{t} nh{nh} nkv{nkv} hd{hd} {label:<22} {ms:8.3f} ms  SDPA {t_sdpa:8.3f} ms"
+                f"  x{t_sdpa / ms:5.2f}  err {err:.1e}")
+    return rows
+
+
+# ---- 4. block ---------------------------------------------------------------------------------
+
+
+def bench_block(c: LlamaBlockConfig, b: int, t: int) -> dict:
+    layer, rot = hf_layer(c, 0)
+    sd = {k: v.detach().contiguous() for k, v in layer.state_dict().items()}
+    x = torch.randn(b, t, c.hidden_size, device="cuda")
+    out = torch.empty_like(x)
+    blk = LlamaBlock(sd, c, b, t)
+    dx, dout = cuda.as_cuda_array(x), cuda.as_cuda_array(out)
+
+    def hf():
+        with torch.no_grad():
+            return hf_forward(layer, rot, x)
+
+    t_hf = time_torch(hf, 10)
+    t_ours = time_numba(lambda: blk.forward_device(dx, dout), 10)
+    err = rel(out, hf())
+    m, h, f, hd = b * t, c.hidden_size, c.ffn_size, c.head_dim
+    nq, nkv = c.n_heads * hd, c.n_kv_heads * hd
+    parts = {
+        "rmsnorm x2": time_numba(lambda: (rmsnorm(blk.x2, blk.w["input_layernorm.weight"], blk.h),
+                                          rmsnorm(blk.x2, blk.w["input_layernorm.weight"], blk.h)), 10),
+        "gemm q,k,v": time_numba(lambda: [G.gemm(blk.h, blk.w[f"self_attn.{p}_proj.weight"], o)
+                                          for p, o in (("q", blk.q), ("k", blk.k), ("v", blk.v))], 10),
+        "rope q,k": time_numba(lambda: (rope(blk.q.reshape(b, t, c.n_heads, hd), blk.q.reshape(b, t, c.n_heads, hd)),
+                                        rope(blk.k.reshape(b, t, c.n_kv_heads, hd), blk.k.reshape(b, t, c.n_kv_heads, hd))), 10),
+        "attention": time_numba(lambda: A.attention(blk.q.reshape(b, t, c.n_heads, hd), blk.k.reshape(b, t, c.n_kv_heads, hd),
+                                                    blk.v.reshape(b, t, c.n_kv_heads, hd), blk.a.reshape(b, t, c.n_heads, hd)), 10),
+        "gemm o": time_numba(lambda: G.gemm(blk.a, blk.w["self_attn.o_proj.weight"], blk.t), 10),
+        "gemm gate,up": time_numba(lambda: (G.gemm(blk.h, blk.w["mlp.gate_proj.weight"], blk.g),
+                                            G.gemm(blk.h, blk.w["mlp.up_proj.weight"], blk.u)), 10),
+        "swiglu": time_numba(lambda: swiglu(blk.g, blk.u, blk.u), 10),
+        "gemm down": time_numba(lambda: G.gemm(blk.g, blk.w["mlp.down_proj.weight"], blk.t), 10),
+        "residual x2": time_numba(lambda: (residual_add(blk.x2, blk.t, blk.x2), residual_add(blk.x2, blk.t, blk.x2)), 10),
+    }
+    gemm_flops = 2.0 * m * h * (nq + 2 * nkv) + 2.0 * m * nq * h + 3 * 2.0 * m * h * f
+    att_flops = 4.0 * b * c.n_heads * hd * t * (t + 1) / 2
+    rec = {"config": c.__dict__, "batch": b, "seq": t, "ours_ms": t_ours, "transformers_ms": t_hf,
+           "speed_vs_transformers": t_hf / t_ours, "rel_err_vs_transformers": err,
+           "flops": gemm_flops + att_flops, "ours_tflops": (gemm_flops + att_flops) / t_ours / 1e9,
+           "breakdown_ms": parts}
+    say(f"  block B{b} T{t}: ours {t_ours:.3f} ms, transformers {t_hf:.3f} ms "
+        f"(x{t_hf / t_ours:.2f}), err {err:.1e}")
+    for k, v in parts.items():
+        say(f"    {k:<14} {v:8.3f} ms")
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--sweep", action="store_true", help="also time other variants / tile shapes")
+    args = ap.parse_args()
+    tf32_off()
+    t0 = time.time()
+    dev = torch.cuda.get_device_name()
+    import numba
+    import transformers
+
+    RESULTS["env"] = {"device": dev, "torch": torch.__version__,
+                      "transformers": transformers.__version__, "numba": numba.__version__,
+                      "numpy": np.__version__, "python": platform.python_version(),
+                      "tf32": torch.backends.cuda.matmul.allow_tf32, "command": " ".join(sys.argv)}
+    say(f"== {dev}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"numba {numba.__version__}, TF32 {torch.backends.cuda.matmul.allow_tf32}")
+
+    say("== 1. correctness: Numba block vs transformers LlamaDecoderLayer (fp32, eager)")
+    RESULTS["block_correctness"] = []
+    for nkv in (16, 4):
+        c = LlamaBlockConfig(hidden_size=2048, n_heads=16, n_kv_heads=nkv, ffn_size=5632)
+        rec = check_block(c, 1, 1024)
+        RESULTS["block_correctness"].append(rec)
+        say(f"  H2048 nh16 nkv{nkv} F5632 T1024: rel err vs transformers "
+            f"{rec['rel_err_vs_transformers']:.2e} (device path {rec['rel_err_device_path_vs_transformers']:.2e}),"
+            f" vs numpy ref {rec['rel_err_vs_numpy_reference']:.2e}, numpy ref vs transformers "
+            f"{rec['rel_err_numpy_reference_vs_transformers']:.2e}  -> {'PASS' if rec['pass_1e-4'] else 'FAIL'}")
+    say(f"  ({time.time() - t0:.0f} s)")
+
+    say("== 2. GEMM y = x @ w.T, fp32, vs cuBLAS (torch.matmul, TF32 off)")
+    shapes = [("4096^3", (4096, 4096, 4096)),
+              ("q/o proj 1024x2048x2048", (1024, 2048, 2048)),
+              ("kv proj(gqa4) 1024x512x2048", (1024, 512, 2048)),
+              ("gate/up 1024x5632x2048", (1024, 5632, 2048)),
+              ("down 1024x2048x5632", (1024, 2048, 5632))]
+    RESULTS["gemm"] = bench_gemm(shapes, args.sweep)
+    say(f"  ({time.time() - t0:.0f} s)")
+
+    say("== 3. causal attention, fp32, vs torch SDPA")
+    RESULTS["attention"] = bench_attention([(1, 1024, 16, 16, 128), (1, 4096, 16, 4, 128)],
+                                           args.sweep)
+    say(f"  ({time.time() - t0:.0f} s)")
+
+    say("== 4. whole block, fp32, vs transformers LlamaDecoderLayer (eager)")
+    RESULTS["block"] = [bench_block(LlamaBlockConfig(), 1, 1024)]
+    say(f"  ({time.time() - t0:.0f} s)")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels_bench.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    say(f"wrote {out / 'kernels_bench.json'}")
+
+
+if __name__ == "__main__":
+    main()
