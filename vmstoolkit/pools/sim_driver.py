@@ -52,7 +52,7 @@ class SimulatedDriver(VMMDriver):
         self._reservations: SortedDict = SortedDict()  # va -> size
         self._mappings: SortedDict = SortedDict()  # va -> _Mapping
         self._faults: dict[str, tuple[int, str]] = {}
-        self._allocs: dict[int, int] = {}
+        self._allocs: SortedDict = SortedDict()  # ptr -> size of plain allocations
         self._sizes: dict[Handle, int] = {}  # every handle not yet freed, released ones included
         self._live_handle_bytes = 0  # bytes of handles not yet freed (released handles count until unmapped)
 
@@ -201,6 +201,11 @@ class SimulatedDriver(VMMDriver):
             m.accessible = True
 
     def _memset(self, va: int, size: int, value: int) -> None:
+        i = self._allocs.bisect_right(va) - 1
+        if i >= 0:
+            ptr, asize = self._allocs.peekitem(i)
+            if ptr <= va and va + size <= ptr + asize:
+                return  # inside a plain allocation
         for m in self._covered(va, size):
             if not m.accessible:
                 raise DriverError("CUDA_ERROR_ILLEGAL_ADDRESS", f"memset of [{va:#x}, +{size}) touches a mapping without access rights")
