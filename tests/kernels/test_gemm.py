@@ -18,9 +18,10 @@ def test_other_tile_shape_with_4x4_micro_tiles():
     G.validate(shapes=((19, 21, 10), (16, 16, 16)), tiles=tiles)
 
 
-def test_h200_tiles_on_a_tiny_ragged_problem():
-    # The launch shape used on the GPU for large problems (128 x 128 x 16, 8 x 8 per thread).
-    G.validate(shapes=((3, 5, 11),), tiles=G.GemmTiles(), variants=(G.DEFAULT_VARIANT,))
+@pytest.mark.parametrize("tiles", G.GPU_TILES, ids=str)
+def test_gpu_tiles_on_a_tiny_ragged_problem(tiles):
+    # The launch shapes used on the H200 (256 threads), on one ragged block.
+    G.validate(shapes=((3, 5, 19),), tiles=tiles, variants=(G.DEFAULT_VARIANT,))
 
 
 def test_choose_tiles():
@@ -28,7 +29,7 @@ def test_choose_tiles():
         assert G.choose_tiles(4096, 4096, 4096).threads <= 64
     else:
         assert G.choose_tiles(4096, 4096, 4096) == G.GPU_TILES[0]
-        assert G.choose_tiles(1024, 512, 2048) == G.GPU_TILES[-1]
+        assert G.choose_tiles(1024, 512, 2048) == G.GPU_TILES[-1]  # 64 blocks of 64 x 128
 
 
 def test_k_mismatch_dtype_and_output_shape_raise():

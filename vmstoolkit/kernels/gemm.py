@@ -35,10 +35,10 @@ from ._util import check_float32, check_ndim, simulating
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """Tile shape of the register-blocked GEMM. The defaults are the H200 choice for large
-    problems: 128 x 128 outputs per block, 256 threads each holding an 8 x 8 micro-tile (64
-    accumulators, within the 255-register budget), k slices of 16 (2 x 16 x 132 x 4 bytes =
-    16.5 KiB of shared memory)."""
+    """Tile shape of the register-blocked GEMM. Defaults: the classic shape, 128 x 128 outputs
+    per block, 256 threads each holding an 8 x 8 micro-tile (64 accumulators, within the
+    255-register budget), k slices of 16 (2 x 16 x 132 x 4 bytes = 16.5 KiB of shared memory).
+    The launcher picks from ``GPU_TILES`` (measured) instead."""
 
     bm: int = 128  # rows of y per block
     bn: int = 128  # columns of y per block
@@ -238,11 +238,18 @@ VARIANTS = {1: make_gemm_v1, 2: make_gemm_v2}
 # registers cost more than the barrier it saves, at these occupancies.
 DEFAULT_VARIANT = 1
 
-# GPU tile candidates, largest first. Measured at 4096^3 with v1: 128x128x8 9.5 TFLOP/s (two
-# barriers per 8-deep step dominate), 128x128x16 18.2, 64x128x8 18.6, 128x64x8 18.5.
+# GPU tile candidates, first that gives a full wave wins. Measured with v1 on the H200, TFLOP/s
+# (experiments/results/kernels_bench_h200_sweep*.txt; cuBLAS fp32 42-48 at these shapes):
+#                 4096^3  1024x2048x2048  1024x5632x2048  1024x2048x5632  1024x512x2048
+#   64x128x8/4x8   18.5        16.9            16.7            17.6            6.2
+#   128x128x16/8x8 17.8        17.2            15.5            17.1            4.7
+#   64x128x16/4x8  12.5        13.0            11.3            12.5            6.7
+#   64x64x16/4x4   14.9        13.8            13.8            14.6            9.2
+#   128x128x8/8x8   9.5        10.4             8.5             9.1            2.8
+# (bk = 8 pays two barriers per 8-deep step; with 128 x 128 tiles bk = 16 amortises them, with
+# 64 x 128 tiles it does not help.)
 GPU_TILES = (
-    GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=8),  # 256 threads, 16.5 KiB shared
-    GemmTiles(bm=64, bn=128, bk=16, tm=4, tn=8),  # 256 threads
+    GemmTiles(bm=64, bn=128, bk=8, tm=4, tn=8),  # 256 threads, 4 x 8 micro-tile
     GemmTiles(bm=64, bn=64, bk=16, tm=4, tn=4),  # 256 threads, for small N (GQA k/v proj)
 )
 # A launch below this many blocks leaves SMs idle (the H200 has 132).
