@@ -64,11 +64,14 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator(device="cpu").manual_seed(1)
     plan = shapes(steps_per_round)
-    losses, times = [], []
+    losses, times, alloc_s, calls = [], [], [], []
     for r in range(rounds):
         for bs, seq in plan:
             ids = torch.randint(0, VOCAB, (bs, seq), generator=gen).cuda()
             torch.cuda.synchronize()
+            if handle is not None:
+                b = handle.bridge(0)
+                s0, c0 = b.seconds, sum(b.allocator.driver.calls.values())
             t0 = time.perf_counter()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 if variant == "offload":
@@ -82,9 +85,14 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int) -> dict:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
+            if handle is not None:
+                alloc_s.append(b.seconds - s0)
+                calls.append(sum(b.allocator.driver.calls.values()) - c0)
     if handle is not None:
         peak_alloc, peak_res = handle.max_memory_allocated(), handle.max_memory_reserved()
-        extra = {"allocator_stats": handle.memory_stats(), "failed_mallocs": handle.bridge(0).failed_mallocs}
+        extra = {"allocator_stats": handle.memory_stats(), "failed_mallocs": handle.bridge(0).failed_mallocs,
+                 "allocator_seconds_per_step": alloc_s, "driver_calls_per_step": calls,
+                 "paths": dict(handle.bridge(0).allocator.counts)}
     else:
         peak_alloc, peak_res = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         extra = {"num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)}

@@ -10,6 +10,7 @@ statistics in PyTorch's ``memory_stats()`` vocabulary.
 from __future__ import annotations
 
 import threading
+import time
 
 from vmstoolkit.errors import OutOfMemoryError, VmsError
 from vmstoolkit.pools.base import Allocator
@@ -22,29 +23,36 @@ class AllocatorBridge:
         self.last_error: BaseException | None = None
         self.failed_mallocs = 0
         self.failed_frees = 0
+        self.seconds = 0.0  # wall time spent inside malloc and free (allocator CPU cost)
 
     def malloc(self, size: int) -> int:
         """Device pointer of a new ``size``-byte allocation; 0 for size 0 or on failure."""
         if size == 0:
             return 0
         with self._lock:
+            t0 = time.perf_counter()
             try:
                 return self.allocator.allocate(int(size))
             except (VmsError, MemoryError) as e:
                 self.last_error = e
                 self.failed_mallocs += 1
                 return 0
+            finally:
+                self.seconds += time.perf_counter() - t0
 
     def free(self, ptr: int) -> None:
         """Free ``ptr`` (0 is ignored); a bad pointer is recorded, never raised into C."""
         if not ptr:
             return
         with self._lock:
+            t0 = time.perf_counter()
             try:
                 self.allocator.free(int(ptr))
             except VmsError as e:
                 self.last_error = e
                 self.failed_frees += 1
+            finally:
+                self.seconds += time.perf_counter() - t0
 
     def stats(self) -> dict:
         with self._lock:

@@ -11,6 +11,7 @@ from vmstoolkit.pools.sim_driver import SimulatedDriver
 
 # Importing an allocator module registers it (the registry is the one list of names).
 from vmstoolkit.pools import native as _native  # noqa: E402,F401
+from vmstoolkit.pools import vmm_allocator as _vmm  # noqa: E402,F401
 from vmstoolkit.pools import pytorch_caching as _pytorch_caching  # noqa: E402,F401
 from vmstoolkit.pools import pytorch_expandable as _pytorch_expandable  # noqa: E402,F401
 
@@ -18,4 +19,3 @@ __all__ = [
     "Allocator", "AllocatorStats", "VMMDriver", "SimulatedDriver", "make_driver",
     "make_allocator", "allocator_names", "describe_allocators", "register_allocator",
 ]
-from vmstoolkit.pools import vmm_allocator as _vmm  # noqa: E402,F401

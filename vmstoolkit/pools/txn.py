@@ -71,6 +71,15 @@ class Graveyard:
         self.pending: list[tuple[str, int, int]] = []  # (op, a, b) in order
 
     def run(self, steps: list[tuple[str, int, int]]) -> None:
+        if any(op == "unmap" for op, _, _ in steps):
+            # No GPU work may still touch a range we unmap: a kernel or memset queued on memory
+            # the program already freed would fault (CUDA_ERROR_ILLEGAL_ADDRESS, seen on the
+            # H200). The simulated driver's synchronize is free.
+            try:
+                self.driver.synchronize()
+            except Exception:
+                self.pending.extend(steps)
+                raise
         for i, step in enumerate(steps):
             try:
                 self._do(step)

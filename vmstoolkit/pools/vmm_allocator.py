@@ -124,7 +124,7 @@ class VMMAllocator(Allocator):
         if may_stitch and prim.free_chunks > 0:
             missing = n - prim.free_chunks
             new = prim.create(missing)
-            parts = sorted(prim.free_list, key=lambda b: b.va)
+            parts = [prim.blocks[va] for va in sorted(va for _, va in prim.free_list)]
             return self._use_stitched(st.stitch(parts), "stitch_missing")
         return self._use_primitive(prim.create(n), "new")
 
@@ -138,14 +138,14 @@ class VMMAllocator(Allocator):
             while need > 0:
                 b = prim.best_fit(need)
                 if b is None or b in chosen:
-                    b = next(x for x in reversed(prim.free_list) if x not in chosen)
+                    b = next(x for x in prim.iter_free(largest_first=True) if x not in chosen)
                 if b.nchunks > need:
                     b, _ = prim.split(b, need)
                 parts.append(b)
                 chosen.add(b)
                 need -= b.nchunks
         else:  # largest-first
-            for b in list(reversed(prim.free_list)):
+            for b in prim.free_blocks(largest_first=True):
                 if need == 0:
                     break
                 if b.nchunks > need:
@@ -180,7 +180,7 @@ class VMMAllocator(Allocator):
             except DriverOutOfMemoryError as e:
                 if not self.primitives.free_list:
                     raise self._oom(size, e) from None
-                victim = self.primitives.free_list[0]
+                victim = self.primitives.free_blocks()[0]
                 self.stitched.destroy_idle(only={victim})
                 self.primitives.release(victim)
 
@@ -214,7 +214,7 @@ class VMMAllocator(Allocator):
         earlier are retried first."""
         self.graveyard.retry()
         self.stitched.destroy_idle()
-        for b in list(self.primitives.free_list):
+        for b in self.primitives.free_blocks():
             self.primitives.release(b)
         self.small.release_empty()
 

@@ -1,0 +1,100 @@
+"""Why ``vms`` is tuned the way it is: a sweep of stitch-policy knobs on the bundled traces.
+
+    python experiments/vms_policy.py [--out experiments/results/vms_policy]
+
+For each policy: utilization (peak allocated / peak reserved) over the whole replay, and the
+driver work of the second half of the replay (steady state), priced with the per-call costs
+measured on the H200 (``experiments/results/h200/gpu_pools.json``: cuMemCreate 16 us, cuMemMap
+2.9 us, cuMemSetAccess 25 us per chunk of a new mapping, cuMemUnmap ~3 us, address reserve/free
+~5 us). The price is a model, not a measurement: it says where driver time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from vmstoolkit.pools import make_allocator
+from vmstoolkit.pools.vmm_allocator import VMMAllocator
+from vmstoolkit.trace import bundled_trace_paths, load_trace
+from vmstoolkit.units import MiB
+
+COST_US = {"create": 16.0, "map": 2.9, "unmap": 3.0, "release": 5.0, "reserve": 5.0, "free_address": 5.0}
+SET_ACCESS_US_PER_CHUNK = 25.0
+
+POLICIES = {
+    "gmlake (defaults)": ("gmlake", {}),
+    "vms": ("vms", {}),
+    "vms, reuse <= 10x": ("vms", {"reuse_max_ratio": 10.0}),
+    "vms, reuse exact only": ("vms", {"reuse_max_ratio": 1.0}),
+    "vms, largest-first": ("vms", {"selection": "largest-first"}),
+    "vms, cache 256": ("vms", {"max_cached_stitched": 256}),
+    "vms, cache 8192": ("vms", {"max_cached_stitched": 8192}),
+    "vms, stitch >= 64 MiB": ("vms", {"stitch_min_bytes": 64 * MiB}),
+    "vms, reuse <= 2x": ("vms", {"reuse_max_ratio": 2.0}),
+}
+
+
+class _AccessMeter:
+    """Counts chunks given access rights, by wrapping the driver's set_access."""
+
+    def __init__(self, driver) -> None:
+        self.chunks = 0
+        inner = driver._set_access
+
+        def counted(va, size, _inner=inner):
+            self.chunks += size // driver.granularity
+            _inner(va, size)
+
+        driver._set_access = counted
+
+
+def run(name: str, options: dict, trace) -> dict:
+    a: VMMAllocator = make_allocator(name, **options)
+    meter = _AccessMeter(a.driver)
+    events = trace.alloc_free_events()
+    half = len(events) // 2
+    addr = {}
+    before = None
+    for i, e in enumerate(events):
+        if i == half:
+            before = (dict(a.driver.calls), meter.chunks, dict(a.counts))
+        if e.action.value == "alloc":
+            addr[e.addr] = a.allocate(e.size, e.stream)
+        else:
+            p = addr.pop(e.addr, None)
+            if p is not None:
+                a.free(p)
+    s = a.stats()
+    calls = {k: v - before[0].get(k, 0) for k, v in a.driver.calls.items()}
+    chunks = meter.chunks - before[1]
+    paths = {k: v - before[2].get(k, 0) for k, v in a.counts.items()}
+    us = sum(COST_US.get(k, 0.0) * v for k, v in calls.items()) + SET_ACCESS_US_PER_CHUNK * chunks
+    a.close()
+    return {"utilization": s.utilization, "peak_reserved": s.peak_reserved_bytes,
+            "steady_driver_ms": us / 1000, "steady_calls": calls, "steady_paths": paths,
+            "steady_events": len(events) - half}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    rows = []
+    for path in bundled_trace_paths():
+        trace = load_trace(path)
+        for label, (name, options) in POLICIES.items():
+            r = run(name, options, trace)
+            rows.append({"trace": trace.name.split(".")[0], "policy": label, **r})
+            print(f"{rows[-1]['trace']:14s} {label:24s} util={r['utilization']:.4f} "
+                  f"steady driver {r['steady_driver_ms']:8.1f} ms  paths {r['steady_paths']}", flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "vms_policy.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
