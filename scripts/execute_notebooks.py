@@ -13,6 +13,7 @@ notebooks gives small diffs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ NOTEBOOKS = ROOT / "notebooks"
 def execute(path: Path, timeout: int = 120, kernel_name: str = "python3") -> float:
     """Execute ``path`` in place; returns the seconds it took."""
     nb = nbformat.read(path, as_version=4)
+    os.environ.pop("MPLBACKEND", None)  # e.g. Agg from CI: ipykernel then picks inline, which saves the figures
     t0 = time.perf_counter()
     NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
