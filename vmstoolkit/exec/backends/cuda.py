@@ -38,9 +38,17 @@ def take_region(gpu: int, nbytes: int):
         from vmstoolkit.pools import make_allocator
         from vmstoolkit.pools.driver import make_driver
 
-        alloc = make_allocator("vms", driver=make_driver("cuda", device=gpu))
+        driver = make_driver("cuda", device=gpu)
+        alloc = make_allocator("vms", driver=driver)
         addr = alloc.allocate(nbytes)
-        return addr, (lambda: alloc.free(addr))
+
+        def release() -> None:
+            # give the physical memory back, not only the block: every run takes a new region
+            alloc.free(addr)
+            alloc.close()
+            driver.close()
+
+        return addr, release
     except (ImportError, ModuleNotFoundError):
         pass  # TODO(pools): the real VMM driver (vmstoolkit.pools.cuda_driver) had not landed
     from cuda.bindings import driver as cu
