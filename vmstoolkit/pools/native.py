@@ -8,7 +8,7 @@ from vmstoolkit.errors import DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
 from vmstoolkit.pools.driver import VMMDriver
 from vmstoolkit.pools.registry import register_allocator
-from vmstoolkit.pools.txn import Graveyard, Transaction
+from vmstoolkit.pools.txn import Graveyard, map_new_range, unmap_range_steps
 from vmstoolkit.units import round_up
 
 
@@ -25,15 +25,7 @@ class NativeAllocator(Allocator):
         d = self.driver
         nbytes = round_up(size, d.granularity)
         try:
-            with Transaction() as tx:
-                h = d.create(nbytes)
-                tx.on_rollback(lambda: d.release(h))
-                va = d.reserve(nbytes)
-                tx.on_rollback(lambda: d.free_address(va, nbytes))
-                d.map(va, nbytes, h)
-                tx.on_rollback(lambda: d.unmap(va, nbytes))
-                d.set_access(va, nbytes)
-                tx.commit()
+            va, h = map_new_range(d, nbytes)
         except DriverOutOfMemoryError as e:
             raise OutOfMemoryError(
                 f"native: cannot allocate {size} bytes ({nbytes} physical) with {d.physical_bytes} in use: {e}",
@@ -43,7 +35,7 @@ class NativeAllocator(Allocator):
 
     def _free(self, addr: int) -> None:
         nbytes, h = self._ranges.pop(addr)
-        self.graveyard.run([("unmap", addr, nbytes), ("release", h, nbytes), ("free_address", addr, nbytes)])
+        self.graveyard.run(unmap_range_steps(addr, nbytes, h))
 
     def empty_cache(self) -> None:
         """Nothing is cached; only teardown steps that failed earlier are retried."""

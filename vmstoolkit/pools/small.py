@@ -11,7 +11,7 @@ from __future__ import annotations
 from sortedcontainers import SortedKeyList
 
 from vmstoolkit.pools.driver import VMMDriver
-from vmstoolkit.pools.txn import Graveyard, Transaction
+from vmstoolkit.pools.txn import Graveyard, map_new_range, unmap_range_steps
 from vmstoolkit.units import MiB, round_up
 
 SMALL_SIZE = 1 * MiB  # requests up to this size are small (PyTorch's kSmallSize)
@@ -83,16 +83,8 @@ class SmallPool:
         return block.addr
 
     def _new_segment(self) -> _Block:
-        d, size = self.driver, self.segment_size
-        with Transaction() as tx:
-            h = d.create(size)
-            tx.on_rollback(lambda: d.release(h))
-            va = d.reserve(size)
-            tx.on_rollback(lambda: d.free_address(va, size))
-            d.map(va, size, h)
-            tx.on_rollback(lambda: d.unmap(va, size))
-            d.set_access(va, size)
-            tx.commit()
+        size = self.segment_size
+        va, h = map_new_range(self.driver, size)
         seg = _Segment(va, size, h)
         self.segments[va] = seg
         block = _Block(va, size, seg)
@@ -129,8 +121,7 @@ class SmallPool:
             self.free_blocks.remove(_find_whole(self.free_blocks, seg))
             del self.segments[seg.va]
             released += seg.size
-            self.graveyard.run([("unmap", seg.va, seg.size), ("release", seg.handle, seg.size),
-                                ("free_address", seg.va, seg.size)])
+            self.graveyard.run(unmap_range_steps(seg.va, seg.size, seg.handle))
         return released
 
     @property

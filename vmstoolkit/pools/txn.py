@@ -56,6 +56,25 @@ class Transaction:
         return False
 
 
+def map_new_range(driver, size: int) -> tuple[int, int]:
+    """``(va, handle)`` of ``size`` fresh bytes: create, reserve, map, set access, all or nothing."""
+    with Transaction() as tx:
+        h = driver.create(size)
+        tx.on_rollback(lambda: driver.release(h))
+        va = driver.reserve(size)
+        tx.on_rollback(lambda: driver.free_address(va, size))
+        driver.map(va, size, h)
+        tx.on_rollback(lambda: driver.unmap(va, size))
+        driver.set_access(va, size)
+        tx.commit()
+    return va, h
+
+
+def unmap_range_steps(va: int, size: int, handle: int) -> list[tuple[str, int, int]]:
+    """The teardown of :func:`map_new_range`, as :class:`Graveyard` steps."""
+    return [("unmap", va, size), ("release", handle, size), ("free_address", va, size)]
+
+
 class Graveyard:
     """Teardown that survives driver failures.
 
