@@ -79,6 +79,24 @@ def test_double_free_in_a_snapshot_is_a_clear_error(tmp_path):
     p = tmp_path / "df.pickle"
     p.write_bytes(pickle.dumps(snap))
     r = _cli("replay", str(p), "-f", "json")
-    # a second free of a trace address that is no longer live is counted, not replayed
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "double free of address 0x1000 at event 2 (already freed at event 1)" in r.stderr
+
+
+@pytest.mark.parametrize("size", [0, -4096])
+def test_bad_sizes_in_a_snapshot_are_a_clear_error(tmp_path, size):
+    p = tmp_path / "neg.pickle"
+    p.write_bytes(pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 4096, "size": size}]]}))
+    r = _cli("replay", str(p))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"allocation size must be positive, got {size}" in r.stderr
+
+
+def test_frees_from_before_recording_are_counted_not_errors(tmp_path):
+    snap = {"device_traces": [[{"action": "free_completed", "addr": 8192},
+                               {"action": "alloc", "addr": 4096, "size": 3 << 20}]]}
+    p = tmp_path / "pre.pickle"
+    p.write_bytes(pickle.dumps(snap))
+    r = _cli("replay", str(p), "-f", "json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["events"] == 3
+    assert json.loads(r.stdout)["events"] == 2

@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from vmstoolkit.errors import OutOfMemoryError
+from vmstoolkit.errors import OutOfMemoryError, TraceFormatError
 from vmstoolkit.pools.base import Allocator
 from vmstoolkit.trace.events import Action, Trace
 
@@ -75,10 +75,12 @@ def replay(
 
     The replay stops at the first out-of-memory and reports it (``oom``, ``oom_event``).
     Frees of addresses the trace never allocated (live before recording began) are skipped
-    and counted in ``unmatched_frees``.
+    and counted in ``unmatched_frees``; a second free of an address the trace allocated and
+    already freed is a corrupt trace (:class:`~vmstoolkit.errors.TraceFormatError`).
     """
     events = trace.alloc_free_events()
     addr_map: dict[int, int] = {}
+    freed_at: dict[int, int] = {}  # trace address -> event index of its last free
     driver = allocator.driver
     n = len(events)
     allocated = np.zeros(n, dtype=np.int64) if timeline else None
@@ -97,14 +99,20 @@ def replay(
                 oom_event, oom_message = i, str(err)
                 break
             addr_map[e.addr] = ptr
+            freed_at.pop(e.addr, None)
             if touch:
                 driver.memset(ptr, e.size)
         else:
             ptr = addr_map.pop(e.addr, None)
             if ptr is None:
-                unmatched += 1
+                if e.addr in freed_at:
+                    raise TraceFormatError(
+                        f"{trace.name}: double free of address {e.addr:#x} at event {i} "
+                        f"(already freed at event {freed_at[e.addr]})")
+                unmatched += 1  # allocated before recording began
             else:
                 allocator.free(ptr)
+                freed_at[e.addr] = i
         done = i + 1
         if timeline:
             allocated[i] = allocator.allocated_bytes
