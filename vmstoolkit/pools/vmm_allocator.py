@@ -70,12 +70,12 @@ utilization on the four H200 traces ckpt/full/lora/offload):
   0.66/0.72/0.79/0.64 (gmlake) and 0.78/0.80/0.97/0.72 with a 64 MiB threshold, against
   0.987/0.995/0.985/0.986 when every request may stitch.
 - ``selection="best-fit"``: take the smallest free block that covers what is still missing,
-  else the largest; against GMLake's largest-first it is within 0.002 of utilization and of
-  driver work on these traces, and keeps large free blocks whole for large requests.
+  else the largest; against GMLake's largest-first it is within 0.002 of utilization and
+  4% of driver work on these traces, and keeps large free blocks whole for large requests.
 - ``reuse_max_ratio=1.25``: a cached stitched range larger than the request wastes its excess
-  while held. 10x (GMLake) costs 0.9-3.9 points (0.948/0.987/0.979/0.970); 2x costs 0.6-3 points
-  and saves 25-45% of the modelled steady-state driver time (cuMemSetAccess on new ranges).
-- ``max_cached_stitched=1024``: 8192 changes nothing on these traces; 256 adds 0-23% driver time.
+  while held. 10x (GMLake) costs 0.7-3.9 points (0.948/0.987/0.979/0.970); 2x costs 0.6-3 points
+  and saves 25-46% of the modelled steady-state driver time (cuMemSetAccess on new ranges).
+- ``max_cached_stitched=1024``: 8192 changes nothing on these traces; 256 adds 0-24% driver time.
 """
 
 
