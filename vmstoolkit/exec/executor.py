@@ -145,7 +145,23 @@ async def run_fixed_order(mg, backend, *, lookahead: bool = True) -> RunResult:
 EXECUTORS = {"event-driven": run_event_driven, "fixed-order": run_fixed_order}
 
 
-def execute(mg, backend, executor: str = "event-driven", **kw) -> RunResult:
-    """Set up ``backend`` for ``mg`` and run it to completion on a fresh event loop."""
+async def execute_async(mg, backend, executor: str = "event-driven", **kw) -> RunResult:
+    """Set up ``backend`` for ``mg`` and run it on the running event loop (``await`` it from
+    async code or a notebook, where a loop is already running)."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
     backend.setup(mg)
-    return asyncio.run(EXECUTORS[executor](mg, backend, **kw))
+    return await EXECUTORS[executor](mg, backend, **kw)
+
+
+def execute(mg, backend, executor: str = "event-driven", **kw) -> RunResult:
+    """Set up ``backend`` for ``mg`` and run it to completion on a fresh event loop.
+
+    Inside a running loop (async code, Jupyter) use ``await execute_async(...)`` instead.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(execute_async(mg, backend, executor, **kw))
+    raise RuntimeError("execute() starts its own event loop; inside a running one (async code, "
+                       "Jupyter) use `await execute_async(mg, backend, executor)`")

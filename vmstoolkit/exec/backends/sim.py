@@ -91,6 +91,7 @@ class SimBackend:
         self.events: list = []  # (time, seq, kind, payload)
         self.seq = 0
         self.busy: dict[tuple[int, str], float] = {}
+        self.spans: list[tuple[int, int, str, float, float]] = []  # (vertex, gpu, stream, start, end)
         self._pending: dict[int, list] = {}
         if self.numerics:
             missing = [t.name for t in mg.graph.tensors if t.kind.value != "activation" and t.id not in self.values]
@@ -113,6 +114,7 @@ class SimBackend:
         end = start + dur
         self.stream_free[k] = end
         self.busy[k] = self.busy.get(k, 0.0) + dur
+        self.spans.append((v.id, v.gpu, v.stream, start, end))
         fut = asyncio.get_running_loop().create_future()
         if self.numerics:
             self._push(start, "start", v)
@@ -174,5 +176,5 @@ class SimBackend:
             out[t] = self._view(bid).copy() if bid >= 0 else self.host[t].copy()
         return out
 
-    def utilisation(self, makespan: float) -> dict[str, float]:
+    def utilization(self, makespan: float) -> dict[str, float]:
         return {f"gpu{g}.{s}": busy / makespan for (g, s), busy in sorted(self.busy.items()) if makespan > 0}
