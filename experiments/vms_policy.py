@@ -27,13 +27,13 @@ SET_ACCESS_US_PER_CHUNK = 25.0
 POLICIES = {
     "gmlake (defaults)": ("gmlake", {}),
     "vms": ("vms", {}),
-    "vms, reuse <= 10x": ("vms", {"reuse_max_ratio": 10.0}),
-    "vms, reuse exact only": ("vms", {"reuse_max_ratio": 1.0}),
+    "vms, no prefix reuse": ("vms", {"stitched_prefix": False}),
+    "vms, no prefix, reuse <= 2x": ("vms", {"stitched_prefix": False, "reuse_max_ratio": 2.0}),
+    "vms, no prefix, reuse <= 10x": ("vms", {"stitched_prefix": False, "reuse_max_ratio": 10.0}),
     "vms, largest-first": ("vms", {"selection": "largest-first"}),
     "vms, cache 256": ("vms", {"max_cached_stitched": 256}),
     "vms, cache 8192": ("vms", {"max_cached_stitched": 8192}),
     "vms, stitch >= 64 MiB": ("vms", {"stitch_min_bytes": 64 * MiB}),
-    "vms, reuse <= 2x": ("vms", {"reuse_max_ratio": 2.0}),
 }
 
 
@@ -93,7 +93,20 @@ def main() -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "vms_policy.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
+        (args.out / "vms_policy.md").write_text(markdown_table(rows) + "\n")
     return 0
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Policies by trace: ``utilization / modelled steady-state driver ms`` per cell."""
+    traces = sorted({r["trace"] for r in rows})
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    by = {(r["trace"], r["policy"]): r for r in rows}
+    lines = ["| policy | " + " | ".join(traces) + " |", "|---|" + "---|" * len(traces)]
+    for p in policies:
+        cells = [f"{by[(t, p)]['utilization']:.4f} / {by[(t, p)]['steady_driver_ms']:.0f} ms" for t in traces]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

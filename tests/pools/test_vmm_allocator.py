@@ -156,3 +156,35 @@ def test_stitched_cache_is_collected_under_its_limit():
     assert len(a.stitched.blocks) <= 2
     a.close()
     assert a.driver.is_empty()
+
+
+def test_prefix_of_a_cached_stitched_range_costs_no_driver_call():
+    a = vms()
+    x, sep, y = a.allocate(4 * G), a.allocate(2 * G), a.allocate(4 * G)
+    a.free(x)
+    a.free(y)
+    s = a.allocate(8 * G)  # stitched from x's and y's chunks
+    a.free(s)
+    calls = a.driver.calls.total()
+    p = a.allocate(5 * G)  # no free block of 5 chunks: the first 5 chunks of the cached range
+    assert a.counts["prefix"] == 1 and p == s
+    assert a.driver.calls.total() == calls
+    a.driver.memset(p, 5 * G)
+    a._check()
+    q = a.allocate(3 * G)  # the rest of the range's chunks are free for anyone
+    assert a.driver.physical_bytes == 10 * G
+    a._check()
+    a.empty_cache()  # must not unmap the held range or release chunks it maps
+    a.driver.memset(p, 5 * G)
+    a._check()
+    for ptr in (p, q, sep):
+        a.free(ptr)
+    a._check()
+    assert a.allocate(8 * G) == s  # whole again, once the prefix is freed
+    a.close()
+    assert a.driver.is_empty()
+
+
+def test_gmlake_does_not_take_prefixes():
+    a = make_allocator("gmlake", SimulatedDriver(capacity=64 * G))
+    assert not a.policy.stitched_prefix

@@ -60,15 +60,16 @@ class PrimitiveBlock:
 class StitchedBlock:
     """A virtual range of ``nchunks`` chunks mapping the chunks of ``parts`` in order."""
 
-    __slots__ = ("va", "nchunks", "parts", "busy", "allocated", "last_use")
+    __slots__ = ("va", "nchunks", "parts", "busy", "allocated", "last_use", "prefix")
 
     def __init__(self, va: int, nchunks: int, parts: list[PrimitiveBlock]) -> None:
         self.va = va
         self.nchunks = nchunks
         self.parts = parts
         self.busy = sum(1 for p in parts if not p.free)
-        self.allocated = False
+        self.allocated = False  # held whole, or through a prefix (then ``prefix`` is set)
         self.last_use = 0
+        self.prefix: StitchedPrefix | None = None
 
     @property
     def usable(self) -> bool:
@@ -76,6 +77,27 @@ class StitchedBlock:
 
     def __repr__(self) -> str:
         return f"<StitchedBlock {self.va:#x} x{self.nchunks} parts={len(self.parts)} busy={self.busy}>"
+
+
+class StitchedPrefix:
+    """An allocation of the first ``nchunks`` chunks of a cached stitched range.
+
+    The range is already mapped and accessible, so serving a smaller request from its start
+    costs no driver call and wastes nothing: ``parts`` are the primitive blocks under those
+    chunks (the last one split at the boundary if needed); the rest of the range's chunks stay
+    free for anyone. The stitched block is held (not destroyed, not reused) meanwhile.
+    """
+
+    __slots__ = ("va", "nchunks", "parts", "stitched")
+
+    def __init__(self, stitched: StitchedBlock, nchunks: int, parts: list[PrimitiveBlock]) -> None:
+        self.va = stitched.va
+        self.nchunks = nchunks
+        self.parts = parts
+        self.stitched = stitched
+
+    def __repr__(self) -> str:
+        return f"<StitchedPrefix {self.va:#x} x{self.nchunks} of {self.stitched.nchunks}>"
 
 
 def block_key(b: PrimitiveBlock | StitchedBlock) -> tuple[int, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sortedcontainers import SortedList
 
-from vmstoolkit.pools.blocks import PrimitiveBlock, StitchedBlock
+from vmstoolkit.pools.blocks import PrimitiveBlock, StitchedBlock, StitchedPrefix
 from vmstoolkit.pools.driver import VMMDriver
 from vmstoolkit.pools.primitive import PrimitivePool
 from vmstoolkit.pools.txn import Transaction
@@ -38,6 +38,7 @@ class StitchedPool:
     # stitched block on every state change of a part; counting is an integer update, and the
     # lookup skips the few busy blocks instead (replay of llama-ckpt: 1.4x faster).
     SCAN_LIMIT = 64
+    MAX_CHUNKS = 1 << 62  # no upper bound on a best-fit search
 
     def _part_used(self, p: PrimitiveBlock) -> None:
         for s in p.stitched:
@@ -124,6 +125,34 @@ class StitchedPool:
         for p in s.parts:
             self.primitives.take(p, s)
 
+    def take_prefix(self, s: StitchedBlock, nchunks: int) -> StitchedPrefix:
+        """Allocate the first ``nchunks`` chunks of a usable block (no driver call)."""
+        self.idle.remove((s.nchunks, s.va))
+        s.allocated = True
+        self._clock += 1
+        s.last_use = self._clock
+        taken, need = [], nchunks
+        for p in list(s.parts):
+            if need == 0:
+                break
+            if p.nchunks > need:
+                p, _ = self.primitives.split(p, need)  # s.parts now holds both halves
+            taken.append(p)
+            need -= p.nchunks
+        prefix = StitchedPrefix(s, nchunks, taken)
+        s.prefix = prefix
+        for p in taken:
+            self.primitives.take(p, prefix)
+        return prefix
+
+    def give_back_prefix(self, prefix: StitchedPrefix) -> None:
+        s = prefix.stitched
+        s.allocated = False
+        s.prefix = None
+        self.idle.add((s.nchunks, s.va))
+        for p in prefix.parts:
+            self.primitives.give_back(p)
+
     def give_back(self, s: StitchedBlock) -> None:
         s.allocated = False
         self.idle.add((s.nchunks, s.va))
@@ -139,7 +168,12 @@ class StitchedPool:
             for p in s.parts:
                 assert primitive_blocks.get(p.va) is p, f"{s} maps a primitive block that is gone: {p}"
                 assert s in p.stitched, f"{p} does not list {s}"
-                if s.allocated:
+                if s.allocated and s.prefix is None:
                     assert p.user is s, f"allocated {s} has part {p} used by {p.user}"
+            if s.prefix is not None:
+                pre = s.prefix
+                assert s.allocated and pre.parts == s.parts[:len(pre.parts)], f"{pre} is not a prefix of {s}"
+                assert sum(p.nchunks for p in pre.parts) == pre.nchunks < s.nchunks
+                assert all(p.user is pre for p in pre.parts), f"{pre} has parts used by others"
             assert ((s.nchunks, va) in self.idle) == (not s.allocated), f"{s} idle-set membership wrong"
         assert len(self.idle) == sum(1 for s in self.blocks.values() if not s.allocated)
