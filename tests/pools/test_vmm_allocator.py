@@ -188,3 +188,20 @@ def test_prefix_of_a_cached_stitched_range_costs_no_driver_call():
 def test_gmlake_does_not_take_prefixes():
     a = make_allocator("gmlake", SimulatedDriver(capacity=64 * G))
     assert not a.policy.stitched_prefix
+
+
+def test_block_at_describes_what_backs_an_allocation():
+    a = vms()
+    x, sep, y = a.allocate(2 * G), a.allocate(G + 1), a.allocate(2 * G)
+    small = a.allocate(1000)
+    assert a.block_at(x).kind == "primitive" and len(a.block_at(x).handles) == 2
+    assert a.block_at(small).kind == "small" and a.block_at(small).nbytes == 1024
+    hx, hy = a.block_at(x).handles, a.block_at(y).handles
+    a.free(x)
+    a.free(y)
+    s = a.allocate(4 * G)
+    info = a.block_at(s)
+    assert info.kind == "stitched" and info.nbytes == 4 * G
+    assert set(info.handles) == set(hx) | set(hy) and len(info.parts) == 2
+    with pytest.raises(InvalidFreeError, match="no live allocation"):
+        a.block_at(x)

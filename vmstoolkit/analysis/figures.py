@@ -1,14 +1,15 @@
-"""Figures of the fragmentation experiment (matplotlib, Agg backend: no display needed)."""
+"""Figures of the fragmentation experiment.
+
+Built on ``matplotlib.figure.Figure`` directly (no pyplot): no display is needed and importing
+this module never changes the backend of the caller (a notebook keeps its inline figures).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
+from matplotlib.figure import Figure
 
 GiB = 1 << 30
 _MAX_POINTS = 4000  # timelines are thinned to this many points: the figure looks the same, 10x smaller PNG
@@ -20,7 +21,8 @@ def utilization_figure(rows: list[dict], allocators: list[str], path: Path) -> P
     workloads = [r["workload"] + (" (synthetic)" if r.get("synthetic") else "") for r in rows]
     x = np.arange(len(rows))
     width = 0.8 / max(1, len(allocators))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows) + 2), 4.2))
+    fig = Figure(figsize=(max(6.0, 1.3 * len(rows) + 2), 4.2))
+    ax = fig.subplots()
     for i, a in enumerate(allocators):
         vals = [r.get(f"{a}.utilization") or 0.0 for r in rows]
         bars = ax.bar(x + (i - (len(allocators) - 1) / 2) * width, vals, width, label=a)
@@ -34,7 +36,6 @@ def utilization_figure(rows: list[dict], allocators: list[str], path: Path) -> P
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
-    plt.close(fig)
     return path
 
 
@@ -51,7 +52,8 @@ def timeline_figure(timelines: dict[str, dict], workload: str, path: Path, *, sy
     ``time_us`` arrays, one entry per event). The x axis is the event index, which is the
     same for every allocator (a trace's clock is not meaningful for a synthetic one).
     """
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig = Figure(figsize=(8, 4.2))
+    ax = fig.subplots()
     allocated_drawn = False
     for name, tl in timelines.items():
         reserved = np.asarray(tl["reserved"])
@@ -68,5 +70,4 @@ def timeline_figure(timelines: dict[str, dict], workload: str, path: Path, *, sy
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
-    plt.close(fig)
     return path

@@ -83,12 +83,11 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
 
 def plot_makespan(rows: list[dict], path) -> None:
     """Makespan and lower bound against budget (GiB), one line per executor."""
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     ok = [r for r in rows if "makespan_s" in r]
     for ex in dict.fromkeys(r["executor"] for r in ok):
         pts = sorted((r["budget"] / 2**30, r["makespan_s"]) for r in ok if r["executor"] == ex)
@@ -103,4 +102,3 @@ def plot_makespan(rows: list[dict], path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)

@@ -13,6 +13,8 @@ while every one of those primitive blocks is free; ``busy`` counts those that ar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vmstoolkit.pools.driver import Handle
 
 
@@ -72,6 +74,11 @@ class StitchedBlock:
         self.prefix: StitchedPrefix | None = None
 
     @property
+    def handles(self) -> list:
+        """The physical chunks this range maps, in address order."""
+        return [h for p in self.parts for h in p.handles]
+
+    @property
     def usable(self) -> bool:
         return self.busy == 0 and not self.allocated
 
@@ -96,8 +103,29 @@ class StitchedPrefix:
         self.parts = parts
         self.stitched = stitched
 
+    @property
+    def handles(self) -> list:
+        return [h for p in self.parts for h in p.handles]
+
     def __repr__(self) -> str:
         return f"<StitchedPrefix {self.va:#x} x{self.nchunks} of {self.stitched.nchunks}>"
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """What backs one live allocation (for teaching, debugging and tests).
+
+    ``kind`` is ``"small"`` (inside a one-chunk small-pool segment), ``"primitive"``,
+    ``"stitched"`` or ``"stitched-prefix"``; ``handles`` are the physical chunks mapped under
+    ``[va, va + nbytes)`` in order; ``parts`` the ``(va, chunks)`` of the primitive blocks whose
+    chunks a stitched range maps.
+    """
+
+    kind: str
+    va: int
+    nbytes: int
+    handles: tuple
+    parts: tuple = ()
 
 
 def block_key(b: PrimitiveBlock | StitchedBlock) -> tuple[int, int]:

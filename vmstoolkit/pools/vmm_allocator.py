@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from vmstoolkit.errors import ConfigError, DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
-from vmstoolkit.pools.blocks import PrimitiveBlock, StitchedBlock, StitchedPrefix
+from vmstoolkit.pools.blocks import BlockInfo, PrimitiveBlock, StitchedBlock, StitchedPrefix
 from vmstoolkit.pools.driver import VMMDriver
 from vmstoolkit.pools.primitive import PrimitivePool
 from vmstoolkit.pools.registry import register_allocator
@@ -227,6 +227,17 @@ class VMMAllocator(Allocator):
             self.stitched.give_back(b)
         else:
             self.primitives.give_back(b)
+
+    def block_at(self, addr: int) -> BlockInfo:
+        """What backs the live allocation at ``addr`` (see :class:`~vmstoolkit.pools.blocks.BlockInfo`)."""
+        self.size_of(addr)  # raises InvalidFreeError naming the address if nothing lives there
+        if self.small.owns(addr):
+            b = self.small.used[addr]
+            return BlockInfo("small", addr, b.size, (b.seg.handle,))
+        b = self._blocks[addr]
+        kind = {PrimitiveBlock: "primitive", StitchedBlock: "stitched", StitchedPrefix: "stitched-prefix"}[type(b)]
+        parts = () if isinstance(b, PrimitiveBlock) else tuple((p.va, p.nchunks) for p in b.parts)
+        return BlockInfo(kind, b.va, b.nchunks * self.g, tuple(b.handles), parts)
 
     def empty_cache(self) -> None:
         """Unmap every idle stitched range, give back every free primitive block and empty
