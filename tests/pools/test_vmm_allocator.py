@@ -158,6 +158,28 @@ def test_stitched_cache_is_collected_under_its_limit():
     assert a.driver.is_empty()
 
 
+def test_evictions_are_unmapped_in_batches_behind_one_sync():
+    a = vms(capacity=256 * G, max_cached_stitched=1)
+    ptrs = [a.allocate(G) for _ in range(80)]
+    keep = ptrs[::2]
+    for p in ptrs[1::2]:
+        a.free(p)  # 40 free one-chunk blocks, none adjacent to another
+    for n in range(40, 2, -1):
+        s = a.allocate(n * G)  # larger than any cached range: a new stitch, the old range evicted
+        a.free(s)
+        a._check()
+        a.allocate(G)  # keep one chunk, so the next request cannot reuse the last range
+    evicted = a.counts["stitch"] - 1
+    assert evicted >= 30
+    assert a.driver.syncs <= evicted // a.graveyard.DEFER_LIMIT + 1
+    a.empty_cache()  # flushes what is still deferred
+    assert not a.graveyard.deferred
+    for p in keep:
+        a.free(p)
+    a.close()
+    assert a.driver.is_empty()
+
+
 def test_prefix_of_a_cached_stitched_range_costs_no_driver_call():
     a = vms()
     x, sep, y = a.allocate(4 * G), a.allocate(2 * G), a.allocate(4 * G)

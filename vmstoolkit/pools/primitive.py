@@ -64,6 +64,7 @@ class PrimitivePool:
         The caller has destroyed every stitched block that maps it.
         """
         assert block.free and not block.stitched, f"release of {block} still in use or stitched"
+        self.graveyard.flush()  # evicted ranges may still map its chunks: unmap them first
         g = self.g
         self.free_list.remove((block.nchunks, block.va))
         del self.blocks[block.va]

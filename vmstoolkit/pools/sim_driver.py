@@ -52,6 +52,7 @@ class SimulatedDriver(VMMDriver):
         self._reservations: SortedDict = SortedDict()  # va -> size
         self._mappings: SortedDict = SortedDict()  # va -> _Mapping
         self._faults: dict[str, tuple[int, str]] = {}
+        self.syncs = 0  # synchronize() calls
         self._allocs: SortedDict = SortedDict()  # ptr -> size of plain allocations
         self._sizes: dict[Handle, int] = {}  # every handle not yet freed, released ones included
         self._live_handle_bytes = 0  # bytes of handles not yet freed (released handles count until unmapped)
@@ -228,6 +229,10 @@ class SimulatedDriver(VMMDriver):
 
     def _mem_info(self) -> tuple[int, int]:
         return self._capacity - self._in_use(), self._capacity
+
+    def synchronize(self) -> None:
+        """Nothing runs on a simulated device; counted, since a sync stalls a real one."""
+        self.syncs += 1
 
     # -- introspection (tests, invariants, leak checks) -----------------------------------
     def aliases(self, handle: Handle) -> int:

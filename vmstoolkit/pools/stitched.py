@@ -76,8 +76,9 @@ class StitchedPool:
         self._collect(keep=s)
         return s
 
-    def destroy(self, s: StitchedBlock) -> None:
-        """Unmap an unallocated stitched block and free its range."""
+    def destroy(self, s: StitchedBlock, defer: bool = False) -> None:
+        """Unmap an unallocated stitched block and free its range (with ``defer``, in the
+        graveyard's next batch: the range is forgotten now, its mappings go later)."""
         assert not s.allocated, f"destroy of allocated {s}"
         g = self.g
         self.idle.remove((s.nchunks, s.va))
@@ -86,7 +87,10 @@ class StitchedPool:
         del self.blocks[s.va]
         steps = [("unmap", s.va + i * g, g) for i in range(s.nchunks)]
         steps.append(("free_address", s.va, s.nchunks * g))
-        self.primitives.graveyard.run(steps)
+        if defer:
+            self.primitives.graveyard.defer(steps)
+        else:
+            self.primitives.graveyard.run(steps)
 
     def _collect(self, keep: StitchedBlock) -> None:
         """Destroy least recently used unallocated blocks (never ``keep``) beyond ``max_cached``."""
@@ -95,7 +99,7 @@ class StitchedPool:
             return
         idle = sorted((s for s in self.blocks.values() if not s.allocated and s is not keep), key=lambda s: s.last_use)
         for s in idle[:excess]:
-            self.destroy(s)
+            self.destroy(s, defer=True)  # on the allocation path: no device sync per eviction
 
     def destroy_idle(self, only: set | None = None) -> int:
         """Destroy every unallocated stitched block (or those mapping a block in ``only``)."""

@@ -83,11 +83,21 @@ class Graveyard:
     here, owned by the graveyard, and the error is raised; :meth:`retry` (called by
     ``empty_cache`` and ``close``) runs them again. So after any failure every driver resource
     is owned by exactly one block or by the graveyard: nothing leaks, nothing is freed twice.
+
+    Teardowns that need not happen now (a cached stitched range evicted on the allocation path:
+    it holds no physical memory of its own) can be :meth:`defer` red: they are run together by
+    :meth:`flush`, after a single device synchronization, once ``DEFER_LIMIT`` of them wait or
+    when memory is being given back. Unmapping needs the device idle (see :meth:`run`); on a
+    training step, one synchronization per eviction would stall the GPU pipeline every time.
     """
+
+    DEFER_LIMIT = 64  # teardowns batched behind one synchronization
 
     def __init__(self, driver) -> None:
         self.driver = driver
-        self.pending: list[tuple[str, int, int]] = []  # (op, a, b) in order
+        self.pending: list[tuple[str, int, int]] = []  # (op, a, b) in order: failed, to retry
+        self.deferred: list[tuple[str, int, int]] = []  # not run yet, on purpose
+        self._deferred_count = 0
 
     def run(self, steps: list[tuple[str, int, int]]) -> None:
         if any(op == "unmap" for op, _, _ in steps):
@@ -117,20 +127,39 @@ class Graveyard:
         else:
             raise ValueError(f"unknown teardown step {op!r}")
 
+    def defer(self, steps: list[tuple[str, int, int]]) -> None:
+        """Keep a teardown for the next :meth:`flush` (run at once past ``DEFER_LIMIT``)."""
+        self.deferred.extend(steps)
+        self._deferred_count += 1
+        if self._deferred_count >= self.DEFER_LIMIT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Run every deferred teardown, behind one synchronization."""
+        if self.deferred:
+            steps, self.deferred, self._deferred_count = self.deferred, [], 0
+            self.run(steps)
+
     def retry(self) -> None:
-        """Run the pending steps again, in order; stops (and raises) at the first failure."""
+        """Run the pending steps again, in order, then the deferred ones; stops (and raises) at
+        the first failure."""
         steps, self.pending = self.pending, []
         self.run(steps)
+        self.flush()
+
+    def _held(self):
+        yield from self.pending
+        yield from self.deferred
 
     def handles(self) -> set[int]:
-        return {a for op, a, _ in self.pending if op == "release"}
+        return {a for op, a, _ in self._held() if op == "release"}
 
     def held_bytes(self) -> int:
         """Physical bytes of handles that are still waiting to be released."""
-        return sum(b for op, _, b in self.pending if op == "release")
+        return sum(b for op, _, b in self._held() if op == "release")
 
     def mappings(self) -> int:
-        return sum(1 for op, _, _ in self.pending if op == "unmap")
+        return sum(1 for op, _, _ in self._held() if op == "unmap")
 
     def reservations(self) -> set[int]:
-        return {a for op, a, _ in self.pending if op == "free_address"}
+        return {a for op, a, _ in self._held() if op == "free_address"}

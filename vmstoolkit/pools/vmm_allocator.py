@@ -204,6 +204,7 @@ class VMMAllocator(Allocator):
 
     def _reclaim(self) -> None:
         """Destroy idle stitched ranges and give back empty small segments."""
+        self.graveyard.flush()
         self.stitched.destroy_idle()
         self.small.release_empty()
 
