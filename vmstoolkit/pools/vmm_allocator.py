@@ -4,8 +4,10 @@ A request of more than 1 MiB needs ``n`` chunks (the size rounded up to the 2 Mi
 and is served by the first of these that works:
 
 1. **exact match**: a free primitive block or a usable cached stitched block of ``n`` chunks;
-2. **single block**: split the smallest larger free primitive block, or reuse a cached stitched
-   block of at most ``reuse_max_ratio * n`` chunks;
+2. **single block**: split the smallest larger free primitive block; else take the first ``n``
+   chunks of the smallest larger usable cached stitched range (``stitched_prefix``: no driver
+   call, no waste), or reuse a whole cached stitched range of at most ``reuse_max_ratio * n``
+   chunks;
 3. **stitch**: map free primitive blocks (``selection`` picks which) into one new range;
 4. **stitch with the missing part**: create only the chunks that free memory lacks, as a new
    primitive block, and stitch it to every free block;
@@ -98,7 +100,7 @@ class VMMAllocator(Allocator):
         self.primitives = PrimitivePool(driver, self.graveyard)
         self.stitched = StitchedPool(driver, self.primitives, policy.max_cached_stitched)
         self.small = SmallPool(driver, self.graveyard)
-        self._blocks: dict[int, PrimitiveBlock | StitchedBlock] = {}  # allocated large blocks by address
+        self._blocks: dict[int, PrimitiveBlock | StitchedBlock | StitchedPrefix] = {}  # live large blocks by address
         self.counts = {"exact": 0, "split": 0, "prefix": 0, "reuse_stitched": 0, "stitch": 0, "stitch_missing": 0, "new": 0, "small": 0}
 
     # -- allocate -------------------------------------------------------------------------
@@ -140,8 +142,7 @@ class VMMAllocator(Allocator):
         if may_stitch and prim.free_chunks >= n:
             return self._use_stitched(st.stitch(self._select(n)), "stitch")
         if may_stitch and prim.free_chunks > 0:
-            missing = n - prim.free_chunks
-            new = prim.create(missing)
+            prim.create(n - prim.free_chunks)  # only the missing chunks, as one new free block
             parts = [prim.blocks[va] for va in sorted(va for _, va in prim.free_list)]
             return self._use_stitched(st.stitch(parts), "stitch_missing")
         return self._use_primitive(prim.create(n), "new")
