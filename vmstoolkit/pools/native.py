@@ -8,7 +8,8 @@ from vmstoolkit.errors import DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
 from vmstoolkit.pools.driver import VMMDriver
 from vmstoolkit.pools.registry import register_allocator
-from vmstoolkit.pools.txn import Graveyard, map_new_range, unmap_range_steps
+from vmstoolkit.pools.teardown import Graveyard, unmap_range_steps
+from vmstoolkit.pools.txn import map_new_range
 from vmstoolkit.units import round_up
 
 

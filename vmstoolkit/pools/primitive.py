@@ -8,7 +8,8 @@ from sortedcontainers import SortedList
 
 from vmstoolkit.pools.blocks import PrimitiveBlock, Reservation
 from vmstoolkit.pools.driver import VMMDriver
-from vmstoolkit.pools.txn import Graveyard, Transaction
+from vmstoolkit.pools.teardown import Graveyard
+from vmstoolkit.pools.txn import Transaction
 
 
 class PrimitivePool:

@@ -105,6 +105,7 @@ class ExpandableSegment:
 
     def _unmap_pages(self, begin: int, end: int) -> None:
         d = self.driver
+        d.synchronize()  # as PyTorch: no queued work may touch a page being unmapped
         for i in range(begin, end):
             h = self.handles[i]
             self.handles[i] = None
@@ -119,6 +120,7 @@ class ExpandableSegment:
     def close(self) -> None:
         """Unmap every page and give the virtual range back."""
         d = self.driver
+        d.synchronize()
         for i, h in enumerate(self.handles):
             if h is not None:
                 d.unmap(self.base + i * self.page, self.page)

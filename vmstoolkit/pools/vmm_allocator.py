@@ -32,7 +32,7 @@ from vmstoolkit.pools.registry import register_allocator
 from vmstoolkit.pools.sim_driver import SimulatedDriver
 from vmstoolkit.pools.small import SMALL_SIZE, SmallPool
 from vmstoolkit.pools.stitched import StitchedPool
-from vmstoolkit.pools.txn import Graveyard
+from vmstoolkit.pools.teardown import Graveyard
 from vmstoolkit.units import MiB, parse_size
 
 SELECTIONS = ("largest-first", "best-fit")
