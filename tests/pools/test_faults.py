@@ -76,3 +76,73 @@ def test_every_nth_call_of_every_operation(name, events):
             assert d.is_empty(), f"{name}: after a fault on {op} #{n}: {d.leak_report()}"
             tried += 1
     assert tried > 60
+
+
+def _small_trace(seed: int = 0, n: int = 160):
+    """A seeded trace of few-chunk requests that takes every path of the VMM allocators
+    (exact, split, prefix, stitch, stitch with the missing part, small pool)."""
+    import random
+
+    from vmstoolkit.trace.events import Action, Trace, TraceEvent
+
+    rng = random.Random(seed)
+    mib = 1 << 20
+    sizes = [300 * 1024, 900 * 1024, 3 * mib, 5 * mib, 7 * mib, 11 * mib, 17 * mib]
+    live, events, addr = [], [], 0x1000
+    for t in range(n):
+        if live and rng.random() < 0.45:
+            a = live.pop(rng.randrange(len(live)))
+            events.append(TraceEvent(Action.FREE_COMPLETED, a, 0, 0, t))
+        else:
+            addr += 1 << 26
+            live.append(addr)
+            events.append(TraceEvent(Action.ALLOC, addr, rng.choice(sizes), 0, t))
+    return Trace(name=f"faults-seed{seed}", events=tuple(events))
+
+
+@pytest.mark.parametrize("name", ["vms", "gmlake", "native"])
+def test_every_n_of_every_operation_on_a_small_replay(name):
+    """Literally every N: the N-th call of each operation fails, for every N the replay reaches
+    (with 128 MiB of device memory: the replay ends in out-of-memory, after its retries)."""
+    from vmstoolkit.trace import replay
+
+    trace = _small_trace()
+    cap = 128 << 20
+
+    def run(d):
+        a = make_allocator(name, d)
+        err, kept = None, []
+        try:
+            r = replay(trace, a, touch=True)
+            assert not r.oom or "out of memory" in r.oom_message
+            kept = list(a.graveyard.pending)  # failed teardown steps waiting for a retry
+            a.close()  # every teardown step is reached too
+        except (DriverError, OutOfMemoryError) as e:
+            err = e
+        return a, err, kept
+
+    d = SimulatedDriver(capacity=cap)
+    a, err, _ = run(d)
+    assert err is None and d.is_empty()
+    if name == "vms":
+        assert all(a.counts[k] for k in ("exact", "split", "prefix", "stitch", "small")), a.counts
+    reached = dict(d.calls)
+    runs = 0
+    for op in [op for op in OPERATIONS if reached.get(op) and op != "memset"]:
+        for n in range(1, reached[op] + 1):
+            d = SimulatedDriver(capacity=cap)
+            d.fail_on(op, n)
+            a, err, kept = run(d)
+            if err is None:
+                # absorbed only as the allocator absorbs a real failure: an out-of-memory that it
+                # answered by releasing caches and retrying, or a failed undo of a rolled-back
+                # step whose resource the graveyard now holds for a retry
+                assert op in ("create", "reserve") or kept, f"a fault on {op} #{n} vanished"
+            else:
+                assert "injected fault" in str(err) or isinstance(err, OutOfMemoryError), err
+            a._check()
+            d.clear_faults()
+            a.close()
+            assert d.is_empty(), f"{name}: after a fault on {op} #{n}: {d.leak_report()}"
+            runs += 1
+    assert runs == sum(v for k, v in reached.items() if k != "memset")

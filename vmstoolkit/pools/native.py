@@ -26,10 +26,10 @@ class NativeAllocator(Allocator):
         d = self.driver
         nbytes = round_up(size, d.granularity)
         try:
-            va, h = map_new_range(d, nbytes)
+            va, h = map_new_range(d, nbytes, self.graveyard)
         except DriverOutOfMemoryError as e:
             raise OutOfMemoryError(
-                f"native: cannot allocate {size} bytes ({nbytes} physical) with {d.physical_bytes} in use: {e}",
+                f"native: out of memory allocating {size} bytes ({nbytes} physical) with {d.physical_bytes} in use: {e}",
                 requested=size, reserved=d.physical_bytes, capacity=d.capacity) from None
         self._ranges[va] = (nbytes, h)
         return va

@@ -40,15 +40,15 @@ class PrimitivePool:
         """
         d, g = self.driver, self.g
         size = nchunks * g
-        with Transaction() as tx:
+        with Transaction(self.graveyard) as tx:
             va = d.reserve(size)
-            tx.on_rollback(lambda: d.free_address(va, size))
+            tx.undo("free_address", va, size)
             handles = []
             for i in range(nchunks):
                 h = d.create(g)
-                tx.on_rollback(lambda h=h: d.release(h))
+                tx.undo("release", h, g)
                 d.map(va + i * g, g, h)
-                tx.on_rollback(lambda i=i: d.unmap(va + i * g, g))
+                tx.undo("unmap", va + i * g, g)
                 handles.append(h)
             d.set_access(va, size)
             tx.commit()

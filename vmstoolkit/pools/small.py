@@ -85,7 +85,7 @@ class SmallPool:
 
     def _new_segment(self) -> _Block:
         size = self.segment_size
-        va, h = map_new_range(self.driver, size)
+        va, h = map_new_range(self.driver, size, self.graveyard)
         seg = _Segment(va, size, h)
         self.segments[va] = seg
         block = _Block(va, size, seg)

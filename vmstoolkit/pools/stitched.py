@@ -57,14 +57,14 @@ class StitchedPool:
         d, g = self.driver, self.g
         nchunks = sum(p.nchunks for p in parts)
         size = nchunks * g
-        with Transaction() as tx:
+        with Transaction(self.primitives.graveyard) as tx:
             va = d.reserve(size)
-            tx.on_rollback(lambda: d.free_address(va, size))
+            tx.undo("free_address", va, size)
             off = va
             for p in parts:
                 for h in p.handles:
                     d.map(off, g, h)
-                    tx.on_rollback(lambda off=off: d.unmap(off, g))
+                    tx.undo("unmap", off, g)
                     off += g
             d.set_access(va, size)
             tx.commit()

@@ -3,7 +3,9 @@
 Each step registers its undo right after it succeeds; leaving the ``with`` block without
 ``commit()`` (an exception) runs the undos in reverse order, so a failure in the middle leaves
 nothing created, reserved or mapped. An undo that itself fails is reported on the original
-error as a note, never hidden.
+error as a note, never hidden; undos given as teardown steps (``tx.undo("release", h, size)``)
+to a transaction that has a :class:`~vmstoolkit.pools.teardown.Graveyard` are run through it,
+so a failing undo leaves its resource owned by the graveyard, to be retried, not leaked.
 
 >>> log = []
 >>> try:
@@ -23,12 +25,19 @@ from typing import Callable
 
 
 class Transaction:
-    def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
+    def __init__(self, graveyard=None) -> None:
+        self._undo: list = []  # callables, or (op, a, b) teardown steps
         self._committed = False
+        self._graveyard = graveyard
 
     def on_rollback(self, undo: Callable[[], None]) -> None:
         self._undo.append(undo)
+
+    def undo(self, op: str, a: int, b: int) -> None:
+        """Register a teardown step (``unmap``, ``release``, ``free_address``) as an undo."""
+        if self._graveyard is None:
+            raise ValueError("teardown-step undos need a transaction with a graveyard")
+        self._undo.append((op, a, b))
 
     def commit(self) -> None:
         self._committed = True
@@ -38,6 +47,15 @@ class Transaction:
         errors = []
         while self._undo:
             undo = self._undo.pop()
+            if isinstance(undo, tuple):
+                steps = [undo]
+                while self._undo and isinstance(self._undo[-1], tuple):
+                    steps.append(self._undo.pop())
+                try:
+                    self._graveyard.run(steps)  # a failed step and the rest wait there
+                except Exception as e:
+                    errors.append(e)
+                continue
             try:
                 undo()
             except Exception as e:  # keep undoing: report, never hide
@@ -56,15 +74,15 @@ class Transaction:
         return False
 
 
-def map_new_range(driver, size: int) -> tuple[int, int]:
+def map_new_range(driver, size: int, graveyard) -> tuple[int, int]:
     """``(va, handle)`` of ``size`` fresh bytes: create, reserve, map, set access, all or nothing."""
-    with Transaction() as tx:
+    with Transaction(graveyard) as tx:
         h = driver.create(size)
-        tx.on_rollback(lambda: driver.release(h))
+        tx.undo("release", h, size)
         va = driver.reserve(size)
-        tx.on_rollback(lambda: driver.free_address(va, size))
+        tx.undo("free_address", va, size)
         driver.map(va, size, h)
-        tx.on_rollback(lambda: driver.unmap(va, size))
+        tx.undo("unmap", va, size)
         driver.set_access(va, size)
         tx.commit()
     return va, h
