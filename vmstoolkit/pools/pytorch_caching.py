@@ -45,6 +45,7 @@ from vmstoolkit.pools.base import Allocator
 from vmstoolkit.pools.driver import VMMDriver, make_driver  # noqa: F401  (make_driver: doctest)
 from vmstoolkit.pools.pytorch_config import UNLIMITED, PyTorchAllocConfig, as_config
 from vmstoolkit.pools.registry import register_allocator
+from vmstoolkit.pools.teardown import Graveyard
 
 # The constants of CUDACachingAllocator.cpp, with its names.
 kMinBlockSize = 512  # every size is rounded to a multiple of 512 bytes
@@ -179,6 +180,7 @@ class PyTorchCachingAllocator(Allocator):
 
     def __init__(self, driver: VMMDriver, config: str | PyTorchAllocConfig | None = None) -> None:
         super().__init__(driver)
+        self.graveyard = Graveyard(driver)
         self.config = as_config(config)
         if self.config.expandable_segments != self.expandable:
             raise ConfigError(
@@ -249,6 +251,7 @@ class PyTorchCachingAllocator(Allocator):
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: give back every cached segment nothing uses."""
+        self.graveyard.retry()
         self._release_cached_blocks()
 
     # -- the steps of malloc ---------------------------------------------------------------
@@ -326,9 +329,10 @@ class PyTorchCachingAllocator(Allocator):
         """``cudaFree`` a whole cached segment."""
         pool.remove(block)
         del self.segments[block.ptr]
-        self.driver.mem_free(block.ptr)
         self.total_reserved -= block.size
         self.num_device_free += 1
+        # state first, then the driver: a failed cudaFree waits in the graveyard for a retry
+        self.graveyard.run([("mem_free", block.ptr, block.size)])
 
     def _release_available_cached_blocks(self, pool: BlockPool, stream: int, size: int) -> bool:
         """Free oversize cached blocks, just enough for ``size``: the first retry."""
@@ -442,3 +446,6 @@ class PyTorchCachingAllocator(Allocator):
             assert pos - ptr == self.segments[ptr], f"{self.name}: blocks of segment {ptr:#x} cover {pos - ptr}, not {self.segments[ptr]}"
         assert used + free == self.total_reserved == sum(self.segments.values()), \
             f"{self.name}: used {used} + free {free} != reserved {self.total_reserved}"
+        held = self.total_reserved + self.graveyard.held_bytes()
+        assert held == self.driver.physical_bytes, \
+            f"{self.name}: holds {held} bytes (graveyard included), the driver counts {self.driver.physical_bytes}"

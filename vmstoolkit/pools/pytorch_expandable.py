@@ -37,6 +37,7 @@ from vmstoolkit.pools.pytorch_caching import (
 )
 from vmstoolkit.pools.pytorch_config import PyTorchAllocConfig
 from vmstoolkit.pools.registry import register_allocator
+from vmstoolkit.pools.teardown import Graveyard
 from vmstoolkit.pools.txn import Transaction
 
 
@@ -47,8 +48,9 @@ class ExpandableSegment:
     (``None``: not mapped).
     """
 
-    def __init__(self, driver: VMMDriver, stream: int, page_size: int, device_memory: int) -> None:
+    def __init__(self, driver: VMMDriver, stream: int, page_size: int, device_memory: int, graveyard: Graveyard) -> None:
         self.driver = driver
+        self.graveyard = graveyard
         self.stream = stream
         self.page = page_size
         # As PyTorch: address space for 1 1/8 of the device memory, so pages unmapped early in
@@ -73,17 +75,17 @@ class ExpandableSegment:
         while len(self.handles) < end:
             self.handles.append(None)
         try:
-            with Transaction() as tx:
+            with Transaction(self.graveyard) as tx:
                 new = []
                 for i in range(begin, end):
                     assert self.handles[i] is None, f"page {i} of segment {self.base:#x} mapped twice"
                     h = d.create(page)
-                    tx.on_rollback(lambda h=h: d.release(h))
+                    tx.undo("release", h, page)
                     new.append(h)
                 for i, h in zip(range(begin, end), new):
                     va = self.base + i * page
                     d.map(va, page, h)
-                    tx.on_rollback(lambda va=va: d.unmap(va, page))
+                    tx.undo("unmap", va, page)
                 d.set_access(ptr, (end - begin) * page)
                 tx.commit()
         except DriverOutOfMemoryError:
@@ -93,40 +95,36 @@ class ExpandableSegment:
             self.handles[i] = h
         return (end - begin) * page
 
-    def unmap(self, ptr: int, size: int) -> tuple[int, int]:
-        """Unmap the pages lying wholly inside ``[ptr, ptr+size)``: returns (start, bytes)."""
+    def unmap(self, ptr: int, size: int) -> tuple[int, int, list]:
+        """Forget the pages lying wholly inside ``[ptr, ptr+size)``: returns (start, bytes,
+        teardown steps). The caller updates its own state, then runs the steps through its
+        graveyard (which synchronizes first, as PyTorch does before unmapping)."""
         page = self.page
         begin = -(-(ptr - self.base) // page)
         end = (ptr + size - self.base) // page
         if begin >= end:
-            return ptr, 0
-        self._unmap_pages(begin, end)
-        return self.base + begin * page, (end - begin) * page
-
-    def _unmap_pages(self, begin: int, end: int) -> None:
-        d = self.driver
-        d.synchronize()  # as PyTorch: no queued work may touch a page being unmapped
+            return ptr, 0, []
+        steps = []
         for i in range(begin, end):
             h = self.handles[i]
             self.handles[i] = None
-            d.unmap(self.base + i * self.page, self.page)
-            d.release(h)
+            steps += [("unmap", self.base + i * page, page), ("release", h, page)]
         self._trim()
+        return self.base + begin * page, (end - begin) * page, steps
 
     def _trim(self) -> None:
         while self.handles and self.handles[-1] is None:
             self.handles.pop()
 
-    def close(self) -> None:
-        """Unmap every page and give the virtual range back."""
-        d = self.driver
-        d.synchronize()
+    def close(self) -> list:
+        """Forget every page and the virtual range: returns the teardown steps to run."""
+        steps = []
         for i, h in enumerate(self.handles):
             if h is not None:
-                d.unmap(self.base + i * self.page, self.page)
-                d.release(h)
+                steps += [("unmap", self.base + i * self.page, self.page), ("release", h, self.page)]
         self.handles.clear()
-        d.free_address(self.base, self.size)
+        steps.append(("free_address", self.base, self.size))
+        return steps
 
 
 @register_allocator("pytorch-expandable", "simulation of PyTorch's expandable_segments:True (one growing mapped range per stream and pool)")
@@ -223,7 +221,7 @@ class PyTorchExpandableAllocator(PyTorchCachingAllocator):
             if room >= size:
                 return c
         page = kSmallBuffer if pool.small else kLargeBuffer
-        es = ExpandableSegment(self.driver, stream, page, self.driver.capacity)
+        es = ExpandableSegment(self.driver, stream, page, self.driver.capacity, self.graveyard)
         self.expandable_segments.append(es)
         b = Block(es.base, es.size, stream, pool.small, es)
         b.mapped = False
@@ -256,7 +254,7 @@ class PyTorchExpandableAllocator(PyTorchCachingAllocator):
 
     def _unmap_block(self, block: Block, pool: BlockPool) -> None:
         """Unmap the whole pages of free ``block``; the partial pages at its ends stay cached."""
-        start, nbytes = block.segment.unmap(block.ptr, block.size)
+        start, nbytes, steps = block.segment.unmap(block.ptr, block.size)
         if nbytes == 0:
             return
         pool.remove(block)
@@ -282,13 +280,14 @@ class PyTorchExpandableAllocator(PyTorchCachingAllocator):
         pool.insert_unmapped(block)
         self.total_reserved -= nbytes
         self.num_device_free += 1
+        self.graveyard.run(steps)  # state is consistent first; a failed step waits for a retry
 
     def _release_segment(self, block: Block, pool: BlockPool) -> None:
         es = block.segment
         assert not block.mapped and block.size == es.size, f"segment {es.base:#x} released while in use"
         pool.remove_unmapped(block)
         self.expandable_segments.remove(es)
-        es.close()
+        self.graveyard.run(es.close())
 
     # -- invariants ------------------------------------------------------------------------
     def _check_segments(self) -> None:

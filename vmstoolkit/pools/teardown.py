@@ -57,6 +57,8 @@ class Graveyard:
             self.driver.release(a)
         elif op == "free_address":
             self.driver.free_address(a, b)
+        elif op == "mem_free":
+            self.driver.mem_free(a)
         else:
             raise ValueError(f"unknown teardown step {op!r}")
 
@@ -88,8 +90,8 @@ class Graveyard:
         return {a for op, a, _ in self._held() if op == "release"}
 
     def held_bytes(self) -> int:
-        """Physical bytes of handles that are still waiting to be released."""
-        return sum(b for op, _, b in self._held() if op == "release")
+        """Physical bytes still waiting to be given back (handles to release, plain frees)."""
+        return sum(b for op, _, b in self._held() if op in ("release", "mem_free"))
 
     def mappings(self) -> int:
         return sum(1 for op, _, _ in self._held() if op == "unmap")
