@@ -91,3 +91,58 @@ def test_torch_install_without_torch_or_gpu_is_a_clear_error():
     if not torch.cuda.is_available():
         with pytest.raises(VmsError, match="PyTorch sees no CUDA GPU"):
             vt.install("vms")
+
+
+def test_numba_plugin_logic_on_the_simulated_driver():
+    """The EMM plugin class itself, outside Numba's CUDA simulator (which has no EMM), with the
+    real driver swapped for the simulated one and a stand-in context: allocation, deferred
+    frees as Numba defers them, the retry after flushing them, statistics."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import gc
+        import logging
+        import numba.cuda.cudadrv.driver as numba_driver
+        import vmstoolkit.integrations.numba as vn
+        # Numba defines its driver logger when it initialises a real driver; there is none here
+        if not hasattr(numba_driver, "_logger"):
+            numba_driver._logger = logging.getLogger("numba.cuda.cudadrv.driver")
+        from vmstoolkit.pools import make_driver
+        vn.make_driver = lambda kind, device=0: make_driver("sim", capacity="64MiB")
+        MM = vn.make_memory_manager("vms")
+
+        class Device:
+            id = 0
+
+        class Context:
+            device = Device()
+
+        ctx = Context()
+        mm = MM(context=ctx)
+        mm.initialize()
+        assert mm.interface_version == 1
+        # Numba runs deferred frees once they pass 20% of the device: 10 MiB of 64 stay queued
+        keep = mm.memalloc(52 << 20)
+        b = mm.memalloc(10 << 20)
+        assert keep.size == 52 << 20 and int(b.device_pointer) != 0
+        assert mm.stats()["allocated_bytes.all.current"] == 62 << 20
+        del b
+        gc.collect()
+        assert mm.stats()["allocated_bytes.all.current"] == 62 << 20  # deferred, as Numba does
+        c = mm.memalloc(10 << 20)  # fits only once the deferred free has run: flushed, retried
+        assert mm.stats()["allocated_bytes.all.current"] == 62 << 20
+        try:
+            mm.memalloc(4 << 20)
+        except Exception as e:
+            assert "cannot allocate 4194304 bytes" in str(e), e
+        else:
+            raise AssertionError("no error on a full device")
+        free, total = mm.get_memory_info()
+        assert total == 64 << 20
+        print("ok")
+    """)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

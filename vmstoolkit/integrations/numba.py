@@ -29,8 +29,8 @@ def make_memory_manager(allocator: str = "vms", **options):
         raise VmsError("Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) has no external memory "
                        "management; the vmstoolkit EMM plugin needs a real GPU")
     try:
-        from numba import cuda
         from numba.cuda import GetIpcHandleMixin, HostOnlyCUDAMemoryManager, MemoryInfo, MemoryPointer
+        from numba.cuda.cudadrv.driver import CudaAPIError
     except ImportError as e:
         raise VmsError(f"numba-cuda is not usable here ({e})") from None
     make_allocator(allocator, make_driver("sim"), **options)  # validate name and options early
@@ -44,15 +44,30 @@ def make_memory_manager(allocator: str = "vms", **options):
             if getattr(self, "bridge", None) is None:
                 dev = self.context.device.id
                 self.bridge = AllocatorBridge(make_allocator(allocator, make_driver("cuda", device=dev), **options))
+                try:  # as Numba's own manager: bound the queue of deferred frees by the device size
+                    from numba.cuda.cudadrv.driver import _SizeNotSet
+                    if self.deallocations.memory_capacity == _SizeNotSet:
+                        self.deallocations.memory_capacity = self.get_memory_info().total
+                except ImportError:
+                    pass
 
         def memalloc(self, size):
             self.initialize()
-            ptr = self.bridge.malloc(size)
-            if not ptr:
-                raise cuda.cudadrv.driver.CudaAPIError(2, f"vmstoolkit {allocator}: cannot allocate {size} bytes ({self.bridge.last_error})")
             bridge = self.bridge
-            return MemoryPointer(weakref.proxy(self.context), ctypes.c_void_p(ptr), size,
-                                 finalizer=lambda: bridge.free(ptr))
+            ptr = bridge.malloc(size)
+            if not ptr and size:
+                self.deallocations.clear()  # run the deferred frees, then try once more
+                ptr = bridge.malloc(size)
+            if not ptr and size:
+                raise CudaAPIError(2, f"vmstoolkit {allocator}: cannot allocate {size} bytes ({bridge.last_error})")
+            deallocations = self.deallocations
+
+            def finalizer():
+                # Deferred, as Numba defers cuMemFree: kernels queued on the memory may still
+                # run; the queue is flushed at Numba's sync points and before a retry.
+                deallocations.add_item(bridge.free, ptr, size)
+
+            return MemoryPointer(weakref.proxy(self.context), ctypes.c_void_p(ptr), size, finalizer=finalizer)
 
         def get_memory_info(self):
             self.initialize()
