@@ -100,3 +100,20 @@ def test_frees_from_before_recording_are_counted_not_errors(tmp_path):
     r = _cli("replay", str(p), "-f", "json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["events"] == 2
+
+
+def test_allocator_options(traces_dir):
+    t = str(traces_dir / "llama-ckpt.caching.pickle.gz")
+    base = runner.invoke(app, ["replay", t, "-a", "vms", "-f", "json"])
+    tuned = runner.invoke(app, ["replay", t, "-a", "vms", "-f", "json", "-o", "stitched_prefix=false", "-o", "reuse_max_ratio=10"])
+    assert base.exit_code == tuned.exit_code == 0, tuned.output
+    assert json.loads(tuned.stdout)["utilization"] < json.loads(base.stdout)["utilization"] - 0.02
+    cfg = runner.invoke(app, ["replay", t, "-a", "pytorch-caching", "-f", "json", "-o", "config=max_split_size_mb:128"])
+    assert cfg.exit_code == 0 and json.loads(cfg.stdout)["utilization"] < 0.7
+
+
+@pytest.mark.parametrize("opt, match", [("nope=1", "unknown stitch policy option"), ("junk", "KEY=VALUE"),
+                                        ("selection=random", "unknown stitch selection")])
+def test_bad_allocator_options(traces_dir, opt, match):
+    r = _cli("replay", str(traces_dir / "llama-lora.caching.pickle.gz"), "-a", "vms", "-o", opt)
+    assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr

@@ -37,6 +37,30 @@ def size_option(value: str | None, what: str) -> int | None:
     return n
 
 
+def parse_options(items: list[str] | None) -> dict:
+    """``["reuse_max_ratio=2", "selection=largest-first"]`` -> keyword options for
+    :func:`~vmstoolkit.pools.make_allocator`; numbers and true/false are converted, the rest
+    stays text (sizes such as ``64MiB`` are parsed by the allocator)."""
+    out: dict = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            fail(f"--option takes KEY=VALUE, got {item!r}", code=2)
+        value = value.strip()
+        if value.lower() in ("true", "false"):
+            out[key.strip()] = value.lower() == "true"
+            continue
+        for conv in (int, float):
+            try:
+                out[key.strip()] = conv(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key.strip()] = value
+    return out
+
+
 def rows_to_csv(rows: list[dict]) -> str:
     if not rows:
         return ""
@@ -52,4 +76,4 @@ def json_lines(rows: list[dict]) -> str:
     return "".join(json.dumps(r, sort_keys=False) + "\n" for r in rows)
 
 
-__all__ = ["OutputFormat", "fail", "size_option", "rows_to_csv", "json_lines", "VmsError"]
+__all__ = ["OutputFormat", "fail", "size_option", "parse_options", "rows_to_csv", "json_lines", "VmsError"]

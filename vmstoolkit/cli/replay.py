@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from vmstoolkit.cli.common import OutputFormat, fail, json_lines, rows_to_csv, size_option
+from vmstoolkit.cli.common import OutputFormat, fail, json_lines, parse_options, rows_to_csv, size_option
 from vmstoolkit.errors import VmsError
 from vmstoolkit.units import format_size
 
@@ -37,6 +37,7 @@ def replay_command(
     fmt: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
     device: Annotated[str, typer.Option(help="Driver: 'sim' (simulated, default) or 'cuda' (really map GPU memory).")] = "sim",
     touch: Annotated[bool, typer.Option(help="Write every allocation once (memset) to prove it is mapped.")] = False,
+    option: Annotated[list[str], typer.Option("--option", "-o", help="Allocator option KEY=VALUE, repeatable: e.g. reuse_max_ratio=2 or stitch_min_bytes=64MiB (vms, gmlake), config=max_split_size_mb:128 (pytorch-*).")] = None,
 ) -> None:
     """Replay snapshots through allocators: peak allocated, peak reserved, utilization, fragmentation."""
     from vmstoolkit.pools import allocator_names
@@ -51,6 +52,15 @@ def replay_command(
     cap = size_option(capacity, "--capacity")
     if device not in ("sim", "cuda"):
         fail(f"unknown device {device!r} (choose 'sim' or 'cuda')", code=2)
+    options = parse_options(option)
+    if options:
+        from vmstoolkit.pools import make_allocator
+
+        for n in names:  # check the options against every chosen allocator before replaying
+            try:
+                make_allocator(n, **options)
+            except VmsError as e:
+                fail(str(e), code=2)
     paths = list(traces) if traces else bundled_trace_paths()
     err = Console(stderr=True)
     rows = []
@@ -60,7 +70,7 @@ def replay_command(
             for name in names:
                 task = progress.add_task(f"{Path(path).name} / {name}", total=None)
                 try:
-                    result = replay_one(path, name, capacity=cap, device=device, touch=touch,
+                    result = replay_one(path, name, capacity=cap, device=device, touch=touch, options=options,
                                         progress=lambda done, total, t=task: progress.update(t, completed=done, total=total))
                 except VmsError as e:
                     fail(str(e))
