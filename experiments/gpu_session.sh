@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything that needs the H200, in the order to run it, each step bounded so that one step's
+# failure leaves the others' results. Usage on the device machine, from the repository root:
+#
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD    # numpy 2.3.5 for numba-cuda
+#   bash experiments/gpu_session.sh STEP $OUT
+#
+# STEP is one of: tests (about 2 min), pools (about 3 min), train (about 8 min),
+# offload (about 6 min), kernels (about 3 min). Give each a call of its own (10-minute limit).
+set -u
+step=${1:?step: tests|pools|train|offload|kernels}
+out=${2:?output folder}
+export PYTHONUNBUFFERED=1
+mkdir -p "$out"
+case "$step" in
+  tests)   VMSTOOLKIT_REAL_GPU=1 timeout 300 python3 -m pytest tests/gpu tests/kernels -q 2>&1 | tee "$out/tests.log" ;;
+  pools)   timeout 400 python3 experiments/gpu_pools.py --out "$out/pools" 2>&1 | tee "$out/pools.log" ;;
+  train)   timeout 560 python3 experiments/train_llama_gpu.py --out "$out/train" --rounds 3 2>&1 | tee "$out/train.log" ;;
+  offload) timeout 560 python3 experiments/offload_gpu.py --out "$out/offload" 2>&1 | tee "$out/offload.log" ;;
+  kernels) timeout 400 python3 experiments/kernels_bench.py --out "$out/kernels" 2>&1 | tee "$out/kernels.log" ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
