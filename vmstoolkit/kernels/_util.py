@@ -71,3 +71,23 @@ def to_device(a, stream=0):
     if hasattr(a, "__cuda_array_interface__"):
         return cuda.as_cuda_array(a)
     return cuda.to_device(np.ascontiguousarray(np.asarray(a)), stream=stream)
+
+
+def check_binary_elementwise(op: str, names: tuple[str, str, str], a, b, y) -> None:
+    """float32 inputs and output of one shape, or a ValueError naming ``op`` and the shapes."""
+    for name, arr in zip(names, (a, b, y)):
+        check_float32(name, arr)
+    if tuple(a.shape) != tuple(b.shape) or tuple(y.shape) != tuple(a.shape):
+        raise ValueError(
+            f"{op}: {names[0]} {tuple(a.shape)}, {names[1]} {tuple(b.shape)} and output "
+            f"{tuple(y.shape)} must have one shape"
+        )
+
+
+def launch_binary_elementwise(kernel, a, b, y, stream=0) -> None:
+    """Enqueue a grid-stride ``kernel(a, b, y)`` over the flattened arrays (nothing for size 0)."""
+    fa, fb, fy = flat(a), flat(b), flat(y)
+    if fa.shape[0] == 0:
+        return
+    blocks, threads = elementwise_grid(fa.shape[0])
+    kernel[blocks, threads, stream](fa, fb, fy)

@@ -12,7 +12,7 @@ import numpy as np
 from numba import cuda
 
 from . import reference
-from ._util import check_float32, elementwise_grid, flat
+from ._util import check_binary_elementwise, launch_binary_elementwise
 
 
 @lru_cache(maxsize=None)
@@ -27,23 +27,13 @@ def make_residual_kernel():
 
 
 def check_args(a, b, y) -> None:
-    for name, arr in (("a", a), ("b", b), ("residual output", y)):
-        check_float32(name, arr)
-    if tuple(a.shape) != tuple(b.shape) or tuple(y.shape) != tuple(a.shape):
-        raise ValueError(
-            f"residual_add: a {tuple(a.shape)}, b {tuple(b.shape)} and output "
-            f"{tuple(y.shape)} must have one shape"
-        )
+    check_binary_elementwise("residual_add", ("a", "b", "residual output"), a, b, y)
 
 
 def residual_add(a, b, y, stream=0):
     """Enqueue ``y = a + b`` (contiguous arrays of one shape)."""
     check_args(a, b, y)
-    fa, fb, fy = flat(a), flat(b), flat(y)
-    if fa.shape[0] == 0:
-        return
-    blocks, threads = elementwise_grid(fa.shape[0])
-    make_residual_kernel()[blocks, threads, stream](fa, fb, fy)
+    launch_binary_elementwise(make_residual_kernel(), a, b, y, stream)
 
 
 def validate(shapes=((7,), (3, 33), (2, 5, 9)), seed: int = 0) -> list[dict]:

@@ -13,7 +13,7 @@ import numpy as np
 from numba import cuda, float32
 
 from . import reference
-from ._util import check_float32, elementwise_grid, flat
+from ._util import check_binary_elementwise, launch_binary_elementwise
 
 
 @lru_cache(maxsize=None)
@@ -29,23 +29,13 @@ def make_swiglu_kernel():
 
 
 def check_args(gate, up, y) -> None:
-    for name, a in (("gate", gate), ("up", up), ("swiglu output", y)):
-        check_float32(name, a)
-    if tuple(gate.shape) != tuple(up.shape) or tuple(y.shape) != tuple(gate.shape):
-        raise ValueError(
-            f"swiglu: gate {tuple(gate.shape)}, up {tuple(up.shape)} and output "
-            f"{tuple(y.shape)} must have one shape"
-        )
+    check_binary_elementwise("swiglu", ("gate", "up", "swiglu output"), gate, up, y)
 
 
 def swiglu(gate, up, y, stream=0):
     """Enqueue ``y = silu(gate) * up`` (contiguous arrays of one shape)."""
     check_args(gate, up, y)
-    g, u, o = flat(gate), flat(up), flat(y)
-    if g.shape[0] == 0:
-        return
-    blocks, threads = elementwise_grid(g.shape[0])
-    make_swiglu_kernel()[blocks, threads, stream](g, u, o)
+    launch_binary_elementwise(make_swiglu_kernel(), gate, up, y, stream)
 
 
 def validate(shapes=((7,), (3, 33), (2, 5, 9)), rtol: float = 1e-5, seed: int = 0) -> list[dict]:
