@@ -40,6 +40,20 @@ def _replay(alloc, events, after_each=None) -> BaseException | None:
     return None
 
 
+def _after_fault(name, d, a, op, n, err, kept) -> None:
+    """What must hold after the N-th call of ``op`` failed: a clear error, or a failure absorbed
+    only as a real one is (an out-of-memory answered by releasing caches and retrying, or a
+    failed undo whose resource the graveyard now holds for a retry); invariants; no leak."""
+    if err is None:
+        assert op in ("create", "reserve", "mem_alloc") or kept, f"a fault on {op} #{n} vanished"
+    else:
+        assert "injected fault" in str(err) or isinstance(err, OutOfMemoryError), err
+    a._check()
+    d.clear_faults()
+    a.close()
+    assert d.is_empty(), f"{name}: after a fault on {op} #{n}: {d.leak_report()}"
+
+
 def _calls_reached(name, events):
     a = make_allocator(name, SimulatedDriver())
     assert _replay(a, events, after_each=a.empty_cache if name != "native" else None) is None
@@ -64,16 +78,7 @@ def test_every_nth_call_of_every_operation(name, events):
             a = make_allocator(name, d)
             err = _replay(a, events, after_each=a.empty_cache if name != "native" else None)
             assert d.calls[op] >= n, f"{op} #{n} was not reached"
-            if err is None:
-                # only an out-of-memory fault may be absorbed: the allocator released its
-                # caches and retried, as it does on a real OOM
-                assert op in ("create", "reserve", "mem_alloc"), f"a fault on {op} #{n} vanished"
-            else:
-                assert "injected fault" in str(err) or isinstance(err, OutOfMemoryError), err
-            a._check()
-            d.clear_faults()
-            a.close()
-            assert d.is_empty(), f"{name}: after a fault on {op} #{n}: {d.leak_report()}"
+            _after_fault(name, d, a, op, n, err, kept=list(getattr(a, "graveyard", None).pending) if hasattr(a, "graveyard") else [])
             tried += 1
     assert tried > 60
 
@@ -133,16 +138,6 @@ def test_every_n_of_every_operation_on_a_small_replay(name):
             d = SimulatedDriver(capacity=cap)
             d.fail_on(op, n)
             a, err, kept = run(d)
-            if err is None:
-                # absorbed only as the allocator absorbs a real failure: an out-of-memory that it
-                # answered by releasing caches and retrying, or a failed undo of a rolled-back
-                # step whose resource the graveyard now holds for a retry
-                assert op in ("create", "reserve", "mem_alloc") or kept, f"a fault on {op} #{n} vanished"
-            else:
-                assert "injected fault" in str(err) or isinstance(err, OutOfMemoryError), err
-            a._check()
-            d.clear_faults()
-            a.close()
-            assert d.is_empty(), f"{name}: after a fault on {op} #{n}: {d.leak_report()}"
+            _after_fault(name, d, a, op, n, err, kept)
             runs += 1
     assert runs == sum(v for k, v in reached.items() if k != "memset")
