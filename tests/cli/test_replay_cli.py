@@ -24,7 +24,16 @@ def test_json_lines_have_the_documented_keys(traces_dir):
                     "fragmentation", "oom", "driver_calls", "seconds"):
             assert key in r
         assert r["trace"] == "llama-lora.caching" and r["oom"] is False
+    paths = rows[0]["paths"]  # vms says how it served the requests
+    assert paths["small"] > 0 and sum(paths.values()) == rows[0]["events"] - _frees(traces_dir)  # one path per alloc
     assert rows[0]["utilization"] > rows[1]["utilization"] - 1  # both real numbers
+
+
+def _frees(traces_dir):
+    from vmstoolkit.trace import load_trace
+
+    t = load_trace(traces_dir / "llama-lora.caching.pickle.gz")
+    return sum(1 for e in t.alloc_free_events() if e.action.value != "alloc")
 
 
 def test_table_and_csv(traces_dir):

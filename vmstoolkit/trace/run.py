@@ -42,4 +42,7 @@ def replay_one(
     extra = getattr(driver, "replay_extra", None)
     if callable(extra):
         result.extra.update(extra())
+    paths = getattr(alloc, "counts", None)  # how the VMM allocators served each request
+    if isinstance(paths, dict):
+        result.extra["paths"] = dict(paths)
     return result
