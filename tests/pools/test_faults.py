@@ -40,6 +40,11 @@ def _replay(alloc, events, after_each=None) -> BaseException | None:
     return None
 
 
+def _kept(a) -> list:
+    """Failed teardown steps the allocator's graveyard holds for a retry."""
+    return list(a.graveyard.pending)
+
+
 def _after_fault(name, d, a, op, n, err, kept) -> None:
     """What must hold after the N-th call of ``op`` failed: a clear error, or a failure absorbed
     only as a real one is (an out-of-memory answered by releasing caches and retrying, or a
@@ -78,7 +83,7 @@ def test_every_nth_call_of_every_operation(name, events):
             a = make_allocator(name, d)
             err = _replay(a, events, after_each=a.empty_cache if name != "native" else None)
             assert d.calls[op] >= n, f"{op} #{n} was not reached"
-            _after_fault(name, d, a, op, n, err, kept=list(getattr(a, "graveyard", None).pending) if hasattr(a, "graveyard") else [])
+            _after_fault(name, d, a, op, n, err, _kept(a))
             tried += 1
     assert tried > 60
 
@@ -120,7 +125,7 @@ def test_every_n_of_every_operation_on_a_small_replay(name):
         try:
             r = replay(trace, a, touch=True)
             assert not r.oom or "out of memory" in r.oom_message
-            kept = list(getattr(a, "graveyard", None).pending if hasattr(a, "graveyard") else [])  # failed teardown waiting for a retry
+            kept = _kept(a)
             a.close()  # every teardown step is reached too
         except (DriverError, OutOfMemoryError) as e:
             err = e
