@@ -8,6 +8,8 @@
 PyTorch's pluggable-allocator hook takes two C function pointers; here they are ``ctypes``
 callbacks into an :class:`~vmstoolkit.integrations.bridge.AllocatorBridge`, kept alive by the
 returned handle (and a module-level reference), since PyTorch keeps only the raw pointers.
+PyTorch calls them from its autograd device threads too; each such thread keeps a pinned Python
+thread state (:mod:`vmstoolkit.integrations.callbacks`), else every call would create one.
 The allocator must be installed before PyTorch's first CUDA allocation and cannot be swapped
 back afterwards: that is PyTorch's rule, enforced by PyTorch.
 """
@@ -19,6 +21,7 @@ from contextlib import contextmanager
 
 from vmstoolkit.errors import NoGPUError, VmsError
 from vmstoolkit.integrations.bridge import AllocatorBridge
+from vmstoolkit.integrations.callbacks import ThreadStatePins
 from vmstoolkit.pools import make_allocator, make_driver
 from vmstoolkit.pools.driver import VMMDriver
 
@@ -38,6 +41,7 @@ class TorchAllocatorHandle:
         self._driver_factory = driver_factory
         self._options = options
         self.bridges: dict[int, AllocatorBridge] = {}
+        self.threads = ThreadStatePins()  # autograd's device threads call in: keep their states
         self.alloc_fn = ALLOC_FN(self._alloc)
         self.free_fn = FREE_FN(self._free)
 
@@ -50,6 +54,7 @@ class TorchAllocatorHandle:
 
     def _alloc(self, size, device, stream):
         try:
+            self.threads.pin()
             return self.bridge(device).malloc(size) or None
         except Exception as e:  # never let an exception cross into C++
             self.last_error = e
@@ -57,6 +62,7 @@ class TorchAllocatorHandle:
 
     def _free(self, ptr, size, device, stream):
         try:
+            self.threads.pin()
             self.bridge(device).free(ptr or 0)
         except Exception as e:
             self.last_error = e
