@@ -59,9 +59,8 @@ def run_ours(graph, values, ref, out, emit, dry: bool, parts: int):
 
         def lb(mg):
             return measure_lower_bound(mg, values)
-        # notify="callback" (numba's stream.async_done) failed on the H200 with numba-cuda 0.30.4
-        # over cuda-bindings ("'CUstream' object has no attribute 'value'"): poll only, for now.
-        notifies = os.environ.get("OFFLOAD_NOTIFY", "poll").split(",")
+        # both ways of learning of completions, measured side by side (OFFLOAD_NOTIFY narrows it)
+        notifies = os.environ.get("OFFLOAD_NOTIFY", "poll,callback").split(",")
         modes = [(ex, n) for ex in ("event-driven", "fixed-order") for n in notifies]
     for name, budget in budgets(graph, ws).items():
         t0 = time.perf_counter()
@@ -113,12 +112,25 @@ def run_accelerate(cfg: LlamaConfig, graph, ws, emit, seed: int):
     hf = HFConfig(hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_attention_heads=cfg.heads,
                   num_key_value_heads=cfg.kv_heads, num_hidden_layers=cfg.n_blocks, vocab_size=128,
                   max_position_embeddings=cfg.seq, rms_norm_eps=cfg.eps, torch_dtype="float32")
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 against fp32: the same arithmetic as ours
+    torch.set_float32_matmul_precision("highest")
     torch.manual_seed(seed)
     x = torch.randn(cfg.batch, cfg.seq, cfg.hidden)
+    # One set of random CPU weights for every budget: building the 13 GiB model with its default
+    # initialisation takes about a minute per budget on the CPU. Each budget gets a fresh module
+    # on the meta device whose parameters are these tensors (no copy).
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaModel(hf).state_dict().items()}
+    weights = {k: (torch.ones(shp) if k.endswith("norm.weight") else torch.empty(shp).uniform_(-0.02, 0.02))
+               for k, shp in shapes.items()}
     for name, budget in budgets(graph, ws).items():
         row = {"kind": "accelerate", "budget_name": name, "budget": budget}
         try:
-            model = LlamaModel(hf).eval()
+            with torch.device("meta"):
+                model = LlamaModel(hf)
+            model.rotary_emb = type(model.rotary_emb)(config=hf)  # computed buffers, not in the state dict
+            model.load_state_dict(weights, assign=True)
+            model.eval()
             if name == "full":
                 model = model.to("cuda:0")
                 device_map = "all on cuda:0"

@@ -2,7 +2,7 @@
 buffers, completions delivered to the asyncio loop by a host callback or by polling events.
 
 Importable without a GPU: numba.cuda, cuda-bindings and the kernels are imported when a backend
-is set up. NOT YET RUN ON A GPU by its author: ``experiments/offload_gpu.py`` is the first run.
+is set up. Measured on the H200 by ``experiments/offload_gpu.py`` (``experiments/results/offload-h200/``).
 
 Memory: the compiler placed every buffer at an offset of one region of ``budget`` bytes per GPU,
 so the backend takes exactly one allocation per GPU (:func:`take_region`) and makes device
@@ -10,9 +10,10 @@ arrays over ``region + offset`` (numba ``MemoryPointer`` + ``DeviceNDArray(gpu_d
 
 Streams: ``compute``, ``h2d``, ``d2h`` per GPU (numba streams). Completions:
 
-- ``notify="callback"``: ``stream.async_done()`` after the vertex, i.e. ``cuStreamAddCallback``
-  whose callback does ``loop.call_soon_threadsafe`` (no event object needed: the stream order
-  makes "everything before this point is done" equal to "this vertex is done");
+- ``notify="callback"``: a host function after the vertex (``cuLaunchHostFunc``, see
+  :mod:`~vmstoolkit.exec.backends.host_callbacks`) resolves its future with
+  ``loop.call_soon_threadsafe`` (no event object needed: the stream order makes "everything
+  before this point is done" equal to "this vertex is done");
 - ``notify="poll"``: a CUDA event recorded after the vertex; one poller coroutine queries the
   oldest outstanding event of every stream (events of one stream complete in order), spinning on
   ``asyncio.sleep(0)`` for a while, then backing off to 1 ms sleeps.
@@ -25,38 +26,29 @@ import time
 
 import numpy as np
 
+from vmstoolkit.exec.backends.host_callbacks import HostCallbacks, raw_stream
 from vmstoolkit.exec.graph import TaskGraph, TensorKind, random_weights
 
 SPIN_POLLS = 2000  # sleep(0) rounds before backing off; asyncio timers are 1 ms granular
 
 
 def take_region(gpu: int, nbytes: int):
-    """One device allocation of ``nbytes`` on ``gpu`` (current context): from a vmstoolkit
-    ``vms`` pool over the real VMM driver when that exists, else ``cuMemAlloc``.
-    Returns ``(address, release)``."""
-    try:
-        from vmstoolkit.pools import make_allocator
-        from vmstoolkit.pools.driver import make_driver
+    """One device allocation of ``nbytes`` on ``gpu`` from a vmstoolkit ``vms`` pool over the
+    real VMM driver. Returns ``(address, release)``; ``release`` gives the physical memory back
+    (every run takes a new region)."""
+    from vmstoolkit.pools import make_allocator
+    from vmstoolkit.pools.driver import make_driver
 
-        driver = make_driver("cuda", device=gpu)
-        alloc = make_allocator("vms", driver=driver)
-        addr = alloc.allocate(nbytes)
+    driver = make_driver("cuda", device=gpu)
+    alloc = make_allocator("vms", driver=driver)
+    addr = alloc.allocate(nbytes)
 
-        def release() -> None:
-            # give the physical memory back, not only the block: every run takes a new region
-            alloc.free(addr)
-            alloc.close()
-            driver.close()
+    def release() -> None:
+        alloc.free(addr)
+        alloc.close()
+        driver.close()
 
-        return addr, release
-    except (ImportError, ModuleNotFoundError):
-        pass  # TODO(pools): the real VMM driver (vmstoolkit.pools.cuda_driver) had not landed
-    from cuda.bindings import driver as cu
-
-    err, ptr = cu.cuMemAlloc(nbytes)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise MemoryError(f"{err.name}: cuMemAlloc({nbytes}) on GPU {gpu}")
-    return int(ptr), (lambda: cu.cuMemFree(ptr))
+    return addr, release
 
 
 def pinned(shape, dtype) -> np.ndarray:
@@ -126,7 +118,7 @@ def run_kernel(v, stream, ins, outs) -> None:
         from cuda.bindings import driver as cu
 
         cu.cuMemcpyAsync(outs[0].device_ctypes_pointer.value, ins[0].device_ctypes_pointer.value,
-                         outs[0].nbytes, stream.handle.value)
+                         outs[0].nbytes, raw_stream(stream))
     else:
         from vmstoolkit.kernels.tasks import KERNEL_TASKS
 
@@ -173,6 +165,7 @@ class CudaBackend:
                 cuda.synchronize()
         self._pending: dict[tuple[int, str], list] = {}
         self._poller = None
+        self._callbacks: HostCallbacks | None = None
 
     def view(self, bid: int, shape=None):
         key = (bid, shape)
@@ -207,7 +200,9 @@ class CudaBackend:
                 outs = [self.view(b, tv.views[n_in + i]) for i, b in enumerate(v.writes)]
                 run_kernel(tv, s, ins, outs)
             if self.notify == "callback":
-                return s.async_done()
+                if self._callbacks is None:
+                    self._callbacks = HostCallbacks(asyncio.get_running_loop())
+                return self._callbacks.after(s)
             ev = cuda.event(timing=False)
             ev.record(s)
             fut = asyncio.get_running_loop().create_future()
