@@ -173,7 +173,7 @@ def bench_gemm(shapes, sweep: bool) -> list[dict]:
         t_cublas = time_torch(lambda: torch.matmul(x, w.T, out=y), iters)
         want = y.clone()
         dx, dw, dy = cuda.as_cuda_array(x), cuda.as_cuda_array(w), cuda.as_cuda_array(y)
-        configs = [("auto", None, G.DEFAULT_VARIANT)]
+        configs = [("auto", None, None)]  # the launcher's choice (gemm.choose)
         if sweep:
             configs += [(f"v{v} {t.bm}x{t.bn}x{t.bk}/{t.tm}x{t.tn}", t, v)
                         for v, t in SWEEP]
@@ -183,10 +183,12 @@ def bench_gemm(shapes, sweep: bool) -> list[dict]:
             cuda.synchronize()
             err = rel(y, want)
             ms = time_numba(lambda: G.gemm(dx, dw, dy, tiles=tiles, variant=v), iters)
-            chosen = tiles or G.choose_tiles(m, n, k)
+            auto = G.choose(m, n, k)
+            chosen = tiles or auto.tiles
             rows.append({
                 "shape": name, "M": m, "N": n, "K": k, "config": label,
-                "tiles": chosen.__dict__, "variant": v,
+                "tiles": chosen.__dict__, "variant": auto.variant if v is None else v,
+                "splits": auto.splits if tiles is None else 1,
                 "ms": ms, "tflops": flops / ms / 1e9, "cublas_ms": t_cublas,
                 "cublas_tflops": flops / t_cublas / 1e9, "pct_of_cublas": 100 * t_cublas / ms,
                 "rel_err_vs_cublas": err,

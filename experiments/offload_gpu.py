@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--parts", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=None, help="prompt length (default: LlamaConfig's 2048)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-accelerate", action="store_true")
     a = ap.parse_args(argv)
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
     if a.dry_run:
         cfg = LlamaConfig(n_blocks=4, seq=16, hidden=64, heads=4, kv_heads=4, ffn=128)
     else:
-        cfg = LlamaConfig(n_blocks=a.blocks)
+        cfg = LlamaConfig(n_blocks=a.blocks, **({"seq": a.seq} if a.seq else {}))
     graph = build_llama(cfg, parts=a.parts, n_gpus=a.gpus)
     values = random_weights(graph, a.seed)
     rows_path = a.out / "offload.jsonl"

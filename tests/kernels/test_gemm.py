@@ -24,12 +24,56 @@ def test_gpu_tiles_on_a_tiny_ragged_problem(tiles):
     G.validate(shapes=((3, 5, 19),), tiles=tiles, variants=(G.DEFAULT_VARIANT,))
 
 
-def test_choose_tiles():
+@pytest.mark.parametrize("variant", (3, 4))
+@pytest.mark.parametrize("tiles", G.V3_TILES, ids=str)
+def test_v3_candidate_tiles_on_a_tiny_ragged_problem(tiles, variant):
+    # The 256-thread shapes that experiments/gemm_sweep.py times, on one ragged block.
+    G.validate(shapes=((3, 5, 19),), tiles=tiles, variants=(variant,))
+
+
+@pytest.mark.parametrize("variant", (3, 4))
+def test_v3_interior_and_edge_tiles_odd_and_even_slice_counts(variant):
+    # 3 x 3 blocks: interior ones take the unchecked fetch, edge ones the checked one; 4 and 3
+    # k slices end the two-slice loop on either buffer.
+    tiles = G.GemmTiles(bm=16, bn=32, bk=8, tm=4, tn=4)  # 32 threads, 4 + 8 loads per thread
+    G.validate(shapes=((40, 70, 32), (40, 70, 21), (32, 64, 16)), tiles=tiles, variants=(variant,))
+
+
+def test_v3_rejects_slices_it_cannot_unroll():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        G.make_gemm_v3(G.GemmTiles(bm=8, bn=8, bk=2, tm=2, tn=2))
+
+
+def test_max_registers():
+    assert G.max_registers(256, 2) == 128 and G.max_registers(256, 1) == 255
+    assert G.max_registers(192, 2) == 168
+
+
+def test_choose_follows_the_measured_rule():
     if simulating():
-        assert G.choose_tiles(4096, 4096, 4096).threads <= 64
-    else:
-        assert G.choose_tiles(4096, 4096, 4096) == G.GPU_TILES[0]
-        assert G.choose_tiles(1024, 512, 2048) == G.GPU_TILES[-1]  # 64 blocks of 64 x 128
+        assert G.choose(4096, 4096, 4096).tiles == G.SIM_TILES
+        return
+    assert G.choose(4096, 4096, 4096) == G.GemmLaunch(3, G.BIG_TILES_V3)  # 1024 big tiles
+    assert G.choose(1024, 2048, 2048) == G.GemmLaunch(4, G.BIG_TILES_V4)  # 128 big tiles
+    small = G.choose(1024, 512, 2048)  # 32 big tiles: small tiles, split k
+    assert small.tiles == G.SMALL_TILES and small.splits > 1
+
+
+@pytest.mark.parametrize("splits", (2, 3, 5))
+def test_split_k_matches_reference_on_ragged_shapes(splits):
+    # k slices of 4 under the simulator: 13 -> 4 slices, 40 -> 10, 9 -> 3 (a split may hold one)
+    G.validate(shapes=((5, 7, 13), (17, 9, 40), (8, 8, 9)), variants=(3,), splits=min(splits, 3))
+    G.validate(shapes=((17, 9, 40),), variants=(4,), splits=splits)
+
+
+def test_split_k_argument_errors():
+    x = cuda.to_device(np.zeros((4, 8), np.float32))
+    w = cuda.to_device(np.zeros((5, 8), np.float32))
+    y = cuda.device_array((4, 5), np.float32)
+    with pytest.raises(ValueError, match="no split-K"):
+        G.gemm(x, w, y, variant=1, splits=2)
+    with pytest.raises(ValueError, match="splits=9"):
+        G.gemm(x, w, y, variant=3, tiles=G.SIM_TILES, splits=9)  # K=8: 2 slices of 4
 
 
 def test_k_mismatch_dtype_and_output_shape_raise():
