@@ -59,7 +59,9 @@ class CudaDriver(VMMDriver):
 
     name = "cuda"
 
-    def __init__(self, device: int = 0) -> None:
+    def __init__(self, device: int = 0, peers: tuple[int, ...] = ()) -> None:
+        """``peers``: other devices that may read and write this driver's mappings (their
+        kernels and copy engines; a VMM mapping is accessible only where access was set)."""
         super().__init__()
         cu, dev = cuda_init(device)
         self._cu = cu
@@ -80,6 +82,13 @@ class CudaDriver(VMMDriver):
         access.location.id = device
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [access]
+        for peer in sorted(set(peers) - {device}):
+            cuda_init(peer)  # names a missing device
+            desc = cu.CUmemAccessDesc()
+            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = peer
+            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            self._access.append(desc)
         err, gran = cu.cuMemGetAllocationGranularity(prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
         _check(cu, err, "cuMemGetAllocationGranularity")
         self._granularity = int(gran)
@@ -157,7 +166,7 @@ class CudaDriver(VMMDriver):
 
     def _set_access(self, va: int, size: int) -> None:
         cu = self._cu
-        (err,) = cu.cuMemSetAccess(va, size, self._access, 1)
+        (err,) = cu.cuMemSetAccess(va, size, self._access, len(self._access))
         _check(cu, err, f"cuMemSetAccess({va:#x}, {size})")
 
     def _mem_alloc(self, size: int) -> int:

@@ -169,11 +169,13 @@ class VMMDriver(ABC):
     def _mem_info(self) -> tuple[int, int]: ...
 
 
-def make_driver(kind: str = "sim", *, capacity: int | str | None = None, device: int = 0) -> VMMDriver:
+def make_driver(kind: str = "sim", *, capacity: int | str | None = None, device: int = 0,
+                peers: tuple[int, ...] = ()) -> VMMDriver:
     """The one place that picks a driver: ``"sim"`` (default) or ``"cuda"``.
 
     ``capacity`` bounds the simulated device (default 141 GiB, an H200); the real driver
-    ignores it. A missing GPU raises :class:`~vmstoolkit.errors.NoGPUError`.
+    ignores it, and grants ``peers`` (other devices) access to its mappings. A missing GPU
+    raises :class:`~vmstoolkit.errors.NoGPUError`.
     """
     from vmstoolkit.errors import ConfigError
     from vmstoolkit.units import parse_size
@@ -185,5 +187,5 @@ def make_driver(kind: str = "sim", *, capacity: int | str | None = None, device:
     if kind == "cuda":
         from vmstoolkit.pools.cuda_driver import CudaDriver
 
-        return CudaDriver(device=device)
+        return CudaDriver(device=device, peers=tuple(peers))
     raise ConfigError(f"unknown driver {kind!r} (choose 'sim' or 'cuda')")

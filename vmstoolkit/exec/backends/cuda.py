@@ -32,14 +32,15 @@ from vmstoolkit.exec.graph import TaskGraph, TensorKind, random_weights
 SPIN_POLLS = 2000  # sleep(0) rounds before backing off; asyncio timers are 1 ms granular
 
 
-def take_region(gpu: int, nbytes: int):
+def take_region(gpu: int, nbytes: int, peers: tuple[int, ...] = ()):
     """One device allocation of ``nbytes`` on ``gpu`` from a vmstoolkit ``vms`` pool over the
-    real VMM driver. Returns ``(address, release)``; ``release`` gives the physical memory back
-    (every run takes a new region)."""
+    real VMM driver, accessible from the ``peers`` GPUs too (a copy between GPUs reads one
+    region from the other's side). Returns ``(address, release)``; ``release`` gives the
+    physical memory back (every run takes a new region)."""
     from vmstoolkit.pools import make_allocator
     from vmstoolkit.pools.driver import make_driver
 
-    driver = make_driver("cuda", device=gpu)
+    driver = make_driver("cuda", device=gpu, peers=peers)
     alloc = make_allocator("vms", driver=driver)
     addr = alloc.allocate(nbytes)
 
@@ -117,8 +118,10 @@ def run_kernel(v, stream, ins, outs) -> None:
     elif v.op == "copy":
         from cuda.bindings import driver as cu
 
-        cu.cuMemcpyAsync(outs[0].device_ctypes_pointer.value, ins[0].device_ctypes_pointer.value,
-                         outs[0].nbytes, raw_stream(stream))
+        (err,) = cu.cuMemcpyAsync(outs[0].device_ctypes_pointer.value, ins[0].device_ctypes_pointer.value,
+                                  outs[0].nbytes, raw_stream(stream))
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{err.name}: cuMemcpyAsync of {outs[0].nbytes} bytes for vertex {v.name}")
     else:
         from vmstoolkit.kernels.tasks import KERNEL_TASKS
 
@@ -144,7 +147,7 @@ class CudaBackend:
         for gpu in range(mg.n_gpus):
             with cuda.gpus[gpu]:
                 ctx = cuda.current_context()
-                addr, rel = take_region(gpu, mg.budget)
+                addr, rel = take_region(gpu, mg.budget, peers=tuple(range(mg.n_gpus)))
                 self.ctx.append(ctx)
                 self.base.append(addr)
                 self._release.append(rel)
