@@ -164,11 +164,10 @@ def test_evictions_are_unmapped_in_batches_behind_one_sync():
     keep = ptrs[::2]
     for p in ptrs[1::2]:
         a.free(p)  # 40 free one-chunk blocks, none adjacent to another
-    for n in range(40, 2, -1):
+    for n in range(3, 41):
         s = a.allocate(n * G)  # larger than any cached range: a new stitch, the old range evicted
         a.free(s)
         a._check()
-        a.allocate(G)  # keep one chunk, so the next request cannot reuse the last range
     evicted = a.counts["stitch"] - 1
     assert evicted >= 30
     assert a.driver.syncs <= evicted // a.graveyard.DEFER_LIMIT + 1
@@ -227,3 +226,80 @@ def test_block_at_describes_what_backs_an_allocation():
     assert set(info.handles) == set(hx) | set(hy) and len(info.parts) == 2
     with pytest.raises(InvalidFreeError, match="no live allocation"):
         a.block_at(x)
+
+
+def _free_sizes(a):
+    return sorted(n for n, _ in a.primitives.free_list)
+
+
+def test_freed_neighbours_merge_back_without_driver_calls():
+    a = vms()
+    a.free(a.allocate(8 * G))  # one free 8-chunk block
+    parts = [a.allocate(2 * G), a.allocate(2 * G), a.allocate(4 * G)]  # three splits of it
+    calls = dict(a.driver.calls)
+    for p in (parts[0], parts[2], parts[1]):  # the middle one last: it joins both sides
+        a.free(p)
+        a._check()
+    assert _free_sizes(a) == [8] and a.primitives.merges == 2
+    assert dict(a.driver.calls) == calls
+    assert a.allocate(8 * G) == parts[0]  # served whole again: an exact match, no stitch
+    a.close()
+    assert a.driver.is_empty()
+
+
+def test_no_merge_across_a_cached_range_that_maps_only_one_side():
+    a = vms()
+    a.free(a.allocate(4 * G))
+    x, y, z, w = (a.allocate(G) for _ in range(4))  # four one-chunk blocks side by side
+    a.free(x)
+    a.free(z)  # x and z free, not adjacent: a two-chunk request stitches them
+    s = a.allocate(2 * G)
+    assert a.block_at(s).kind == "stitched"
+    a.free(s)  # the cached range maps x then z
+    a.free(y)  # y lies between x and z, but the range maps x right before z: no merge
+    a._check()
+    assert _free_sizes(a) == [1, 1, 1]
+    a.free(w)  # w follows z, and no range maps w: z (mapped by the range) keeps apart
+    a._check()
+    assert _free_sizes(a) == [1, 1, 1, 1]
+    a.close()
+    assert a.driver.is_empty()
+
+
+def test_merge_inside_a_cached_range_that_maps_both_in_order():
+    a = vms()
+    a.free(a.allocate(4 * G))
+    x, y, z = (a.allocate(G) for _ in range(3))
+    far = a.allocate(G)
+    a.free(x)
+    a.free(far)
+    s = a.allocate(2 * G)  # stitches x and far
+    a.free(s)
+    # split far's neighbour chain: x stays one block; a range over [x, far]; now free y and z
+    a.free(z)
+    a.free(y)  # y + z merge (no range maps them); x + (y z) do not: the range maps x, then far
+    a._check()
+    assert sorted(_free_sizes(a)) == [1, 1, 2]
+    a.close()
+    assert a.driver.is_empty()
+
+
+def test_prefix_of_a_cached_range_whose_tail_is_in_use():
+    a = vms()
+    ptrs = [a.allocate(G) for _ in range(8)]
+    for p in ptrs[::2]:
+        a.free(p)  # four free one-chunk blocks, apart
+    big = a.allocate(4 * G)  # stitches all four
+    a.free(big)
+    tail = a.allocate(G)  # best fit: the lowest free block, which the range maps last
+    rng = a.stitched.blocks[big]
+    assert rng.busy == 1 and rng.parts[-1] is a.primitives.blocks[tail]
+    calls = dict(a.driver.calls)
+    p = a.allocate(2 * G)  # the range's first chunks are free: a prefix, no driver call
+    assert p == big and a.block_at(p).kind == "stitched-prefix"
+    assert dict(a.driver.calls) == calls
+    a.free(p)
+    a.free(tail)
+    a._check()
+    a.close()
+    assert a.driver.is_empty()

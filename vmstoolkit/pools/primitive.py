@@ -17,13 +17,23 @@ class PrimitivePool:
 
     ``on_used`` / ``on_freed`` are called with a block when it changes state, so the stitched
     pool can keep its usable set exact.
+
+    With ``coalesce``, a block given back merges with a free neighbour in the same reservation
+    (no driver call: the chunks are already mapped side by side), as PyTorch merges the free
+    blocks of a segment. Without it, splits only ever cut blocks smaller, and requests that a
+    merged block would have served need a stitch. A merge that would cut a cached stitched
+    range's part in two is skipped: both blocks must be mapped, one right after the other, by
+    the same stitched ranges (or by none).
     """
 
-    def __init__(self, driver: VMMDriver, graveyard: Graveyard) -> None:
+    def __init__(self, driver: VMMDriver, graveyard: Graveyard, coalesce: bool = False) -> None:
         self.driver = driver
         self.graveyard = graveyard
         self.g = driver.granularity
         self.blocks: dict[int, PrimitiveBlock] = {}  # va -> block (every live primitive block)
+        self._by_end: dict[int, PrimitiveBlock] = {}  # end va -> block (left neighbours)
+        self.coalesce = coalesce
+        self.merges = 0
         # (chunks, va) of every free block: tuples compare in C, much faster than a key function
         self.free_list = SortedList()
         self.free_chunks = 0
@@ -54,6 +64,7 @@ class PrimitivePool:
             tx.commit()
         block = PrimitiveBlock(va, handles, Reservation(va, size))
         self.blocks[va] = block
+        self._by_end[va + size] = block
         self.free_list.add((nchunks, va))
         self.free_chunks += nchunks
         self.total_chunks += nchunks
@@ -69,6 +80,7 @@ class PrimitivePool:
         g = self.g
         self.free_list.remove((block.nchunks, block.va))
         del self.blocks[block.va]
+        del self._by_end[block.va + block.nchunks * g]
         self.free_chunks -= block.nchunks
         self.total_chunks -= block.nchunks
         steps = []
@@ -92,6 +104,37 @@ class PrimitivePool:
         self.free_list.add((block.nchunks, block.va))
         self.free_chunks += block.nchunks
         self.on_freed(block)
+        if self.coalesce:
+            right = self.blocks.get(block.va + block.nchunks * self.g)
+            if right is not None:
+                block = self._merge(block, right) or block
+            left = self._by_end.get(block.va)
+            if left is not None:
+                self._merge(left, block)
+
+    def _merge(self, a: PrimitiveBlock, b: PrimitiveBlock) -> PrimitiveBlock | None:
+        """Merge free ``a`` and the free block ``b`` right after it, if allowed (see the class).
+        Runtime complexity: O(log n) plus the parts of the stitched ranges that map them."""
+        if not (a.free and b.free and a.res is b.res):
+            return None
+        if a.stitched or b.stitched:
+            if a.stitched != b.stitched or not all(_maps_in_order(s, a, b) for s in a.stitched):
+                return None
+        for x in (a, b):
+            self.free_list.remove((x.nchunks, x.va))
+            del self.blocks[x.va]
+        del self._by_end[a.va + a.nchunks * self.g]
+        merged = PrimitiveBlock(a.va, a.handles + b.handles, a.res)
+        a.res.refs -= 2
+        self.blocks[merged.va] = merged
+        self._by_end[merged.va + merged.nchunks * self.g] = merged
+        self.free_list.add((merged.nchunks, merged.va))
+        for s in a.stitched:
+            i = s.parts.index(a)
+            s.parts[i:i + 2] = [merged]
+            merged.stitched.add(s)
+        self.merges += 1
+        return merged
 
     def split(self, block: PrimitiveBlock, nchunks: int) -> tuple[PrimitiveBlock, PrimitiveBlock]:
         """Split a free block into its first ``nchunks`` chunks and the rest (both free).
@@ -106,6 +149,8 @@ class PrimitivePool:
         block.res.refs -= 1
         self.blocks[head.va] = head
         self.blocks[tail.va] = tail
+        self._by_end[tail.va] = head
+        self._by_end[tail.va + tail.nchunks * self.g] = tail
         self.free_list.add((head.nchunks, head.va))
         self.free_list.add((tail.nchunks, tail.va))
         for s in block.stitched:
@@ -159,6 +204,14 @@ class PrimitivePool:
             for a, b in zip(blocks, blocks[1:]):
                 assert a.va + a.nchunks * g <= b.va, f"{a} overlaps {b}"
         assert len(self.free_list) == sum(1 for b in self.blocks.values() if b.free), "free list holds used blocks"
+        assert self._by_end == {b.va + b.nchunks * g: b for b in self.blocks.values()}, "end index out of date"
         assert free == self.free_chunks, f"free chunks {self.free_chunks} != {free}"
         assert len(owned) == self.total_chunks, f"total chunks {self.total_chunks} != {len(owned)}"
         return owned
+
+
+def _maps_in_order(s, a: PrimitiveBlock, b: PrimitiveBlock) -> bool:
+    """Whether stitched range ``s`` maps ``a`` immediately followed by ``b``."""
+    parts = s.parts
+    i = parts.index(a)
+    return i + 1 < len(parts) and parts[i + 1] is b

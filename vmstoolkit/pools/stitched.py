@@ -120,6 +120,26 @@ class StitchedPool:
                 break
         return None
 
+    def best_prefix(self, nchunks: int) -> StitchedBlock | None:
+        """The smallest unallocated range of at least ``nchunks`` chunks whose first
+        ``nchunks`` chunks are free (its later parts may be in use by others), scanning at most
+        ``SCAN_LIMIT`` busy ones. Runtime complexity: O(log n) plus the parts scanned."""
+        blocks = self.blocks
+        for k, (_, va) in enumerate(self.idle.irange((nchunks, -1))):
+            s = blocks[va]
+            if s.busy == 0:
+                return s
+            got = 0
+            for p in s.parts:
+                if not p.free:
+                    break
+                got += p.nchunks
+                if got >= nchunks:
+                    return s
+            if k >= self.SCAN_LIMIT:
+                break
+        return None
+
     def take(self, s: StitchedBlock) -> None:
         """Allocate a usable block: every part becomes used by it."""
         self.idle.remove((s.nchunks, s.va))
@@ -130,7 +150,8 @@ class StitchedPool:
             self.primitives.take(p, s)
 
     def take_prefix(self, s: StitchedBlock, nchunks: int) -> StitchedPrefix:
-        """Allocate the first ``nchunks`` chunks of a usable block (no driver call)."""
+        """Allocate the first ``nchunks`` chunks of an unallocated block, which must be free
+        (see :meth:`best_prefix`); no driver call."""
         self.idle.remove((s.nchunks, s.va))
         s.allocated = True
         self._clock += 1
@@ -154,13 +175,13 @@ class StitchedPool:
         s.allocated = False
         s.prefix = None
         self.idle.add((s.nchunks, s.va))
-        for p in prefix.parts:
+        for p in list(prefix.parts):  # a copy: giving back may merge parts of s.parts
             self.primitives.give_back(p)
 
     def give_back(self, s: StitchedBlock) -> None:
         s.allocated = False
         self.idle.add((s.nchunks, s.va))
-        for p in s.parts:
+        for p in list(s.parts):  # a copy: giving back may merge neighbouring parts
             self.primitives.give_back(p)
 
     def _check(self, primitive_blocks: dict) -> None:

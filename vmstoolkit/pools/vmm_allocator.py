@@ -52,6 +52,8 @@ class StitchPolicy:
     """Stitched ranges kept for reuse; the least recently used idle ones are unmapped past it."""
     stitched_prefix: bool = False
     """Serve a request from the start of a larger cached stitched range: no waste, no driver call."""
+    coalesce: bool = False
+    """Merge a freed primitive block with its free neighbours in the same range (no driver call)."""
     small_size: int = SMALL_SIZE
 
     def __post_init__(self) -> None:
@@ -66,25 +68,35 @@ class StitchPolicy:
 GMLAKE_POLICY = StitchPolicy()
 
 VMS_POLICY = StitchPolicy(stitch_min_bytes=0, reuse_max_ratio=1.0, selection="best-fit", max_cached_stitched=1024,
-                          stitched_prefix=True)
+                          stitched_prefix=True, coalesce=True)
 """Our policy, from the sweep in ``experiments/results/vms_policy/`` (``experiments/vms_policy.py``).
-Figures: utilization on the four H200 traces ckpt/full/lora/offload, and the steady-state driver
-time modelled with the H200's measured call costs.
+Figures: utilization on the four H200 traces ckpt/full/lora/offload, and the driver time of
+steady state (the third replay of each trace's six steps in a row) modelled with the H200's
+measured call costs.
 
 - ``stitch_min_bytes=0``: stitch every large request. GMLake's 512 MiB threshold strands the
   free blocks of the many smaller activations and creates new blocks beside them: 0.66/0.72/
-  0.79/0.64 (gmlake), 0.83/0.96/0.99/0.80 with a 64 MiB threshold, 0.987/0.995/0.986/0.987 here.
-- ``stitched_prefix=True``: a request smaller than a cached stitched range takes the range's
-  first chunks (already mapped and accessible): no waste and no driver call, where a new
-  stitch would map and set access on every chunk again. Against no prefixes: utilization equal
-  or higher, driver time -12/-36/-35/-20%.
+  0.79/0.64 (gmlake, one replay), 0.92/0.99/0.99/0.93 with a 64 MiB threshold (three replays),
+  0.987/0.995/0.986/0.987 here.
+- ``coalesce=True``: a freed primitive block merges with its free neighbours of the same range
+  (when no cached stitched range would be cut by it). Without merging, splits only ever make
+  blocks smaller, so more and more requests need a new stitch: steady-state driver time
+  421/352/83/347 ms without, 127/124/28/128 ms with, utilization unchanged.
+- ``stitched_prefix=True``: a request smaller than a cached stitched range whose first chunks
+  are free takes those chunks (already mapped and accessible): no waste and no driver call,
+  where a new stitch would map and set access on every chunk again; the range's later parts may
+  be in use by others meanwhile. Without prefixes: 231/198/71/274 ms.
 - ``reuse_max_ratio=1.0``: with prefixes a larger range is never handed out whole, so the
-  ratio no longer matters; without prefixes GMLake's 10x costs 0.7-3.9 points of utilization.
+  ratio no longer matters; without prefixes GMLake's 10x costs up to 5 points of utilization.
 - ``selection="best-fit"``: the smallest free block that covers what is still missing, else
-  the largest. Largest-first (GMLake) has the same utilization and mixed driver time
-  (-22/+2/+13/+45%); best-fit keeps large free blocks whole.
+  the largest. Largest-first has the same utilization and mixed driver time
+  (190/120/38/122 ms).
 - ``max_cached_stitched=1024``: 8192 changes nothing on these traces; 256 is mixed
-  (-16/+31/0/+8% driver time).
+  (127/118/28/159 ms).
+
+With these, ``vms`` spends less modelled driver time in steady state than ``gmlake`` with its
+defaults on three traces of four (ckpt 127 vs 113 ms) while holding 0.99 utilization where
+GMLake falls to 0.47-0.62 over three replays.
 """
 
 
@@ -97,7 +109,7 @@ class VMMAllocator(Allocator):
         self.policy = policy
         self.g = driver.granularity
         self.graveyard = Graveyard(driver)
-        self.primitives = PrimitivePool(driver, self.graveyard)
+        self.primitives = PrimitivePool(driver, self.graveyard, coalesce=policy.coalesce)
         self.stitched = StitchedPool(driver, self.primitives, policy.max_cached_stitched)
         self.small = SmallPool(driver, self.graveyard)
         self._blocks: dict[int, PrimitiveBlock | StitchedBlock | StitchedPrefix] = {}  # live large blocks by address
@@ -129,7 +141,7 @@ class VMMAllocator(Allocator):
             head, _ = prim.split(p, n)
             return self._use_primitive(head, "split")
         if policy.stitched_prefix:
-            s = st.best_fit(n, st.MAX_CHUNKS)
+            s = st.best_prefix(n)
             if s is not None:
                 prefix = st.take_prefix(s, n)
                 self._blocks[prefix.va] = prefix
