@@ -18,6 +18,7 @@ Writes ``<out>/offload.jsonl`` (one JSON object per measurement), ``<out>/summar
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import json
 import sys
@@ -173,6 +174,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-accelerate", action="store_true")
     a = ap.parse_args(argv)
+    faulthandler.enable()  # a crash (seen at exit with two GPUs) prints the Python stacks
     a.out.mkdir(parents=True, exist_ok=True)
     if a.dry_run:
         cfg = LlamaConfig(n_blocks=4, seq=16, hidden=64, heads=4, kv_heads=4, ffn=128)

@@ -3,12 +3,14 @@
 A *primitive block* owns whole physical chunks (one ``cuMemCreate`` handle per chunk of the
 driver's granularity), each mapped at its place in the block's own virtual range. Splitting a
 free primitive block at a chunk boundary gives two primitive blocks that share the reservation
-(:class:`Reservation` counts them, so the range is freed with the last one). Primitive blocks
-are never merged again: stitching is what joins free memory.
+(:class:`Reservation` counts them, so the range is freed with the last one). With the policy's
+``coalesce`` two free neighbours of one reservation merge again (unless a cached stitched range
+maps only one of them); stitching is what joins free memory across reservations.
 
 A *stitched block* owns no memory: its one contiguous virtual range maps, in order, the chunks
-of several primitive blocks (the same handles are then mapped in two places). It is usable only
-while every one of those primitive blocks is free; ``busy`` counts those that are not.
+of several primitive blocks (the same handles are then mapped in two places). It can be
+allocated whole while every one of those primitive blocks is free (``busy`` counts those that
+are not), or through its first chunks while those are free (:class:`StitchedPrefix`).
 """
 
 from __future__ import annotations
@@ -37,19 +39,16 @@ class PrimitiveBlock:
     blocks whose ranges map its chunks.
     """
 
-    __slots__ = ("va", "handles", "res", "user", "stitched")
+    __slots__ = ("va", "handles", "nchunks", "res", "user", "stitched")
 
     def __init__(self, va: int, handles: list[Handle], res: Reservation) -> None:
         self.va = va
-        self.handles = handles
+        self.handles = handles  # never changed: a split or a merge makes new blocks
+        self.nchunks = len(handles)  # read on every pool operation: a slot, not a property
         self.res = res
         self.user: object | None = None
         self.stitched: set[StitchedBlock] = set()
         res.refs += 1
-
-    @property
-    def nchunks(self) -> int:
-        return len(self.handles)
 
     @property
     def free(self) -> bool:
