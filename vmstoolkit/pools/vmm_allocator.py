@@ -67,36 +67,36 @@ class StitchPolicy:
 
 GMLAKE_POLICY = StitchPolicy()
 
-VMS_POLICY = StitchPolicy(stitch_min_bytes=0, reuse_max_ratio=1.0, selection="best-fit", max_cached_stitched=1024,
+VMS_POLICY = StitchPolicy(stitch_min_bytes=0, reuse_max_ratio=1.0, selection="best-fit", max_cached_stitched=256,
                           stitched_prefix=True, coalesce=True)
 """Our policy, from the sweep in ``experiments/results/vms_policy/`` (``experiments/vms_policy.py``).
 Figures: utilization on the four H200 traces ckpt/full/lora/offload, and the driver time of
-steady state (the third replay of each trace's six steps in a row) modelled with the H200's
-measured call costs.
+steady state (each trace's six steps replayed eight times in a row; mean per replay over the
+third to eighth) modelled with the H200's measured call costs.
 
 - ``stitch_min_bytes=0``: stitch every large request. GMLake's 512 MiB threshold strands the
   free blocks of the many smaller activations and creates new blocks beside them: 0.66/0.72/
-  0.79/0.64 (gmlake, one replay), 0.92/0.99/0.99/0.93 with a 64 MiB threshold (three replays),
-  0.987/0.995/0.986/0.987 here.
+  0.79/0.64 (gmlake, one replay; 0.39-0.60 over eight), 0.91/0.98/0.99/0.90 with a 64 MiB
+  threshold, 0.987/0.995/0.986/0.987 here.
 - ``coalesce=True``: a freed primitive block merges with its free neighbours of the same range
   (when no cached stitched range would be cut by it). Without merging, splits only ever make
-  blocks smaller, so more and more requests need a new stitch: steady-state driver time
-  421/352/83/347 ms without, 127/124/28/128 ms with, utilization unchanged.
+  blocks smaller, so more and more requests need a new stitch: 324/424/58/198 ms per replay
+  without, 137/128/5/136 ms with, utilization unchanged.
 - ``stitched_prefix=True``: a request smaller than a cached stitched range whose first chunks
   are free takes those chunks (already mapped and accessible): no waste and no driver call,
   where a new stitch would map and set access on every chunk again; the range's later parts may
-  be in use by others meanwhile. Without prefixes: 231/198/71/274 ms.
+  be in use by others meanwhile. Without prefixes: 436/324/52/276 ms.
+- ``max_cached_stitched=256``: cached ranges stop merges (a merge may not cut a range's part),
+  so with 1024 of them fragmentation creeps up replay after replay: 180/118/5/254 ms on average
+  and 294/109/0/425 ms by the eighth replay; 256 stays level (137/128/5/136, eighth
+  136/132/0/160); 128 is level on three traces and climbs on full (255 ms by the eighth).
 - ``reuse_max_ratio=1.0``: with prefixes a larger range is never handed out whole, so the
   ratio no longer matters; without prefixes GMLake's 10x costs up to 5 points of utilization.
 - ``selection="best-fit"``: the smallest free block that covers what is still missing, else
-  the largest. Largest-first has the same utilization and mixed driver time
-  (190/120/38/122 ms).
-- ``max_cached_stitched=1024``: 8192 changes nothing on these traces; 256 is mixed
-  (127/118/28/159 ms).
+  the largest. Largest-first has the same utilization and more driver time (163/151/6/153 ms).
 
-With these, ``vms`` spends less modelled driver time in steady state than ``gmlake`` with its
-defaults on three traces of four (ckpt 127 vs 113 ms) while holding 0.99 utilization where
-GMLake falls to 0.47-0.62 over three replays.
+GMLake with its defaults spends less driver time in steady state (53/85/12/54 ms) only because
+it has stopped reusing: it holds 1.7-2.6x the memory by then (utilization 0.39-0.60).
 """
 
 
