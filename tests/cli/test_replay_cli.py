@@ -116,7 +116,10 @@ def test_allocator_options(traces_dir):
     base = runner.invoke(app, ["replay", t, "-a", "vms", "-f", "json"])
     tuned = runner.invoke(app, ["replay", t, "-a", "vms", "-f", "json", "-o", "stitched_prefix=false", "-o", "reuse_max_ratio=10"])
     assert base.exit_code == tuned.exit_code == 0, tuned.output
-    assert json.loads(tuned.stdout)["utilization"] < json.loads(base.stdout)["utilization"] - 0.02
+    base, tuned = json.loads(base.stdout), json.loads(tuned.stdout)
+    assert base["paths"]["prefix"] > 0 and tuned["paths"]["prefix"] == 0  # the options took effect
+    assert tuned["paths"]["reuse_stitched"] > 0  # whole ranges up to 10x larger reused instead
+    assert tuned["utilization"] < base["utilization"] - 0.005  # which wastes what they do not need
     cfg = runner.invoke(app, ["replay", t, "-a", "pytorch-caching", "-f", "json", "-o", "config=max_split_size_mb:128"])
     assert cfg.exit_code == 0 and json.loads(cfg.stdout)["utilization"] < 0.7
 
