@@ -97,13 +97,15 @@ class PrimitivePool:
         self.free_list.remove((block.nchunks, block.va))
         self.free_chunks -= block.nchunks
         block.user = user
-        self.on_used(block)
+        if block.stitched:  # the stitched pool counts busy parts of its ranges only
+            self.on_used(block)
 
     def give_back(self, block: PrimitiveBlock) -> None:
         block.user = None
         self.free_list.add((block.nchunks, block.va))
         self.free_chunks += block.nchunks
-        self.on_freed(block)
+        if block.stitched:
+            self.on_freed(block)
         if self.coalesce:
             right = self.blocks.get(block.va + block.nchunks * self.g)
             if right is not None:
