@@ -119,9 +119,15 @@ class PrimitivePool:
         Runtime complexity: O(log n) plus the parts of the stitched ranges that map them."""
         if not (a.free and b.free and a.res is b.res):
             return None
+        at = {}  # stitched range -> where it maps a (then b, right after)
         if a.stitched or b.stitched:
-            if a.stitched != b.stitched or not all(_maps_in_order(s, a, b) for s in a.stitched):
+            if a.stitched != b.stitched:
                 return None
+            for s in a.stitched:
+                i = s.parts.index(a)
+                if i + 1 >= len(s.parts) or s.parts[i + 1] is not b:
+                    return None
+                at[s] = i
         for x in (a, b):
             self.free_list.remove((x.nchunks, x.va))
             del self.blocks[x.va]
@@ -131,8 +137,7 @@ class PrimitivePool:
         self.blocks[merged.va] = merged
         self._by_end[merged.va + merged.nchunks * self.g] = merged
         self.free_list.add((merged.nchunks, merged.va))
-        for s in a.stitched:
-            i = s.parts.index(a)
+        for s, i in at.items():
             s.parts[i:i + 2] = [merged]
             merged.stitched.add(s)
         self.merges += 1
@@ -211,9 +216,3 @@ class PrimitivePool:
         assert len(owned) == self.total_chunks, f"total chunks {self.total_chunks} != {len(owned)}"
         return owned
 
-
-def _maps_in_order(s, a: PrimitiveBlock, b: PrimitiveBlock) -> bool:
-    """Whether stitched range ``s`` maps ``a`` immediately followed by ``b``."""
-    parts = s.parts
-    i = parts.index(a)
-    return i + 1 < len(parts) and parts[i + 1] is b

@@ -38,7 +38,6 @@ class StitchedPool:
     # stitched block on every state change of a part; counting is an integer update, and the
     # lookup skips the few busy blocks instead (replay of llama-ckpt: 1.4x faster).
     SCAN_LIMIT = 64
-    MAX_CHUNKS = 1 << 62  # no upper bound on a best-fit search
 
     def _part_used(self, p: PrimitiveBlock) -> None:
         for s in p.stitched:
