@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from vmstoolkit.exec.backends.host_callbacks import HostCallbacks, raw_stream
+from vmstoolkit.exec.backends.numba_exit import guard_library_unload
 from vmstoolkit.exec.graph import TaskGraph, TensorKind, random_weights
 
 SPIN_POLLS = 2000  # sleep(0) rounds before backing off; asyncio timers are 1 ms granular
@@ -146,6 +147,8 @@ class CudaBackend:
 
         self.mg = mg
         g = mg.graph
+        if mg.n_gpus > 1:
+            guard_library_unload()  # numba-cuda unloads kernels shared by several GPUs twice at exit
         self.ctx, self.base, self.streams, self._release = [], [], [], []
         for gpu in range(mg.n_gpus):
             with cuda.gpus[gpu]:
@@ -277,6 +280,8 @@ def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int
     from numba import cuda
 
     n_gpus = graph.n_gpus
+    if n_gpus > 1:
+        guard_library_unload()
     dev: dict[int, object] = {}
     streams = []
     for gpu in range(n_gpus):
