@@ -9,7 +9,8 @@ bf16 autocast, SDPA attention; each step draws batch from {4, 6, 8} and sequence
 256..2048 (seeded), the same shapes in every mode. Variants: ``full``; ``ckpt`` (gradient
 checkpointing); ``lora`` (peft r=16 on every projection + checkpointing); ``offload``
 (activations saved to pinned CPU memory). Each (mode, variant) runs in its own process, since
-allocator settings are fixed at a process's first CUDA allocation.
+allocator settings are fixed at a process's first CUDA allocation. A mode ``vms:KEY=VALUE+...``
+runs ``vms`` with those allocator options (``vms:max_cached_stitched=1024``).
 
 Per run: losses of every step, step times (median of the rounds after the first: steady
 state), peak allocated and peak reserved (PyTorch's counters; for vmstoolkit the allocator's,
@@ -37,12 +38,23 @@ def shapes(n: int, seed: int = 0) -> list[tuple[int, int]]:
     return [(rng.choice([4, 6, 8]), rng.choice(range(256, 2049, 128))) for _ in range(n)]
 
 
+def vms_options(mode: str) -> dict:
+    """``vms:max_cached_stitched=1024+coalesce=False`` -> the allocator options (``vms``: none)."""
+    _, _, spec = mode.partition(":")
+    opts = {}
+    for item in filter(None, spec.split("+")):
+        key, _, value = item.partition("=")
+        opts[key] = {"True": True, "False": False}.get(value) if value in ("True", "False") else (
+            int(value) if value.lstrip("-").isdigit() else float(value))
+    return opts
+
+
 def worker(mode: str, variant: str, rounds: int, steps_per_round: int) -> dict:
     handle = None
-    if mode == "vms":
+    if mode.split(":")[0] == "vms":
         from vmstoolkit.integrations.torch import install
 
-        handle = install("vms")
+        handle = install("vms", **vms_options(mode))
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
