@@ -1,0 +1,220 @@
+"""Can a cheap fast path in front of ``vms`` bring PyTorch's step time within 5%? A study on the traces.
+
+    python experiments/fast_path_study.py [--out experiments/results/fast_path_study] [--passes 5]
+
+On the H200 (``experiments/results/train-h200/``) ``vms`` costs 3.6-5.5 us of Python per
+allocation or free, 8-16k of them per training step: 1.43x (full) and 1.75x (LoRA) PyTorch's
+step time. This study prices, on the bundled traces and the simulated driver, the two designs
+that would keep the allocator in Python but call it less often, against the number that
+matters for each: how many calls still reach Python, what the driver work of steady state
+becomes, and what peak reserved memory becomes.
+
+Rows, each trace replayed ``--passes`` times in a row (steady state: passes 3 and later, as in
+``experiments/vms_policy.py``, whose driver cost model this reuses):
+
+- ``vms``: every allocation and free goes to Python (today's integration).
+- ``vms + exact-size front``: a front of freed blocks by exact (size, stream), as native code
+  could serve it: a request for a cached size takes the block back without Python; a free is
+  only recorded. ``vms`` sees the cached blocks when a request would otherwise make it do
+  driver work (no exact, split, prefix or reuse path serves it): then every cached block is
+  freed into it first (``drain``), so stitching still sees all free memory.
+- ``caching over vms (max_split N)``: PyTorch's own caching allocator (native) with a private
+  memory pool whose segments come from ``vms`` (``torch.cuda.MemPool`` with a pluggable
+  allocator). Python runs only for new segments. The pool gives cached segments back only as
+  PyTorch's first retry does (oversize blocks, with ``max_split_size_mb``), so the segment
+  allocator refuses once when ``vms`` has no free physical memory for the request, which makes
+  PyTorch free oversize cached blocks into ``vms`` and ask again (the retry is served).
+- ``pytorch-caching`` and ``pytorch-expandable``: PyTorch's two modes, for the peak (native:
+  no Python calls; their driver work is ``cudaMalloc``/VMM calls the model does not price).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vms_policy import COST_US, SET_ACCESS_US_PER_CHUNK, _AccessMeter  # noqa: E402
+
+from vmstoolkit.pools import make_allocator, make_driver  # noqa: E402
+from vmstoolkit.pools.pytorch_caching import Block, PyTorchCachingAllocator, allocation_size  # noqa: E402
+from vmstoolkit.trace import bundled_trace_paths, load_trace  # noqa: E402
+from vmstoolkit.pools.vmm_allocator import VMMAllocator  # noqa: E402
+
+WARM_PASSES = 2
+
+
+def _driver_us(driver, meter, before) -> float:
+    calls = {k: v - before[0].get(k, 0) for k, v in driver.calls.items()}
+    return sum(COST_US.get(k, 0.0) * v for k, v in calls.items()) + SET_ACCESS_US_PER_CHUNK * (meter.chunks - before[1])
+
+
+class ExactFront:
+    """Freed blocks by exact (size, stream) in front of a ``vms`` allocator (see the docstring)."""
+
+    def __init__(self, vms) -> None:
+        self.vms = vms
+        self.by_key: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+        self.cached: dict[int, tuple[int, int]] = {}
+        self.python_calls = 0
+
+    def _cheap(self, n: int) -> bool:
+        """Would ``vms`` serve ``n`` chunks without driver work (exact, split, prefix, reuse)?"""
+        a = self.vms
+        prim, st = a.primitives, a.stitched
+        return (prim.best_fit(n) is not None or st.best_fit(n, n) is not None
+                or (a.policy.stitched_prefix and st.best_prefix(n) is not None)
+                or st.best_fit(n, int(n * a.policy.reuse_max_ratio)) is not None)
+
+    def drain(self) -> None:
+        for addr in list(self.cached):
+            self.vms.free(addr)
+            self.python_calls += 1
+        self.cached.clear()
+        self.by_key.clear()
+
+    def allocate(self, size: int, stream: int) -> int:
+        blocks = self.by_key.get((size, stream))
+        if blocks:
+            addr = blocks.pop()
+            del self.cached[addr]
+            return addr
+        n = -(-size // self.vms.g)
+        if self.cached and size > self.vms.policy.small_size and not self._cheap(n):
+            self.drain()
+        self.python_calls += 1
+        return self.vms.allocate(size, stream)
+
+    def free(self, addr: int, size: int, stream: int) -> None:
+        self.by_key[(size, stream)].append(addr)
+        self.cached[addr] = (size, stream)
+
+
+class CachingOverVMS(PyTorchCachingAllocator):
+    """PyTorch's caching allocator in a private pool whose segments come from ``vms``."""
+
+    name = "caching-over-vms"
+
+    def __init__(self, driver, config: str) -> None:
+        super().__init__(driver, config)
+        self.backend = make_allocator("vms", driver)
+        self._refused: int | None = None
+        self.python_calls = 0
+
+    def _alloc_block(self, pool, stream, size, retry=False):
+        nbytes = allocation_size(size)
+        self.python_calls += 1
+        if self.backend.primitives.free_chunks * self.driver.granularity < nbytes and self._refused != nbytes:
+            self._refused = nbytes  # refuse once: PyTorch frees oversize cached blocks and asks again
+            return None
+        self._refused = None
+        ptr = self.backend.allocate(nbytes)
+        self.total_reserved += nbytes
+        self.num_device_alloc += 1
+        self.segments[ptr] = nbytes
+        return Block(ptr, nbytes, stream, pool.small)
+
+    def _release_block(self, block, pool) -> None:
+        pool.remove(block)
+        del self.segments[block.ptr]
+        self.total_reserved -= block.size
+        self.num_device_free += 1
+        self.python_calls += 1
+        self.backend.free(block.ptr)
+
+    def _release_cached_blocks(self) -> bool:
+        return True  # a private pool in use keeps its cached blocks (PyTorch's release_cached_blocks)
+
+
+def replay_passes(trace, make, passes: int) -> dict:
+    """Replay ``trace`` ``passes`` times through ``make(driver)``: Python calls per request and
+    modelled driver time per pass in steady state, peak reserved and utilization."""
+    driver = make_driver("sim")
+    meter = _AccessMeter(driver)
+    target = make(driver)
+    front = target if isinstance(target, ExactFront) else None
+    alloc = front.vms if front else target
+    events = trace.alloc_free_events()
+    per_pass = []
+    for i in range(passes):
+        before = (dict(driver.calls), meter.chunks, getattr(target, "python_calls", 0))
+        live: dict[int, tuple[int, int, int]] = {}
+        requests = 0
+        for e in events:
+            if e.action.value == "alloc":
+                live[e.addr] = (target.allocate(e.size, e.stream), e.size, e.stream)
+                requests += 1
+            else:
+                got = live.pop(e.addr, None)
+                if got is not None:
+                    target.free(*got) if front else target.free(got[0])
+                    requests += 1
+        for got in live.values():
+            target.free(*got) if front else target.free(got[0])
+            requests += 1
+        if front:
+            front.drain()
+        python = getattr(target, "python_calls", None)
+        per_pass.append({"driver_ms": _driver_us(driver, meter, before) / 1000,
+                         "python_per_request": (python - before[2]) / requests if python is not None
+                         else float(isinstance(alloc, VMMAllocator))})  # vms: every request; PyTorch's: none
+    s = alloc.stats() if front else target.stats()
+    steady = per_pass[WARM_PASSES:]
+    out = {"peak_reserved": s.peak_reserved_bytes, "utilization": s.utilization,
+           "steady_driver_ms": sum(p["driver_ms"] for p in steady) / len(steady),
+           "python_per_request": sum(p["python_per_request"] for p in steady) / len(steady),
+           "per_pass": per_pass}
+    target.close() if not front else alloc.close()
+    return out
+
+
+ROWS = {
+    "vms": lambda d: make_allocator("vms", d),
+    "vms + exact-size front": lambda d: ExactFront(make_allocator("vms", d)),
+    "caching over vms (max_split 21)": lambda d: CachingOverVMS(d, "max_split_size_mb:21"),
+    "caching over vms (max_split 64)": lambda d: CachingOverVMS(d, "max_split_size_mb:64"),
+    "pytorch-caching": lambda d: make_allocator("pytorch-caching", d),
+    "pytorch-expandable": lambda d: make_allocator("pytorch-expandable", d),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--passes", type=int, default=5)
+    args = ap.parse_args()
+    rows = []
+    for path in bundled_trace_paths():
+        trace = load_trace(path)
+        for label, make in ROWS.items():
+            r = replay_passes(trace, make, args.passes)
+            rows.append({"trace": trace.name.split(".")[0], "design": label, **r})
+            print(f"{rows[-1]['trace']:14s} {label:34s} peak {r['peak_reserved'] / 2**30:6.2f} GiB  util {r['utilization']:.3f}  "
+                  f"python/request {r['python_per_request']:.3f}  steady driver {r['steady_driver_ms']:7.1f} ms/pass", flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fast_path_study.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
+        (args.out / "fast_path_study.md").write_text(markdown_table(rows) + "\n")
+    return 0
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Designs by trace: ``peak reserved GiB / Python calls per request / steady driver ms per pass``."""
+    traces = list(dict.fromkeys(r["trace"] for r in rows))
+    designs = list(dict.fromkeys(r["design"] for r in rows))
+    by = {(r["trace"], r["design"]): r for r in rows}
+    lines = ["| design | " + " | ".join(traces) + " |", "|---|" + "---|" * len(traces)]
+    for d in designs:
+        cells = []
+        for t in traces:
+            r = by[(t, d)]
+            cells.append(f"{r['peak_reserved'] / 2**30:.2f} GiB / {r['python_per_request']:.2f} / {r['steady_driver_ms']:.0f} ms")
+        lines.append(f"| {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
