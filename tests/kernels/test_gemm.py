@@ -61,9 +61,14 @@ def test_choose_follows_the_measured_rule():
 
 @pytest.mark.parametrize("splits", (2, 3, 5))
 def test_split_k_matches_reference_on_ragged_shapes(splits):
-    # k slices of 4 under the simulator: 13 -> 4 slices, 40 -> 10, 9 -> 3 (a split may hold one)
-    G.validate(shapes=((5, 7, 13), (17, 9, 40), (8, 8, 9)), variants=(3,), splits=min(splits, 3))
-    G.validate(shapes=((17, 9, 40),), variants=(4,), splits=splits)
+    """K counted in k slices of the tiles in use (4 wide under the simulator, 16 on a GPU):
+    4 slices with a part-full last one, 10, and 3 (a split may hold one slice)."""
+    t3 = G.choose(8, 8, 64, splits=2).tiles  # the tiles of the launcher's split-K path
+    t4 = G.SIM_TILES if simulating() else G.BIG_TILES_V4
+    b = t3.bk
+    G.validate(shapes=((5, 7, 3 * b + 1), (17, 9, 10 * b), (8, 8, 2 * b + 1)), tiles=t3, variants=(3,),
+               splits=min(splits, 3))
+    G.validate(shapes=((17, 9, 10 * t4.bk),), tiles=t4, variants=(4,), splits=splits)
 
 
 def test_split_k_argument_errors():
