@@ -10,7 +10,8 @@ bf16 autocast, SDPA attention; each step draws batch from {4, 6, 8} and sequence
 checkpointing); ``lora`` (peft r=16 on every projection + checkpointing); ``offload``
 (activations saved to pinned CPU memory). Each (mode, variant) runs in its own process, since
 allocator settings are fixed at a process's first CUDA allocation. A mode ``vms:KEY=VALUE+...``
-runs ``vms`` with those allocator options (``vms:max_cached_stitched=1024``).
+runs ``vms`` with those allocator options (``vms:max_cached_stitched=1024``); ``paged`` runs the
+``paged`` allocator through its compiled hook (options the same way).
 
 Per run: losses of every step, step times (median of the rounds after the first: steady
 state), peak allocated and peak reserved (PyTorch's counters; for vmstoolkit the allocator's,
@@ -51,10 +52,10 @@ def vms_options(mode: str) -> dict:
 
 def worker(mode: str, variant: str, rounds: int, steps_per_round: int) -> dict:
     handle = None
-    if mode.split(":")[0] == "vms":
+    if mode.split(":")[0] in ("vms", "paged"):
         from vmstoolkit.integrations.torch import install
 
-        handle = install("vms", **vms_options(mode))
+        handle = install(mode.split(":")[0], **vms_options(mode))
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

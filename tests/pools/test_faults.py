@@ -42,7 +42,7 @@ def _replay(alloc, events, after_each=None) -> BaseException | None:
 
 def _kept(a) -> list:
     """Failed teardown steps the allocator's graveyard holds for a retry."""
-    return list(a.graveyard.pending)
+    return list(a.graveyard.pending) if hasattr(a, "graveyard") else []  # paged keeps failed unmaps mapped
 
 
 def _after_fault(name, d, a, op, n, err, kept) -> None:
@@ -66,7 +66,7 @@ def _calls_reached(name, events):
     return dict(a.driver.calls)
 
 
-@pytest.mark.parametrize("name", ["vms", "gmlake", "native"])
+@pytest.mark.parametrize("name", ["vms", "gmlake", "native", "paged"])
 def test_every_nth_call_of_every_operation(name, events):
     reached = _calls_reached(name, events)
     ops = [op for op in OPERATIONS if reached.get(op)]

@@ -112,14 +112,24 @@ def make_handle(allocator: str = "vms", driver_factory=None, **options) -> Torch
 
 def install(allocator: str = "vms", **options) -> TorchAllocatorHandle:
     """Make PyTorch allocate CUDA memory through vmstoolkit's ``allocator``; one call, before
-    the first CUDA tensor. Returns the handle (calling it twice returns the same one)."""
+    the first CUDA tensor. Returns the handle (calling it twice returns the same one).
+
+    ``paged`` is served by compiled entry points (:mod:`~vmstoolkit.integrations.native_torch`:
+    no Python unless the driver has work); every other allocator by ``ctypes`` callbacks into
+    its Python implementation."""
     global _INSTALLED
     if _INSTALLED is not None:
         if _INSTALLED.allocator_name != allocator:
             raise VmsError(f"vmstoolkit allocator {_INSTALLED.allocator_name!r} is already installed in PyTorch; it cannot be changed to {allocator!r}")
         return _INSTALLED
     torch = _import_torch()
-    handle = make_handle(allocator, **options)
+    if allocator == "paged":
+        from vmstoolkit.integrations.native_torch import NativeHook
+
+        make_allocator(allocator, make_driver("sim"), **options).close()  # validate the options early
+        handle = NativeHook(lambda device: make_driver("cuda", device=device), **options)
+    else:
+        handle = make_handle(allocator, **options)
     custom = torch._C._cuda_customAllocator(handle.alloc_ptr, handle.free_ptr)
     try:
         torch._C._cuda_changeCurrentAllocator(custom)

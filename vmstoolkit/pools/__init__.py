@@ -14,6 +14,7 @@ from vmstoolkit.pools import native as _native  # noqa: E402,F401
 from vmstoolkit.pools import vmm_allocator as _vmm  # noqa: E402,F401
 from vmstoolkit.pools import pytorch_caching as _pytorch_caching  # noqa: E402,F401
 from vmstoolkit.pools import pytorch_expandable as _pytorch_expandable  # noqa: E402,F401
+from vmstoolkit.pools import paged as _paged  # noqa: E402,F401
 
 __all__ = [
     "Allocator", "AllocatorStats", "VMMDriver", "SimulatedDriver", "make_driver",

@@ -1,0 +1,116 @@
+"""PyTorch's hook served by compiled code (``paged``), driven through its raw C entry points on
+the simulated driver, from a Python thread and from a native thread as PyTorch would."""
+
+import pytest
+
+from vmstoolkit.integrations.callbacks import roundtrips_from_native_thread
+from vmstoolkit.integrations.native_torch import ALLOC_FN, FREE_FN, G_BAD_FREES, NativeHook
+from vmstoolkit.pools import make_driver
+from vmstoolkit.pools.paged import heap as H
+from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.units import GiB, MiB
+
+
+@pytest.fixture
+def hook():
+    h = NativeHook(lambda device: SimulatedDriver(capacity=4 * GiB))
+    yield h
+    h.close()
+
+
+def _entry_points(h):
+    return ALLOC_FN(h.alloc_ptr), FREE_FN(h.free_ptr)
+
+
+def test_allocations_and_frees_through_the_c_entry_points(hook):
+    alloc, free = _entry_points(hook)
+    sizes = [100, 3 * MiB, 5000, 64 * MiB, MiB, MiB + 1]
+    ptrs = [alloc(s, 0, None) for s in sizes]
+    assert all(ptrs) and len(set(ptrs)) == len(ptrs)
+    nd = hook.bridge(0)
+    for p, s in zip(ptrs, sizes):
+        nd.allocator.driver.memset(p, s)  # mapped and accessible
+    st = hook.memory_stats(0)
+    assert st["allocated_bytes.all.current"] == sum(sizes) and st["active.all.current"] == len(sizes)
+    assert st["reserved_bytes.all.current"] == nd.allocator.driver.physical_bytes > 0
+    for p, s in zip(ptrs, sizes):
+        free(p, s, 0, None)
+    st = hook.memory_stats(0)
+    assert st["allocated_bytes.all.current"] == 0 and st["allocation.all.freed"] == len(sizes)
+    assert hook.max_memory_allocated(0) == sum(sizes)
+    nd.allocator._check()
+
+
+def test_warm_round_trips_never_reach_python(hook):
+    alloc, free = _entry_points(hook)
+    free(alloc(4 * MiB, 0, None), 4 * MiB, 0, None)  # maps the pages (slow path, once)
+    nd = hook.bridge(0)
+    seconds, calls = nd.seconds, dict(nd.allocator.driver.calls)
+    for _ in range(200):
+        free(alloc(4 * MiB, 0, None), 4 * MiB, 0, None)
+    assert nd.seconds == seconds, "the Python slow path ran"
+    assert dict(nd.allocator.driver.calls) == calls
+    assert hook.memory_stats(0)["allocation.all.allocated"] == 201
+
+
+def test_from_a_native_thread(hook):
+    ok, _ = roundtrips_from_native_thread(hook.alloc_ptr, hook.free_ptr, 3 * MiB, 500)
+    assert ok == 500
+    st = hook.memory_stats(0)
+    assert st["allocation.all.allocated"] == st["allocation.all.freed"] == 500
+    hook.bridge(0).allocator._check()
+
+
+def test_a_busy_device_sends_the_fast_path_to_python(hook):
+    alloc, free = _entry_points(hook)
+    free(alloc(4 * MiB, 0, None), 4 * MiB, 0, None)
+    nd = hook.bridge(0)
+    nd.g[H.G_BUSY] = 1  # as while another thread's slow path works
+    try:
+        seconds = nd.seconds
+        p = alloc(4 * MiB, 0, None)
+        assert p and nd.seconds > seconds
+    finally:
+        nd.g[H.G_BUSY] = 0
+    free(p, 4 * MiB, 0, None)
+    assert hook.memory_stats(0)["allocated_bytes.all.current"] == 0
+    nd.allocator._check()
+
+
+def test_failures_return_null_and_are_recorded(hook):
+    alloc, free = _entry_points(hook)
+    keep = alloc(3 * GiB, 0, None)
+    assert keep
+    assert alloc(2 * GiB, 0, None) is None  # the 4 GiB device is full: PyTorch raises its OOM
+    nd = hook.bridge(0)
+    assert nd.failed_mallocs == 1 and str(2 * GiB) in str(nd.last_error)
+    nd.allocator._check()
+    free(0x1234, 8, 0, None)  # not ours
+    assert nd.g[G_BAD_FREES] == 1
+    assert alloc(0, 0, None) is None  # size 0: the null pointer, as PyTorch expects
+    assert alloc(1, 99, None) is None and "device 99" in str(hook.last_error)
+    free(keep, 3 * GiB, 0, None)
+    assert hook.memory_stats(0)["allocated_bytes.all.current"] == 0
+
+
+def test_devices_get_their_own_heaps(hook):
+    alloc, free = _entry_points(hook)
+    a, b = alloc(3 * MiB, 0, None), alloc(3 * MiB, 1, None)
+    assert a and b and hook.bridge(0).allocator is not hook.bridge(1).allocator
+    free(a, 3 * MiB, 0, None)
+    free(b, 3 * MiB, 1, None)
+    assert hook.memory_stats(1)["allocation.all.freed"] == 1
+
+
+def test_one_hook_per_process(hook):
+    with pytest.raises(RuntimeError, match="already owns"):
+        NativeHook(lambda device: make_driver("sim"))
+
+
+def test_install_paged_without_torch_or_gpu_is_a_clear_error():
+    from vmstoolkit.errors import NoGPUError, VmsError
+    from vmstoolkit.integrations.torch import install
+
+    with pytest.raises((VmsError, NoGPUError)):
+        install("paged")
+

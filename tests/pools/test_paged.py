@@ -1,0 +1,150 @@
+"""The ``paged`` allocator: a compiled best-fit heap whose pages are mapped on demand."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vmstoolkit.errors import ConfigError, DoubleFreeError, OutOfMemoryError
+from vmstoolkit.pools import make_allocator
+from vmstoolkit.pools.paged import heap as H
+from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.trace import load_trace
+from vmstoolkit.units import MiB
+
+G = 2 * MiB
+CAPACITY = 48 * G
+
+
+def _live_pages(a) -> int:
+    return int(a.g[H.G_LIVE_PAGES])
+
+
+sizes = st.one_of(st.integers(1, MiB), st.integers(MiB + 1, 6 * G), st.integers(6 * G, 20 * G))
+programs = st.lists(st.tuples(st.booleans(), sizes, st.integers(0, 10**6)), min_size=1, max_size=80)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(program=programs, slack=st.sampled_from([0, 3]))
+def test_random_programs_keep_invariants_and_physical_within_the_live_peak(program, slack):
+    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY), slack_pages=slack)
+    live: list[tuple[int, int]] = []
+    for is_alloc, size, pick in program:
+        if is_alloc or not live:
+            before = _live_pages(a)
+            try:
+                p = a.allocate(size)
+            except OutOfMemoryError as e:
+                # only when the pages live blocks touch, plus this request's new ones, exceed the device
+                new_pages = 1 if size <= MiB else -(-size // G)
+                assert before + new_pages > CAPACITY // G, f"OOM with {before} live pages of {CAPACITY // G}: {e}"
+                assert str(size) in str(e)
+            else:
+                live.append((p, size))
+                a.driver.memset(p, size)  # every byte mapped and accessible
+        else:
+            a.free(live.pop(pick % len(live))[0])
+        a._check()
+        assert a.driver.physical_bytes <= (int(a.g[H.G_PEAK_LIVE_PAGES]) + slack) * G, "holds more than the live peak"
+    a.close()
+    assert a.driver.is_empty(), a.driver.leak_report()
+
+
+def test_blocks_merge_and_best_fit_reuses_the_hole():
+    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY))
+    p = [a.allocate(4 * G) for _ in range(3)]
+    a.free(p[0])
+    a.free(p[1])  # merges with p[0]'s block: one free block of 8 pages at the start
+    q = a.allocate(7 * G)
+    assert q == p[0]
+    a._check()
+    a.close()
+
+
+def test_repeating_a_pattern_calls_the_driver_no_more():
+    """Steady state: once a pattern's pages are mapped, repeating it needs no driver call."""
+    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY))
+    pattern = [300, 3 * G + 5, 700 * 1024, 9 * G, 12345]
+
+    def once():
+        ps = [a.allocate(s) for s in pattern]
+        for x in ps[::-1]:
+            a.free(x)
+
+    once()
+    calls = dict(a.driver.calls)
+    for _ in range(5):
+        once()
+    assert dict(a.driver.calls) == calls
+    assert a.counts["fast"] >= 5 * len(pattern)
+    a.close()
+
+
+def test_chunks_are_reclaimed_before_the_peak_grows():
+    """Physical memory stays at the live peak: new pages elsewhere take the chunks of free pages."""
+    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY))
+    x = a.allocate(10 * G)
+    a.free(x)  # 10 pages mapped, none live
+    y = a.allocate(4 * G)  # best fit: the same hole, already mapped
+    z = a.allocate(6 * G)
+    assert a.driver.physical_bytes == 10 * G
+    a.free(y)
+    w = a.allocate(8 * G)  # no hole of 8: new pages above, chunks taken from y's free pages...
+    assert a.driver.physical_bytes == 14 * G  # ...but the live peak is now 14 pages, so 4 are new
+    assert a.counts["pages_reclaimed"] == 4
+    a._check()
+    for p in (z, w):
+        a.free(p)
+    a.close()
+
+
+def test_out_of_memory_names_the_request_and_changes_nothing():
+    d = SimulatedDriver(capacity=8 * G)
+    a = make_allocator("paged", d)
+    keep = a.allocate(5 * G)
+    with pytest.raises(OutOfMemoryError, match=str(4 * G)):
+        a.allocate(4 * G)
+    a._check()
+    assert a.stats().allocated_count == 1 and d.physical_bytes <= 8 * G
+    a.free(keep)
+    b = a.allocate(8 * G)  # all of it, now that keep is gone
+    a.free(b)
+    a.close()
+    assert d.is_empty()
+
+
+def test_bad_input_is_refused_clearly():
+    with pytest.raises(ConfigError, match="slack_pages"):
+        make_allocator("paged", slack_pages=-1)
+    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY))
+    p = a.allocate(100)
+    a.free(p)
+    with pytest.raises(DoubleFreeError):
+        a.free(p)
+    a._check()
+    a.close()
+
+
+def test_check_heap_names_a_broken_invariant():
+    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY))
+    a.allocate(3 * G)
+    a.large.page_used[0] += 1  # corrupt a page count
+    assert H.check_heap(*a.large.arrays()) == 7
+    with pytest.raises(AssertionError, match="invariant 7"):
+        a._check()
+
+
+@pytest.mark.parametrize("variant", ["lora", "full"])
+def test_bundled_traces_reserve_less_than_expandable_segments(traces_dir, variant):
+    """The point of the design, on real traces: peak reserved at or below vms and below
+    PyTorch's expandable segments (``experiments/results/paged/``)."""
+    from vmstoolkit.trace import replay
+
+    trace = load_trace(traces_dir / f"llama-{variant}.caching.pickle.gz")
+    peaks = {}
+    for name in ("paged", "vms", "pytorch-expandable"):
+        a = make_allocator(name)
+        r = replay(trace, a)
+        assert not r.oom
+        peaks[name] = a.stats().peak_reserved_bytes
+        a.close()
+    assert peaks["paged"] <= peaks["vms"] < peaks["pytorch-expandable"], peaks

@@ -1,0 +1,373 @@
+"""PyTorch's allocation hook served by compiled code: the ``paged`` allocator with no Python on
+the common path.
+
+PyTorch calls two C function pointers for every allocation and free. Here they are Numba
+``cfunc``s that run the ``paged`` heap (:mod:`vmstoolkit.pools.paged.heap`) directly on its
+arrays: an allocation whose pages are already mapped and every free cost a few hundred
+nanoseconds and no Python. Only when the driver has work to do (pages to map, chunks to create
+or reclaim), or a device is used for the first time, do they call back into Python
+(:class:`~vmstoolkit.pools.paged.allocator.PagedAllocator`, which does the driver calls).
+
+Serialisation is the GIL: the cfuncs take it (``PyGILState_Ensure``; a thread's first call pins
+a thread state for it, as :mod:`~vmstoolkit.integrations.callbacks` does), so the heap is never
+touched by two threads at once, and the Python slow path, which holds the GIL too, marks the
+device busy while it works: a fast path that finds it busy takes the slow path, which waits on
+the allocator's lock (releasing the GIL meanwhile). Nothing can raise into C++: a failure
+returns the null pointer (PyTorch then raises its out-of-memory error) and is kept in
+``last_error``; a free of an unknown pointer is counted in ``bad_frees``.
+
+The cfuncs find each device's arrays through one table of addresses (:data:`TABLE`), filled
+when the device's allocator is made; the table and the arrays live as long as the process
+(PyTorch keeps the pointers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from contextlib import contextmanager
+
+import numpy as np
+from numba import njit
+
+from vmstoolkit.pools.paged import heap as H
+from vmstoolkit.pools.paged.allocator import SMALL_SIZE, PagedAllocator
+
+MAX_DEVICES = 16
+N_HEAP_ARRAYS = 14
+# one row per device: ready, g, bases and sizes, unit shifts, then (address, length) of each heap array
+R_READY, R_G, R_G_LEN = 0, 1, 2
+R_LARGE_BASE, R_LARGE_BYTES, R_SMALL_BASE, R_SMALL_BYTES, R_LARGE_SHIFT, R_SMALL_SHIFT = 3, 4, 5, 6, 7, 8
+R_HEAPS = 9  # large heap arrays at R_HEAPS, small heap arrays at R_HEAPS + 2 * N_HEAP_ARRAYS
+ROW = R_HEAPS + 4 * N_HEAP_ARRAYS
+TABLE = np.zeros(MAX_DEVICES * ROW, np.int64)
+
+# g[] slots the hook keeps (heap.py uses 0-5)
+G_ALLOC_BYTES, G_PEAK_ALLOC, G_ALLOCS, G_FREES, G_BAD_FREES, G_LIVE, G_PEAK_LIVE = 6, 7, 8, 9, 10, 11, 12
+
+ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+SLOW_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int)  # (size, device) -> ptr
+SLOW_MAP_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64)
+SLOW_FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int)
+
+
+def _pyapi(name: str, restype, *argtypes):
+    fn = getattr(ctypes.pythonapi, name)
+    return ctypes.CFUNCTYPE(restype, *argtypes)(ctypes.cast(fn, ctypes.c_void_p).value)
+
+
+_gil_this_state = _pyapi("PyGILState_GetThisThreadState", ctypes.c_void_p)
+_gil_ensure = _pyapi("PyGILState_Ensure", ctypes.c_int)
+_gil_release = _pyapi("PyGILState_Release", None, ctypes.c_int)
+
+
+@njit(cache=True)
+def count_alloc(g, size):
+    g[G_ALLOC_BYTES] += size
+    g[G_ALLOCS] += 1
+    g[G_LIVE] += 1
+    if g[G_ALLOC_BYTES] > g[G_PEAK_ALLOC]:
+        g[G_PEAK_ALLOC] = g[G_ALLOC_BYTES]
+    if g[G_LIVE] > g[G_PEAK_LIVE]:
+        g[G_PEAK_LIVE] = g[G_LIVE]
+
+
+@njit(cache=True)
+def count_free(g, size):
+    g[G_ALLOC_BYTES] -= size
+    g[G_FREES] += 1
+    g[G_LIVE] -= 1
+
+
+class NativeDevice:
+    """One device's ``paged`` allocator and the hook's counters, in the bridge's vocabulary
+    (``allocator``, ``seconds``: time in the Python slow path, ``failed_mallocs``)."""
+
+    def __init__(self, allocator: PagedAllocator) -> None:
+        self.allocator = allocator
+        self.g = allocator.g
+        self.seconds = 0.0
+        self.failed_mallocs = 0
+        self.last_error: BaseException | None = None
+
+    @property
+    def bad_frees(self) -> int:
+        return int(self.g[G_BAD_FREES])
+
+    def stats(self) -> dict:
+        """``torch.cuda.memory_stats()``-style statistics (allocated: bytes PyTorch asked for;
+        reserved: physical bytes the driver holds for this allocator)."""
+        g, d = self.g, self.allocator.driver
+        return {
+            "allocated_bytes.all.current": int(g[G_ALLOC_BYTES]),
+            "allocated_bytes.all.peak": int(g[G_PEAK_ALLOC]),
+            "requested_bytes.all.current": int(g[G_ALLOC_BYTES]),
+            "requested_bytes.all.peak": int(g[G_PEAK_ALLOC]),
+            "reserved_bytes.all.current": d.physical_bytes,
+            "reserved_bytes.all.peak": d.peak_physical_bytes,
+            "active.all.current": int(g[G_LIVE]),
+            "active.all.peak": int(g[G_PEAK_LIVE]),
+            "allocation.all.allocated": int(g[G_ALLOCS]),
+            "allocation.all.freed": int(g[G_FREES]),
+            "num_ooms": self.failed_mallocs,
+            "num_alloc_retries": 0,
+            "num_device_alloc": d.calls.get("create", 0),
+            "num_device_free": d.calls.get("release", 0),
+        }
+
+
+class NativeHook:
+    """The compiled entry points and the devices they serve. ``driver_factory(device)`` makes
+    each device's driver (the real one by default; the simulated one in tests)."""
+
+    _active: "NativeHook | None" = None  # the table serves one hook per process
+
+    def __init__(self, driver_factory, **options) -> None:
+        if NativeHook._active is not None:
+            raise RuntimeError("a native vmstoolkit hook already owns this process's device table")
+        self._driver_factory = driver_factory
+        self._options = options
+        self.devices: dict[int, NativeDevice] = {}
+        self._make_lock = threading.Lock()
+        self.last_error: BaseException | None = None
+        self.slow_alloc_fn = SLOW_ALLOC_FN(self._slow_alloc)
+        self.slow_map_fn = SLOW_MAP_FN(self._slow_map)
+        self.slow_free_fn = SLOW_FREE_FN(self._slow_free)
+        self.alloc_cfunc, self.free_cfunc = _compile(self.slow_alloc_fn, self.slow_map_fn, self.slow_free_fn)
+        NativeHook._active = self
+
+    allocator_name = "paged"
+
+    @property
+    def alloc_ptr(self) -> int:
+        return self.alloc_cfunc.address
+
+    @property
+    def free_ptr(self) -> int:
+        return self.free_cfunc.address
+
+    def close(self) -> None:
+        """Give every device's memory back (only when PyTorch no longer uses the hook: tests)."""
+        for dev, nd in self.devices.items():
+            TABLE[dev * ROW + R_READY] = 0
+            nd.allocator._live.clear()  # the hook's blocks are not in the Python bookkeeping
+            nd.allocator.empty_cache()
+            nd.allocator.close()
+            nd.allocator.driver.close()
+        self.devices.clear()
+        NativeHook._active = None
+
+    # -- the integration's handle interface (as :class:`~vmstoolkit.integrations.torch.TorchAllocatorHandle`)
+    def bridge(self, device: int) -> NativeDevice:
+        return self.device(device)
+
+    def memory_stats(self, device: int = 0) -> dict:
+        return self.device(device).stats()
+
+    def max_memory_reserved(self, device: int = 0) -> int:
+        return self.memory_stats(device)["reserved_bytes.all.peak"]
+
+    def max_memory_allocated(self, device: int = 0) -> int:
+        return self.memory_stats(device)["allocated_bytes.all.peak"]
+
+    def reset_peak_memory_stats(self, device: int = 0) -> None:
+        nd = self.device(device)
+        with nd.allocator.slow_lock:
+            nd.g[G_PEAK_ALLOC] = nd.g[G_ALLOC_BYTES]
+            nd.g[G_PEAK_LIVE] = nd.g[G_LIVE]
+            nd.allocator.driver.reset_peak()
+
+    # -- devices -----------------------------------------------------------------------------
+    def device(self, dev: int) -> NativeDevice:
+        nd = self.devices.get(dev)
+        if nd is None:
+            with self._make_lock:
+                nd = self.devices.get(dev)
+                if nd is None:
+                    if not 0 <= dev < MAX_DEVICES:
+                        raise ValueError(f"device {dev} is outside 0..{MAX_DEVICES - 1}")
+                    pa = PagedAllocator(self._driver_factory(dev), **self._options)
+                    pa.reserve_ranges()
+                    nd = NativeDevice(pa)
+                    _publish(dev, pa)
+                    self.devices[dev] = nd
+        return nd
+
+    # -- the slow paths (called from the cfuncs, holding the GIL) -----------------------------
+    @contextmanager
+    def _working(self, nd: NativeDevice):
+        """The slow path's frame: the allocator's lock, the device marked busy (fast paths defer),
+        the time counted; an exception is recorded as a failed allocation."""
+        t0 = time.perf_counter()
+        try:
+            with nd.allocator.slow_lock:
+                nd.g[H.G_BUSY] += 1
+                try:
+                    yield
+                finally:
+                    nd.g[H.G_BUSY] -= 1
+        except Exception as e:
+            nd.last_error = self.last_error = e
+            nd.failed_mallocs += 1
+        finally:
+            nd.seconds += time.perf_counter() - t0
+
+    def _slow_alloc(self, size: int, dev: int) -> int:
+        try:
+            nd = self.device(dev)
+        except Exception as e:
+            self.last_error = e
+            return 0
+        pa = nd.allocator
+        with self._working(nd):
+            heap = pa.small if size <= SMALL_SIZE else pa.large
+            n = -(-size // (1 << heap.unit_shift))
+            start, missing = H.heap_alloc(*heap.arrays(), nd.g, n)
+            if start < 0:
+                raise MemoryError(f"paged: no free virtual range for {size} bytes on device {dev}")
+            if missing:
+                pa.map_block(heap, start, n, size)
+            count_alloc(nd.g, size)
+            return heap.base + (start << heap.unit_shift)
+        return 0
+
+    def _slow_map(self, dev: int, which: int, start: int, n: int, size: int) -> int:
+        nd = self.devices[dev]
+        heap = nd.allocator.large if which == 0 else nd.allocator.small
+        with self._working(nd):
+            nd.allocator.map_block(heap, start, n, size)  # frees the block again on failure
+            count_alloc(nd.g, size)
+            return 1
+        return 0
+
+    def _slow_free(self, ptr: int, size: int, dev: int) -> None:
+        nd = self.devices.get(dev)
+        if nd is None:
+            return
+        pa = nd.allocator
+        try:
+            with pa.slow_lock:
+                for heap in (pa.large, pa.small):
+                    if heap.base is not None and heap.base <= ptr < heap.base + heap.nbytes:
+                        if H.heap_free(*heap.arrays(), nd.g, (ptr - heap.base) >> heap.unit_shift) > 0:
+                            count_free(nd.g, size)
+                            return
+                nd.g[G_BAD_FREES] += 1
+        except Exception as e:
+            nd.last_error = self.last_error = e
+
+
+def _publish(dev: int, pa: PagedAllocator) -> None:
+    """Write ``pa``'s array addresses into the device's row of :data:`TABLE` (ready last)."""
+    row = dev * ROW
+    TABLE[row + R_G] = pa.g.ctypes.data
+    TABLE[row + R_G_LEN] = pa.g.shape[0]
+    TABLE[row + R_LARGE_BASE], TABLE[row + R_LARGE_BYTES] = pa.large.base, pa.large.nbytes
+    TABLE[row + R_SMALL_BASE], TABLE[row + R_SMALL_BYTES] = pa.small.base, pa.small.nbytes
+    TABLE[row + R_LARGE_SHIFT], TABLE[row + R_SMALL_SHIFT] = pa.large.unit_shift, pa.small.unit_shift
+    for h, heap in enumerate((pa.large, pa.small)):
+        for i, a in enumerate(heap.arrays()):
+            TABLE[row + R_HEAPS + 2 * (h * N_HEAP_ARRAYS + i)] = a.ctypes.data
+            TABLE[row + R_HEAPS + 2 * (h * N_HEAP_ARRAYS + i) + 1] = a.shape[0]
+    TABLE[row + R_READY] = 1
+
+
+def _compile(slow_alloc, slow_map, slow_free):
+    """The two cfuncs, bound to this process's table and the given slow-path callbacks."""
+    from numba import carray, cfunc, njit, types
+    from numba.core.extending import intrinsic
+
+    def pointer_to(t):
+        @intrinsic
+        def cast(typingctx, addr):
+            sig = types.CPointer(t)(types.int64)
+
+            def codegen(context, builder, signature, args):
+                return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+            return sig, codegen
+
+        return cast
+
+    p64, p32, p8, pu64 = pointer_to(types.int64), pointer_to(types.int32), pointer_to(types.int8), pointer_to(types.uint64)
+    table_addr = TABLE.ctypes.data
+    table_len = TABLE.shape[0]
+
+    @njit(inline="always")
+    def heap_views(t, b):
+        return (carray(p64(t[b]), t[b + 1]), carray(p64(t[b + 2]), t[b + 3]), carray(p64(t[b + 4]), t[b + 5]),
+                carray(p8(t[b + 6]), t[b + 7]), carray(p32(t[b + 8]), t[b + 9]), carray(p32(t[b + 10]), t[b + 11]),
+                carray(p32(t[b + 12]), t[b + 13]), carray(p32(t[b + 14]), t[b + 15]), carray(p32(t[b + 16]), t[b + 17]),
+                carray(p32(t[b + 18]), t[b + 19]), carray(p32(t[b + 20]), t[b + 21]), carray(pu64(t[b + 22]), t[b + 23]),
+                carray(p32(t[b + 24]), t[b + 25]), carray(p32(t[b + 26]), t[b + 27]))
+
+    heap_alloc, heap_free = H.heap_alloc, H.heap_free
+    counted_alloc, counted_free = count_alloc, count_free
+    this_state, ensure, release = _gil_this_state, _gil_ensure, _gil_release
+    small_size = SMALL_SIZE
+
+    @cfunc(types.uint64(types.uint64, types.int32, types.voidptr))  # void* alloc(size_t, int, cudaStream_t)
+    def alloc(size, device, stream):
+        if size == 0:
+            return 0
+        fresh = this_state() == 0
+        st = ensure()  # takes the GIL; released below
+        if fresh:
+            ensure()  # never released: pins this thread's Python state for its lifetime
+        t = carray(p64(table_addr), table_len)
+        row = device * ROW
+        result = 0
+        if 0 <= device < MAX_DEVICES and t[row + R_READY] == 1:
+            g = carray(p64(t[row + R_G]), t[row + R_G_LEN])
+            if g[H.G_BUSY] == 0:
+                small = size <= small_size
+                shift = t[row + R_SMALL_SHIFT] if small else t[row + R_LARGE_SHIFT]
+                b = row + R_HEAPS + (2 * N_HEAP_ARRAYS if small else 0)
+                n = (np.int64(size) + (np.int64(1) << shift) - 1) >> shift
+                start, missing = heap_alloc(*heap_views(t, b), g, n)
+                if start >= 0:
+                    if missing == 0 or slow_map(device, 1 if small else 0, start, n, size) == 1:
+                        if missing == 0:
+                            counted_alloc(g, np.int64(size))
+                        base = t[row + R_SMALL_BASE] if small else t[row + R_LARGE_BASE]
+                        result = base + (start << shift)
+                    release(st)
+                    return result
+        result = slow_alloc(size, device)
+        release(st)
+        return result
+
+    @cfunc(types.void(types.uint64, types.uint64, types.int32, types.voidptr))  # free(void*, size_t, int, cudaStream_t)
+    def free(ptr, size, device, stream):
+        addr = np.int64(ptr)
+        if addr == 0:
+            return
+        fresh = this_state() == 0
+        st = ensure()
+        if fresh:
+            ensure()
+        t = carray(p64(table_addr), table_len)
+        row = device * ROW
+        done = False
+        if 0 <= device < MAX_DEVICES and t[row + R_READY] == 1:
+            g = carray(p64(t[row + R_G]), t[row + R_G_LEN])
+            if g[H.G_BUSY] == 0:
+                done = True
+                if t[row + R_LARGE_BASE] <= addr < t[row + R_LARGE_BASE] + t[row + R_LARGE_BYTES]:
+                    k = heap_free(*heap_views(t, row + R_HEAPS), g, (addr - t[row + R_LARGE_BASE]) >> t[row + R_LARGE_SHIFT])
+                elif t[row + R_SMALL_BASE] <= addr < t[row + R_SMALL_BASE] + t[row + R_SMALL_BYTES]:
+                    k = heap_free(*heap_views(t, row + R_HEAPS + 2 * N_HEAP_ARRAYS), g,
+                                  (addr - t[row + R_SMALL_BASE]) >> t[row + R_SMALL_SHIFT])
+                else:
+                    k = -1
+                if k > 0:
+                    counted_free(g, np.int64(size))
+                else:
+                    g[G_BAD_FREES] += 1
+        if not done:
+            slow_free(addr, size, device)
+        release(st)
+
+    return alloc, free

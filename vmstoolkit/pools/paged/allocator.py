@@ -1,0 +1,261 @@
+"""``paged``: a best-fit heap over one large virtual range, physical memory mapped page by page.
+
+Two heaps (:mod:`~vmstoolkit.pools.paged.heap`) over ranges reserved once: requests of 1 MiB or
+less in 512 B units, larger ones in whole 2 MiB pages. A block's address never changes and a
+freed block merges with its neighbours, as in a classic heap; what makes the heap cheap in
+physical memory is that a page gets a physical chunk only when a live block first needs it, and
+keeps it while free (so steady state calls the driver not at all) until chunks are short:
+
+- chunks come first from the free stack (pages reclaimed earlier);
+- then new chunks (``cuMemCreate``) while the total stays within the most pages that live
+  blocks have ever needed at once (plus ``slack_pages``): physical memory never exceeds that peak;
+- then the chunks of pages no live block uses, taken back (``cuMemUnmap``) by a clock sweep;
+- only then new chunks beyond the peak (it is a new peak).
+
+Peak reserved is therefore the peak number of pages live blocks touch: the largest blocks
+round up to 2 MiB, small ones share pages. The decisions are compiled Numba code shared with
+the PyTorch hook (:mod:`vmstoolkit.integrations.native_torch`); this class runs them from
+Python and does the driver work, for replays and as the hook's slow path.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from vmstoolkit.errors import ConfigError, DriverError, DriverOutOfMemoryError, OutOfMemoryError
+from vmstoolkit.pools.base import Allocator
+from vmstoolkit.pools.driver import VMMDriver
+from vmstoolkit.pools.paged import heap as H
+from vmstoolkit.pools.registry import register_allocator
+from vmstoolkit.units import GiB, MiB
+
+SMALL_SIZE = 1 * MiB
+SMALL_UNIT_SHIFT = 9  # 512 B, PyTorch's rounding
+
+
+@register_allocator("paged", "best-fit heap over one virtual range; 2 MiB pages mapped on demand, reclaimed at the peak")
+class PagedAllocator(Allocator):
+    name = "paged"
+
+    def __init__(self, driver: VMMDriver, *, va_bytes: int | None = None, small_va_bytes: int = 8 * GiB,
+                 slack_pages: int = 0, max_blocks: int = 1 << 18) -> None:
+        super().__init__(driver)
+        page = driver.granularity
+        if page & (page - 1) or page < (1 << SMALL_UNIT_SHIFT):
+            raise ConfigError(f"paged: the granularity {page} is not a power of two of at least 512 B")
+        if slack_pages < 0:
+            raise ConfigError(f"paged: slack_pages must be >= 0, got {slack_pages}")
+        self.page = page
+        self.page_shift = page.bit_length() - 1
+        va_bytes = va_bytes or 2 * -(-driver.capacity // page) * page
+        if va_bytes % page or small_va_bytes % page or va_bytes <= 0 or small_va_bytes <= 0:
+            raise ConfigError(f"paged: virtual ranges ({va_bytes}, {small_va_bytes} bytes) must be positive multiples of {page}")
+        self.large = H.Heap(va_bytes // page, self.page_shift, self.page_shift, buckets=4096, max_blocks=max_blocks)
+        self.small = H.Heap(small_va_bytes >> SMALL_UNIT_SHIFT, SMALL_UNIT_SHIFT, self.page_shift,
+                            buckets=(SMALL_SIZE >> SMALL_UNIT_SHIFT) + 1, max_blocks=max_blocks)
+        max_chunks = va_bytes // page + small_va_bytes // page
+        self.g = np.zeros(16, np.int64)  # heap.G_* slots, then the PyTorch hook's counters
+        self.g[H.G_SLACK] = slack_pages
+        self.chunk_stack = np.zeros(max_chunks, np.int32)
+        self.handles: list = []  # chunk id -> driver handle (None once released)
+        self._spare_ids: list[int] = []
+        self._out_pages = np.zeros(max_chunks, np.int64)
+        self._out_chunks = np.zeros(max_chunks, np.int32)
+        self.slow_lock = threading.RLock()  # the hook's slow path and this class's calls
+        self.large.base = self.small.base = None  # reserved at first use (reserve_ranges)
+        self.large.nbytes, self.small.nbytes = va_bytes, small_va_bytes
+        self.counts = {"fast": 0, "mapped": 0, "pages_mapped": 0, "pages_reclaimed": 0, "chunks_created": 0}
+
+    def reserve_ranges(self) -> None:
+        """Reserve both heaps' virtual ranges (once; both or neither)."""
+        if self.large.base is not None:
+            return
+        large = self.driver.reserve(self.large.nbytes)
+        try:
+            self.small.base = self.driver.reserve(self.small.nbytes)
+        except DriverError:
+            self.driver.free_address(large, self.large.nbytes)
+            raise
+        self.large.base = large
+
+    # -- where an address lives ------------------------------------------------------------
+    def _heap_of(self, addr: int) -> H.Heap:
+        for h in (self.large, self.small):
+            if h.base is not None and h.base <= addr < h.base + h.nbytes:
+                return h
+        raise AssertionError(f"paged: address {addr:#x} is in neither heap")
+
+    # -- the protocol ----------------------------------------------------------------------
+    def _allocate(self, size: int, stream: int) -> int:
+        with self.slow_lock:
+            try:
+                self.reserve_ranges()
+            except DriverOutOfMemoryError as e:
+                raise OutOfMemoryError(f"paged: cannot reserve its virtual ranges for a request of {size} bytes: {e}",
+                                       requested=size, reserved=self.driver.physical_bytes,
+                                       capacity=self.driver.capacity) from None
+            heap = self.small if size <= SMALL_SIZE else self.large
+            n = -(-size // (1 << heap.unit_shift))
+            start, missing = H.heap_alloc(*heap.arrays(), self.g, n)
+            if start < 0:
+                raise OutOfMemoryError(
+                    f"paged: no free range of {n << heap.unit_shift} bytes left in the {heap.nbytes}-byte virtual range "
+                    f"(request {size}); raise va_bytes", requested=size, reserved=self.driver.physical_bytes,
+                    capacity=self.driver.capacity)
+            if missing:
+                self.map_block(heap, start, n, size)
+            else:
+                self.counts["fast"] += 1
+            return heap.base + (start << heap.unit_shift)
+
+    def _free(self, addr: int) -> None:
+        with self.slow_lock:
+            heap = self._heap_of(addr)
+            n = H.heap_free(*heap.arrays(), self.g, (addr - heap.base) >> heap.unit_shift)
+            assert n > 0, f"paged: no live block at {addr:#x}"
+
+    # -- driver work -----------------------------------------------------------------------
+    def map_block(self, heap: H.Heap, start: int, n: int, size: int) -> None:
+        """Give the pages of the committed block at unit ``start`` their chunks; on failure the
+        block is freed again and nothing stays mapped for it."""
+        first, last = H.pages_of(heap.meta, start, n)
+        need = int(np.count_nonzero(heap.page_chunk[first:last] == H.NONE))
+        try:
+            self._provide_chunks(need)
+            k = H.assign_chunks(heap.meta, heap.page_chunk, self.chunk_stack, self.g, first, last,
+                                self._out_pages, self._out_chunks)
+            assert k == need, "paged: chunks provided but not assigned"
+            self._map_pages(heap, k)
+        except (DriverError, OutOfMemoryError) as e:
+            H.heap_free(*heap.arrays(), self.g, start)
+            if isinstance(e, DriverOutOfMemoryError):
+                raise OutOfMemoryError(
+                    f"paged: out of memory for a request of {size} bytes ({need} new pages of {self.page}) with "
+                    f"{self.driver.physical_bytes} bytes in use: {e}", requested=size,
+                    reserved=self.driver.physical_bytes, capacity=self.driver.capacity) from None
+            raise
+        self.counts["mapped"] += 1
+        self.counts["pages_mapped"] += k
+
+    def _provide_chunks(self, need: int) -> None:
+        """Make at least ``need`` chunks free: new ones within the peak, reclaimed ones, new ones."""
+        g = self.g
+        short = need - int(g[H.G_FREE_CHUNKS])
+        if short <= 0:
+            return
+        cap = max(int(g[H.G_PEAK_LIVE_PAGES]), int(g[H.G_LIVE_PAGES])) + int(g[H.G_SLACK])
+        within = min(short, max(0, cap - int(g[H.G_TOTAL_CHUNKS])))
+        short -= self._create(within, must=False)
+        if short > 0:
+            short -= self._reclaim(short)
+        if short > 0:
+            self._create(short, must=True)  # a new peak
+
+    def _create(self, count: int, must: bool) -> int:
+        made = 0
+        for _ in range(count):
+            try:
+                h = self.driver.create(self.page)
+            except DriverOutOfMemoryError:
+                if must:
+                    raise
+                break
+            cid = self._spare_ids.pop() if self._spare_ids else len(self.handles)
+            if cid == len(self.handles):
+                self.handles.append(h)
+            else:
+                self.handles[cid] = h
+            self.chunk_stack[self.g[H.G_FREE_CHUNKS]] = cid
+            self.g[H.G_FREE_CHUNKS] += 1
+            self.g[H.G_TOTAL_CHUNKS] += 1
+            made += 1
+        self.counts["chunks_created"] += made
+        return made
+
+    def _reclaim(self, want: int) -> int:
+        """Unmap up to ``want`` pages no live block uses; their chunks become free."""
+        got = 0
+        for heap in (self.large, self.small):
+            if got == want:
+                break
+            k = H.reclaim(heap.meta, heap.page_chunk, heap.page_used, self.chunk_stack, self.g, want - got,
+                          self._out_pages)
+            pages = self._out_pages[:k].tolist()
+            for i, p in enumerate(pages):
+                try:
+                    self.driver.unmap(heap.base + (p << self.page_shift), self.page)
+                except DriverError:
+                    # pages i.. stay mapped: take their chunks back off the stack (pushed last, in order)
+                    for q in reversed(pages[i:]):
+                        self.g[H.G_FREE_CHUNKS] -= 1
+                        heap.page_chunk[q] = self.chunk_stack[self.g[H.G_FREE_CHUNKS]]
+                        heap.meta[H.M_TOP] = max(int(heap.meta[H.M_TOP]), q + 1)
+                    self.counts["pages_reclaimed"] += got + i
+                    raise
+            got += k
+        self.counts["pages_reclaimed"] += got
+        return got
+
+    def _map_pages(self, heap: H.Heap, k: int) -> None:
+        """Map the ``k`` pages just assigned, then grant access run by run; undo on failure."""
+        pages, chunks = self._out_pages[:k].copy(), self._out_chunks[:k].copy()
+        done = 0
+        try:
+            for p, c in zip(pages.tolist(), chunks.tolist()):
+                self.driver.map(heap.base + (p << self.page_shift), self.page, self.handles[c])
+                done += 1
+            i = 0
+            while i < k:  # runs of consecutive pages: one set_access each
+                j = i
+                while j + 1 < k and pages[j + 1] == pages[j] + 1:
+                    j += 1
+                self.driver.set_access(heap.base + (int(pages[i]) << self.page_shift), (j - i + 1) * self.page)
+                i = j + 1
+        except DriverError:
+            for p in pages[:done].tolist():
+                try:
+                    self.driver.unmap(heap.base + (p << self.page_shift), self.page)
+                except DriverError:
+                    pass
+            H.unassign(heap.page_chunk, self.chunk_stack, self.g, pages, k)
+            raise
+
+    # -- caches ----------------------------------------------------------------------------
+    def empty_cache(self) -> None:
+        """Unmap every page no live block uses and release every free chunk."""
+        with self.slow_lock:
+            self._reclaim(len(self._out_pages))
+            while self.g[H.G_FREE_CHUNKS] > 0:
+                cid = int(self.chunk_stack[self.g[H.G_FREE_CHUNKS] - 1])
+                self.driver.release(self.handles[cid])  # raises before the state changes
+                self.g[H.G_FREE_CHUNKS] -= 1
+                self.g[H.G_TOTAL_CHUNKS] -= 1
+                self.handles[cid] = None
+                self._spare_ids.append(cid)
+
+    def close(self) -> None:
+        super().close()
+        for h in (self.large, self.small):
+            if getattr(h, "base", None) is not None:
+                self.driver.free_address(h.base, h.nbytes)
+                h.base = None
+
+    def reset_peak_stats(self) -> None:
+        super().reset_peak_stats()
+        self.g[H.G_PEAK_LIVE_PAGES] = self.g[H.G_LIVE_PAGES]
+
+    def _check(self) -> None:
+        super()._check()
+        for name, h in (("large", self.large), ("small", self.small)):
+            code = H.check_heap(*h.arrays())
+            assert code == 0, f"paged: {name} heap invariant {code} broken"
+        mapped = sum(int(np.count_nonzero(h.page_chunk != H.NONE)) for h in (self.large, self.small))
+        g = self.g
+        assert mapped + g[H.G_FREE_CHUNKS] == g[H.G_TOTAL_CHUNKS], "paged: chunks mapped + free != chunks held"
+        assert g[H.G_TOTAL_CHUNKS] * self.page == self.driver.physical_bytes, "paged: chunks held != driver's physical bytes"
+        live_pages = sum(int(np.count_nonzero(h.page_used)) for h in (self.large, self.small))
+        assert live_pages == g[H.G_LIVE_PAGES], "paged: live page count"
+        for h in (self.large, self.small):
+            assert not np.any((h.page_used > 0) & (h.page_chunk == H.NONE)), "paged: a live page has no chunk"
