@@ -66,7 +66,8 @@ class PagedAllocator(Allocator):
         self.slow_lock = threading.RLock()  # the hook's slow path and this class's calls
         self.large.base = self.small.base = None  # reserved at first use (reserve_ranges)
         self.large.nbytes, self.small.nbytes = va_bytes, small_va_bytes
-        self.counts = {"fast": 0, "mapped": 0, "pages_mapped": 0, "pages_reclaimed": 0, "chunks_created": 0}
+        self.counts = {"fast": 0, "mapped": 0, "pages_mapped": 0, "pages_reclaimed": 0, "chunks_created": 0,
+                       "reclaims": 0}
 
     def reserve_ranges(self) -> None:
         """Reserve both heaps' virtual ranges (once; both or neither)."""
@@ -177,9 +178,15 @@ class PagedAllocator(Allocator):
     def _reclaim(self, want: int) -> int:
         """Unmap up to ``want`` pages no live block uses; their chunks become free."""
         got = 0
+        synced = False
         for heap in (self.large, self.small):
             if got == want:
                 break
+            if not synced:
+                # Work already queued may still use a free block's pages (PyTorch frees when the
+                # last reference goes, not when the stream is done): wait for it before unmapping.
+                self.driver.synchronize()
+                synced = True
             k = H.reclaim(heap.meta, heap.page_chunk, heap.page_used, self.chunk_stack, self.g, want - got,
                           self._out_pages)
             pages = self._out_pages[:k].tolist()
@@ -196,6 +203,7 @@ class PagedAllocator(Allocator):
                     raise
             got += k
         self.counts["pages_reclaimed"] += got
+        self.counts["reclaims"] += 1
         return got
 
     def _map_pages(self, heap: H.Heap, k: int) -> None:
