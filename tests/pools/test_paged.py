@@ -148,3 +148,22 @@ def test_bundled_traces_reserve_less_than_expandable_segments(traces_dir, varian
         peaks[name] = a.stats().peak_reserved_bytes
         a.close()
     assert peaks["paged"] <= peaks["vms"] < peaks["pytorch-expandable"], peaks
+
+
+def test_reclaimed_pages_are_unmapped_only_after_queued_work_is_done():
+    """PyTorch frees a tensor while its last kernel may still be queued: unmapping its pages
+    before a synchronize faults on a real GPU (the first training run on the H200 did)."""
+    d = SimulatedDriver(capacity=CAPACITY)
+    a = make_allocator("paged", d)
+    x = a.allocate(8 * G)
+    k = a.allocate(G)  # keeps x's hole apart from the free top of the heap
+    d.enqueue_use(x, 8 * G)  # a kernel still queued on x
+    a.free(x)
+    y = a.allocate(4 * G)  # x's hole, already mapped
+    z = a.allocate(8 * G)  # above k: 4 new chunks (live peak 13 > 9 held), 4 taken from x's tail
+    assert a.counts["pages_reclaimed"] == 4 and d.syncs >= 1
+    assert d.physical_bytes == 13 * G
+    a._check()
+    for p in (y, z, k):
+        a.free(p)
+    a.close()

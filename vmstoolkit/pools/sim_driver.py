@@ -52,6 +52,7 @@ class SimulatedDriver(VMMDriver):
         self._reservations: SortedDict = SortedDict()  # va -> size
         self._mappings: SortedDict = SortedDict()  # va -> _Mapping
         self._faults: dict[str, tuple[int, str]] = {}
+        self._queued: list[tuple[int, int]] = []  # ranges queued work will still touch (enqueue_use)
         self.syncs = 0  # synchronize() calls
         self._allocs: SortedDict = SortedDict()  # ptr -> size of plain allocations
         self._sizes: dict[Handle, int] = {}  # every handle not yet freed, released ones included
@@ -167,6 +168,10 @@ class SimulatedDriver(VMMDriver):
         self._handle_maps[handle].add(va)
 
     def _unmap(self, va: int, size: int) -> None:
+        for qva, qsize in self._queued:
+            if qva < va + size and va < qva + qsize:
+                raise DriverError("CUDA_ERROR_ILLEGAL_ADDRESS",
+                                  f"cuMemUnmap({va:#x}, {size}) while queued work still uses [{qva:#x}, +{qsize}): synchronize first")
         starts = self._overlapping(va, size)
         covered = sum(self._mappings[s].size for s in starts)
         if not starts or starts[0] != va or covered != size:
@@ -231,8 +236,15 @@ class SimulatedDriver(VMMDriver):
         return self._capacity - self._in_use(), self._capacity
 
     def synchronize(self) -> None:
-        """Nothing runs on a simulated device; counted, since a sync stalls a real one."""
+        """Waits for the queued work (:meth:`enqueue_use`); counted, since a sync stalls a real device."""
         self.syncs += 1
+        self._queued.clear()
+
+    def enqueue_use(self, va: int, size: int) -> None:
+        """Model a kernel queued on the device that will touch ``[va, va + size)`` later (as
+        PyTorch frees a tensor while its last kernel is still queued): until :meth:`synchronize`,
+        unmapping any of it fails, where a real device would fault in that kernel."""
+        self._queued.append((va, size))
 
     # -- introspection (tests, invariants, leak checks) -----------------------------------
     def aliases(self, handle: Handle) -> int:
