@@ -8,7 +8,9 @@ run, from a fresh native thread (a Numba cfunc started with pthread_create) unle
 - ``empty callbacks``: ctypes callbacks that return at once: the bare ctypes crossing;
 - ``vms handle, no pins``: the PyTorch integration's callbacks with thread-state pinning off;
 - ``vms handle``: as shipped (``ThreadStatePins``);
-- ``vms handle, Python thread``: the same callbacks called through ctypes from this thread.
+- ``vms handle, Python thread``: the same callbacks called through ctypes from this thread;
+- ``paged hook (compiled)``: the ``paged`` allocator's Numba ``cfunc`` entry points
+  (:mod:`vmstoolkit.integrations.native_torch`), warm: no Python at all.
 
 The allocator is ``vms`` on the simulated driver, warm (every round trip an exact reuse), so the
 figures are the crossing plus the Python allocator, no driver work.
@@ -75,6 +77,15 @@ def main() -> None:
         ok += p is not None
         free(p, SIZE, 0, None)
     row("vms handle, Python thread", ok, time.perf_counter() - t0)
+
+    from vmstoolkit.integrations.native_torch import NativeHook
+
+    hook = NativeHook(lambda device: make_driver("sim"))
+    try:
+        roundtrips_from_native_thread(hook.alloc_ptr, hook.free_ptr, SIZE, 10)  # maps the pages once
+        row("paged hook (compiled)", *roundtrips_from_native_thread(hook.alloc_ptr, hook.free_ptr, SIZE, n))
+    finally:
+        hook.close()
 
     base = next(r["us_per_call"] for r in rows if r["row"] == "vms handle")
     print(f"{'row':28s} {'us/call':>8s} {'vs vms handle':>14s}")

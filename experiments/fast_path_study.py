@@ -140,7 +140,7 @@ def replay_passes(trace, make, passes: int) -> dict:
     events = trace.alloc_free_events()
     per_pass = []
     for i in range(passes):
-        before = (dict(driver.calls), meter.chunks, getattr(target, "python_calls", 0))
+        before = (dict(driver.calls), meter.chunks, getattr(target, "python_calls", 0), driver.syncs)
         live: dict[int, tuple[int, int, int]] = {}
         requests = 0
         for e in events:
@@ -158,7 +158,7 @@ def replay_passes(trace, make, passes: int) -> dict:
         if front:
             front.drain()
         python = getattr(target, "python_calls", None)
-        per_pass.append({"driver_ms": _driver_us(driver, meter, before) / 1000,
+        per_pass.append({"driver_ms": _driver_us(driver, meter, before) / 1000, "syncs": driver.syncs - before[3],
                          "python_per_request": (python - before[2]) / requests if python is not None
                          else float(isinstance(alloc, VMMAllocator))})  # vms: every request; PyTorch's: none
     s = alloc.stats() if front else target.stats()
@@ -166,6 +166,7 @@ def replay_passes(trace, make, passes: int) -> dict:
     out = {"peak_reserved": s.peak_reserved_bytes, "utilization": s.utilization,
            "steady_driver_ms": sum(p["driver_ms"] for p in steady) / len(steady),
            "python_per_request": sum(p["python_per_request"] for p in steady) / len(steady),
+           "steady_syncs": sum(p["syncs"] for p in steady) / len(steady),
            "per_pass": per_pass}
     target.close() if not front else alloc.close()
     return out

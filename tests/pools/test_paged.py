@@ -24,9 +24,9 @@ programs = st.lists(st.tuples(st.booleans(), sizes, st.integers(0, 10**6)), min_
 
 
 @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(program=programs, slack=st.sampled_from([0, 3]))
-def test_random_programs_keep_invariants_and_physical_within_the_live_peak(program, slack):
-    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY), slack_pages=slack)
+@given(program=programs, slack=st.sampled_from([0, 3]), reclaim=st.sampled_from(["top-down", "clock"]))
+def test_random_programs_keep_invariants_and_physical_within_the_live_peak(program, slack, reclaim):
+    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY), slack_pages=slack, reclaim=reclaim)
     live: list[tuple[int, int]] = []
     for is_alloc, size, pick in program:
         if is_alloc or not live:
@@ -115,6 +115,8 @@ def test_out_of_memory_names_the_request_and_changes_nothing():
 def test_bad_input_is_refused_clearly():
     with pytest.raises(ConfigError, match="slack_pages"):
         make_allocator("paged", slack_pages=-1)
+    with pytest.raises(ConfigError, match="reclaim"):
+        make_allocator("paged", reclaim="lru")
     a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY))
     p = a.allocate(100)
     a.free(p)

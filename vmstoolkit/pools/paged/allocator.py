@@ -4,12 +4,13 @@ Two heaps (:mod:`~vmstoolkit.pools.paged.heap`) over ranges reserved once: reque
 less in 512 B units, larger ones in whole 2 MiB pages. A block's address never changes and a
 freed block merges with its neighbours, as in a classic heap; what makes the heap cheap in
 physical memory is that a page gets a physical chunk only when a live block first needs it, and
-keeps it while free (so steady state calls the driver not at all) until chunks are short:
+keeps it while free (a repeated pattern calls the driver no more) until chunks are short:
 
 - chunks come first from the free stack (pages reclaimed earlier);
 - then new chunks (``cuMemCreate``) while the total stays within the most pages that live
   blocks have ever needed at once (plus ``slack_pages``): physical memory never exceeds that peak;
-- then the chunks of pages no live block uses, taken back (``cuMemUnmap``) by a clock sweep;
+- then the chunks of pages no live block uses, taken back (``cuMemUnmap``, after a
+  ``cuCtxSynchronize``: queued work may still use a block PyTorch has freed), highest first;
 - only then new chunks beyond the peak (it is a new peak).
 
 Peak reserved is therefore the peak number of pages live blocks touch: the largest blocks
@@ -40,13 +41,15 @@ class PagedAllocator(Allocator):
     name = "paged"
 
     def __init__(self, driver: VMMDriver, *, va_bytes: int | None = None, small_va_bytes: int = 8 * GiB,
-                 slack_pages: int = 0, max_blocks: int = 1 << 18) -> None:
+                 slack_pages: int = 0, reclaim: str = "top-down", max_blocks: int = 1 << 18) -> None:
         super().__init__(driver)
         page = driver.granularity
         if page & (page - 1) or page < (1 << SMALL_UNIT_SHIFT):
             raise ConfigError(f"paged: the granularity {page} is not a power of two of at least 512 B")
         if slack_pages < 0:
             raise ConfigError(f"paged: slack_pages must be >= 0, got {slack_pages}")
+        if reclaim not in ("top-down", "clock"):
+            raise ConfigError(f"paged: reclaim must be 'top-down' or 'clock', got {reclaim!r}")
         self.page = page
         self.page_shift = page.bit_length() - 1
         va_bytes = va_bytes or 2 * -(-driver.capacity // page) * page
@@ -55,6 +58,8 @@ class PagedAllocator(Allocator):
         self.large = H.Heap(va_bytes // page, self.page_shift, self.page_shift, buckets=4096, max_blocks=max_blocks)
         self.small = H.Heap(small_va_bytes >> SMALL_UNIT_SHIFT, SMALL_UNIT_SHIFT, self.page_shift,
                             buckets=(SMALL_SIZE >> SMALL_UNIT_SHIFT) + 1, max_blocks=max_blocks)
+        for h in (self.large, self.small):
+            h.meta[H.M_CLOCK_ORDER] = reclaim == "clock"
         max_chunks = va_bytes // page + small_va_bytes // page
         self.g = np.zeros(16, np.int64)  # heap.G_* slots, then the PyTorch hook's counters
         self.g[H.G_SLACK] = slack_pages
