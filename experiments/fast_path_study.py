@@ -32,16 +32,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep import grid, sweep, write  # noqa: E402
 from vms_policy import COST_US, SET_ACCESS_US_PER_CHUNK, _AccessMeter  # noqa: E402
 
 from vmstoolkit.pools import make_allocator, make_driver  # noqa: E402
 from vmstoolkit.pools.pytorch_caching import Block, PyTorchCachingAllocator, allocation_size  # noqa: E402
-from vmstoolkit.trace import bundled_trace_paths, load_trace  # noqa: E402
 from vmstoolkit.pools.vmm_allocator import VMMAllocator  # noqa: E402
 
 WARM_PASSES = 2
@@ -187,34 +186,13 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--passes", type=int, default=5)
     args = ap.parse_args()
-    rows = []
-    for path in bundled_trace_paths():
-        trace = load_trace(path)
-        for label, make in ROWS.items():
-            r = replay_passes(trace, make, args.passes)
-            rows.append({"trace": trace.name.split(".")[0], "design": label, **r})
-            print(f"{rows[-1]['trace']:14s} {label:34s} peak {r['peak_reserved'] / 2**30:6.2f} GiB  util {r['utilization']:.3f}  "
-                  f"python/request {r['python_per_request']:.3f}  steady driver {r['steady_driver_ms']:7.1f} ms/pass", flush=True)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "fast_path_study.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
-        (args.out / "fast_path_study.md").write_text(markdown_table(rows) + "\n")
+    rows = sweep(ROWS, lambda trace, label: replay_passes(trace, ROWS[label], args.passes), "design",
+                 lambda r: f"peak {r['peak_reserved'] / 2**30:6.2f} GiB  util {r['utilization']:.3f}  "
+                 f"python/request {r['python_per_request']:.3f}  steady driver {r['steady_driver_ms']:7.1f} ms/pass")
+    write(args.out, "fast_path_study", rows, grid(
+        rows, "design", lambda r: f"{r['peak_reserved'] / 2**30:.2f} GiB / {r['python_per_request']:.2f} / "
+        f"{r['steady_driver_ms']:.0f} ms", "design"))
     return 0
-
-
-def markdown_table(rows: list[dict]) -> str:
-    """Designs by trace: ``peak reserved GiB / Python calls per request / steady driver ms per pass``."""
-    traces = list(dict.fromkeys(r["trace"] for r in rows))
-    designs = list(dict.fromkeys(r["design"] for r in rows))
-    by = {(r["trace"], r["design"]): r for r in rows}
-    lines = ["| design | " + " | ".join(traces) + " |", "|---|" + "---|" * len(traces)]
-    for d in designs:
-        cells = []
-        for t in traces:
-            r = by[(t, d)]
-            cells.append(f"{r['peak_reserved'] / 2**30:.2f} GiB / {r['python_per_request']:.2f} / {r['steady_driver_ms']:.0f} ms")
-        lines.append(f"| {d} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

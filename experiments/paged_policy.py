@@ -13,18 +13,19 @@ before it destroys a range).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fast_path_study import replay_passes  # noqa: E402
+from sweep import grid, sweep, write  # noqa: E402
 
 from vmstoolkit.pools import make_allocator  # noqa: E402
-from vmstoolkit.trace import bundled_trace_paths, load_trace  # noqa: E402
 
 ROWS = {
     "paged": ("paged", {}),
+    "paged, reclaim batch 1": ("paged", {"reclaim_batch": 1}),
+    "paged, reclaim batch 64": ("paged", {"reclaim_batch": 64}),
     "paged, clock reclaim": ("paged", {"reclaim": "clock"}),
     "paged, slack 64 pages": ("paged", {"slack_pages": 64}),
     "paged, slack 128 pages": ("paged", {"slack_pages": 128}),
@@ -40,33 +41,18 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--passes", type=int, default=5)
     args = ap.parse_args()
-    rows = []
-    for path in bundled_trace_paths():
-        trace = load_trace(path)
-        for label, (name, options) in ROWS.items():
-            r = replay_passes(trace, lambda d, n=name, o=options: make_allocator(n, d, **o), args.passes)
-            r.pop("python_per_request")
-            rows.append({"trace": trace.name.split(".")[0], "row": label, **r})
-            print(f"{rows[-1]['trace']:14s} {label:24s} peak {r['peak_reserved'] / 2**30:6.2f} GiB  util {r['utilization']:.3f}  "
-                  f"driver {r['steady_driver_ms']:6.1f} ms  syncs {r['steady_syncs']:5.0f} per replay", flush=True)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "paged_policy.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
-        (args.out / "paged_policy.md").write_text(markdown_table(rows) + "\n")
+
+    def run(trace, label):
+        name, options = ROWS[label]
+        r = replay_passes(trace, lambda d: make_allocator(name, d, **options), args.passes)
+        r.pop("python_per_request")
+        return r
+
+    rows = sweep(ROWS, run, "row", lambda r: f"peak {r['peak_reserved'] / 2**30:6.2f} GiB  util {r['utilization']:.3f}  "
+                 f"driver {r['steady_driver_ms']:6.1f} ms  syncs {r['steady_syncs']:5.0f} per replay")
+    write(args.out, "paged_policy", rows, grid(rows, "row", lambda r: f"{r['peak_reserved'] / 2**30:.2f} GiB / "
+                                                f"{r['steady_driver_ms']:.0f} ms / {r['steady_syncs']:.0f}", "allocator"))
     return 0
-
-
-def markdown_table(rows: list[dict]) -> str:
-    """Rows by trace: ``peak reserved GiB / driver ms per replay / syncs per replay``."""
-    traces = list(dict.fromkeys(r["trace"] for r in rows))
-    labels = list(dict.fromkeys(r["row"] for r in rows))
-    by = {(r["trace"], r["row"]): r for r in rows}
-    lines = ["| allocator | " + " | ".join(traces) + " |", "|---|" + "---|" * len(traces)]
-    for lab in labels:
-        cells = [f"{by[(t, lab)]['peak_reserved'] / 2**30:.2f} GiB / {by[(t, lab)]['steady_driver_ms']:.0f} ms / "
-                 f"{by[(t, lab)]['steady_syncs']:.0f}" for t in traces]
-        lines.append(f"| {lab} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,13 @@ pass are freed before the next.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
 from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.vmm_allocator import VMMAllocator
-from vmstoolkit.trace import bundled_trace_paths, load_trace
 from vmstoolkit.units import MiB
+
+from sweep import grid, sweep, write
 
 COST_US = {"create": 16.0, "map": 2.9, "unmap": 3.0, "release": 5.0, "reserve": 5.0, "free_address": 5.0}
 SET_ACCESS_US_PER_CHUNK = 25.0
@@ -102,32 +101,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    rows = []
-    for path in bundled_trace_paths():
-        trace = load_trace(path)
-        for label, (name, options) in POLICIES.items():
-            r = run(name, options, trace)
-            rows.append({"trace": trace.name.split(".")[0], "policy": label, **r})
-            print(f"{rows[-1]['trace']:14s} {label:24s} util={r['utilization']:.4f} "
-                  f"steady driver {r['steady_driver_ms']:8.1f} ms  paths {r['steady_paths']}", flush=True)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "vms_policy.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
-        (args.out / "vms_policy.md").write_text(markdown_table(rows) + "\n")
+    rows = sweep(POLICIES, lambda trace, label: run(*POLICIES[label], trace), "policy",
+                 lambda r: f"util={r['utilization']:.4f} steady driver {r['steady_driver_ms']:8.1f} ms  paths {r['steady_paths']}")
+    write(args.out, "vms_policy", rows, markdown_table(rows))
     return 0
 
 
 def markdown_table(rows: list[dict]) -> str:
     """Policies by trace: ``utilization / mean steady-state driver ms per pass (last pass)``."""
-    traces = sorted({r["trace"] for r in rows})
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    by = {(r["trace"], r["policy"]): r for r in rows}
-    lines = ["| policy | " + " | ".join(traces) + " |", "|---|" + "---|" * len(traces)]
-    for p in policies:
-        cells = [f"{by[(t, p)]['utilization']:.4f} / {by[(t, p)]['steady_driver_ms']:.0f} ms ({by[(t, p)]['last_pass_driver_ms']:.0f})"
-                 for t in traces]
-        lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return grid(rows, "policy", lambda r: f"{r['utilization']:.4f} / {r['steady_driver_ms']:.0f} ms ({r['last_pass_driver_ms']:.0f})",
+                "policy")
 
 
 if __name__ == "__main__":

@@ -24,9 +24,11 @@ programs = st.lists(st.tuples(st.booleans(), sizes, st.integers(0, 10**6)), min_
 
 
 @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(program=programs, slack=st.sampled_from([0, 3]), reclaim=st.sampled_from(["top-down", "clock"]))
-def test_random_programs_keep_invariants_and_physical_within_the_live_peak(program, slack, reclaim):
-    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY), slack_pages=slack, reclaim=reclaim)
+@given(program=programs, slack=st.sampled_from([0, 3]), reclaim=st.sampled_from(["top-down", "clock"]),
+       batch=st.sampled_from([1, 4]))
+def test_random_programs_keep_invariants_and_physical_within_the_live_peak(program, slack, reclaim, batch):
+    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY), slack_pages=slack, reclaim=reclaim,
+                       reclaim_batch=batch)
     live: list[tuple[int, int]] = []
     for is_alloc, size, pick in program:
         if is_alloc or not live:
@@ -117,6 +119,8 @@ def test_bad_input_is_refused_clearly():
         make_allocator("paged", slack_pages=-1)
     with pytest.raises(ConfigError, match="reclaim"):
         make_allocator("paged", reclaim="lru")
+    with pytest.raises(ConfigError, match="reclaim_batch"):
+        make_allocator("paged", reclaim_batch=0)
     a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY))
     p = a.allocate(100)
     a.free(p)
