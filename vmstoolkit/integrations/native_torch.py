@@ -220,17 +220,10 @@ class NativeHook:
         except Exception as e:
             self.last_error = e
             return 0
-        pa = nd.allocator
         with self._working(nd):
-            heap = pa.small if size <= SMALL_SIZE else pa.large
-            n = -(-size // (1 << heap.unit_shift))
-            start, missing = H.heap_alloc(*heap.arrays(), nd.g, n)
-            if start < 0:
-                raise MemoryError(f"paged: no free virtual range for {size} bytes on device {dev}")
-            if missing:
-                pa.map_block(heap, start, n, size)
+            addr = nd.allocator.alloc_block(size)
             count_alloc(nd.g, size)
-            return heap.base + (start << heap.unit_shift)
+            return addr
         return 0
 
     def _slow_map(self, dev: int, which: int, start: int, n: int, size: int) -> int:
@@ -246,14 +239,10 @@ class NativeHook:
         nd = self.devices.get(dev)
         if nd is None:
             return
-        pa = nd.allocator
         try:
-            with pa.slow_lock:
-                for heap in (pa.large, pa.small):
-                    if heap.base is not None and heap.base <= ptr < heap.base + heap.nbytes:
-                        if H.heap_free(*heap.arrays(), nd.g, (ptr - heap.base) >> heap.unit_shift) > 0:
-                            count_free(nd.g, size)
-                            return
+            if nd.allocator.free_block(ptr):
+                count_free(nd.g, size)
+            else:
                 nd.g[G_BAD_FREES] += 1
         except Exception as e:
             nd.last_error = self.last_error = e

@@ -91,15 +91,10 @@ class PagedAllocator(Allocator):
             raise
         self.large.base = large
 
-    # -- where an address lives ------------------------------------------------------------
-    def _heap_of(self, addr: int) -> H.Heap:
-        for h in (self.large, self.small):
-            if h.base is not None and h.base <= addr < h.base + h.nbytes:
-                return h
-        raise AssertionError(f"paged: address {addr:#x} is in neither heap")
-
-    # -- the protocol ----------------------------------------------------------------------
-    def _allocate(self, size: int, stream: int) -> int:
+    # -- allocate and free (the Allocator protocol; the PyTorch hook's slow path) ---------------
+    def alloc_block(self, size: int) -> int:
+        """Address of a new block for ``size`` bytes, its pages mapped; raises
+        :class:`~vmstoolkit.errors.OutOfMemoryError` (nothing changed) when it cannot."""
         with self.slow_lock:
             try:
                 self.reserve_ranges()
@@ -121,11 +116,20 @@ class PagedAllocator(Allocator):
                 self.counts["fast"] += 1
             return heap.base + (start << heap.unit_shift)
 
-    def _free(self, addr: int) -> None:
+    def free_block(self, addr: int) -> bool:
+        """Free the live block at ``addr``; False (nothing changed) if no live block starts there."""
         with self.slow_lock:
-            heap = self._heap_of(addr)
-            n = H.heap_free(*heap.arrays(), self.g, (addr - heap.base) >> heap.unit_shift)
-            assert n > 0, f"paged: no live block at {addr:#x}"
+            for heap in (self.large, self.small):
+                if heap.base is not None and heap.base <= addr < heap.base + heap.nbytes:
+                    return H.heap_free(*heap.arrays(), self.g, (addr - heap.base) >> heap.unit_shift) > 0
+            return False
+
+    def _allocate(self, size: int, stream: int) -> int:
+        return self.alloc_block(size)
+
+    def _free(self, addr: int) -> None:
+        freed = self.free_block(addr)
+        assert freed, f"paged: no live block at {addr:#x}"
 
     # -- driver work -----------------------------------------------------------------------
     def map_block(self, heap: H.Heap, start: int, n: int, size: int) -> None:
