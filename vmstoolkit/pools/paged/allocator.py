@@ -76,6 +76,8 @@ class PagedAllocator(Allocator):
         self.slow_lock = threading.RLock()  # the hook's slow path and this class's calls
         self.large.base = self.small.base = None  # reserved at first use (reserve_ranges)
         self.large.nbytes, self.small.nbytes = va_bytes, small_va_bytes
+        # how the Python path served requests ("fast": pages already mapped); the PyTorch hook's
+        # compiled fast path counts in g (native_torch.G_ALLOCS) instead
         self.counts = {"fast": 0, "mapped": 0, "pages_mapped": 0, "pages_reclaimed": 0, "chunks_created": 0,
                        "reclaims": 0}
 
