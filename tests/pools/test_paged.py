@@ -173,3 +173,16 @@ def test_reclaimed_pages_are_unmapped_only_after_queued_work_is_done():
     for p in (y, z, k):
         a.free(p)
     a.close()
+
+
+def test_small_requests_overflow_into_the_large_range():
+    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY), small_va_bytes=G)  # one small page
+    ps = [a.allocate(800 * 1024) for _ in range(3)]  # the third does not fit the small range
+    assert a.large.base <= ps[2] < a.large.base + a.large.nbytes
+    assert all(a.small.base <= p < a.small.base + a.small.nbytes for p in ps[:2])
+    a._check()
+    for p in ps:
+        a.free(p)
+    a._check()
+    a.close()
+    assert a.driver.is_empty()

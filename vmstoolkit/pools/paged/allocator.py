@@ -41,7 +41,7 @@ SMALL_UNIT_SHIFT = 9  # 512 B, PyTorch's rounding
 class PagedAllocator(Allocator):
     name = "paged"
 
-    def __init__(self, driver: VMMDriver, *, va_bytes: int | None = None, small_va_bytes: int = 8 * GiB,
+    def __init__(self, driver: VMMDriver, *, va_bytes: int | None = None, small_va_bytes: int = 4 * GiB,
                  slack_pages: int = 0, reclaim: str = "top-down", reclaim_batch: int = 16,
                  max_blocks: int = 1 << 18) -> None:
         super().__init__(driver)
@@ -107,6 +107,10 @@ class PagedAllocator(Allocator):
             heap = self.small if size <= SMALL_SIZE else self.large
             n = -(-size // (1 << heap.unit_shift))
             start, missing = H.heap_alloc(*heap.arrays(), self.g, n)
+            if start < 0 and heap is self.small:  # the small range is full: a page of the large one
+                heap = self.large
+                n = -(-size // (1 << heap.unit_shift))
+                start, missing = H.heap_alloc(*heap.arrays(), self.g, n)
             if start < 0:
                 raise OutOfMemoryError(
                     f"paged: no free range of {n << heap.unit_shift} bytes left in the {heap.nbytes}-byte virtual range "
