@@ -114,3 +114,33 @@ def test_install_paged_without_torch_or_gpu_is_a_clear_error():
     with pytest.raises((VmsError, NoGPUError)):
         install("paged")
 
+
+
+def test_install_paged_hands_pytorch_the_compiled_pointers(monkeypatch):
+    """``install("paged")`` against a stand-in for torch: the pointers PyTorch receives are the
+    hook's; with no GPU behind them an allocation returns null and says why."""
+    import sys
+    import types
+
+    from vmstoolkit.errors import NoGPUError, VmsError
+    from vmstoolkit.integrations import torch as vt
+
+    seen = {}
+    fake = types.ModuleType("torch")
+    fake.cuda = types.SimpleNamespace(is_available=lambda: True)
+    fake._C = types.SimpleNamespace(
+        _cuda_customAllocator=lambda a, f: seen.setdefault("pointers", (a, f)) and "allocator",
+        _cuda_changeCurrentAllocator=lambda alloc: seen.setdefault("installed", alloc))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setattr(vt, "_INSTALLED", None)
+    h = vt.install("paged")
+    try:
+        assert seen["pointers"] == (h.alloc_ptr, h.free_ptr) and seen["installed"] == "allocator"
+        assert vt.install("paged") is h
+        with pytest.raises(VmsError, match="already installed"):
+            vt.install("vms")
+        alloc, _ = _entry_points(h)
+        assert alloc(1 << 20, 0, None) is None  # this machine has no GPU
+        assert isinstance(h.last_error, NoGPUError), repr(h.last_error)
+    finally:
+        h.close()
