@@ -37,7 +37,7 @@ def replay_command(
     fmt: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
     device: Annotated[str, typer.Option(help="Driver: 'sim' (simulated, default) or 'cuda' (really map GPU memory).")] = "sim",
     touch: Annotated[bool, typer.Option(help="Write every allocation once (memset) to prove it is mapped.")] = False,
-    option: Annotated[list[str], typer.Option("--option", "-o", help="Allocator option KEY=VALUE, repeatable: e.g. reuse_max_ratio=2 or stitch_min_bytes=64MiB (vms, gmlake), config=max_split_size_mb:128 (pytorch-*).")] = None,
+    option: Annotated[list[str], typer.Option("--option", "-o", help="Allocator option KEY=VALUE, repeatable: e.g. reuse_max_ratio=2 or stitch_min_bytes=64MiB (vms, gmlake), slack_pages=128 or reclaim=clock (paged), config=max_split_size_mb:128 (pytorch-*).")] = None,
 ) -> None:
     """Replay snapshots through allocators: peak allocated, peak reserved, utilization, fragmentation."""
     from vmstoolkit.pools import allocator_names
