@@ -144,3 +144,55 @@ def test_install_paged_hands_pytorch_the_compiled_pointers(monkeypatch):
         assert isinstance(h.last_error, NoGPUError), repr(h.last_error)
     finally:
         h.close()
+
+
+def test_two_native_threads_at_once_keep_the_heap_consistent():
+    """PyTorch may allocate from its autograd thread while the main thread does too: two native
+    threads hammer the hook at once with sizes that keep sending it down the slow path (pages to
+    map and reclaim on a small device); the GIL and the busy flag must keep the heap whole."""
+    import ctypes as C
+
+    import numba
+    import numpy as np
+    from numba import carray, cfunc, types
+
+    h = NativeHook(lambda device: SimulatedDriver(capacity=96 * MiB))
+    try:
+        alloc, free = ALLOC_FN(h.alloc_ptr), FREE_FN(h.free_ptr)
+
+        @cfunc(types.voidptr(types.CPointer(types.int64)))
+        def body(args):  # args: [n sizes, rounds, failures (out), sizes...]
+            sizes = carray(args, args[0] + 3)
+            bad = 0
+            nul = numba.uint64(0)
+            for _ in range(args[1]):
+                for i in range(args[0]):
+                    s = numba.uint64(sizes[3 + i])
+                    p = alloc(s, numba.int32(0), nul)
+                    if p == 0:
+                        bad += 1
+                    else:
+                        free(p, s, numba.int32(0), nul)
+            args[2] = bad
+            return nul
+
+        rng = np.random.default_rng(0)
+        bufs = []
+        for _ in range(2):
+            sizes = rng.choice([512, 300 * 1024, 3 * MiB, 9 * MiB, 17 * MiB, 33 * MiB], size=64)
+            bufs.append((C.c_int64 * (3 + len(sizes)))(len(sizes), 40, 0, *sizes.tolist()))
+        libc = C.CDLL(None)
+        tids = [C.c_ulong() for _ in bufs]
+        for tid, buf in zip(tids, bufs):
+            assert libc.pthread_create(C.byref(tid), None, C.c_void_p(body.address), buf) == 0
+        for tid in tids:
+            libc.pthread_join(tid, None)
+        assert [b[2] for b in bufs] == [0, 0], h.last_error
+        st = h.memory_stats(0)
+        assert st["allocation.all.allocated"] == st["allocation.all.freed"] == 2 * 64 * 40
+        assert st["allocated_bytes.all.current"] == 0
+        nd = h.bridge(0)
+        assert nd.allocator.counts["mapped"] > 0 and nd.allocator.counts["pages_reclaimed"] > 0  # slow paths ran
+        nd.allocator._check()
+    finally:
+        h.close()
