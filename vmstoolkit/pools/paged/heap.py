@@ -165,7 +165,6 @@ def heap_alloc(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, r
     blk = _find_fit(meta, b_len, b_fnext, bucket_head, bits, n)
     if blk == NONE:
         return -1, 0
-
     if b_len[blk] > n:
         rest = _new_record(meta, rec_stack)
         if rest == NONE:
