@@ -59,6 +59,20 @@ class AllocatorBridge:
             return torch_style_stats(self.allocator)
 
 
+class HandleStats:
+    """PyTorch's statistics calls for a handle whose ``bridge(device)`` has ``stats()``."""
+
+    def memory_stats(self, device: int = 0) -> dict:
+        """``torch.cuda.memory_stats()``-style statistics of the allocator on ``device``."""
+        return self.bridge(device).stats()
+
+    def max_memory_reserved(self, device: int = 0) -> int:
+        return self.memory_stats(device)["reserved_bytes.all.peak"]
+
+    def max_memory_allocated(self, device: int = 0) -> int:
+        return self.memory_stats(device)["allocated_bytes.all.peak"]
+
+
 def torch_style_stats(allocator: Allocator) -> dict:
     """An allocator's statistics under the names ``torch.cuda.memory_stats()`` uses.
 
@@ -84,4 +98,4 @@ def torch_style_stats(allocator: Allocator) -> dict:
     }
 
 
-__all__ = ["AllocatorBridge", "torch_style_stats", "OutOfMemoryError"]
+__all__ = ["AllocatorBridge", "HandleStats", "torch_style_stats", "OutOfMemoryError"]

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 import numpy as np
 from numba import njit
 
+from vmstoolkit.integrations.bridge import HandleStats
 from vmstoolkit.pools.paged import heap as H
 from vmstoolkit.pools.paged.allocator import SMALL_SIZE, PagedAllocator
 
@@ -118,7 +119,7 @@ class NativeDevice:
         }
 
 
-class NativeHook:
+class NativeHook(HandleStats):
     """The compiled entry points and the devices they serve. ``driver_factory(device)`` makes
     each device's driver (the real one by default; the simulated one in tests)."""
 
@@ -162,15 +163,6 @@ class NativeHook:
     # -- the integration's handle interface (as :class:`~vmstoolkit.integrations.torch.TorchAllocatorHandle`)
     def bridge(self, device: int) -> NativeDevice:
         return self.device(device)
-
-    def memory_stats(self, device: int = 0) -> dict:
-        return self.device(device).stats()
-
-    def max_memory_reserved(self, device: int = 0) -> int:
-        return self.memory_stats(device)["reserved_bytes.all.peak"]
-
-    def max_memory_allocated(self, device: int = 0) -> int:
-        return self.memory_stats(device)["allocated_bytes.all.peak"]
 
     def reset_peak_memory_stats(self, device: int = 0) -> None:
         nd = self.device(device)

@@ -20,7 +20,7 @@ import ctypes
 from contextlib import contextmanager
 
 from vmstoolkit.errors import NoGPUError, VmsError
-from vmstoolkit.integrations.bridge import AllocatorBridge
+from vmstoolkit.integrations.bridge import AllocatorBridge, HandleStats
 from vmstoolkit.integrations.callbacks import ThreadStatePins
 from vmstoolkit.pools import make_allocator, make_driver
 from vmstoolkit.pools.driver import VMMDriver
@@ -33,7 +33,7 @@ FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
 _INSTALLED: "TorchAllocatorHandle | None" = None
 
 
-class TorchAllocatorHandle:
+class TorchAllocatorHandle(HandleStats):
     """The callbacks, the per-device bridges and their statistics."""
 
     def __init__(self, allocator: str, driver_factory, options: dict) -> None:
@@ -74,16 +74,6 @@ class TorchAllocatorHandle:
     @property
     def free_ptr(self) -> int:
         return ctypes.cast(self.free_fn, ctypes.c_void_p).value
-
-    def memory_stats(self, device: int = 0) -> dict:
-        """``torch.cuda.memory_stats()``-style statistics of the allocator on ``device``."""
-        return self.bridge(device).stats()
-
-    def max_memory_reserved(self, device: int = 0) -> int:
-        return self.memory_stats(device)["reserved_bytes.all.peak"]
-
-    def max_memory_allocated(self, device: int = 0) -> int:
-        return self.memory_stats(device)["allocated_bytes.all.peak"]
 
     def reset_peak_memory_stats(self, device: int = 0) -> None:
         b = self.bridge(device)
