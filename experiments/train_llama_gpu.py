@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 HIDDEN, LAYERS, HEADS, FFN, VOCAB = 2048, 12, 16, 5504, 32000
@@ -115,6 +116,24 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int) -> dict:
             "utilization": peak_alloc / peak_res if peak_res else None, "device": torch.cuda.get_device_name(), **extra}
 
 
+def print_allocator_failure() -> None:
+    """After a crash under a vmstoolkit allocator: its last error, with the traceback, last on
+    standard error (PyTorch's own error is often only where a null pointer was first used)."""
+    from vmstoolkit.integrations import torch as vt
+
+    handle = vt._INSTALLED
+    if handle is None:
+        return
+    err = handle.last_error
+    for dev in list(getattr(handle, "devices", None) or getattr(handle, "bridges", {})):
+        b = handle.bridge(dev)
+        err = b.last_error or err
+        print(f"vmstoolkit device {dev}: failed mallocs {b.failed_mallocs}, "
+              f"counts {getattr(b.allocator, 'counts', None)}", file=sys.stderr)
+    if err is not None:
+        print("vmstoolkit's last error:\n" + "".join(traceback.format_exception(err)), file=sys.stderr)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
@@ -125,7 +144,13 @@ def main() -> int:
     ap.add_argument("--worker", nargs=2, metavar=("MODE", "VARIANT"))
     args = ap.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(*args.worker, args.rounds, args.steps_per_round)), flush=True)
+        try:
+            result = worker(*args.worker, args.rounds, args.steps_per_round)
+        except BaseException:
+            traceback.print_exc()
+            print_allocator_failure()
+            return 1
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -139,7 +164,7 @@ def main() -> int:
                                 "--steps-per-round", str(args.steps_per_round)], env=env, capture_output=True, text=True)
             line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
             if p.returncode != 0 or line is None:
-                row = {"mode": mode, "variant": variant, "error": (p.stderr or p.stdout)[-2000:]}
+                row = {"mode": mode, "variant": variant, "error": (p.stderr or p.stdout)[-6000:]}
             else:
                 row = json.loads(line[len("RESULT "):])
             rows.append(row)

@@ -13,7 +13,7 @@ from vmstoolkit.pools import make_allocator, make_driver
 from vmstoolkit.units import GiB, MiB
 
 
-def test_ctypes_callbacks_through_raw_function_pointers():
+def test_ctypes_callbacks_through_raw_function_pointers(capsys):
     h = make_handle("vms", driver_factory=lambda device: make_driver("sim", capacity=1 * GiB))
     # call them exactly as C++ would: through the raw addresses handed to PyTorch
     alloc = ctypes.cast(h.alloc_ptr, ALLOC_FN)
@@ -28,6 +28,8 @@ def test_ctypes_callbacks_through_raw_function_pointers():
     b = h.bridges[0]
     assert b.failed_mallocs == 1 and "out of memory" in str(b.last_error)
     assert h.memory_stats(0)["num_ooms"] == 1
+    # PyTorch does not check the pointer: the failure is said at once, with the size
+    assert f"could not allocate {2 * GiB} bytes" in capsys.readouterr().err
     for p in ptrs:
         free(p, 0, 0, None)
     free(ptrs[0], 0, 0, None)  # double free: recorded, not raised into C

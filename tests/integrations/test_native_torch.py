@@ -77,18 +77,21 @@ def test_a_busy_device_sends_the_fast_path_to_python(hook):
     nd.allocator._check()
 
 
-def test_failures_return_null_and_are_recorded(hook):
+def test_failures_return_null_and_are_recorded(hook, capsys):
     alloc, free = _entry_points(hook)
     keep = alloc(3 * GiB, 0, None)
     assert keep
-    assert alloc(2 * GiB, 0, None) is None  # the 4 GiB device is full: PyTorch raises its OOM
+    assert alloc(2 * GiB, 0, None) is None  # the 4 GiB device is full
     nd = hook.bridge(0)
     assert nd.failed_mallocs == 1 and str(2 * GiB) in str(nd.last_error)
+    # PyTorch does not check the pointer it gets: the failure is said at once
+    assert f"could not allocate {2 * GiB} bytes on device 0" in capsys.readouterr().err
     nd.allocator._check()
     free(0x1234, 8, 0, None)  # not ours
     assert nd.g[G_BAD_FREES] == 1
     assert alloc(0, 0, None) is None  # size 0: the null pointer, as PyTorch expects
     assert alloc(1, 99, None) is None and "device 99" in str(hook.last_error)
+    assert "could not allocate 1 bytes on device 99" in capsys.readouterr().err
     free(keep, 3 * GiB, 0, None)
     assert hook.memory_stats(0)["allocated_bytes.all.current"] == 0
 

@@ -5,10 +5,16 @@ several threads (PyTorch's autograd engine frees from its own threads). The brid
 them with a lock, turns a zero-size request into the null pointer, never lets an exception
 cross into C (a failure returns the null pointer and is kept in ``last_error``), and reports
 statistics in PyTorch's ``memory_stats()`` vocabulary.
+
+PyTorch's pluggable hook does not check the pointer it gets: a null one becomes a tensor whose
+first use fails far from the cause (``invalid argument`` in a copy, an illegal address in a
+kernel). So every failed allocation is also reported on standard error at once
+(:func:`report_failed_malloc`), naming the size, the device and the allocator's error.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -36,6 +42,7 @@ class AllocatorBridge:
             except (VmsError, MemoryError) as e:
                 self.last_error = e
                 self.failed_mallocs += 1
+                report_failed_malloc(size, None, e)
                 return 0
             finally:
                 self.seconds += time.perf_counter() - t0
@@ -57,6 +64,15 @@ class AllocatorBridge:
     def stats(self) -> dict:
         with self._lock:
             return torch_style_stats(self.allocator)
+
+
+def report_failed_malloc(size: int, device: int | None, error: BaseException) -> None:
+    """One line on standard error for an allocation that returns the null pointer (PyTorch will
+    not say why when it trips over it later)."""
+    where = "" if device is None else f" on device {device}"
+    sys.stderr.write(f"vmstoolkit: could not allocate {size} bytes{where} ({type(error).__name__}: {error}); "
+                     "the framework gets a null pointer and will fail where it first uses it\n")
+    sys.stderr.flush()
 
 
 class HandleStats:
@@ -98,4 +114,4 @@ def torch_style_stats(allocator: Allocator) -> dict:
     }
 
 
-__all__ = ["AllocatorBridge", "HandleStats", "torch_style_stats", "OutOfMemoryError"]
+__all__ = ["AllocatorBridge", "HandleStats", "report_failed_malloc", "torch_style_stats", "OutOfMemoryError"]

@@ -13,8 +13,9 @@ a thread state for it, as :mod:`~vmstoolkit.integrations.callbacks` does), so th
 touched by two threads at once, and the Python slow path, which holds the GIL too, marks the
 device busy while it works: a fast path that finds it busy takes the slow path, which waits on
 the allocator's lock (releasing the GIL meanwhile). Nothing can raise into C++: a failure
-returns the null pointer (PyTorch then raises its out-of-memory error) and is kept in
-``last_error``; a free of an unknown pointer is counted in ``bad_frees``.
+returns the null pointer, is kept in ``last_error`` and reported on standard error (PyTorch does
+not check the pointer; :func:`~vmstoolkit.integrations.bridge.report_failed_malloc`); a free of
+an unknown pointer is counted in ``bad_frees``.
 
 The cfuncs find each device's arrays through one table of addresses (:data:`TABLE`), filled
 when the device's allocator is made; the table and the arrays live as long as the process
@@ -31,7 +32,7 @@ from contextlib import contextmanager
 import numpy as np
 from numba import njit
 
-from vmstoolkit.integrations.bridge import HandleStats
+from vmstoolkit.integrations.bridge import HandleStats, report_failed_malloc
 from vmstoolkit.pools.paged import heap as H
 from vmstoolkit.pools.paged.allocator import SMALL_SIZE, PagedAllocator
 
@@ -189,9 +190,9 @@ class NativeHook(HandleStats):
 
     # -- the slow paths (called from the cfuncs, holding the GIL) -----------------------------
     @contextmanager
-    def _working(self, nd: NativeDevice):
+    def _working(self, nd: NativeDevice, size: int, dev: int):
         """The slow path's frame: the allocator's lock, the device marked busy (fast paths defer),
-        the time counted; an exception is recorded as a failed allocation."""
+        the time counted; an exception is recorded and reported as a failed allocation."""
         t0 = time.perf_counter()
         try:
             with nd.allocator.slow_lock:
@@ -203,6 +204,7 @@ class NativeHook(HandleStats):
         except Exception as e:
             nd.last_error = self.last_error = e
             nd.failed_mallocs += 1
+            report_failed_malloc(size, dev, e)
         finally:
             nd.seconds += time.perf_counter() - t0
 
@@ -211,8 +213,9 @@ class NativeHook(HandleStats):
             nd = self.device(dev)
         except Exception as e:
             self.last_error = e
+            report_failed_malloc(size, dev, e)
             return 0
-        with self._working(nd):
+        with self._working(nd, size, dev):
             addr = nd.allocator.alloc_block(size)
             count_alloc(nd.g, size)
             return addr
@@ -221,7 +224,7 @@ class NativeHook(HandleStats):
     def _slow_map(self, dev: int, which: int, start: int, n: int, size: int) -> int:
         nd = self.devices[dev]
         heap = nd.allocator.large if which == 0 else nd.allocator.small
-        with self._working(nd):
+        with self._working(nd, size, dev):
             nd.allocator.map_block(heap, start, n, size)  # frees the block again on failure
             count_alloc(nd.g, size)
             return 1

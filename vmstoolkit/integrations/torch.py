@@ -20,7 +20,7 @@ import ctypes
 from contextlib import contextmanager
 
 from vmstoolkit.errors import NoGPUError, VmsError
-from vmstoolkit.integrations.bridge import AllocatorBridge, HandleStats
+from vmstoolkit.integrations.bridge import AllocatorBridge, HandleStats, report_failed_malloc
 from vmstoolkit.integrations.callbacks import ThreadStatePins
 from vmstoolkit.pools import make_allocator, make_driver
 from vmstoolkit.pools.driver import VMMDriver
@@ -58,6 +58,7 @@ class TorchAllocatorHandle(HandleStats):
             return self.bridge(device).malloc(size) or None
         except Exception as e:  # never let an exception cross into C++
             self.last_error = e
+            report_failed_malloc(size, device, e)
             return None
 
     def _free(self, ptr, size, device, stream):
