@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -49,6 +50,39 @@ def test_pools_on_the_real_driver(name):
         a._check()
     d.synchronize()
     a.close()
+    assert d.physical_bytes == 0
+    d.close()
+
+
+def test_every_call_works_from_a_thread_without_a_context():
+    """PyTorch calls the allocator from threads with no current context (the autograd thread of
+    save_on_cpu's unpack hook); cuCtxSynchronize failed there before the driver bound its own."""
+    d = make_driver("cuda")
+    out = {}
+
+    def work():
+        try:
+            g = d.granularity
+            h = d.create(g)
+            va = d.reserve(2 * g)
+            d.map(va, g, h)
+            d.set_access(va, g)
+            d.memset(va, g)
+            d.synchronize()
+            free, total = d.mem_info()
+            d.unmap(va, g)
+            d.free_address(va, 2 * g)
+            d.release(h)
+            p = d.mem_alloc(g)
+            d.mem_free(p)
+            out["ok"] = free < total
+        except Exception as e:  # noqa: BLE001 - reported below
+            out["error"] = e
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert out == {"ok": True}, out
     assert d.physical_bytes == 0
     d.close()
 

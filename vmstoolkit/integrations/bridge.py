@@ -38,7 +38,8 @@ class AllocatorBridge:
         with self._lock:
             t0 = time.perf_counter()
             try:
-                return self.allocator.allocate(int(size))
+                with self.allocator.driver.bound():  # the calling thread may have no context
+                    return self.allocator.allocate(int(size))
             except (VmsError, MemoryError) as e:
                 self.last_error = e
                 self.failed_mallocs += 1
@@ -54,7 +55,8 @@ class AllocatorBridge:
         with self._lock:
             t0 = time.perf_counter()
             try:
-                self.allocator.free(int(ptr))
+                with self.allocator.driver.bound():
+                    self.allocator.free(int(ptr))
             except VmsError as e:
                 self.last_error = e
                 self.failed_frees += 1

@@ -195,7 +195,7 @@ class NativeHook(HandleStats):
         the time counted; an exception is recorded and reported as a failed allocation."""
         t0 = time.perf_counter()
         try:
-            with nd.allocator.slow_lock:
+            with nd.allocator.slow_lock, nd.allocator.driver.bound():  # bound: the calling thread may have no context
                 nd.g[H.G_BUSY] += 1
                 try:
                     yield

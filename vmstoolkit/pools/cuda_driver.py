@@ -8,6 +8,8 @@ Handles cross the interface as ints; the driver objects stay here.
 
 from __future__ import annotations
 
+import threading
+
 from vmstoolkit.errors import DriverError, DriverOutOfMemoryError, NoGPUError
 from vmstoolkit.pools.driver import Handle, VMMDriver
 
@@ -54,6 +56,43 @@ def _check(cu, err, what: str) -> None:
         raise cls(name, what, code=int(err))
 
 
+class ContextBinding:
+    """``with binding:`` makes ``ctx`` current on the calling thread and afterwards puts back
+    what was current before. Context-bound calls (``cuCtxSynchronize``, ``cuMemGetInfo``,
+    ``cuMemAlloc``...) fail with ``CUDA_ERROR_INVALID_CONTEXT`` on a thread with none, and
+    PyTorch calls its allocator from threads that may have none (seen on the H200: the autograd
+    thread running ``save_on_cpu``'s unpack hook); pushing rather than setting leaves a thread
+    that works on another device as it was. Reentrant: nested blocks check nothing."""
+
+    def __init__(self, cu, ctx) -> None:
+        self._cu = cu
+        self._ctx = ctx
+        self._key = int(ctx)
+        self._tls = threading.local()
+
+    def __enter__(self) -> None:
+        tls = self._tls
+        depth = getattr(tls, "depth", 0)
+        if depth == 0:
+            cu = self._cu
+            err, cur = cu.cuCtxGetCurrent()
+            _check(cu, err, "cuCtxGetCurrent")
+            tls.pushed = int(cur) != self._key
+            if tls.pushed:
+                (err,) = cu.cuCtxPushCurrent(self._ctx)
+                _check(cu, err, "cuCtxPushCurrent")
+        tls.depth = depth + 1
+
+    def __exit__(self, *exc) -> None:
+        tls = self._tls
+        tls.depth -= 1
+        if tls.depth == 0 and tls.pushed:
+            tls.pushed = False
+            err, _ = self._cu.cuCtxPopCurrent()
+            if exc[0] is None:
+                _check(self._cu, err, "cuCtxPopCurrent")
+
+
 class CudaDriver(VMMDriver):
     """VMM calls on a real GPU, in the device's primary context (shared with PyTorch and Numba)."""
 
@@ -70,8 +109,9 @@ class CudaDriver(VMMDriver):
         err, ctx = cu.cuDevicePrimaryCtxRetain(dev)
         _check(cu, err, f"cuDevicePrimaryCtxRetain({device})")
         self._ctx = ctx
-        (err,) = cu.cuCtxSetCurrent(ctx)
+        (err,) = cu.cuCtxSetCurrent(ctx)  # on this thread, as before; other threads bind per call
         _check(cu, err, "cuCtxSetCurrent")
+        self._binding = ContextBinding(cu, ctx)
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -92,7 +132,8 @@ class CudaDriver(VMMDriver):
         err, gran = cu.cuMemGetAllocationGranularity(prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
         _check(cu, err, "cuMemGetAllocationGranularity")
         self._granularity = int(gran)
-        err, free, total = cu.cuMemGetInfo()
+        with self._binding:
+            err, free, total = cu.cuMemGetInfo()
         _check(cu, err, "cuMemGetInfo")
         self._total = int(total)
         self._baseline_used = int(total) - int(free)
@@ -108,8 +149,12 @@ class CudaDriver(VMMDriver):
     def capacity(self) -> int:
         return self._total
 
+    def bound(self) -> ContextBinding:
+        return self._binding
+
     def _sample_device_used(self) -> None:
-        err, free, total = self._cu.cuMemGetInfo()
+        with self._binding:
+            err, free, total = self._cu.cuMemGetInfo()
         if err == self._cu.CUresult.CUDA_SUCCESS:
             used = int(total) - int(free) - self._baseline_used
             self.peak_device_used = max(self.peak_device_used, used)
@@ -131,7 +176,8 @@ class CudaDriver(VMMDriver):
     # -- the calls ------------------------------------------------------------------------
     def _create(self, size: int) -> Handle:
         cu = self._cu
-        err, h = cu.cuMemCreate(size, self._prop, 0)
+        with self._binding:
+            err, h = cu.cuMemCreate(size, self._prop, 0)
         _check(cu, err, f"cuMemCreate({size})")
         key = int(h)
         self._handles[key] = h
@@ -139,60 +185,71 @@ class CudaDriver(VMMDriver):
 
     def _release(self, handle: Handle) -> None:
         cu = self._cu
-        (err,) = cu.cuMemRelease(self._handles[handle])
+        with self._binding:
+            (err,) = cu.cuMemRelease(self._handles[handle])
         _check(cu, err, f"cuMemRelease({handle:#x})")
         del self._handles[handle]
 
     def _reserve(self, size: int, alignment: int) -> int:
         cu = self._cu
-        err, ptr = cu.cuMemAddressReserve(size, alignment, 0, 0)
+        with self._binding:
+            err, ptr = cu.cuMemAddressReserve(size, alignment, 0, 0)
         _check(cu, err, f"cuMemAddressReserve({size}, alignment={alignment})")
         return int(ptr)
 
     def _free_address(self, va: int, size: int) -> None:
         cu = self._cu
-        (err,) = cu.cuMemAddressFree(va, size)
+        with self._binding:
+            (err,) = cu.cuMemAddressFree(va, size)
         _check(cu, err, f"cuMemAddressFree({va:#x}, {size})")
 
     def _map(self, va: int, size: int, handle: Handle, offset: int) -> None:
         cu = self._cu
-        (err,) = cu.cuMemMap(va, size, offset, self._handles[handle], 0)
+        with self._binding:
+            (err,) = cu.cuMemMap(va, size, offset, self._handles[handle], 0)
         _check(cu, err, f"cuMemMap({va:#x}, {size}, offset={offset}, handle={handle:#x})")
 
     def _unmap(self, va: int, size: int) -> None:
         cu = self._cu
-        (err,) = cu.cuMemUnmap(va, size)
+        with self._binding:
+            (err,) = cu.cuMemUnmap(va, size)
         _check(cu, err, f"cuMemUnmap({va:#x}, {size})")
 
     def _set_access(self, va: int, size: int) -> None:
         cu = self._cu
-        (err,) = cu.cuMemSetAccess(va, size, self._access, len(self._access))
+        with self._binding:
+            (err,) = cu.cuMemSetAccess(va, size, self._access, len(self._access))
         _check(cu, err, f"cuMemSetAccess({va:#x}, {size})")
 
     def _mem_alloc(self, size: int) -> int:
         cu = self._cu
-        err, ptr = cu.cuMemAlloc(size)
+        with self._binding:
+            err, ptr = cu.cuMemAlloc(size)
         _check(cu, err, f"cuMemAlloc({size})")
         return int(ptr)
 
     def _mem_free(self, ptr: int) -> None:
         cu = self._cu
-        (err,) = cu.cuMemFree(ptr)
+        with self._binding:
+            (err,) = cu.cuMemFree(ptr)
         _check(cu, err, f"cuMemFree({ptr:#x})")
 
     def _memset(self, va: int, size: int, value: int) -> None:
         cu = self._cu
-        (err,) = cu.cuMemsetD8(va, value, size)
+        with self._binding:
+            (err,) = cu.cuMemsetD8(va, value, size)
         _check(cu, err, f"cuMemsetD8({va:#x}, {value}, {size})")
 
     def _mem_info(self) -> tuple[int, int]:
         cu = self._cu
-        err, free, total = cu.cuMemGetInfo()
+        with self._binding:
+            err, free, total = cu.cuMemGetInfo()
         _check(cu, err, "cuMemGetInfo")
         return int(free), int(total)
 
     def synchronize(self) -> None:
-        (err,) = self._cu.cuCtxSynchronize()
+        with self._binding:
+            (err,) = self._cu.cuCtxSynchronize()
         _check(self._cu, err, "cuCtxSynchronize")
 
     def close(self) -> None:

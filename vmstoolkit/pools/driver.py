@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
+from contextlib import nullcontext
 
 Handle = int
 """An opaque physical-allocation handle (``CUmemGenericAllocationHandle`` as an int)."""
@@ -38,6 +39,9 @@ OPERATIONS = (
     "create", "release", "reserve", "free_address", "map", "unmap", "set_access",
     "mem_alloc", "mem_free", "memset",
 )
+
+
+_UNBOUND = nullcontext()
 
 
 class VMMDriver(ABC):
@@ -140,6 +144,12 @@ class VMMDriver(ABC):
 
     def synchronize(self) -> None:
         """Wait for outstanding device work (no-op where there is none)."""
+
+    def bound(self):
+        """A context manager: the driver's context is current on the calling thread inside it
+        (every call binds it anyway; binding once around many calls saves the checks). The
+        simulated driver has no contexts."""
+        return _UNBOUND
 
     def close(self) -> None:
         """Give back driver resources (contexts); allocations must be released first."""
