@@ -41,6 +41,24 @@ def test_allocations_and_frees_through_the_c_entry_points(hook):
     nd.allocator._check()
 
 
+def test_large_blocks_in_units_finer_than_a_page_share_pages():
+    h = NativeHook(lambda device: SimulatedDriver(capacity=4 * GiB), large_unit=512 << 10)
+    try:
+        alloc, free = _entry_points(h)
+        sizes = [MiB + 1, 3 * MiB + 512, 1536 << 10, 5 * MiB]  # 3 + 7 + 3 + 10 units of 512 KiB
+        ptrs = [alloc(s, 0, None) for s in sizes]
+        nd = h.bridge(0)
+        for p, s in zip(ptrs, sizes):
+            nd.allocator.driver.memset(p, s)
+        assert [b - a for a, b in zip(ptrs, ptrs[1:])] == [3 << 19, 7 << 19, 3 << 19]  # packed at 512 KiB
+        assert nd.allocator.driver.physical_bytes == 6 * 2 * MiB  # 11.5 MiB of blocks on 6 pages (2 MiB units: 9)
+        for p, s in zip(ptrs, sizes):
+            free(p, s, 0, None)
+        nd.allocator._check()
+    finally:
+        h.close()
+
+
 def test_warm_round_trips_never_reach_python(hook):
     alloc, free = _entry_points(hook)
     free(alloc(4 * MiB, 0, None), 4 * MiB, 0, None)  # maps the pages (slow path, once)

@@ -25,10 +25,10 @@ programs = st.lists(st.tuples(st.booleans(), sizes, st.integers(0, 10**6)), min_
 
 @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(program=programs, slack=st.sampled_from([0, 3]), reclaim=st.sampled_from(["top-down", "clock"]),
-       batch=st.sampled_from([1, 4]))
-def test_random_programs_keep_invariants_and_physical_within_the_live_peak(program, slack, reclaim, batch):
+       batch=st.sampled_from([1, 4]), unit=st.sampled_from([None, 512 << 10, 64 << 10]))
+def test_random_programs_keep_invariants_and_physical_within_the_live_peak(program, slack, reclaim, batch, unit):
     a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY), slack_pages=slack, reclaim=reclaim,
-                       reclaim_batch=batch)
+                       reclaim_batch=batch, large_unit=unit)
     live: list[tuple[int, int]] = []
     for is_alloc, size, pick in program:
         if is_alloc or not live:
@@ -37,7 +37,8 @@ def test_random_programs_keep_invariants_and_physical_within_the_live_peak(progr
                 p = a.allocate(size)
             except OutOfMemoryError as e:
                 # only when the pages live blocks touch, plus this request's new ones, exceed the device
-                new_pages = 1 if size <= MiB else -(-size // G)
+                # (a large block of units finer than a page may straddle one more page)
+                new_pages = 1 if size <= MiB else -(-size // G) + (unit is not None)
                 assert before + new_pages > CAPACITY // G, f"OOM with {before} live pages of {CAPACITY // G}: {e}"
                 assert str(size) in str(e)
             else:
@@ -121,6 +122,9 @@ def test_bad_input_is_refused_clearly():
         make_allocator("paged", reclaim="lru")
     with pytest.raises(ConfigError, match="reclaim_batch"):
         make_allocator("paged", reclaim_batch=0)
+    for unit in (3 << 20, 1000, 256):
+        with pytest.raises(ConfigError, match=f"large_unit .* got {unit}"):
+            make_allocator("paged", large_unit=unit)
     a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY))
     p = a.allocate(100)
     a.free(p)
