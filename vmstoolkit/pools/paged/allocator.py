@@ -2,8 +2,10 @@
 
 Two heaps (:mod:`~vmstoolkit.pools.paged.heap`) over ranges reserved once: requests of 1 MiB or
 less in 512 B units, larger ones in whole 2 MiB pages (or, with ``large_unit``, in finer units
-that let neighbouring large blocks share a page: 512 KiB cut the traces' peaks by 0.1 GiB and,
-unlike 64 KiB, add no remapping; ``experiments/results/paged/``). A block's address never changes and a
+that let neighbouring large blocks share a page: 0.1 GiB less on the traces' peaks, but a shared
+page cannot be reclaimed while either block lives; on the H200's training run 512 KiB units
+remapped more and reserved more than whole pages, so whole pages stay the default:
+``experiments/results/paged/``, ``experiments/results/train-h200/`` run 12). A block's address never changes and a
 freed block merges with its neighbours, as in a classic heap; what makes the heap cheap in
 physical memory is that a page gets a physical chunk only when a live block first needs it, and
 keeps it while free (a repeated pattern calls the driver no more) until chunks are short:
