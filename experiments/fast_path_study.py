@@ -130,7 +130,10 @@ class CachingOverVMS(PyTorchCachingAllocator):
 
 def replay_passes(trace, make, passes: int) -> dict:
     """Replay ``trace`` ``passes`` times through ``make(driver)``: Python calls per request and
-    modelled driver time per pass in steady state, peak reserved and utilization."""
+    modelled driver time per pass in steady state, peak reserved and utilization. Steady state
+    is the passes after the first ``WARM_PASSES`` (the last pass when there are no more)."""
+    if passes < 1:
+        raise ValueError(f"passes must be at least 1, got {passes}")
     driver = make_driver("sim")
     meter = _AccessMeter(driver)
     target = make(driver)
@@ -161,7 +164,7 @@ def replay_passes(trace, make, passes: int) -> dict:
                          "python_per_request": (python - before[2]) / requests if python is not None
                          else float(isinstance(alloc, VMMAllocator))})  # vms: every request; PyTorch's: none
     s = alloc.stats() if front else target.stats()
-    steady = per_pass[WARM_PASSES:]
+    steady = per_pass[min(WARM_PASSES, passes - 1):]
     out = {"peak_reserved": s.peak_reserved_bytes, "utilization": s.utilization,
            "steady_driver_ms": sum(p["driver_ms"] for p in steady) / len(steady),
            "python_per_request": sum(p["python_per_request"] for p in steady) / len(steady),

@@ -1,7 +1,7 @@
 """The ``paged`` allocator on the bundled traces: its memory and driver work beside ``vms`` and
 PyTorch's modes, and what its two knobs (reclaim order, slack) trade.
 
-    python experiments/paged_policy.py [--out experiments/results/paged] [--passes 5]
+    python experiments/paged_policy.py [--out experiments/results/paged] [--passes 5] [--traces SNAPSHOT ...]
 
 Each trace is replayed ``--passes`` times in a row on the simulated driver; steady state is
 passes 3 and later. Per row: peak reserved, utilization, the modelled driver time per replay in
@@ -44,6 +44,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--traces", type=Path, nargs="+", default=None,
+                    help="snapshots to replay instead of the bundled traces (e.g. train_llama_gpu.py --snapshots)")
     args = ap.parse_args()
 
     def run(trace, label):
@@ -53,7 +55,7 @@ def main() -> int:
         return r
 
     rows = sweep(ROWS, run, "row", lambda r: f"peak {r['peak_reserved'] / 2**30:6.2f} GiB  util {r['utilization']:.3f}  "
-                 f"driver {r['steady_driver_ms']:6.1f} ms  syncs {r['steady_syncs']:5.0f} per replay")
+                 f"driver {r['steady_driver_ms']:6.1f} ms  syncs {r['steady_syncs']:5.0f} per replay", args.traces)
     write(args.out, "paged_policy", rows, grid(rows, "row", lambda r: f"{r['peak_reserved'] / 2**30:.2f} GiB / "
                                                 f"{r['steady_driver_ms']:.0f} ms / {r['steady_syncs']:.0f}", "allocator"))
     return 0

@@ -11,11 +11,12 @@ from typing import Callable
 from vmstoolkit.trace import bundled_trace_paths, load_trace
 
 
-def sweep(labels, run: Callable[[object, str], dict], key: str, describe: Callable[[dict], str]) -> list[dict]:
-    """``run(trace, label)`` for every bundled trace and label; each result gets ``trace`` and
-    ``key: label`` and is printed with ``describe``."""
+def sweep(labels, run: Callable[[object, str], dict], key: str, describe: Callable[[dict], str],
+          traces: list[Path] | None = None) -> list[dict]:
+    """``run(trace, label)`` for every trace (the bundled ones by default) and label; each result
+    gets ``trace`` and ``key: label`` and is printed with ``describe``."""
     rows = []
-    for path in bundled_trace_paths():
+    for path in traces or bundled_trace_paths():
         trace = load_trace(path)
         for label in labels:
             row = {"trace": trace.name.split(".")[0], key: label, **run(trace, label)}

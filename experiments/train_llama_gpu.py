@@ -1,7 +1,7 @@
 """Train the traces' LLaMA three ways on a GPU: PyTorch default, expandable_segments, vmstoolkit.
 
     python experiments/train_llama_gpu.py --out DIR [--variants full,ckpt,lora,offload]
-        [--modes default,expandable,vms] [--rounds 3] [--steps-per-round 6]
+        [--modes default,expandable,vms] [--rounds 3] [--steps-per-round 6] [--snapshots DIR]
 
 The model and workloads are those of ``vmstoolkit/data/traces``: a LLaMA-architecture causal LM
 (hidden 2048, 12 layers, 16 heads, FFN 5504, vocab 32000), random weights (seed 0), AdamW,
@@ -51,7 +51,7 @@ def vms_options(mode: str) -> dict:
     return opts
 
 
-def worker(mode: str, variant: str, rounds: int, steps_per_round: int) -> dict:
+def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot: Path | None = None) -> dict:
     handle = None
     if mode.split(":")[0] in ("vms", "paged"):
         from vmstoolkit.integrations.torch import install
@@ -60,6 +60,9 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if snapshot is not None:  # PyTorch's own record of every request, for replays of this exact run
+        # (no tracebacks, to disturb the run least; still, time runs without it)
+        torch.cuda.memory._record_memory_history(context=None, max_entries=1_000_000)
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                       num_key_value_heads=HEADS, vocab_size=VOCAB, max_position_embeddings=2048)
@@ -102,6 +105,14 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int) -> dict:
             if handle is not None:
                 alloc_s.append(b.seconds - s0)
                 calls.append(sum(b.allocator.driver.calls.values()) - c0)
+    if snapshot is not None:
+        import gzip
+        import pickle
+
+        snapshot.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(snapshot, "wb") as f:
+            pickle.dump(torch.cuda.memory._snapshot(), f)
+        torch.cuda.memory._record_memory_history(enabled=None)
     if handle is not None:
         peak_alloc, peak_res = handle.max_memory_allocated(), handle.max_memory_reserved()
         extra = {"allocator_stats": handle.memory_stats(), "failed_mallocs": handle.bridge(0).failed_mallocs,
@@ -142,10 +153,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps-per-round", type=int, default=6)
     ap.add_argument("--worker", nargs=2, metavar=("MODE", "VARIANT"))
+    ap.add_argument("--snapshots", type=Path, default=None,
+                    help="also record PyTorch's memory history of the default-mode runs: DIR/train-VARIANT.pickle.gz "
+                         "(replay them with `vmstoolkit replay` or `experiments/paged_policy.py --traces`); "
+                         "recording slows those runs, so compare step times from runs without it")
+    ap.add_argument("--snapshot-file", type=Path, default=None, help=argparse.SUPPRESS)  # the worker's
     args = ap.parse_args()
     if args.worker:
         try:
-            result = worker(*args.worker, args.rounds, args.steps_per_round)
+            result = worker(*args.worker, args.rounds, args.steps_per_round, args.snapshot_file)
         except BaseException:
             traceback.print_exc()
             print_allocator_failure()
@@ -160,8 +176,11 @@ def main() -> int:
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
             if mode == "expandable":
                 env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-            p = subprocess.run([sys.executable, __file__, "--worker", mode, variant, "--rounds", str(args.rounds),
-                                "--steps-per-round", str(args.steps_per_round)], env=env, capture_output=True, text=True)
+            cmd = [sys.executable, __file__, "--worker", mode, variant, "--rounds", str(args.rounds),
+                   "--steps-per-round", str(args.steps_per_round)]
+            if args.snapshots is not None and mode == "default":
+                cmd += ["--snapshot-file", str(args.snapshots / f"train-{variant}.pickle.gz")]
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
             if p.returncode != 0 or line is None:
                 row = {"mode": mode, "variant": variant, "error": (p.stderr or p.stdout)[-6000:]}
