@@ -38,8 +38,7 @@ class AllocatorBridge:
         with self._lock:
             t0 = time.perf_counter()
             try:
-                with self.allocator.driver.bound():  # the calling thread may have no context
-                    return self.allocator.allocate(int(size))
+                return self.allocator.allocate(int(size))
             except (VmsError, MemoryError) as e:
                 self.last_error = e
                 self.failed_mallocs += 1
@@ -55,8 +54,7 @@ class AllocatorBridge:
         with self._lock:
             t0 = time.perf_counter()
             try:
-                with self.allocator.driver.bound():
-                    self.allocator.free(int(ptr))
+                self.allocator.free(int(ptr))
             except VmsError as e:
                 self.last_error = e
                 self.failed_frees += 1
