@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from numba import cuda
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels_bench import say, tf32_off  # noqa: E402
+from kernels_bench import run_env, say, tf32_off  # noqa: E402
 
 from vmstoolkit.kernels import gemm as G  # noqa: E402
 
@@ -197,10 +196,7 @@ def main():
     import numba
 
     dev = torch.cuda.get_device_name()
-    res = {"env": {"device": dev, "torch": torch.__version__, "numba": numba.__version__,
-                   "numpy": np.__version__, "python": platform.python_version(),
-                   "tf32": torch.backends.cuda.matmul.allow_tf32, "reps": REPS,
-                   "samples": SAMPLES, "command": " ".join(sys.argv)}}
+    res = {"env": run_env(reps=REPS, samples=SAMPLES)}
     say(f"== {dev}, torch {torch.__version__}, numba {numba.__version__}, "
         f"TF32 {torch.backends.cuda.matmul.allow_tf32}")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 import time
@@ -44,6 +43,15 @@ RESULTS: dict = {}
 
 def say(*a):
     print(*a, flush=True)
+
+
+def run_env(**extra) -> dict:
+    """What a benchmark ran on and how it was called, for its JSON (``extra``: more versions)."""
+    import numba
+
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "numba": numba.__version__,
+            "numpy": np.__version__, "python": platform.python_version(),
+            "tf32": torch.backends.cuda.matmul.allow_tf32, **extra, "command": " ".join(sys.argv)}
 
 
 def tf32_off():
@@ -310,10 +318,7 @@ def main():
     import numba
     import transformers
 
-    RESULTS["env"] = {"device": dev, "torch": torch.__version__,
-                      "transformers": transformers.__version__, "numba": numba.__version__,
-                      "numpy": np.__version__, "python": platform.python_version(),
-                      "tf32": torch.backends.cuda.matmul.allow_tf32, "command": " ".join(sys.argv)}
+    RESULTS["env"] = run_env(transformers=transformers.__version__)
     say(f"== {dev}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"numba {numba.__version__}, TF32 {torch.backends.cuda.matmul.allow_tf32}")
 
