@@ -25,10 +25,12 @@ programs = st.lists(st.tuples(st.booleans(), sizes, st.integers(0, 10**6)), min_
 
 @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(program=programs, slack=st.sampled_from([0, 3]), reclaim=st.sampled_from(["top-down", "clock"]),
-       batch=st.sampled_from([1, 4]), unit=st.sampled_from([None, 512 << 10, 64 << 10]))
-def test_random_programs_keep_invariants_and_physical_within_the_live_peak(program, slack, reclaim, batch, unit):
+       batch=st.sampled_from([1, 4]), unit=st.sampled_from([None, 512 << 10, 64 << 10]),
+       placement=st.sampled_from(["mapped", "best-fit"]))
+def test_random_programs_keep_invariants_and_physical_within_the_live_peak(program, slack, reclaim, batch, unit,
+                                                                            placement):
     a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY), slack_pages=slack, reclaim=reclaim,
-                       reclaim_batch=batch, large_unit=unit)
+                       reclaim_batch=batch, large_unit=unit, placement=placement)
     live: list[tuple[int, int]] = []
     for is_alloc, size, pick in program:
         if is_alloc or not live:
@@ -100,6 +102,56 @@ def test_chunks_are_reclaimed_before_the_peak_grows():
     a.close()
 
 
+def _maps(a) -> int:
+    return a.driver.calls.get("map", 0)
+
+
+@pytest.mark.parametrize("placement, new_maps", [("mapped", 0), ("best-fit", 3)])
+def test_mapped_placement_prefers_a_mapped_hole_to_the_best_fitting_bare_one(placement, new_maps):
+    """Best fit would take an exact hole whose chunks were reclaimed; mapped placement takes a
+    larger hole whose pages still have chunks, and calls the driver not at all."""
+    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY), placement=placement)
+    p = [a.allocate(s * G) for s in (2, 3, 1, 5, 1)]  # the 1-page blocks keep the holes apart
+    a.free(p[1])
+    a.free(p[3])
+    a.empty_cache()  # both holes (3 and 5 pages) lose their chunks
+    a.free(a.allocate(5 * G))  # the 5-page hole is mapped again; the 3-page one stays bare
+    before = _maps(a)
+    q = a.allocate(3 * G)
+    assert _maps(a) - before == new_maps
+    assert q == (p[3] if placement == "mapped" else p[1])
+    a._check()
+    for x in (q, p[0], p[2], p[4]):
+        a.free(x)
+    a.close()
+    assert a.driver.is_empty()
+
+
+def test_mapped_placement_carves_a_mapped_window_from_inside_a_hole():
+    """A 6-page hole whose first 2 pages are bare and last 4 mapped serves 4 pages from its
+    mapped end: the hole splits, and the block starts 2 pages in."""
+    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY))
+    lo, hole, guard = a.allocate(2 * G), a.allocate(6 * G), a.allocate(G)
+    a.free(hole)
+    x, y = a.allocate(2 * G), a.allocate(4 * G)  # the hole again, in two pieces
+    assert (x, y) == (hole, hole + 2 * G)
+    a.free(x)
+    a.empty_cache()  # x's 2 pages lose their chunks, y's keep theirs
+    a.free(y)
+    before = _maps(a)
+    z = a.allocate(4 * G)
+    assert z == hole + 2 * G and _maps(a) == before
+    assert a.path_counts()["placement_searches"] >= 1
+    a._check()
+    w = a.allocate(2 * G)  # the bare front of the hole is still a free block of its own
+    assert w == hole
+    a._check()
+    for b in (lo, guard, z, w):
+        a.free(b)
+    a.close()
+    assert a.driver.is_empty()
+
+
 def test_out_of_memory_names_the_request_and_changes_nothing():
     d = SimulatedDriver(capacity=8 * G)
     a = make_allocator("paged", d)
@@ -122,6 +174,8 @@ def test_bad_input_is_refused_clearly():
         make_allocator("paged", reclaim="lru")
     with pytest.raises(ConfigError, match="reclaim_batch"):
         make_allocator("paged", reclaim_batch=0)
+    with pytest.raises(ConfigError, match="placement .* got 'first-fit'"):
+        make_allocator("paged", placement="first-fit")
     for unit in (3 << 20, 1000, 256):
         with pytest.raises(ConfigError, match=f"large_unit .* got {unit}"):
             make_allocator("paged", large_unit=unit)

@@ -6,7 +6,12 @@ that let neighbouring large blocks share a page: 0.1 GiB less on the traces' pea
 page cannot be reclaimed while either block lives; on the H200's training run 512 KiB units
 remapped more and reserved more than whole pages, so whole pages stay the default:
 ``experiments/results/paged/``, ``experiments/results/train-h200/`` run 12). A block's address never changes and a
-freed block merges with its neighbours, as in a classic heap; what makes the heap cheap in
+freed block merges with its neighbours, as in a classic heap. Large blocks go first to free
+pages that still have chunks (``placement="mapped"``, the default: when the best fit would need
+new chunks, the lowest free window whose pages all have theirs, if any; ``"best-fit"`` ignores
+mappings). On the H200 training run's own allocation sequence this leaves the driver no work
+after each round's first, largest step, at the same peak (``experiments/results/train-h200/``
+run 14). What makes the heap cheap in
 physical memory is that a page gets a physical chunk only when a live block first needs it, and
 keeps it while free (a repeated pattern calls the driver no more) until chunks are short:
 
@@ -47,7 +52,7 @@ class PagedAllocator(Allocator):
 
     def __init__(self, driver: VMMDriver, *, va_bytes: int | None = None, small_va_bytes: int = 4 * GiB,
                  slack_pages: int = 0, reclaim: str = "top-down", reclaim_batch: int = 16,
-                 large_unit: int | None = None, max_blocks: int = 1 << 18) -> None:
+                 placement: str = "mapped", large_unit: int | None = None, max_blocks: int = 1 << 18) -> None:
         super().__init__(driver)
         page = driver.granularity
         if page & (page - 1) or page < (1 << SMALL_UNIT_SHIFT):
@@ -59,6 +64,8 @@ class PagedAllocator(Allocator):
         self.reclaim_batch = reclaim_batch
         if reclaim not in ("top-down", "clock"):
             raise ConfigError(f"paged: reclaim must be 'top-down' or 'clock', got {reclaim!r}")
+        if placement not in ("best-fit", "mapped"):
+            raise ConfigError(f"paged: placement must be 'best-fit' or 'mapped', got {placement!r}")
         self.page = page
         self.page_shift = page.bit_length() - 1
         va_bytes = va_bytes or 2 * -(-driver.capacity // page) * page
@@ -73,6 +80,7 @@ class PagedAllocator(Allocator):
                             buckets=(SMALL_SIZE >> SMALL_UNIT_SHIFT) + 1, max_blocks=max_blocks)
         for h in (self.large, self.small):
             h.meta[H.M_CLOCK_ORDER] = reclaim == "clock"
+        self.large.meta[H.M_PLACE_MAPPED] = placement == "mapped"
         max_chunks = va_bytes // page + small_va_bytes // page
         self.g = np.zeros(16, np.int64)  # heap.G_* slots, then the PyTorch hook's counters
         self.g[H.G_SLACK] = slack_pages
@@ -144,6 +152,12 @@ class PagedAllocator(Allocator):
     def _free(self, addr: int) -> None:
         freed = self.free_block(addr)
         assert freed, f"paged: no live block at {addr:#x}"
+
+    def path_counts(self) -> dict:
+        """``counts`` with the mapped placement's searches (requests whose best fit lacked chunks)
+        and the blocks those searches visited, counted by the compiled heap."""
+        return {**self.counts, "placement_searches": int(self.large.meta[H.M_SCANS]),
+                "blocks_searched": int(self.large.meta[H.M_SCANNED])}
 
     # -- driver work -----------------------------------------------------------------------
     def map_block(self, heap: H.Heap, start: int, n: int, size: int) -> None:

@@ -12,7 +12,11 @@ range in address order (``b_prev``/``b_next``), free blocks sit in exact-size bu
 per length below ``NB`` units, one overflow list above) found with a bitmap, and a freed block
 merges with its free neighbours at once. Per page: the chunk mapped there (``-1``: none) and how
 many units of live blocks it holds. Allocation never calls the driver: it commits the block and
-reports how many of its pages have no chunk; the caller maps them (:func:`plan_map`).
+reports how many of its pages have no chunk; the caller maps them (:func:`assign_chunks`).
+With mapped placement (``meta[M_PLACE_MAPPED]``, whole-page units) a best fit that would need
+chunks gives way to the lowest window of free pages that all have theirs
+(:func:`_place_mapped`): pages keep their chunks from one shape of batch to the next, and the
+driver is called far less for the same peak.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import numpy as np
 from numba import njit
 
 # meta[] slots of a heap
-M_UNITS, M_Q, M_NB, M_REC_TOP, M_TOP, M_LIVE_UNITS, M_CLOCK_ORDER, M_CLOCK = 0, 1, 2, 3, 4, 5, 6, 7
+M_UNITS, M_Q, M_NB, M_REC_TOP, M_TOP, M_LIVE_UNITS, M_CLOCK_ORDER, M_CLOCK, M_PLACE_MAPPED = 0, 1, 2, 3, 4, 5, 6, 7, 8
+M_SCANS, M_SCANNED = 9, 10  # mapped placement's searches, and the blocks they visited
+M_LOW = 11  # the start of a block with no free block below it (where those searches begin)
 # g[] slots shared by the heaps of one device
 G_FREE_CHUNKS, G_TOTAL_CHUNKS, G_LIVE_PAGES, G_PEAK_LIVE_PAGES, G_BUSY, G_SLACK = 0, 1, 2, 3, 4, 5
 NONE = -1
@@ -35,7 +41,7 @@ class Heap:
         if units % q:
             raise ValueError(f"a heap of {units} units does not hold whole pages of {q} units")
         self.unit_shift = unit_shift
-        self.meta = np.zeros(8, np.int64)
+        self.meta = np.zeros(12, np.int64)
         self.meta[M_UNITS], self.meta[M_Q], self.meta[M_NB] = units, q, buckets
         self.b_start = np.zeros(max_blocks, np.int64)
         self.b_len = np.zeros(max_blocks, np.int64)
@@ -109,6 +115,26 @@ def _drop_record(meta, rec_stack, blk):
 
 
 @njit(cache=True)
+def _split(meta, b_start, b_len, b_free, b_prev, b_next, rec_stack, block_at, blk, k):
+    """Cut block ``blk`` (off the free lists) after its first ``k`` units: returns the new free
+    block of the rest, linked after it, or ``NONE`` (nothing changed) when no record is left."""
+    rest = _new_record(meta, rec_stack)
+    if rest == NONE:
+        return NONE
+    b_start[rest] = b_start[blk] + k
+    b_len[rest] = b_len[blk] - k
+    b_free[rest] = 1
+    b_prev[rest] = blk
+    b_next[rest] = b_next[blk]
+    if b_next[blk] != NONE:
+        b_prev[b_next[blk]] = rest
+    b_next[blk] = rest
+    block_at[b_start[rest]] = rest
+    b_len[blk] = k
+    return rest
+
+
+@njit(cache=True)
 def init_heap(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
               bucket_head, bits, page_chunk, page_used):
     """One free block spanning the whole heap."""
@@ -165,21 +191,15 @@ def heap_alloc(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, r
     blk = _find_fit(meta, b_len, b_fnext, bucket_head, bits, n)
     if blk == NONE:
         return -1, 0
+    if meta[M_PLACE_MAPPED] == 1 and meta[M_Q] == 1 and _missing(page_chunk, b_start[blk], n) > 0:
+        blk = _place_mapped(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
+                            bucket_head, bits, page_chunk, blk, n)
     if b_len[blk] > n:
-        rest = _new_record(meta, rec_stack)
-        if rest == NONE:
-            return -1, 0
         _pop_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, blk)
-        b_start[rest] = b_start[blk] + n
-        b_len[rest] = b_len[blk] - n
-        b_free[rest] = 1
-        b_prev[rest] = blk
-        b_next[rest] = b_next[blk]
-        if b_next[blk] != NONE:
-            b_prev[b_next[blk]] = rest
-        b_next[blk] = rest
-        block_at[b_start[rest]] = rest
-        b_len[blk] = n
+        rest = _split(meta, b_start, b_len, b_free, b_prev, b_next, rec_stack, block_at, blk, n)
+        if rest == NONE:
+            _push_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, blk)
+            return -1, 0
         _push_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, rest)
     else:
         _pop_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, blk)
@@ -202,6 +222,61 @@ def heap_alloc(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, r
     if g[G_LIVE_PAGES] > g[G_PEAK_LIVE_PAGES]:
         g[G_PEAK_LIVE_PAGES] = g[G_LIVE_PAGES]
     return start, missing
+
+
+@njit(cache=True)
+def _missing(page_chunk, first, n):
+    """Pages without a chunk among the ``n`` from ``first`` (whole-page units)."""
+    k = 0
+    for p in range(first, first + n):
+        if page_chunk[p] == NONE:
+            k += 1
+    return k
+
+
+@njit(cache=True)
+def _place_mapped(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
+                  bucket_head, bits, page_chunk, blk, n):
+    """The free block to carve ``n`` pages from when the best fit ``blk`` would need chunks: the
+    lowest window of ``n`` pages inside a free block whose pages all have chunks, else the window
+    with the fewest pages without one (then the smaller block), split off so that it starts a
+    free block. Returns ``blk`` unchanged when no window beats it. Only the mapped part of the
+    heap (below ``M_TOP``) is scanned, in address order: microseconds, against the driver calls
+    that each missing page costs (whole-page units only)."""
+    top = meta[M_TOP]
+    meta[M_SCANS] += 1
+    best_missing = _missing(page_chunk, b_start[blk], n)
+    best, best_at = blk, b_start[blk]
+    b = block_at[meta[M_LOW]]
+    while b != NONE and b_free[b] == 0:  # the live bottom of the heap (weights, optimizer state)
+        b = b_next[b]
+    if b != NONE:
+        meta[M_LOW] = b_start[b]
+    while b != NONE and b_start[b] < top and best_missing > 0:
+        if b_free[b] == 1 and b_len[b] >= n:
+            s, e = b_start[b], b_start[b] + b_len[b]
+            miss = _missing(page_chunk, s, n)
+            at = s
+            m = miss
+            w = s
+            while m > 0 and w + n < e and w < top:  # slide the window one page at a time
+                m += (1 if page_chunk[w + n] == NONE else 0) - (1 if page_chunk[w] == NONE else 0)
+                w += 1
+                if m < miss:
+                    miss, at = m, w
+            if miss < best_missing or (miss == best_missing and b_len[b] < b_len[best]):
+                best_missing, best, best_at = miss, b, at
+        meta[M_SCANNED] += 1
+        b = b_next[b]
+    if best_at == b_start[best]:
+        return best
+    _pop_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, best)
+    rest = _split(meta, b_start, b_len, b_free, b_prev, b_next, rec_stack, block_at, best, best_at - b_start[best])
+    _push_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, best)  # [start, at) stays free
+    if rest == NONE:
+        return blk
+    _push_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, rest)
+    return rest
 
 
 @njit(cache=True)
@@ -247,6 +322,8 @@ def heap_free(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, re
         block_at[b_start[nxt_blk]] = NONE
         _drop_record(meta, rec_stack, nxt_blk)
     _push_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, blk)
+    if b_start[blk] < meta[M_LOW]:
+        meta[M_LOW] = b_start[blk]
     return n
 
 
@@ -394,4 +471,12 @@ def check_heap(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, r
         return 10  # every free block is listed once
     if meta[M_REC_TOP] + nblocks != rec_stack.shape[0]:
         return 11  # block records are in use or on the stack
+    low = block_at[meta[M_LOW]]
+    if low == NONE:
+        return 12  # the search start is a block's start
+    blk = block_at[0]
+    while blk != low:
+        if b_free[blk] == 1:
+            return 13  # no free block below the search start
+        blk = b_next[blk]
     return 0
