@@ -117,7 +117,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
         peak_alloc, peak_res = handle.max_memory_allocated(), handle.max_memory_reserved()
         extra = {"allocator_stats": handle.memory_stats(), "failed_mallocs": handle.bridge(0).failed_mallocs,
                  "allocator_seconds_per_step": alloc_s, "driver_calls_per_step": calls,
-                 "paths": dict(handle.bridge(0).allocator.counts)}
+                 "paths": path_counts(handle.bridge(0).allocator)}
     else:
         peak_alloc, peak_res = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         extra = {"num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)}
@@ -125,6 +125,11 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
     return {"mode": mode, "variant": variant, "losses": losses, "step_times": times,
             "median_step_s": statistics.median(steady), "peak_allocated": peak_alloc, "peak_reserved": peak_res,
             "utilization": peak_alloc / peak_res if peak_res else None, "device": torch.cuda.get_device_name(), **extra}
+
+
+def path_counts(allocator) -> dict:
+    """How the allocator served requests (``paged`` adds its placement searches)."""
+    return allocator.path_counts() if hasattr(allocator, "path_counts") else dict(allocator.counts)
 
 
 def print_allocator_failure() -> None:
@@ -145,6 +150,33 @@ def print_allocator_failure() -> None:
         print("vmstoolkit's last error:\n" + "".join(traceback.format_exception(err)), file=sys.stderr)
 
 
+def summarize(rows: list[dict], variants: list[str], modes: list[str], rounds: int, steps_per_round: int) -> list[dict]:
+    """One line per (variant, mode) that ran: the highest peaks of its repeats, the median of all
+    their steady-state steps (each repeat's median beside it), and against ``default`` the ratio of
+    those medians and the largest loss difference of any repeat."""
+    def steady(r):
+        return r["step_times"][steps_per_round:] if rounds > 1 else r["step_times"]
+
+    summary = []
+    for variant in variants:
+        runs = {m: [r for r in rows if r["variant"] == variant and r["mode"] == m and "error" not in r] for m in modes}
+        median = {m: statistics.median([t for r in rs for t in steady(r)]) for m, rs in runs.items() if rs}
+        base = runs.get("default")
+        for mode, rs in runs.items():
+            if not rs:
+                continue
+            top = max(rs, key=lambda r: r["peak_reserved"])
+            s = {"variant": variant, "mode": mode, "repeats": len(rs), "peak_reserved_GiB": top["peak_reserved"] / 2**30,
+                 "peak_allocated_GiB": max(r["peak_allocated"] for r in rs) / 2**30,
+                 "utilization": top["utilization"], "median_step_s": median[mode],
+                 "median_step_s_per_repeat": [r["median_step_s"] for r in rs]}
+            if base:
+                s["step_time_vs_default"] = median[mode] / median["default"]
+                s["max_loss_diff_vs_default"] = max(abs(a - b) for r in rs for a, b in zip(r["losses"], base[0]["losses"]))
+            summary.append(s)
+    return summary
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
@@ -152,6 +184,9 @@ def main() -> int:
     ap.add_argument("--modes", default="default,expandable,vms")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps-per-round", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every mode this many times, interleaved (default, expandable, ..., default, ...), and "
+                         "compare the medians of the pooled steady-state steps: drift on a shared host cancels out")
     ap.add_argument("--worker", nargs=2, metavar=("MODE", "VARIANT"))
     ap.add_argument("--snapshots", type=Path, default=None,
                     help="also record PyTorch's memory history of the default-mode runs: DIR/train-VARIANT.pickle.gz "
@@ -168,17 +203,19 @@ def main() -> int:
             return 1
         print("RESULT " + json.dumps(result), flush=True)
         return 0
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for variant in args.variants.split(","):
-        for mode in args.modes.split(","):
+    for variant, repeat, mode in ((v, k, m) for v in args.variants.split(",") for k in range(args.repeats)
+                                  for m in args.modes.split(",")):
             env = dict(os.environ)
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
             if mode == "expandable":
                 env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
             cmd = [sys.executable, __file__, "--worker", mode, variant, "--rounds", str(args.rounds),
                    "--steps-per-round", str(args.steps_per_round)]
-            if args.snapshots is not None and mode == "default":
+            if args.snapshots is not None and mode == "default" and repeat == 0:
                 cmd += ["--snapshot-file", str(args.snapshots / f"train-{variant}.pickle.gz")]
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -186,23 +223,13 @@ def main() -> int:
                 row = {"mode": mode, "variant": variant, "error": (p.stderr or p.stdout)[-6000:]}
             else:
                 row = json.loads(line[len("RESULT "):])
+            row["repeat"] = repeat
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_times", "allocator_stats")}), flush=True)
     with open(args.out / "train.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    summary = []
-    for variant in args.variants.split(","):
-        by = {r["mode"]: r for r in rows if r["variant"] == variant and "error" not in r}
-        base = by.get("default")
-        for mode, r in by.items():
-            s = {"variant": variant, "mode": mode, "peak_reserved_GiB": r["peak_reserved"] / 2**30,
-                 "peak_allocated_GiB": r["peak_allocated"] / 2**30, "utilization": r["utilization"],
-                 "median_step_s": r["median_step_s"]}
-            if base:
-                s["step_time_vs_default"] = r["median_step_s"] / base["median_step_s"]
-                s["max_loss_diff_vs_default"] = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
-            summary.append(s)
+    summary = summarize(rows, args.variants.split(","), args.modes.split(","), args.rounds, args.steps_per_round)
     (args.out / "summary.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": summary}, indent=1))
     for s in summary:
         print(json.dumps(s))

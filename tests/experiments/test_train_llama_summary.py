@@ -1,0 +1,45 @@
+"""The training script's summary, on made-up rows (the runs themselves need a GPU)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "train_llama_gpu.py"
+
+
+@pytest.fixture(scope="module")
+def train():
+    spec = importlib.util.spec_from_file_location("train_llama_gpu", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(mode, repeat, times, peak, losses=(2.0, 1.0)):
+    return {"mode": mode, "variant": "lora", "repeat": repeat, "step_times": list(times), "losses": list(losses),
+            "median_step_s": sorted(times[2:])[len(times[2:]) // 2], "peak_reserved": peak,
+            "peak_allocated": peak // 2, "utilization": 0.5}
+
+
+def test_repeats_pool_their_steady_steps_and_keep_the_highest_peak(train):
+    # two rounds of two steps: the first round (warm-up, 9.0 s) is left out of every median
+    rows = [_row("default", 0, [9.0, 9.0, 1.0, 1.0], 10),
+            _row("paged", 0, [9.0, 9.0, 2.0, 2.0], 6, losses=(2.0, 1.25)),
+            _row("default", 1, [9.0, 9.0, 1.0, 1.0], 10),
+            _row("paged", 1, [9.0, 9.0, 1.0, 1.0], 8),
+            {"mode": "paged", "variant": "lora", "repeat": 2, "error": "crashed"}]
+    out = {s["mode"]: s for s in train.summarize(rows, ["lora"], ["default", "paged"], rounds=2, steps_per_round=2)}
+    assert out["default"]["median_step_s"] == 1.0 and out["default"]["step_time_vs_default"] == 1.0
+    # pooled [2, 2, 1, 1]: median 1.5, not the median of the per-repeat medians' first
+    assert out["paged"]["median_step_s"] == 1.5 and out["paged"]["step_time_vs_default"] == 1.5
+    assert out["paged"]["repeats"] == 2  # the failed run is not counted
+    assert out["paged"]["peak_reserved_GiB"] == 8 / 2**30
+    assert out["paged"]["max_loss_diff_vs_default"] == 0.25
+    assert out["paged"]["median_step_s_per_repeat"] == [2.0, 1.0]
+
+
+def test_a_mode_without_a_default_run_has_no_ratio(train):
+    rows = [_row("paged", 0, [9.0, 9.0, 2.0, 2.0], 6)]
+    (s,) = train.summarize(rows, ["lora"], ["default", "paged"], rounds=2, steps_per_round=2)
+    assert s["mode"] == "paged" and "step_time_vs_default" not in s
