@@ -27,6 +27,8 @@ ROWS = {
     "paged, reclaim batch 1": ("paged", {"reclaim_batch": 1}),
     "paged, reclaim batch 64": ("paged", {"reclaim_batch": 64}),
     "paged, clock reclaim": ("paged", {"reclaim": "clock"}),
+    "paged, mapped placement": ("paged", {"placement": "mapped"}),
+    "paged, mapped placement, slack 128": ("paged", {"placement": "mapped", "slack_pages": 128}),
     "paged, slack 64 pages": ("paged", {"slack_pages": 64}),
     "paged, slack 128 pages": ("paged", {"slack_pages": 128}),
     "paged, slack 256 pages": ("paged", {"slack_pages": 256}),
