@@ -81,7 +81,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
     opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator(device="cpu").manual_seed(1)
     plan = shapes(steps_per_round)
-    losses, times, alloc_s, calls = [], [], [], []
+    losses, times, alloc_s, calls, searched = [], [], [], [], []
     for r in range(rounds):
         for bs, seq in plan:
             ids = torch.randint(0, VOCAB, (bs, seq), generator=gen).cuda()
@@ -89,6 +89,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
             if handle is not None:
                 b = handle.bridge(0)
                 s0, c0 = b.seconds, sum(b.allocator.driver.calls.values())
+                v0 = path_counts(b.allocator).get("blocks_searched", 0)
             t0 = time.perf_counter()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 if variant == "offload":
@@ -105,6 +106,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
             if handle is not None:
                 alloc_s.append(b.seconds - s0)
                 calls.append(sum(b.allocator.driver.calls.values()) - c0)
+                searched.append(path_counts(b.allocator).get("blocks_searched", 0) - v0)
     if snapshot is not None:
         import gzip
         import pickle
@@ -117,6 +119,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
         peak_alloc, peak_res = handle.max_memory_allocated(), handle.max_memory_reserved()
         extra = {"allocator_stats": handle.memory_stats(), "failed_mallocs": handle.bridge(0).failed_mallocs,
                  "allocator_seconds_per_step": alloc_s, "driver_calls_per_step": calls,
+                 "blocks_searched_per_step": searched,
                  "paths": path_counts(handle.bridge(0).allocator)}
     else:
         peak_alloc, peak_res = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
