@@ -59,16 +59,17 @@ def _after_fault(name, d, a, op, n, err, kept) -> None:
     assert d.is_empty(), f"{name}: after a fault on {op} #{n}: {d.leak_report()}"
 
 
-def _calls_reached(name, events):
-    a = make_allocator(name, SimulatedDriver())
+def _calls_reached(name, events, **options):
+    a = make_allocator(name, SimulatedDriver(), **options)
     assert _replay(a, events, after_each=a.empty_cache if name != "native" else None) is None
     assert a.driver.is_empty()
     return dict(a.driver.calls)
 
 
-@pytest.mark.parametrize("name", ["vms", "gmlake", "native", "paged"])
-def test_every_nth_call_of_every_operation(name, events):
-    reached = _calls_reached(name, events)
+@pytest.mark.parametrize("name, options", [("vms", {}), ("gmlake", {}), ("native", {}), ("paged", {}),
+                                           ("paged", {"aliases": True})])
+def test_every_nth_call_of_every_operation(name, options, events):
+    reached = _calls_reached(name, events, **options)
     ops = [op for op in OPERATIONS if reached.get(op)]
     assert {"create", "reserve", "map", "set_access", "unmap", "release", "free_address"} <= set(ops)
     tried = 0
@@ -80,7 +81,7 @@ def test_every_nth_call_of_every_operation(name, events):
         for n in ns:
             d = SimulatedDriver()
             d.fail_on(op, n)
-            a = make_allocator(name, d)
+            a = make_allocator(name, d, **options)
             err = _replay(a, events, after_each=a.empty_cache if name != "native" else None)
             assert d.calls[op] >= n, f"{op} #{n} was not reached"
             _after_fault(name, d, a, op, n, err, _kept(a))

@@ -37,7 +37,7 @@ from vmstoolkit.pools.paged import heap as H
 from vmstoolkit.pools.paged.allocator import SMALL_SIZE, PagedAllocator
 
 MAX_DEVICES = 16
-N_HEAP_ARRAYS = 14
+N_HEAP_ARRAYS = 15
 # one row per device: ready, g, bases and sizes, unit shifts, then (address, length) of each heap array
 R_READY, R_G, R_G_LEN = 0, 1, 2
 R_LARGE_BASE, R_LARGE_BYTES, R_SMALL_BASE, R_SMALL_BYTES, R_LARGE_SHIFT, R_SMALL_SHIFT = 3, 4, 5, 6, 7, 8
@@ -285,7 +285,7 @@ def _compile(slow_alloc, slow_map, slow_free):
                 carray(p8(t[b + 6]), t[b + 7]), carray(p32(t[b + 8]), t[b + 9]), carray(p32(t[b + 10]), t[b + 11]),
                 carray(p32(t[b + 12]), t[b + 13]), carray(p32(t[b + 14]), t[b + 15]), carray(p32(t[b + 16]), t[b + 17]),
                 carray(p32(t[b + 18]), t[b + 19]), carray(p32(t[b + 20]), t[b + 21]), carray(pu64(t[b + 22]), t[b + 23]),
-                carray(p32(t[b + 24]), t[b + 25]), carray(p32(t[b + 26]), t[b + 27]))
+                carray(p32(t[b + 24]), t[b + 25]), carray(p32(t[b + 26]), t[b + 27]), carray(p32(t[b + 28]), t[b + 29]))
 
     heap_alloc, heap_free = H.heap_alloc, H.heap_free
     counted_alloc, counted_free = count_alloc, count_free

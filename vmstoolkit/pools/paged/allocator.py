@@ -52,7 +52,8 @@ class PagedAllocator(Allocator):
 
     def __init__(self, driver: VMMDriver, *, va_bytes: int | None = None, small_va_bytes: int = 4 * GiB,
                  slack_pages: int = 0, reclaim: str = "top-down", reclaim_batch: int = 16,
-                 placement: str = "mapped", large_unit: int | None = None, max_blocks: int = 1 << 18) -> None:
+                 placement: str = "mapped", aliases: bool = False, large_unit: int | None = None,
+                 max_blocks: int = 1 << 18) -> None:
         super().__init__(driver)
         page = driver.granularity
         if page & (page - 1) or page < (1 << SMALL_UNIT_SHIFT):
@@ -75,13 +76,19 @@ class PagedAllocator(Allocator):
         if large_unit & (large_unit - 1) or not (1 << SMALL_UNIT_SHIFT) <= large_unit <= page:
             raise ConfigError(f"paged: large_unit must be a power of two from 512 B to the page ({page}), got {large_unit}")
         large_shift = large_unit.bit_length() - 1
-        self.large = H.Heap(va_bytes >> large_shift, large_shift, self.page_shift, buckets=4096, max_blocks=max_blocks)
+        max_chunks = va_bytes // page + small_va_bytes // page
+        self.aliases = aliases
+        self.chunk_live = np.zeros(max_chunks, np.int32)  # per chunk id: live pages mapping it (0 or 1)
+        self.nmaps = np.zeros(max_chunks, np.int32)  # per chunk id: pages mapping it (more than one: aliases)
+        self._lend_hand = np.zeros(1, np.int64)
+        self.large = H.Heap(va_bytes >> large_shift, large_shift, self.page_shift, buckets=4096, max_blocks=max_blocks,
+                            chunk_live=self.chunk_live)
         self.small = H.Heap(small_va_bytes >> SMALL_UNIT_SHIFT, SMALL_UNIT_SHIFT, self.page_shift,
-                            buckets=(SMALL_SIZE >> SMALL_UNIT_SHIFT) + 1, max_blocks=max_blocks)
+                            buckets=(SMALL_SIZE >> SMALL_UNIT_SHIFT) + 1, max_blocks=max_blocks,
+                            chunk_live=self.chunk_live)
         for h in (self.large, self.small):
             h.meta[H.M_CLOCK_ORDER] = reclaim == "clock"
         self.large.meta[H.M_PLACE_MAPPED] = placement == "mapped"
-        max_chunks = va_bytes // page + small_va_bytes // page
         self.g = np.zeros(16, np.int64)  # heap.G_* slots, then the PyTorch hook's counters
         self.g[H.G_SLACK] = slack_pages
         self.chunk_stack = np.zeros(max_chunks, np.int32)
@@ -95,7 +102,7 @@ class PagedAllocator(Allocator):
         # how the Python path served requests ("fast": pages already mapped); the PyTorch hook's
         # compiled fast path counts in g (native_torch.G_ALLOCS) instead
         self.counts = {"fast": 0, "mapped": 0, "pages_mapped": 0, "pages_reclaimed": 0, "chunks_created": 0,
-                       "reclaims": 0}
+                       "reclaims": 0, "chunks_lent": 0, "pages_remapped": 0}
 
     def reserve_ranges(self) -> None:
         """Reserve both heaps' virtual ranges (once; both or neither)."""
@@ -164,14 +171,22 @@ class PagedAllocator(Allocator):
         """Give the pages of the committed block at unit ``start`` their chunks; on failure the
         block is freed again and nothing stays mapped for it."""
         first, last = H.pages_of(heap.meta, start, n)
-        need = int(np.count_nonzero(heap.page_chunk[first:last] == H.NONE))
+        need = 0
         try:
+            # pages whose chunk is live through another mapping (an alias) lose it first
+            kc = H.conflicts(heap.page_chunk, heap.page_used, self.chunk_live, self.nmaps, self.chunk_stack, self.g,
+                             first, last, self._out_pages, self._out_chunks)
+            if kc:
+                self._unmap_detached(heap, kc)
+                self.counts["pages_remapped"] += kc
+            need = int(np.count_nonzero(heap.page_chunk[first:last] == H.NONE))
             self._provide_chunks(need)
-            k = H.assign_chunks(heap.meta, heap.page_chunk, self.chunk_stack, self.g, first, last,
-                                self._out_pages, self._out_chunks)
+            k = H.assign_chunks(heap.meta, heap.page_chunk, heap.page_used, self.chunk_live, self.nmaps,
+                                self.chunk_stack, self.g, first, last, self._out_pages, self._out_chunks)
             assert k == need, "paged: chunks provided but not assigned"
             self._map_pages(heap, k)
         except (DriverError, OutOfMemoryError) as e:
+            H.settle_stack(self.nmaps, self.chunk_stack, self.g)
             H.heap_free(*heap.arrays(), self.g, start)
             if isinstance(e, DriverOutOfMemoryError):
                 raise OutOfMemoryError(
@@ -179,6 +194,7 @@ class PagedAllocator(Allocator):
                     f"{self.driver.physical_bytes} bytes in use: {e}", requested=size,
                     reserved=self.driver.physical_bytes, capacity=self.driver.capacity) from None
             raise
+        H.settle_stack(self.nmaps, self.chunk_stack, self.g)
         self.counts["mapped"] += 1
         self.counts["pages_mapped"] += k
 
@@ -191,7 +207,12 @@ class PagedAllocator(Allocator):
         cap = max(int(g[H.G_PEAK_LIVE_PAGES]), int(g[H.G_LIVE_PAGES])) + int(g[H.G_SLACK])
         within = min(short, max(0, cap - int(g[H.G_TOTAL_CHUNKS])))
         short -= self._create(within, must=False)
-        if short > 0:
+        if short > 0 and self.aliases:
+            # chunks mapped only where nothing is live: map them here too, unmapping nothing
+            lent = H.lend_idle(self.chunk_live, self.nmaps, len(self.handles), self.chunk_stack, g, self._lend_hand, short)
+            self.counts["chunks_lent"] += lent
+            short -= lent
+        if short > 0 and not self.aliases:
             # at least reclaim_batch pages per synchronize: the spare chunks serve the next
             # requests without another one (16: 2-4x fewer syncs on the traces for 0-6% more
             # driver time, experiments/results/paged/)
@@ -221,35 +242,42 @@ class PagedAllocator(Allocator):
         return made
 
     def _reclaim(self, want: int) -> int:
-        """Unmap up to ``want`` pages no live block uses; their chunks become free."""
-        got = 0
+        """Unmap up to ``want`` pages no live block uses; returns how many chunks that frees
+        (fewer than the pages when some were aliases of chunks still mapped elsewhere)."""
+        g = self.g
+        before = int(g[H.G_FREE_CHUNKS])
+        pages = 0
         synced = False
         for heap in (self.large, self.small):
-            if got == want:
+            if pages == want:
                 break
             if not synced:
                 # Work already queued may still use a free block's pages (PyTorch frees when the
                 # last reference goes, not when the stream is done): wait for it before unmapping.
                 self.driver.synchronize()
                 synced = True
-            k = H.reclaim(heap.meta, heap.page_chunk, heap.page_used, self.chunk_stack, self.g, want - got,
-                          self._out_pages)
-            pages = self._out_pages[:k].tolist()
-            for i, p in enumerate(pages):
-                try:
-                    self.driver.unmap(heap.base + (p << self.page_shift), self.page)
-                except DriverError:
-                    # pages i.. stay mapped: take their chunks back off the stack (pushed last, in order)
-                    for q in reversed(pages[i:]):
-                        self.g[H.G_FREE_CHUNKS] -= 1
-                        heap.page_chunk[q] = self.chunk_stack[self.g[H.G_FREE_CHUNKS]]
-                        heap.meta[H.M_TOP] = max(int(heap.meta[H.M_TOP]), q + 1)
-                    self.counts["pages_reclaimed"] += got + i
-                    raise
-            got += k
-        self.counts["pages_reclaimed"] += got
+            k = H.reclaim(heap.meta, heap.page_chunk, heap.page_used, self.nmaps, self.chunk_stack, g, want - pages,
+                          self._out_pages, self._out_chunks)
+            self._unmap_detached(heap, k, synced=True)
+            pages += k
+        self.counts["pages_reclaimed"] += pages
         self.counts["reclaims"] += 1
-        return got
+        return int(g[H.G_FREE_CHUNKS]) - before
+
+    def _unmap_detached(self, heap: H.Heap, k: int, synced: bool = False) -> None:
+        """Unmap the ``k`` pages whose chunks :func:`~heap.reclaim` or :func:`~heap.conflicts`
+        just took off (after a synchronize unless ``synced``); on a driver error the pages not yet
+        unmapped get their chunks back and the error is raised."""
+        pages, chunks = self._out_pages[:k].copy(), self._out_chunks[:k].copy()
+        if k and not synced:
+            self.driver.synchronize()  # queued work may still use these pages (see _reclaim)
+        for i, p in enumerate(pages.tolist()):
+            try:
+                self.driver.unmap(heap.base + (p << self.page_shift), self.page)
+            except DriverError:
+                H.reattach(heap.meta, heap.page_chunk, heap.page_used, self.chunk_live, self.nmaps, self.chunk_stack,
+                           self.g, pages, chunks, i, k)
+                raise
 
     def _map_pages(self, heap: H.Heap, k: int) -> None:
         """Map the ``k`` pages just assigned, then grant access run by run; undo on failure."""
@@ -272,7 +300,7 @@ class PagedAllocator(Allocator):
                     self.driver.unmap(heap.base + (p << self.page_shift), self.page)
                 except DriverError:
                     pass
-            H.unassign(heap.page_chunk, self.chunk_stack, self.g, pages, k)
+            H.unassign(heap.page_chunk, heap.page_used, self.chunk_live, self.nmaps, self.chunk_stack, self.g, pages, k)
             raise
 
     # -- caches ----------------------------------------------------------------------------
@@ -304,8 +332,21 @@ class PagedAllocator(Allocator):
         for name, h in (("large", self.large), ("small", self.small)):
             code = H.check_heap(*h.arrays())
             assert code == 0, f"paged: {name} heap invariant {code} broken"
-        mapped = sum(int(np.count_nonzero(h.page_chunk != H.NONE)) for h in (self.large, self.small))
         g = self.g
+        size = self.nmaps.shape[0]
+        maps = np.zeros(size, np.int64)
+        live = np.zeros(size, np.int64)
+        for h in (self.large, self.small):
+            has = h.page_chunk != H.NONE
+            maps += np.bincount(h.page_chunk[has], minlength=size)
+            live += np.bincount(h.page_chunk[has & (h.page_used > 0)], minlength=size)
+        assert np.array_equal(maps, self.nmaps), "paged: pages mapping each chunk"
+        assert np.array_equal(live, self.chunk_live), "paged: live pages mapping each chunk"
+        assert live.max(initial=0) <= 1, "paged: two live pages share a chunk"
+        assert self.aliases or maps.max(initial=0) <= 1, "paged: a chunk mapped twice without aliases"
+        stack = self.chunk_stack[:g[H.G_FREE_CHUNKS]]
+        assert not np.any(self.nmaps[stack]), "paged: a chunk on the free stack is mapped"
+        mapped = int(np.count_nonzero(self.nmaps))
         assert mapped + g[H.G_FREE_CHUNKS] == g[H.G_TOTAL_CHUNKS], "paged: chunks mapped + free != chunks held"
         assert g[H.G_TOTAL_CHUNKS] * self.page == self.driver.physical_bytes, "paged: chunks held != driver's physical bytes"
         live_pages = sum(int(np.count_nonzero(h.page_used)) for h in (self.large, self.small))

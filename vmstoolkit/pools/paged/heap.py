@@ -36,7 +36,8 @@ NONE = -1
 class Heap:
     """The arrays of one heap (see the module docstring); ``units`` of ``1 << unit_shift`` bytes."""
 
-    def __init__(self, units: int, unit_shift: int, page_shift: int, buckets: int, max_blocks: int) -> None:
+    def __init__(self, units: int, unit_shift: int, page_shift: int, buckets: int, max_blocks: int,
+                 chunk_live: np.ndarray) -> None:
         q = 1 << (page_shift - unit_shift)
         if units % q:
             raise ValueError(f"a heap of {units} units does not hold whole pages of {q} units")
@@ -56,13 +57,14 @@ class Heap:
         self.bits = np.zeros((buckets + 1 + 63) // 64, np.uint64)
         self.page_chunk = np.full(units // q, NONE, np.int32)
         self.page_used = np.zeros(units // q, np.int32)
+        self.chunk_live = chunk_live  # per chunk: live pages mapping it (shared by a device's heaps)
         self.meta[M_REC_TOP] = max_blocks
         init_heap(*self.arrays())
 
     def arrays(self) -> tuple:
         return (self.meta, self.b_start, self.b_len, self.b_free, self.b_prev, self.b_next, self.b_fprev,
                 self.b_fnext, self.rec_stack, self.block_at, self.bucket_head, self.bits, self.page_chunk,
-                self.page_used)
+                self.page_used, self.chunk_live)
 
 
 @njit(cache=True)
@@ -136,7 +138,7 @@ def _split(meta, b_start, b_len, b_free, b_prev, b_next, rec_stack, block_at, bl
 
 @njit(cache=True)
 def init_heap(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
-              bucket_head, bits, page_chunk, page_used):
+              bucket_head, bits, page_chunk, page_used, chunk_live):
     """One free block spanning the whole heap."""
     blk = _new_record(meta, rec_stack)
     b_start[blk] = 0
@@ -185,15 +187,15 @@ def _ctz(word):
 
 @njit(cache=True)
 def heap_alloc(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
-               bucket_head, bits, page_chunk, page_used, g, n):
+               bucket_head, bits, page_chunk, page_used, chunk_live, g, n):
     """Commit a block of ``n`` units. Returns ``(start unit, pages without a chunk)``, or
     ``(-1, 0)`` when no free block is large enough (or no block record is left)."""
     blk = _find_fit(meta, b_len, b_fnext, bucket_head, bits, n)
     if blk == NONE:
         return -1, 0
-    if meta[M_PLACE_MAPPED] == 1 and meta[M_Q] == 1 and _missing(page_chunk, b_start[blk], n) > 0:
+    if meta[M_PLACE_MAPPED] == 1 and meta[M_Q] == 1 and _missing(page_chunk, chunk_live, b_start[blk], n) > 0:
         blk = _place_mapped(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
-                            bucket_head, bits, page_chunk, blk, n)
+                            bucket_head, bits, page_chunk, chunk_live, blk, n)
     if b_len[blk] > n:
         _pop_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, blk)
         rest = _split(meta, b_start, b_len, b_free, b_prev, b_next, rec_stack, block_at, blk, n)
@@ -213,10 +215,15 @@ def heap_alloc(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, r
     while u < end:
         p = u // q
         nxt = min(end, (p + 1) * q)
+        c = page_chunk[p]
         if page_used[p] == 0:
             g[G_LIVE_PAGES] += 1
+            if c != NONE:
+                chunk_live[c] += 1
+                if chunk_live[c] > 1:  # its chunk is live through another mapping: remapped by the caller
+                    missing += 1
         page_used[p] += nxt - u
-        if page_chunk[p] == NONE:
+        if c == NONE:
             missing += 1
         u = nxt
     if g[G_LIVE_PAGES] > g[G_PEAK_LIVE_PAGES]:
@@ -224,19 +231,31 @@ def heap_alloc(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, r
     return start, missing
 
 
+CONFLICT_COST = 4  # a page whose chunk is live elsewhere: a synchronize and an unmap before the map
+
+
 @njit(cache=True)
-def _missing(page_chunk, first, n):
-    """Pages without a chunk among the ``n`` from ``first`` (whole-page units)."""
+def _cost(page_chunk, chunk_live, p):
+    """Driver work to make page ``p`` usable by a new block: 0 when its chunk is idle, 1 when it
+    has none (map one), ``CONFLICT_COST`` when its chunk is live through another mapping."""
+    c = page_chunk[p]
+    if c == NONE:
+        return 1
+    return 0 if chunk_live[c] == 0 else CONFLICT_COST
+
+
+@njit(cache=True)
+def _missing(page_chunk, chunk_live, first, n):
+    """The driver work (:func:`_cost`) the ``n`` pages from ``first`` need (whole-page units)."""
     k = 0
     for p in range(first, first + n):
-        if page_chunk[p] == NONE:
-            k += 1
+        k += _cost(page_chunk, chunk_live, p)
     return k
 
 
 @njit(cache=True)
 def _place_mapped(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
-                  bucket_head, bits, page_chunk, blk, n):
+                  bucket_head, bits, page_chunk, chunk_live, blk, n):
     """The free block to carve ``n`` pages from when the best fit ``blk`` would need chunks: the
     lowest window of ``n`` pages inside a free block whose pages all have chunks, else the window
     with the fewest pages without one (then the smaller block), split off so that it starts a
@@ -245,7 +264,7 @@ def _place_mapped(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext
     that each missing page costs (whole-page units only)."""
     top = meta[M_TOP]
     meta[M_SCANS] += 1
-    best_missing = _missing(page_chunk, b_start[blk], n)
+    best_missing = _missing(page_chunk, chunk_live, b_start[blk], n)
     best, best_at = blk, b_start[blk]
     b = block_at[meta[M_LOW]]
     while b != NONE and b_free[b] == 0:  # the live bottom of the heap (weights, optimizer state)
@@ -255,12 +274,12 @@ def _place_mapped(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext
     while b != NONE and b_start[b] < top and best_missing > 0:
         if b_free[b] == 1 and b_len[b] >= n:
             s, e = b_start[b], b_start[b] + b_len[b]
-            miss = _missing(page_chunk, s, n)
+            miss = _missing(page_chunk, chunk_live, s, n)
             at = s
             m = miss
             w = s
             while m > 0 and w + n < e and w < top:  # slide the window one page at a time
-                m += (1 if page_chunk[w + n] == NONE else 0) - (1 if page_chunk[w] == NONE else 0)
+                m += _cost(page_chunk, chunk_live, w + n) - _cost(page_chunk, chunk_live, w)
                 w += 1
                 if m < miss:
                     miss, at = m, w
@@ -281,7 +300,7 @@ def _place_mapped(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext
 
 @njit(cache=True)
 def heap_free(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
-              bucket_head, bits, page_chunk, page_used, g, start):
+              bucket_head, bits, page_chunk, page_used, chunk_live, g, start):
     """Free the live block at unit ``start``; returns its length, or -1 if none is live there.
     Its pages keep their chunks (reclaimed only when memory is needed elsewhere)."""
     if start < 0 or start >= meta[M_UNITS]:
@@ -299,6 +318,8 @@ def heap_free(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, re
         page_used[p] -= nxt - u
         if page_used[p] == 0:
             g[G_LIVE_PAGES] -= 1
+            if page_chunk[p] != NONE:
+                chunk_live[page_chunk[p]] -= 1
         u = nxt
     meta[M_LIVE_UNITS] -= n
     b_free[blk] = 1
@@ -335,41 +356,63 @@ def pages_of(meta, start, n):
 
 
 @njit(cache=True)
-def _take(page_chunk, page_used, chunk_stack, g, p, out_pages, got):
-    """Put page ``p``'s chunk on the stack if it has one and no live unit: 1 if taken, else 0."""
-    if page_chunk[p] == NONE or page_used[p] != 0:
-        return 0
-    chunk_stack[g[G_FREE_CHUNKS]] = page_chunk[p]
-    g[G_FREE_CHUNKS] += 1
+def _detach(page_chunk, nmaps, chunk_stack, g, p, out_pages, out_chunks, got):
+    """Take page ``p``'s chunk off it (the caller unmaps it); the chunk goes onto the stack once
+    no page maps it. Records the page and chunk at ``got``."""
+    c = page_chunk[p]
     page_chunk[p] = NONE
+    nmaps[c] -= 1
+    if nmaps[c] == 0:
+        chunk_stack[g[G_FREE_CHUNKS]] = c
+        g[G_FREE_CHUNKS] += 1
     out_pages[got] = p
-    return 1
+    out_chunks[got] = c
 
 
 @njit(cache=True)
-def reclaim(meta, page_chunk, page_used, chunk_stack, g, want, out_pages):
-    """Take the chunks of up to ``want`` pages that no live block uses; returns how many, their
-    page numbers in ``out_pages`` (the caller unmaps them). The chunks go onto ``chunk_stack``.
+def reattach(meta, page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, pages, chunks, i, k):
+    """Undo :func:`_detach` for entries ``k-1`` down to ``i`` (their unmapping failed)."""
+    for j in range(k - 1, i - 1, -1):
+        p, c = pages[j], chunks[j]
+        if nmaps[c] == 0:  # pushed when this page let it go: the top of the stack
+            g[G_FREE_CHUNKS] -= 1
+        nmaps[c] += 1
+        if page_used[p] > 0:
+            chunk_live[c] += 1
+        page_chunk[p] = c
+        if p + 1 > meta[M_TOP]:
+            meta[M_TOP] = p + 1
+
+
+@njit(cache=True)
+def reclaim(meta, page_chunk, page_used, nmaps, chunk_stack, g, want, out_pages, out_chunks):
+    """Take the chunks off up to ``want`` pages that no live block uses; returns how many pages,
+    listed in ``out_pages``/``out_chunks`` (the caller unmaps them). A chunk goes onto
+    ``chunk_stack`` when its last page lets it go.
 
     Highest address first: best fit fills the low end of the heap, so the high pages are the
     ones least likely to be needed again soon. ``meta[M_CLOCK_ORDER] = 1`` sweeps like a clock
     instead (from where the last sweep stopped), for comparison: on the traces it remaps
     1.4-9.9x more in steady state (``experiments/paged_policy.py``)."""
     got = 0
+    npages = page_chunk.shape[0]
     if meta[M_CLOCK_ORDER] == 1:
-        npages = page_chunk.shape[0]
         hand = meta[M_CLOCK]
         for _ in range(npages):
             if got == want:
                 break
             p = hand
             hand = hand + 1 if hand + 1 < npages else 0
-            got += _take(page_chunk, page_used, chunk_stack, g, p, out_pages, got)
+            if page_chunk[p] != NONE and page_used[p] == 0:
+                _detach(page_chunk, nmaps, chunk_stack, g, p, out_pages, out_chunks, got)
+                got += 1
         meta[M_CLOCK] = hand
         return got
     p = meta[M_TOP] - 1
     while p >= 0 and got < want:
-        got += _take(page_chunk, page_used, chunk_stack, g, p, out_pages, got)
+        if page_chunk[p] != NONE and page_used[p] == 0:
+            _detach(page_chunk, nmaps, chunk_stack, g, p, out_pages, out_chunks, got)
+            got += 1
         p -= 1
     while meta[M_TOP] > 0 and page_chunk[meta[M_TOP] - 1] == NONE:
         meta[M_TOP] -= 1
@@ -377,7 +420,54 @@ def reclaim(meta, page_chunk, page_used, chunk_stack, g, want, out_pages):
 
 
 @njit(cache=True)
-def assign_chunks(meta, page_chunk, chunk_stack, g, first, last, out_pages, out_chunks):
+def conflicts(page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, first, last, out_pages, out_chunks):
+    """Pages in ``[first, last)`` that are live but whose chunk is live through another mapping
+    too: their chunks come off them (the caller unmaps them, then gives them others). Returns
+    how many, in ``out_pages``/``out_chunks``."""
+    k = 0
+    for p in range(first, last):
+        c = page_chunk[p]
+        if c != NONE and page_used[p] > 0 and chunk_live[c] > 1:
+            chunk_live[c] -= 1
+            _detach(page_chunk, nmaps, chunk_stack, g, p, out_pages, out_chunks, k)
+            k += 1
+    return k
+
+
+@njit(cache=True)
+def lend_idle(chunk_live, nmaps, nchunks, chunk_stack, g, hand, want):
+    """Push up to ``want`` chunks that are mapped only where no live block is (no page of theirs
+    is live) onto the stack, to be mapped once more where they are needed, as aliases: no
+    unmapping, so no wait for queued work. Sweeps chunk ids from ``hand[0]``; returns how many."""
+    got = 0
+    h = hand[0]
+    for _ in range(nchunks):
+        if got == want:
+            break
+        if nmaps[h] > 0 and chunk_live[h] == 0:  # mapped, so not on the stack already
+            chunk_stack[g[G_FREE_CHUNKS]] = h
+            g[G_FREE_CHUNKS] += 1
+            got += 1
+        h = h + 1 if h + 1 < nchunks else 0
+    hand[0] = h
+    return got
+
+
+@njit(cache=True)
+def settle_stack(nmaps, chunk_stack, g):
+    """Drop from the stack the chunks lent by :func:`lend_idle` but not used (they are still
+    mapped elsewhere): at rest the stack holds only chunks mapped nowhere."""
+    k = 0
+    for i in range(g[G_FREE_CHUNKS]):
+        c = chunk_stack[i]
+        if nmaps[c] == 0:
+            chunk_stack[k] = c
+            k += 1
+    g[G_FREE_CHUNKS] = k
+
+
+@njit(cache=True)
+def assign_chunks(meta, page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, first, last, out_pages, out_chunks):
     """Give every page in ``[first, last)`` without a chunk one from ``chunk_stack``; returns
     how many (pages and chunks in ``out_pages``/``out_chunks``), or -1 if the stack runs short
     (then nothing is assigned)."""
@@ -393,6 +483,9 @@ def assign_chunks(meta, page_chunk, chunk_stack, g, first, last, out_pages, out_
             g[G_FREE_CHUNKS] -= 1
             c = chunk_stack[g[G_FREE_CHUNKS]]
             page_chunk[p] = c
+            nmaps[c] += 1
+            if page_used[p] > 0:
+                chunk_live[c] += 1
             if p + 1 > meta[M_TOP]:
                 meta[M_TOP] = p + 1
             out_pages[k] = p
@@ -402,18 +495,22 @@ def assign_chunks(meta, page_chunk, chunk_stack, g, first, last, out_pages, out_
 
 
 @njit(cache=True)
-def unassign(page_chunk, chunk_stack, g, pages, k):
+def unassign(page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, pages, k):
     """Undo :func:`assign_chunks` for the first ``k`` of ``pages`` (a mapping that failed)."""
-    for i in range(k):
+    for i in range(k - 1, -1, -1):
         p = pages[i]
-        chunk_stack[g[G_FREE_CHUNKS]] = page_chunk[p]
+        c = page_chunk[p]
+        nmaps[c] -= 1
+        if page_used[p] > 0:
+            chunk_live[c] -= 1
+        chunk_stack[g[G_FREE_CHUNKS]] = c
         g[G_FREE_CHUNKS] += 1
         page_chunk[p] = NONE
 
 
 @njit(cache=True)
 def check_heap(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
-               bucket_head, bits, page_chunk, page_used):
+               bucket_head, bits, page_chunk, page_used, chunk_live):
     """0 when every invariant holds, else a code naming the first broken one."""
     units = meta[M_UNITS]
     q = meta[M_Q]
