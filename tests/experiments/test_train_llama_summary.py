@@ -43,3 +43,9 @@ def test_a_mode_without_a_default_run_has_no_ratio(train):
     rows = [_row("paged", 0, [9.0, 9.0, 2.0, 2.0], 6)]
     (s,) = train.summarize(rows, ["lora"], ["default", "paged"], rounds=2, steps_per_round=2)
     assert s["mode"] == "paged" and "step_time_vs_default" not in s
+
+
+def test_mode_options_parse_to_their_types(train):
+    assert train.vms_options("paged:aliases=True+slack_pages=64+placement=best-fit+reuse_max_ratio=1.5") == {
+        "aliases": True, "slack_pages": 64, "placement": "best-fit", "reuse_max_ratio": 1.5}
+    assert train.vms_options("vms") == {}
