@@ -9,10 +9,9 @@ remapped more and reserved more than whole pages, so whole pages stay the defaul
 freed block merges with its neighbours, as in a classic heap. Large blocks go first to free
 pages that still have chunks (``placement="mapped"``, the default: when the best fit would need
 new chunks, the lowest free window whose pages all have theirs, if any; ``"best-fit"`` ignores
-mappings). On the H200 training run's own allocation sequence this leaves the driver no work
-after each round's first, largest step, at the same peak (``experiments/results/train-h200/``
-run 14). What makes the heap cheap in
-physical memory is that a page gets a physical chunk only when a live block first needs it, and
+mappings). On the H200 training run's own allocation sequence this leaves the driver almost no
+work after each round's first, largest step, at the same peak (``experiments/results/train-h200/``
+run 14). What makes the heap cheap in physical memory is that a page gets a physical chunk only when a live block first needs it, and
 keeps it while free (a repeated pattern calls the driver no more) until chunks are short:
 
 - chunks come first from the free stack (pages reclaimed earlier);
@@ -20,7 +19,9 @@ keeps it while free (a repeated pattern calls the driver no more) until chunks a
   blocks have ever needed at once (plus ``slack_pages``): physical memory never exceeds that peak;
 - then the chunks of pages no live block uses, taken back (``cuMemUnmap``, after a
   ``cuCtxSynchronize``: queued work may still use a block PyTorch has freed), highest first,
-  at least ``reclaim_batch`` per synchronize;
+  at least ``reclaim_batch`` per synchronize; or, with ``aliases=True``, mapped once more where
+  they are needed and left mapped where they were (no unmap, so no synchronize; a page whose
+  chunk is then live through its other mapping is the only one remapped, after a synchronize);
 - only then new chunks beyond the peak (it is a new peak).
 
 Peak reserved is therefore the peak number of pages live blocks touch: the largest blocks
