@@ -1,7 +1,7 @@
 """Train the traces' LLaMA three ways on a GPU: PyTorch default, expandable_segments, vmstoolkit.
 
     python experiments/train_llama_gpu.py --out DIR [--variants full,ckpt,lora,offload]
-        [--modes default,expandable,vms] [--rounds 3] [--steps-per-round 6] [--snapshots DIR]
+        [--modes default,expandable,vms] [--rounds 3] [--steps-per-round 6] [--repeats 1] [--snapshots DIR]
 
 The model and workloads are those of ``vmstoolkit/data/traces``: a LLaMA-architecture causal LM
 (hidden 2048, 12 layers, 16 heads, FFN 5504, vocab 32000), random weights (seed 0), AdamW,
@@ -16,6 +16,9 @@ runs ``vms`` with those allocator options (``vms:max_cached_stitched=1024``); ``
 Per run: losses of every step, step times (median of the rounds after the first: steady
 state), peak allocated and peak reserved (PyTorch's counters; for vmstoolkit the allocator's,
 which are what its driver holds), and utilization. Output: ``DIR/train.jsonl`` and a summary.
+``--repeats N`` runs the modes N times, interleaved, and the summary compares the medians of
+all the repeats' steady steps together: LoRA's step time moves by up to ±10% from one process
+to the next (``experiments/results/train-h200/`` run 15).
 """
 
 from __future__ import annotations
