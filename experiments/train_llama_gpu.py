@@ -43,22 +43,13 @@ def shapes(n: int, seed: int = 0) -> list[tuple[int, int]]:
     return [(rng.choice([4, 6, 8]), rng.choice(range(256, 2049, 128))) for _ in range(n)]
 
 
-def _value(text: str):
-    """``True``/``False``, an int, a float, else the text itself (``placement=best-fit``)."""
-    if text in ("True", "False"):
-        return text == "True"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def vms_options(mode: str) -> dict:
-    """``vms:max_cached_stitched=1024+coalesce=False`` -> the allocator options (``vms``: none)."""
+    """``vms:max_cached_stitched=1024+coalesce=False`` -> the allocator options (``vms``: none),
+    converted as ``vmstoolkit replay --option`` converts them."""
+    from vmstoolkit.cli.common import parse_options
+
     _, _, spec = mode.partition(":")
-    return {key: _value(value) for key, _, value in (item.partition("=") for item in filter(None, spec.split("+")))}
+    return parse_options([item for item in spec.split("+") if item])
 
 
 def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot: Path | None = None) -> dict:
