@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 from pathlib import Path
 
-from vmstoolkit.pools.cuda_driver import CudaDriver
-from vmstoolkit.units import GiB
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vmstoolkit.pools.cuda_driver import CudaDriver  # noqa: E402
+from vmstoolkit.units import GiB  # noqa: E402
 
 
 class _Cai:
@@ -41,19 +41,9 @@ def time_kernels(torch, x) -> dict:
     narrow = torch.randint(0, min(n, GiB // 4), (1 << 24,), device="cuda", generator=g)
     kernels = {"gather_anywhere": lambda: x[wide].sum(), "sum_stream": lambda: x.sum(),
                "gather_1gib_window": lambda: x[narrow].sum()}
-    out = {}
-    for name, fn in kernels.items():
-        fn()
-        times = []
-        for _ in range(20):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        out[name + "_ms"] = statistics.median(times)
-    return out
+    from kernels_bench import time_torch  # CUDA-event timing, median (needs numba-cuda, as there)
+
+    return {name + "_ms": time_torch(fn, iters=20, warmup=1) for name, fn in kernels.items()}
 
 
 def vmm_layout(torch, d: CudaDriver, nbytes: int, how: str) -> dict:
