@@ -11,11 +11,17 @@ checkpointing); ``lora`` (peft r=16 on every projection + checkpointing); ``offl
 (activations saved to pinned CPU memory). Each (mode, variant) runs in its own process, since
 allocator settings are fixed at a process's first CUDA allocation. A mode ``vms:KEY=VALUE+...``
 runs ``vms`` with those allocator options (``vms:max_cached_stitched=1024``); ``paged`` runs the
-``paged`` allocator through its compiled hook (options the same way).
+``paged`` allocator through its compiled hook (options the same way). Reference modes, to see
+where a hooked allocator's time goes: ``async`` (PyTorch's ``backend:cudaMallocAsync``, the
+driver's stream-ordered pool, no hook) and ``hook-async`` / ``hook-async-gil`` (that pool behind
+PyTorch's hook, without and with the GIL the ``paged`` hook takes: ``null_hooks.py``).
 
 Per run: losses of every step, step times (median of the rounds after the first: steady
-state), peak allocated and peak reserved (PyTorch's counters; for vmstoolkit the allocator's,
-which are what its driver holds), and utilization. Output: ``DIR/train.jsonl`` and a summary.
+state), the host's share of each step (``enqueue_times``: until the host has queued the whole
+step, before it waits for the GPU; ``cpu_times``: CPU seconds of the process, every thread),
+peak allocated and peak reserved (PyTorch's counters; for vmstoolkit the allocator's, which are
+what its driver holds; for the reference hooks the driver pool's high-water marks), and
+utilization. Output: ``DIR/train.jsonl`` and a summary.
 ``--repeats N`` runs the modes N times, interleaved, and the summary compares the medians of
 all the repeats' steady steps together: LoRA's step time moves by up to ±10% from one process
 to the next (``experiments/results/train-h200/`` run 15).
@@ -53,11 +59,15 @@ def vms_options(mode: str) -> dict:
 
 
 def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot: Path | None = None) -> dict:
-    handle = None
+    handle = pool_hook = None
     if mode.split(":")[0] in ("vms", "paged"):
         from vmstoolkit.integrations.torch import install
 
         handle = install(mode.split(":")[0], **vms_options(mode))
+    elif mode in ("hook-async", "hook-async-gil"):  # reference hooks: where a hooked allocator's time goes
+        from null_hooks import AsyncPoolHook
+
+        pool_hook = AsyncPoolHook(take_gil=mode == "hook-async-gil").install()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -82,7 +92,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
     opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator(device="cpu").manual_seed(1)
     plan = shapes(steps_per_round)
-    losses, times, alloc_s, calls, searched = [], [], [], [], []
+    losses, times, enqueue, cpu, alloc_s, calls, searched = [], [], [], [], [], [], []
     for r in range(rounds):
         for bs, seq in plan:
             ids = torch.randint(0, VOCAB, (bs, seq), generator=gen).cuda()
@@ -91,7 +101,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
                 b = handle.bridge(0)
                 s0, c0 = b.seconds, sum(b.allocator.driver.calls.values())
                 v0 = path_counts(b.allocator).get("blocks_searched", 0)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 if variant == "offload":
                     with torch.autograd.graph.save_on_cpu(pin_memory=True):
@@ -101,8 +111,10 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            enqueue.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             losses.append(float(loss))
             if handle is not None:
                 alloc_s.append(b.seconds - s0)
@@ -122,11 +134,20 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
                  "allocator_seconds_per_step": alloc_s, "driver_calls_per_step": calls,
                  "blocks_searched_per_step": searched,
                  "paths": path_counts(handle.bridge(0).allocator)}
+    elif pool_hook is not None:
+        peak_alloc, peak_res = pool_hook.max_memory_allocated(), pool_hook.max_memory_reserved()
+        extra = {}
     else:
         peak_alloc, peak_res = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         extra = {"num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)}
+        if mode == "async":  # PyTorch's counters for this backend are its own; the pool's are what the driver holds
+            from null_hooks import DriverPool
+
+            pool = DriverPool()
+            extra["pool_peak_allocated"], extra["pool_peak_reserved"] = pool.max_memory_allocated(), pool.max_memory_reserved()
     steady = times[steps_per_round:] if rounds > 1 else times
     return {"mode": mode, "variant": variant, "losses": losses, "step_times": times,
+            "enqueue_times": enqueue, "cpu_times": cpu,
             "median_step_s": statistics.median(steady), "peak_allocated": peak_alloc, "peak_reserved": peak_res,
             "utilization": peak_alloc / peak_res if peak_res else None, "device": torch.cuda.get_device_name(), **extra}
 
@@ -174,6 +195,9 @@ def summarize(rows: list[dict], variants: list[str], modes: list[str], rounds: i
                  "peak_allocated_GiB": max(r["peak_allocated"] for r in rs) / 2**30,
                  "utilization": top["utilization"], "median_step_s": median[mode],
                  "median_step_s_per_repeat": [r["median_step_s"] for r in rs]}
+            for key, name in (("enqueue_times", "median_enqueue_s"), ("cpu_times", "median_cpu_s")):
+                if all(r.get(key) for r in rs):  # runs before these were recorded have none
+                    s[name] = statistics.median([t for r in rs for t in steady(dict(r, step_times=r[key]))])
             if base:
                 s["step_time_vs_default"] = median[mode] / median["default"]
                 s["max_loss_diff_vs_default"] = max(abs(a - b) for r in rs for a, b in zip(r["losses"], base[0]["losses"]))
@@ -217,6 +241,8 @@ def main() -> int:
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
             if mode == "expandable":
                 env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+            elif mode == "async":
+                env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
             cmd = [sys.executable, __file__, "--worker", mode, variant, "--rounds", str(args.rounds),
                    "--steps-per-round", str(args.steps_per_round)]
             if args.snapshots is not None and mode == "default" and repeat == 0:

@@ -49,3 +49,15 @@ def test_mode_options_parse_to_their_types(train):
     assert train.vms_options("paged:aliases=True+slack_pages=64+placement=best-fit+reuse_max_ratio=1.5") == {
         "aliases": True, "slack_pages": 64, "placement": "best-fit", "reuse_max_ratio": 1.5}
     assert train.vms_options("vms") == {}
+
+
+def test_host_times_are_pooled_like_step_times_when_every_repeat_has_them(train):
+    rows = [dict(_row("default", 0, [9.0, 9.0, 1.0, 1.0], 10), enqueue_times=[5.0, 5.0, 0.5, 0.7],
+                 cpu_times=[8.0, 8.0, 1.0, 3.0]),
+            dict(_row("default", 1, [9.0, 9.0, 1.0, 1.0], 10), enqueue_times=[5.0, 5.0, 0.9, 0.9],
+                 cpu_times=[8.0, 8.0, 1.0, 1.0]),
+            _row("paged", 0, [9.0, 9.0, 1.0, 1.0], 6)]  # an older row without them
+    out = {s["mode"]: s for s in train.summarize(rows, ["lora"], ["default", "paged"], rounds=2, steps_per_round=2)}
+    assert out["default"]["median_enqueue_s"] == 0.8  # of [0.5, 0.7, 0.9, 0.9]; warm-up left out
+    assert out["default"]["median_cpu_s"] == 1.0
+    assert "median_enqueue_s" not in out["paged"]
