@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import ctypes
 
-from numba import cfunc, types
+import numpy as np
+from numba import carray, cfunc, njit, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 from llvmlite import ir
@@ -32,26 +33,46 @@ from llvmlite import ir
 RELEASE_THRESHOLD = 2**64 - 1  # keep freed memory in the pool across synchronizations, as PyTorch does
 
 
-def _compile(alloc_addr: int, free_addr: int, take_gil: bool):
+CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+def _compile(alloc_addr: int, free_addr: int, take_gil: bool, set_ctx_addr: int, ctx: int, errors: np.ndarray):
     """``alloc(size, device, stream)`` and ``free(ptr, size, device, stream)`` cfuncs calling
     ``int alloc_fn(uint64_t *out, size_t size, void *stream)`` and ``int free_fn(uint64_t ptr,
-    void *stream)`` at the given addresses (``cuMemAllocAsync`` and ``cuMemFreeAsync``)."""
+    void *stream)`` at the given addresses (``cuMemAllocAsync`` and ``cuMemFreeAsync``).
+
+    PyTorch calls in from threads that may have no current context (its autograd threads: the
+    runtime binds one lazily, the driver does not): on ``CUDA_ERROR_INVALID_CONTEXT`` a call makes
+    ``ctx`` current with ``set_ctx_fn(ctx)`` (``cuCtxSetCurrent``) and retries once. Any other
+    failure is counted in ``errors`` ([failures, last error code]) and gives the null pointer."""
     from vmstoolkit.integrations.native_torch import _gil_ensure, _gil_release, _gil_this_state
 
-    i32, i64 = ir.IntType(32), ir.IntType(64)
+    i8p, i32, i64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
+
+    def call_retrying(builder, addr, fnty, args):
+        """``rc = fn(*args)``; on an invalid context, ``set_ctx(ctx)`` and ``rc = fn(*args)``."""
+        fn = builder.inttoptr(ir.Constant(i64, addr), fnty.as_pointer())
+        rc = cgutils.alloca_once(builder, i32)
+        builder.store(builder.call(fn, args), rc)
+        with builder.if_then(builder.icmp_signed("==", builder.load(rc), ir.Constant(i32, CUDA_ERROR_INVALID_CONTEXT)),
+                             likely=False):
+            set_ctx = builder.inttoptr(ir.Constant(i64, set_ctx_addr), ir.FunctionType(i32, [i8p]).as_pointer())
+            builder.call(set_ctx, [builder.inttoptr(ir.Constant(i64, ctx), i8p)])
+            builder.store(builder.call(fn, args), rc)
+        return builder.load(rc)
 
     @intrinsic
     def call_alloc(typingctx, size, stream):
-        sig = types.uint64(types.uint64, types.voidptr)
+        """The new pointer, or minus the error code (device pointers are below 2**63)."""
+        sig = types.int64(types.uint64, types.voidptr)
 
         def codegen(context, builder, signature, args):
-            fnty = ir.FunctionType(i32, [i64.as_pointer(), i64, ir.IntType(8).as_pointer()])
-            fn = builder.inttoptr(ir.Constant(i64, alloc_addr), fnty.as_pointer())
-            slot = cgutils.alloca_once(builder, i64)
-            builder.store(ir.Constant(i64, 0), slot)
-            rc = builder.call(fn, [slot, args[0], args[1]])
-            return builder.select(builder.icmp_signed("==", rc, ir.Constant(i32, 0)), builder.load(slot),
-                                  ir.Constant(i64, 0))
+            out = cgutils.alloca_once(builder, i64)
+            builder.store(ir.Constant(i64, 0), out)
+            rc = call_retrying(builder, alloc_addr, ir.FunctionType(i32, [i64.as_pointer(), i64, i8p]),
+                               [out, args[0], args[1]])
+            return builder.select(builder.icmp_signed("==", rc, ir.Constant(i32, 0)), builder.load(out),
+                                  builder.neg(builder.sext(rc, i64)))
 
         return sig, codegen
 
@@ -60,14 +81,42 @@ def _compile(alloc_addr: int, free_addr: int, take_gil: bool):
         sig = types.int32(types.uint64, types.voidptr)
 
         def codegen(context, builder, signature, args):
-            fnty = ir.FunctionType(i32, [i64, ir.IntType(8).as_pointer()])
-            fn = builder.inttoptr(ir.Constant(i64, free_addr), fnty.as_pointer())
-            return builder.call(fn, [args[0], args[1]])
+            return call_retrying(builder, free_addr, ir.FunctionType(i32, [i64, i8p]), [args[0], args[1]])
+
+        return sig, codegen
+
+    @intrinsic
+    def pointer(typingctx, addr):
+        sig = types.CPointer(types.uint64)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
 
         return sig, codegen
 
     this_state, ensure, release = _gil_this_state, _gil_ensure, _gil_release
     gil = take_gil
+    errors_addr = errors.ctypes.data
+
+    @njit(inline="always")
+    def failed(rc):
+        e = carray(pointer(errors_addr), 2)
+        e[0] += 1
+        e[1] = rc
+
+    @njit(inline="always")
+    def serve(size, stream):
+        r = call_alloc(size, stream)
+        if r < 0:
+            failed(-r)
+            return np.uint64(0)
+        return np.uint64(r)
+
+    @njit(inline="always")
+    def give_back(ptr, stream):
+        rc = call_free(ptr, stream)
+        if rc != 0:
+            failed(rc)
 
     @cfunc(types.uint64(types.uint64, types.int32, types.voidptr))
     def alloc(size, device, stream):
@@ -78,10 +127,10 @@ def _compile(alloc_addr: int, free_addr: int, take_gil: bool):
             st = ensure()
             if fresh:
                 ensure()
-            ptr = call_alloc(size, stream)
+            ptr = serve(size, stream)
             release(st)
             return ptr
-        return call_alloc(size, stream)
+        return serve(size, stream)
 
     @cfunc(types.void(types.uint64, types.uint64, types.int32, types.voidptr))
     def free(ptr, size, device, stream):
@@ -92,10 +141,10 @@ def _compile(alloc_addr: int, free_addr: int, take_gil: bool):
             st = ensure()
             if fresh:
                 ensure()
-            call_free(ptr, stream)
+            give_back(ptr, stream)
             release(st)
             return
-        call_free(ptr, stream)
+        give_back(ptr, stream)
 
     return alloc, free
 
@@ -110,9 +159,9 @@ class DriverPool:
         self._cu = cu
         (err,) = cu.cuInit(0)
         self._check(err, "cuInit")
-        err, dev = cu.cuDeviceGet(device)
+        err, self.dev = cu.cuDeviceGet(device)
         self._check(err, "cuDeviceGet")
-        err, self.pool = cu.cuDeviceGetDefaultMemPool(dev)
+        err, self.pool = cu.cuDeviceGetDefaultMemPool(self.dev)
         self._check(err, "cuDeviceGetDefaultMemPool")
         if keep:
             (err,) = cu.cuMemPoolSetAttribute(self.pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
@@ -141,9 +190,13 @@ class AsyncPoolHook(DriverPool):
 
     def __init__(self, take_gil: bool, device: int = 0) -> None:
         super().__init__(device, keep=True)
+        err, self.ctx = self._cu.cuDevicePrimaryCtxRetain(self.dev)  # PyTorch's context; held for the process
+        self._check(err, "cuDevicePrimaryCtxRetain")
         lib = ctypes.CDLL("libcuda.so.1")
         addr = lambda name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value  # noqa: E731
-        self.alloc_cfunc, self.free_cfunc = _compile(addr("cuMemAllocAsync"), addr("cuMemFreeAsync"), take_gil)
+        self.errors = np.zeros(2, np.uint64)  # [failed calls, last error code]
+        self.alloc_cfunc, self.free_cfunc = _compile(addr("cuMemAllocAsync"), addr("cuMemFreeAsync"), take_gil,
+                                                     addr("cuCtxSetCurrent"), int(self.ctx), self.errors)
 
     def install(self) -> "AsyncPoolHook":
         import torch

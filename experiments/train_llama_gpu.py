@@ -1,7 +1,8 @@
 """Train the traces' LLaMA three ways on a GPU: PyTorch default, expandable_segments, vmstoolkit.
 
     python experiments/train_llama_gpu.py --out DIR [--variants full,ckpt,lora,offload]
-        [--modes default,expandable,vms] [--rounds 3] [--steps-per-round 6] [--repeats 1] [--snapshots DIR]
+        [--modes default,expandable,vms] [--rounds 3] [--steps-per-round 6] [--repeats 1] [--cpus N]
+        [--snapshots DIR]
 
 The model and workloads are those of ``vmstoolkit/data/traces``: a LLaMA-architecture causal LM
 (hidden 2048, 12 layers, 16 heads, FFN 5504, vocab 32000), random weights (seed 0), AdamW,
@@ -47,6 +48,43 @@ def shapes(n: int, seed: int = 0) -> list[tuple[int, int]]:
 
     rng = random.Random(seed)
     return [(rng.choice([4, 6, 8]), rng.choice(range(256, 2049, 128))) for _ in range(n)]
+
+
+def pick_cpus(n: int, allowed: set[int], core_of: dict[int, tuple[int, int]], local: set[int]) -> list[int]:
+    """``n`` CPUs for every run, one per physical core (``core_of[cpu]``: (package, core)),
+    the GPU's own (``local``) first: the same CPUs in every mode, no two sharing a core."""
+    if n < 1:
+        raise ValueError(f"--cpus must be at least 1, got {n}")
+    seen, picked = set(), []
+    for cpu in sorted(allowed, key=lambda c: (c not in local, c)):
+        core = core_of.get(cpu, (cpu, cpu))
+        if core not in seen:
+            seen.add(core)
+            picked.append(cpu)
+    if len(picked) < n:
+        raise ValueError(f"--cpus {n}: only {len(picked)} physical cores are available ({sorted(allowed)})")
+    return sorted(picked[:n])
+
+
+def this_machines_cpus(n: int) -> list[int]:
+    """:func:`pick_cpus` on this machine (sysfs topology; the local CPUs of GPU 0 from nvidia-smi)."""
+    allowed = os.sched_getaffinity(0)
+    core_of, local = {}, set()
+    for cpu in allowed:
+        t = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            core_of[cpu] = (int((t / "physical_package_id").read_text()), int((t / "core_id").read_text()))
+        except (OSError, ValueError):
+            pass
+    try:
+        bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", "0"],
+                             capture_output=True, text=True, timeout=30).stdout.strip().lower()
+        for part in Path(f"/sys/bus/pci/devices/{bus[-12:]}/local_cpulist").read_text().strip().split(","):
+            lo, _, hi = part.partition("-")
+            local |= set(range(int(lo), int(hi or lo) + 1))
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return pick_cpus(n, allowed, core_of, local)
 
 
 def vms_options(mode: str) -> dict:
@@ -136,7 +174,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
                  "paths": path_counts(handle.bridge(0).allocator)}
     elif pool_hook is not None:
         peak_alloc, peak_res = pool_hook.max_memory_allocated(), pool_hook.max_memory_reserved()
-        extra = {}
+        extra = {"hook_errors": int(pool_hook.errors[0]), "hook_last_error": int(pool_hook.errors[1])}
     else:
         peak_alloc, peak_res = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         extra = {"num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)}
@@ -215,6 +253,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every mode this many times, interleaved (default, expandable, ..., default, ...), and "
                          "compare the medians of the pooled steady-state steps: drift on a shared host cancels out")
+    ap.add_argument("--cpus", type=int, default=0,
+                    help="run every process on this many CPUs, one per physical core, the GPU's own first, the same "
+                         "in every mode (a host-bound step's time depends on where it runs); 0: wherever the OS puts it")
     ap.add_argument("--worker", nargs=2, metavar=("MODE", "VARIANT"))
     ap.add_argument("--snapshots", type=Path, default=None,
                     help="also record PyTorch's memory history of the default-mode runs: DIR/train-VARIANT.pickle.gz "
@@ -234,6 +275,9 @@ def main() -> int:
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     args.out.mkdir(parents=True, exist_ok=True)
+    cpus = this_machines_cpus(args.cpus) if args.cpus else None
+    if cpus:
+        print(f"every run on CPUs {cpus}", flush=True)
     rows = []
     for variant, repeat, mode in ((v, k, m) for v in args.variants.split(",") for k in range(args.repeats)
                                   for m in args.modes.split(",")):
@@ -247,20 +291,24 @@ def main() -> int:
                    "--steps-per-round", str(args.steps_per_round)]
             if args.snapshots is not None and mode == "default" and repeat == 0:
                 cmd += ["--snapshot-file", str(args.snapshots / f"train-{variant}.pickle.gz")]
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                               preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
             line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
             if p.returncode != 0 or line is None:
                 row = {"mode": mode, "variant": variant, "error": (p.stderr or p.stdout)[-6000:]}
             else:
                 row = json.loads(line[len("RESULT "):])
             row["repeat"] = repeat
+            if cpus:
+                row["cpus"] = cpus
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_times", "allocator_stats")}), flush=True)
     with open(args.out / "train.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     summary = summarize(rows, args.variants.split(","), args.modes.split(","), args.rounds, args.steps_per_round)
-    (args.out / "summary.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": summary}, indent=1))
+    (args.out / "summary.json").write_text(json.dumps({"command": " ".join(sys.argv), "cpus": cpus, "rows": summary},
+                                                      indent=1))
     for s in summary:
         print(json.dumps(s))
     return 0

@@ -14,8 +14,9 @@ import null_hooks  # noqa: E402
 from vmstoolkit.integrations.callbacks import roundtrips_from_native_thread  # noqa: E402
 from vmstoolkit.integrations.torch import ALLOC_FN, FREE_FN  # noqa: E402
 
-# what the stand-ins saw: [allocations, frees, last size, last freed pointer, next pointer]
-SEEN = np.zeros(5, np.uint64)
+# what the stand-ins saw: [allocations, frees, last size, last freed pointer, next pointer, current context]
+SEEN = np.zeros(6, np.uint64)
+CTX = 77
 _seen = SEEN.ctypes.data
 
 
@@ -29,9 +30,18 @@ def ctypes_ptr(typingctx, addr):
     return sig, codegen
 
 
+@cfunc(types.int32(types.uint64))
+def fake_set_ctx(ctx):
+    s = carray(ctypes_ptr(_seen), 6)
+    s[5] = ctx
+    return 0
+
+
 @cfunc(types.int32(types.CPointer(types.uint64), types.uint64, types.voidptr))
 def fake_alloc(out, size, stream):
-    s = carray(ctypes_ptr(_seen), 5)
+    s = carray(ctypes_ptr(_seen), 6)
+    if s[5] != CTX:
+        return 201  # CUDA_ERROR_INVALID_CONTEXT: this thread has none
     if size > 1 << 40:
         return 2  # CUDA_ERROR_OUT_OF_MEMORY
     s[0] += 1
@@ -43,29 +53,41 @@ def fake_alloc(out, size, stream):
 
 @cfunc(types.int32(types.uint64, types.voidptr))
 def fake_free(ptr, stream):
-    s = carray(ctypes_ptr(_seen), 5)
+    s = carray(ctypes_ptr(_seen), 6)
+    if s[5] != CTX:
+        return 201
     s[1] += 1
     s[3] = ptr
     return 0
 
 
+ERRORS = np.zeros(2, np.uint64)
+
+
 @pytest.fixture(params=[False, True], ids=["no-gil", "gil"])
 def hook(request):
     SEEN[:] = 0
-    alloc, free = null_hooks._compile(fake_alloc.address, fake_free.address, take_gil=request.param)
+    ERRORS[:] = 0
+    alloc, free = null_hooks._compile(fake_alloc.address, fake_free.address, request.param,
+                                      fake_set_ctx.address, CTX, ERRORS)
     return ALLOC_FN(alloc.address), FREE_FN(free.address), alloc, free
 
 
 def test_requests_reach_the_pool_and_failures_give_null(hook):
     alloc, free, *_ = hook
-    p = alloc(1000, 0, None)
-    assert p == 4096 and SEEN[0] == 1 and SEEN[2] == 1000
+    p = alloc(1000, 0, None)  # no context yet: set, then served
+    assert p == 4096 and SEEN[0] == 1 and SEEN[2] == 1000 and SEEN[5] == CTX
     free(p, 1000, 0, None)
     assert SEEN[1] == 1 and SEEN[3] == 4096
     assert alloc(0, 0, None) is None and SEEN[0] == 1  # size 0: no call, null
-    assert alloc(1 << 41, 0, None) is None  # the pool's error: null, as PyTorch expects
+    assert ERRORS[0] == 0
+    assert alloc(1 << 41, 0, None) is None  # the pool's error: null, as PyTorch expects, and counted
+    assert ERRORS[0] == 1 and ERRORS[1] == 2
+    SEEN[5] = 0
+    free(4096, 1000, 0, None)  # the free retries after setting the context too
+    assert SEEN[1] == 2 and ERRORS[0] == 1
     free(None, 0, 0, None)
-    assert SEEN[1] == 1  # null: no call
+    assert SEEN[1] == 2  # null: no call
 
 
 def test_native_thread_round_trips(hook):

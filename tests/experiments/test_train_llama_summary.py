@@ -61,3 +61,13 @@ def test_host_times_are_pooled_like_step_times_when_every_repeat_has_them(train)
     assert out["default"]["median_enqueue_s"] == 0.8  # of [0.5, 0.7, 0.9, 0.9]; warm-up left out
     assert out["default"]["median_cpu_s"] == 1.0
     assert "median_enqueue_s" not in out["paged"]
+
+
+def test_cpus_one_per_core_the_gpus_own_first(train):
+    # 8 CPUs, 4 cores with two threads each (cpu c and c + 4 share a core); the GPU is local to 2, 3, 6, 7
+    core_of = {c: (0, c % 4) for c in range(8)}
+    assert train.pick_cpus(2, set(range(8)), core_of, {2, 3, 6, 7}) == [2, 3]
+    assert train.pick_cpus(3, set(range(8)), core_of, {2, 3, 6, 7}) == [0, 2, 3]  # then the others
+    assert train.pick_cpus(2, {1, 5, 6}, core_of, set()) == [1, 6]  # 5 shares 1's core
+    with pytest.raises(ValueError, match="only 4 physical cores"):
+        train.pick_cpus(5, set(range(8)), core_of, set())
