@@ -9,7 +9,8 @@
 # STEP is one of: tests (about 2 min), pools (about 3 min), train (about 8 min), train-paged
 # (the paged allocator's compiled hook, with aliases and 64 pages of slack, beside both PyTorch
 # modes, 5 rounds, about 8 min), confirm-lora (LoRA only, default and that paged setting
-# interleaved four times each: LoRA's step time moves between processes, about 5 min), hook-cost
+# interleaved four times each, on the same four cores: LoRA's step time moves between
+# processes, about 5 min), hook-cost
 # (LoRA: default, cudaMallocAsync natively and behind PyTorch's hook without and with the GIL,
 # and that paged setting, interleaved three times, each on the same four cores: where the
 # hook's time goes, about 8 min), snapshots (PyTorch's memory history of the training run's default mode, every
@@ -26,7 +27,7 @@ case "$step" in
   pools)   timeout 400 python3 experiments/gpu_pools.py --out "$out/pools" 2>&1 | tee "$out/pools.log" ;;
   train)   timeout 560 python3 experiments/train_llama_gpu.py --out "$out/train" --rounds 3 2>&1 | tee "$out/train.log" ;;
   train-paged) timeout 560 python3 experiments/train_llama_gpu.py --out "$out/train-paged" --modes default,expandable,paged:aliases=True+slack_pages=64 --rounds 5 2>&1 | tee "$out/train-paged.log" ;;
-  confirm-lora) timeout 560 python3 experiments/train_llama_gpu.py --out "$out/confirm-lora" --variants lora --modes default,paged:aliases=True+slack_pages=64 --repeats 4 --rounds 5 2>&1 | tee "$out/confirm-lora.log" ;;
+  confirm-lora) timeout 560 python3 experiments/train_llama_gpu.py --out "$out/confirm-lora" --variants lora --modes default,paged:aliases=True+slack_pages=64 --repeats 4 --rounds 5 --cpus 4 2>&1 | tee "$out/confirm-lora.log" ;;
   hook-cost) timeout 580 python3 experiments/train_llama_gpu.py --out "$out/hook-cost" --variants lora --modes default,async,hook-async,hook-async-gil,paged:aliases=True+slack_pages=64 --repeats 3 --rounds 5 --cpus 4 2>&1 | tee "$out/hook-cost.log" ;;
   snapshots) timeout 400 python3 experiments/train_llama_gpu.py --out "$out/snapshots" --modes default --rounds 3 --snapshots "$out/snapshots" 2>&1 | tee "$out/snapshots.log" ;;
   offload) OFFLOAD_REPEATS=2 timeout 560 python3 experiments/offload_gpu.py --out "$out/offload" 2>&1 | tee "$out/offload.log" ;;
