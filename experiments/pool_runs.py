@@ -1,0 +1,87 @@
+"""Pool the step times of several training calls, for a claim no single call can carry.
+
+    python experiments/pool_runs.py TRAIN_JSONL... --variant lora --mode paged:aliases=True+slack_pages=64
+        [--base default] [--steps-per-round 6] [--resamples 10000]
+
+Each ``train.jsonl`` is one call of ``train_llama_gpu.py``, its modes interleaved; every row is
+one process. A host-bound step (LoRA: ``enqueue_times`` ~ ``step_times``) moves by ±10% from
+one process to the next, so one call's few processes decide a 5% question badly. This pools the
+steady-state steps (each process's rounds after the first) of every process of ``--mode`` and
+of ``--base`` over all the calls, and prints:
+
+- per call, the ratio of the two pooled medians (the paired view: same machine, same hour);
+- over all calls, the ratio of the pooled medians, with a 95% interval from resampling whole
+  processes (a process, not a step, is the unit that varies), within each call;
+- the per-process medians, so the spread is in view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+
+def load(path: Path, variant: str, modes: tuple[str, ...], steps_per_round: int) -> dict[str, list[list[float]]]:
+    """``{mode: [steady steps of each process]}`` of one call (failed processes left out)."""
+    out: dict[str, list[list[float]]] = {m: [] for m in modes}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if r.get("variant") == variant and r.get("mode") in out and "error" not in r:
+            steady = r["step_times"][steps_per_round:]
+            out[r["mode"]].append(steady or r["step_times"])
+    return out
+
+
+def ratio(base: list[list[float]], mode: list[list[float]]) -> float:
+    return statistics.median(t for p in mode for t in p) / statistics.median(t for p in base for t in p)
+
+
+def pooled(calls: list[dict[str, list[list[float]]]], base: str, mode: str, resamples: int = 10000,
+           seed: int = 0) -> dict:
+    """The pooled ratio over ``calls`` and its 95% interval (processes resampled within each call)."""
+    use = [c for c in calls if c[base] and c[mode]]
+    if not use:
+        raise ValueError(f"no call ran both {base!r} and {mode!r}")
+    all_base = [p for c in use for p in c[base]]
+    all_mode = [p for c in use for p in c[mode]]
+    rng = np.random.default_rng(seed)
+    draws = []
+    for _ in range(resamples):
+        b, m = [], []
+        for c in use:
+            b += [c[base][i] for i in rng.integers(0, len(c[base]), len(c[base]))]
+            m += [c[mode][i] for i in rng.integers(0, len(c[mode]), len(c[mode]))]
+        draws.append(ratio(b, m))
+    lo, hi = np.percentile(draws, [2.5, 97.5])
+    return {"calls": len(use), "processes": {base: len(all_base), mode: len(all_mode)},
+            "ratio": ratio(all_base, all_mode), "interval_95": [float(lo), float(hi)],
+            "per_call": [ratio(c[base], c[mode]) for c in use]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("train_jsonl", type=Path, nargs="+")
+    ap.add_argument("--variant", required=True)
+    ap.add_argument("--mode", required=True)
+    ap.add_argument("--base", default="default")
+    ap.add_argument("--steps-per-round", type=int, default=6)
+    ap.add_argument("--resamples", type=int, default=10000)
+    args = ap.parse_args()
+    calls = [load(p, args.variant, (args.base, args.mode), args.steps_per_round) for p in args.train_jsonl]
+    for p, c in zip(args.train_jsonl, calls):
+        meds = {m: [round(statistics.median(x), 4) for x in ps] for m, ps in c.items()}
+        r = f"{ratio(c[args.base], c[args.mode]):.3f}x" if c[args.base] and c[args.mode] else "-"
+        print(f"{p}: {r}  per process {meds}")
+    res = pooled(calls, args.base, args.mode, args.resamples)
+    print(json.dumps({"variant": args.variant, "base": args.base, "mode": args.mode, **res}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
