@@ -139,7 +139,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
                 b = handle.bridge(0)
                 s0, c0 = b.seconds, sum(b.allocator.driver.calls.values())
                 v0 = path_counts(b.allocator).get("blocks_searched", 0)
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 if variant == "offload":
                     with torch.autograd.graph.save_on_cpu(pin_memory=True):
@@ -152,7 +152,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
             enqueue.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
+            cpu.append(time.process_time() - cpu0)
             losses.append(float(loss))
             if handle is not None:
                 alloc_s.append(b.seconds - s0)
