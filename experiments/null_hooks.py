@@ -13,7 +13,9 @@ stream-ordered pool (``cuMemAllocAsync`` / ``cuMemFreeAsync``, the pool that PyT
 
 Against ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` (the same pool, no hook),
 ``hook-async`` costs the hook; ``hook-async-gil`` against ``hook-async`` costs the GIL; ``paged``
-against ``hook-async-gil`` costs the heap (and anything the GPU minds about its mappings).
+against ``hook-async-gil`` costs the heap (and anything the GPU minds about its mappings), as
+far as the GIL's cost does not depend on how long it is held (it does: see
+``experiments/results/train-h200/`` run 19).
 ``train_llama_gpu.py`` runs them as modes.
 
 The entry points are Numba ``cfunc``s that call the driver through its function addresses,
@@ -31,8 +33,6 @@ from numba.core.extending import intrinsic
 from llvmlite import ir
 
 RELEASE_THRESHOLD = 2**64 - 1  # keep freed memory in the pool across synchronizations, as PyTorch does
-
-
 CUDA_ERROR_INVALID_CONTEXT = 201
 
 
@@ -43,7 +43,7 @@ def _compile(alloc_addr: int, free_addr: int, take_gil: bool, set_ctx_addr: int,
 
     PyTorch calls in from threads that may have no current context (its autograd threads: the
     runtime binds one lazily, the driver does not): on ``CUDA_ERROR_INVALID_CONTEXT`` a call makes
-    ``ctx`` current with ``set_ctx_fn(ctx)`` (``cuCtxSetCurrent``) and retries once. Any other
+    ``ctx`` current with the function at ``set_ctx_addr`` (``cuCtxSetCurrent``) and retries once. Any other
     failure is counted in ``errors`` ([failures, last error code]) and gives the null pointer."""
     from vmstoolkit.integrations.native_torch import _gil_ensure, _gil_release, _gil_this_state
 
