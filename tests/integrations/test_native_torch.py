@@ -41,6 +41,25 @@ def test_allocations_and_frees_through_the_c_entry_points(hook):
     nd.allocator._check()
 
 
+def test_close_gives_everything_back_with_blocks_still_live():
+    drivers = []
+
+    def factory(device):
+        drivers.append(SimulatedDriver(capacity=4 * GiB))
+        return drivers[-1]
+
+    h = NativeHook(factory)
+    try:
+        alloc, free = _entry_points(h)
+        ptrs = [alloc(s, 0, None) for s in (100, 3 * MiB, 64 * MiB, 5000)]
+        free(ptrs[1], 3 * MiB, 0, None)  # one freed, three still live (as a model's weights at exit)
+        d = drivers[0]
+        assert d.physical_bytes > 0 and d._mappings
+    finally:
+        h.close()
+    assert d.physical_bytes == 0 and not d._mappings and not d._reservations
+
+
 def test_large_blocks_in_units_finer_than_a_page_share_pages():
     h = NativeHook(lambda device: SimulatedDriver(capacity=4 * GiB), large_unit=512 << 10)
     try:

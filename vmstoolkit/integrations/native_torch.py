@@ -151,11 +151,11 @@ class NativeHook(HandleStats):
         return self.free_cfunc.address
 
     def close(self) -> None:
-        """Give every device's memory back (only when PyTorch no longer uses the hook: tests)."""
+        """Give every device's memory back, blocks still live included (only when PyTorch no
+        longer uses the hook: tests and replays)."""
         for dev, nd in self.devices.items():
             TABLE[dev * ROW + R_READY] = 0
-            nd.allocator._live.clear()  # the hook's blocks are not in the Python bookkeeping
-            nd.allocator.empty_cache()
+            nd.allocator.free_untracked()  # the hook's blocks are not in the Python bookkeeping
             nd.allocator.close()
             nd.allocator.driver.close()
         self.devices.clear()

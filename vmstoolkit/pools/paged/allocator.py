@@ -154,6 +154,19 @@ class PagedAllocator(Allocator):
                     return H.heap_free(*heap.arrays(), self.g, (addr - heap.base) >> heap.unit_shift) > 0
             return False
 
+    def free_untracked(self) -> int:
+        """Free every live block that ``alloc_block``'s callers still hold (the compiled hook's,
+        which the Python bookkeeping never sees); returns how many. Before ``close`` when the
+        hook's user is gone: closing then unmaps and releases everything."""
+        n = 0
+        with self.slow_lock:
+            for heap in (self.large, self.small):
+                if heap.base is None:
+                    continue
+                for start in H.live_starts(heap.b_start, heap.b_free, heap.b_next, heap.block_at):
+                    n += H.heap_free(*heap.arrays(), self.g, start) > 0
+        return n
+
     def _allocate(self, size: int, stream: int) -> int:
         return self.alloc_block(size)
 

@@ -349,6 +349,18 @@ def heap_free(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, re
 
 
 @njit(cache=True)
+def live_starts(b_start, b_free, b_next, block_at):
+    """The start units of every live block, in address order."""
+    out = []
+    b = block_at[0]
+    while b != NONE:
+        if b_free[b] == 0:
+            out.append(b_start[b])
+        b = b_next[b]
+    return out
+
+
+@njit(cache=True)
 def pages_of(meta, start, n):
     """First and one-past-last page of units ``[start, start + n)``."""
     q = meta[M_Q]
