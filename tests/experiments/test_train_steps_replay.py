@@ -50,3 +50,16 @@ def test_a_history_of_other_shapes_is_refused_by_name(steps):
 
     with pytest.raises(ValueError, match="steps' input ids"):
         steps.replay_steps(load_trace(ROOT / "vmstoolkit" / "data" / "traces" / "llama-lora.caching.pickle.gz"), {})
+
+
+@pytest.mark.parametrize("options", [{}, {"aliases": True, "slack_pages": 64}], ids=["defaults", "aliases-slack64"])
+def test_the_compiled_hook_decides_as_the_python_allocator(steps, options):
+    # ckpt: the variant whose GPU runs the replay does not match exactly; the two implementations
+    # (the cfuncs PyTorch calls, and the Python allocator the replays use) agree call for call
+    from vmstoolkit.trace import load_trace
+
+    trace = load_trace(RESULTS / "run13-snapshots" / "train-ckpt.pickle.gz")
+    python = steps.replay_steps(trace, options)
+    native = steps.replay_steps(trace, options, native=True)
+    assert native == python
+    assert sum(python["driver_calls_per_step"][1:]) > 0 and python["peak_reserved"] > 0
