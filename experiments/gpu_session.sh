@@ -6,19 +6,24 @@
 #       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD    # numpy 2.3.5 for numba-cuda
 #   bash experiments/gpu_session.sh STEP $OUT
 #
-# STEP is one of: tests (about 2 min), pools (about 3 min), train (about 8 min), train-paged
-# (the paged allocator's compiled hook, with aliases and 64 pages of slack, beside both PyTorch
-# modes, 5 rounds, about 8 min), confirm-lora (LoRA only, default and that paged setting
-# interleaved four times each, on the same four cores: LoRA's step time moves between
-# processes, about 5 min), hook-cost
-# (LoRA: default, cudaMallocAsync natively and behind PyTorch's hook without and with the GIL,
-# and that paged setting, interleaved three times, each on the same four cores: where the
-# hook's time goes, about 8 min), snapshots (PyTorch's memory history of the training run's default mode, every
-# variant, for replays of the exact run: about 3 min),
-# offload (about 4 min), offload2 (two GPUs: nvidia-h200-x2, about 2 min), gemm (about 4 min),
-# kernels (about 3 min). Give each a call of its own (10-minute limit).
+# STEP is one of:
+#   tests (about 2 min); pools (about 3 min); train (about 8 min);
+#   train-paged: the paged allocator's compiled hook, with aliases and 64 pages of slack, beside
+#     both PyTorch modes, 5 rounds (about 8 min);
+#   confirm-lora: LoRA only, default and that paged setting interleaved four times each, on the
+#     same four cores: LoRA's step time moves between processes (about 5 min);
+#   hook-cost: LoRA; default, cudaMallocAsync natively and behind PyTorch's hook without and with
+#     the GIL, and that paged setting, interleaved three times on the same four cores: where a
+#     hooked allocator's time goes (about 8 min);
+#   gc-ckpt: ckpt's history recorded and replayed with Python's garbage collector run only
+#     between steps: is it why ckpt's replay parts from the GPU run? (about 3 min);
+#   snapshots: PyTorch's memory history of the training run's default mode, every variant, for
+#     replays of the exact run (about 3 min);
+#   offload (about 4 min); offload2 (two GPUs: nvidia-h200-x2, about 2 min); gemm (about 4 min);
+#   kernels (about 3 min).
+# Give each a call of its own (10-minute limit).
 set -u
-step=${1:?step: tests|pools|train|train-paged|confirm-lora|hook-cost|snapshots|offload|offload2|gemm|kernels}
+step=${1:?step: tests|pools|train|train-paged|confirm-lora|hook-cost|gc-ckpt|snapshots|offload|offload2|gemm|kernels}
 out=${2:?output folder}
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
@@ -29,6 +34,8 @@ case "$step" in
   train-paged) timeout 560 python3 experiments/train_llama_gpu.py --out "$out/train-paged" --modes default,expandable,paged:aliases=True+slack_pages=64 --rounds 5 2>&1 | tee "$out/train-paged.log" ;;
   confirm-lora) timeout 560 python3 experiments/train_llama_gpu.py --out "$out/confirm-lora" --variants lora --modes default,paged:aliases=True+slack_pages=64 --repeats 4 --rounds 5 --cpus 4 2>&1 | tee "$out/confirm-lora.log" ;;
   hook-cost) timeout 580 python3 experiments/train_llama_gpu.py --out "$out/hook-cost" --variants lora --modes default,async,hook-async,hook-async-gil,paged:aliases=True+slack_pages=64 --repeats 3 --rounds 5 --cpus 4 2>&1 | tee "$out/hook-cost.log" ;;
+  gc-ckpt) timeout 400 python3 experiments/train_llama_gpu.py --out "$out/gc-ckpt" --variants ckpt --modes default,paged --rounds 3 --gc-between-steps --snapshots "$out/gc-ckpt" 2>&1 | tee "$out/gc-ckpt.log"
+           python3 experiments/train_steps_replay.py "$out/gc-ckpt/train-ckpt.pickle.gz" --train-jsonl "$out/gc-ckpt/train.jsonl" --mode paged 2>&1 | tee -a "$out/gc-ckpt.log" ;;
   snapshots) timeout 400 python3 experiments/train_llama_gpu.py --out "$out/snapshots" --modes default --rounds 3 --snapshots "$out/snapshots" 2>&1 | tee "$out/snapshots.log" ;;
   offload) OFFLOAD_REPEATS=2 timeout 560 python3 experiments/offload_gpu.py --out "$out/offload" 2>&1 | tee "$out/offload.log" ;;
   offload2) OFFLOAD_REPEATS=2 OFFLOAD_NOTIFY=poll timeout 300 python3 experiments/offload_gpu.py --out "$out/offload-2gpu" --gpus 2 --skip-accelerate 2>&1 | tee "$out/offload-2gpu.log" ;;

@@ -2,7 +2,7 @@
 
     python experiments/train_llama_gpu.py --out DIR [--variants full,ckpt,lora,offload]
         [--modes default,expandable,vms] [--rounds 3] [--steps-per-round 6] [--repeats 1] [--cpus N]
-        [--snapshots DIR]
+        [--snapshots DIR] [--gc-between-steps]
 
 The model and workloads are those of ``vmstoolkit/data/traces``: a LLaMA-architecture causal LM
 (hidden 2048, 12 layers, 16 heads, FFN 5504, vocab 32000), random weights (seed 0), AdamW,
@@ -96,7 +96,8 @@ def vms_options(mode: str) -> dict:
     return parse_options([item for item in spec.split("+") if item])
 
 
-def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot: Path | None = None) -> dict:
+def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot: Path | None = None,
+           gc_between_steps: bool = False) -> dict:
     handle = pool_hook = None
     if mode.split(":")[0] in ("vms", "paged"):
         from vmstoolkit.integrations.torch import install
@@ -131,8 +132,14 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
     gen = torch.Generator(device="cpu").manual_seed(1)
     plan = shapes(steps_per_round)
     losses, times, enqueue, cpu, alloc_s, calls, searched = [], [], [], [], [], [], []
+    if gc_between_steps:
+        import gc
+
+        gc.disable()  # collected between steps only (below): no collection inside a step frees tensors
     for r in range(rounds):
         for bs, seq in plan:
+            if gc_between_steps:
+                gc.collect()
             ids = torch.randint(0, VOCAB, (bs, seq), generator=gen).cuda()
             torch.cuda.synchronize()
             if handle is not None:
@@ -185,7 +192,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
             extra["pool_peak_allocated"], extra["pool_peak_reserved"] = pool.max_memory_allocated(), pool.max_memory_reserved()
     steady = times[steps_per_round:] if rounds > 1 else times
     return {"mode": mode, "variant": variant, "losses": losses, "step_times": times,
-            "enqueue_times": enqueue, "cpu_times": cpu,
+            "enqueue_times": enqueue, "cpu_times": cpu, "gc_between_steps": gc_between_steps,
             "median_step_s": statistics.median(steady), "peak_allocated": peak_alloc, "peak_reserved": peak_res,
             "utilization": peak_alloc / peak_res if peak_res else None, "device": torch.cuda.get_device_name(), **extra}
 
@@ -261,11 +268,14 @@ def main() -> int:
                     help="also record PyTorch's memory history of the default-mode runs: DIR/train-VARIANT.pickle.gz "
                          "(replay them with `vmstoolkit replay` or `experiments/paged_policy.py --traces`); "
                          "recording slows those runs, so compare step times from runs without it")
+    ap.add_argument("--gc-between-steps", action="store_true",
+                    help="Python's cyclic garbage collector off inside steps, run between them, in every mode: "
+                         "tensors it frees then go at the same points whatever the allocator (for exact replays)")
     ap.add_argument("--snapshot-file", type=Path, default=None, help=argparse.SUPPRESS)  # the worker's
     args = ap.parse_args()
     if args.worker:
         try:
-            result = worker(*args.worker, args.rounds, args.steps_per_round, args.snapshot_file)
+            result = worker(*args.worker, args.rounds, args.steps_per_round, args.snapshot_file, args.gc_between_steps)
         except BaseException:
             traceback.print_exc()
             print_allocator_failure()
@@ -289,6 +299,8 @@ def main() -> int:
                 env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
             cmd = [sys.executable, __file__, "--worker", mode, variant, "--rounds", str(args.rounds),
                    "--steps-per-round", str(args.steps_per_round)]
+            if args.gc_between_steps:
+                cmd.append("--gc-between-steps")
             if args.snapshots is not None and mode == "default" and repeat == 0:
                 cmd += ["--snapshot-file", str(args.snapshots / f"train-{variant}.pickle.gz")]
             p = subprocess.run(cmd, env=env, capture_output=True, text=True,
