@@ -120,7 +120,8 @@ def main() -> int:
     options = vms_options(args.mode) if args.mode else {}
     options.update(vms_options("paged:" + "+".join(args.option)))
     r = replay_steps(load_trace(args.snapshot), options, args.steps_per_round, args.rounds, native=args.native)
-    print(f"paged {options or ''}{' (compiled hook)' if args.native else ''} on {args.snapshot.name}: peak reserved {r['peak_reserved'] / 2**30:.2f} GiB")
+    how = " (compiled hook)" if args.native else ""
+    print(f"paged {options or ''}{how} on {args.snapshot.name}: peak reserved {r['peak_reserved'] / 2**30:.2f} GiB")
     for k, (c, m, s) in enumerate(zip(r["driver_calls_per_step"], r["driver_ms_per_step"], r["syncs_per_step"])):
         print(f"  step {k:2d}: {c:6d} driver calls  {m:7.1f} ms  {s:3d} syncs")
     if args.train_jsonl is None:

@@ -65,6 +65,18 @@ def test_blocks_merge_and_best_fit_reuses_the_hole():
     a.close()
 
 
+def test_free_untracked_frees_the_hooks_blocks_and_leaves_tracked_ones_to_close():
+    d = SimulatedDriver(capacity=1 << 30)
+    a = make_allocator("paged", d)
+    tracked = a.allocate(3 * MiB)  # through the Allocator interface: in the Python bookkeeping
+    hooked = [a.alloc_block(s) for s in (5 * MiB, 1000)]  # as the compiled hook's slow path does
+    assert a.free_untracked() == 2
+    a._check()
+    assert not a.free_block(hooked[0]) and a.free_untracked() == 0  # they are gone; nothing else was
+    a.close()  # frees the tracked one, then unmaps and releases everything
+    assert tracked and d.physical_bytes == 0 and not d._mappings and not d._reservations
+
+
 def test_repeating_a_pattern_calls_the_driver_no_more():
     """Steady state: once a pattern's pages are mapped, repeating it needs no driver call."""
     a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY))

@@ -164,7 +164,8 @@ class PagedAllocator(Allocator):
                 if heap.base is None:
                     continue
                 for start in H.live_starts(heap.b_start, heap.b_free, heap.b_next, heap.block_at):
-                    n += H.heap_free(*heap.arrays(), self.g, start) > 0
+                    if heap.base + (int(start) << heap.unit_shift) not in self._live:  # close frees those
+                        n += H.heap_free(*heap.arrays(), self.g, start) > 0
         return n
 
     def _allocate(self, size: int, stream: int) -> int:
