@@ -25,7 +25,8 @@ what its driver holds; for the reference hooks the driver pool's high-water mark
 utilization. Output: ``DIR/train.jsonl`` and a summary.
 ``--repeats N`` runs the modes N times, interleaved, and the summary compares the medians of
 all the repeats' steady steps together: LoRA's step time moves by up to ±10% from one process
-to the next (``experiments/results/train-h200/`` run 15).
+to the next (``experiments/results/train-h200/`` runs 15-20; ``pool_runs.py`` pools several
+calls, with an interval).
 """
 
 from __future__ import annotations
