@@ -1,5 +1,6 @@
 """The ``paged`` allocator: a compiled best-fit heap whose pages are mapped on demand."""
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,12 @@ def _live_pages(a) -> int:
     return int(a.g[H.G_LIVE_PAGES])
 
 
+def _live_page_chunks(a) -> dict:
+    """(heap, page) -> chunk of every page a live block uses."""
+    return {(name, int(p)): int(h.page_chunk[p]) for name, h in (("large", a.large), ("small", a.small))
+            for p in np.flatnonzero(h.page_used > 0)}
+
+
 sizes = st.one_of(st.integers(1, MiB), st.integers(MiB + 1, 6 * G), st.integers(6 * G, 20 * G))
 programs = st.lists(st.tuples(st.booleans(), sizes, st.integers(0, 10**6)), min_size=1, max_size=80)
 
@@ -32,6 +39,7 @@ def test_random_programs_keep_invariants_and_physical_within_the_live_peak(progr
     a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY), slack_pages=slack, reclaim=reclaim,
                        reclaim_batch=batch, large_unit=unit, placement=placement, aliases=aliases)
     live: list[tuple[int, int]] = []
+    held = {}
     for is_alloc, size, pick in program:
         if is_alloc or not live:
             before = _live_pages(a)
@@ -50,6 +58,9 @@ def test_random_programs_keep_invariants_and_physical_within_the_live_peak(progr
             a.free(live.pop(pick % len(live))[0])
         a._check()
         assert a.driver.physical_bytes <= (int(a.g[H.G_PEAK_LIVE_PAGES]) + slack) * G, "holds more than the live peak"
+        now = _live_page_chunks(a)
+        assert all(now[k] == c for k, c in held.items() if k in now), "a live page changed chunk (its data is lost)"
+        held = now
     a.close()
     assert a.driver.is_empty(), a.driver.leak_report()
 
@@ -151,6 +162,29 @@ def test_a_page_whose_chunk_is_live_elsewhere_is_remapped_after_queued_work_is_d
 
 def _maps(a) -> int:
     return a.driver.calls.get("map", 0)
+
+
+def test_a_block_over_a_live_page_and_its_alias_remaps_the_alias_not_the_live_page():
+    """With units finer than a page, a new block can start on a page a neighbour already holds
+    live and run onto the next page, whose chunk is an alias of the first page's: the next page
+    is the one to remap; the neighbour's page must keep its chunk (and its data)."""
+    a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY), aliases=True, large_unit=64 << 10)
+    x, y = a.allocate(G), a.allocate(G)  # large pages 0 and 1
+    a.free(x)
+    s = a.allocate(1)  # a small page, lent large page 0's idle chunk (no chunk is spare)
+    a.free(y)
+    n = a.allocate(G // 2 + 10_000)  # 9 units of page 0: its chunk is live in the small page, so page 0
+    #                                  takes page 1's idle chunk: page 1 and page 0 now share a chunk
+    assert a.counts["chunks_lent"] == 2 and a.counts["pages_remapped"] == 1
+    held = int(a.large.page_chunk[0])
+    m = a.allocate(G)  # page 0's other units, then page 1: the chunk is live twice
+    assert int(a.large.page_chunk[0]) == held  # n's page kept its chunk
+    assert a.large.page_chunk[1] != held and a.counts["pages_remapped"] == 2
+    a._check()
+    for p in (s, n, m):
+        a.free(p)
+    a.close()
+    assert a.driver.is_empty(), a.driver.leak_report()
 
 
 @pytest.mark.parametrize("placement, new_maps", [("mapped", 0), ("best-fit", 3)])

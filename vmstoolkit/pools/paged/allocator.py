@@ -189,8 +189,8 @@ class PagedAllocator(Allocator):
         need = 0
         try:
             # pages whose chunk is live through another mapping (an alias) lose it first
-            kc = H.conflicts(heap.page_chunk, heap.page_used, self.chunk_live, self.nmaps, self.chunk_stack, self.g,
-                             first, last, self._out_pages, self._out_chunks)
+            kc = H.conflicts(heap.meta, heap.page_chunk, heap.page_used, self.chunk_live, self.nmaps, self.chunk_stack,
+                             self.g, start, n, self._out_pages, self._out_chunks)
             if kc:
                 self._unmap_detached(heap, kc)
                 self.counts["pages_remapped"] += kc

@@ -433,17 +433,27 @@ def reclaim(meta, page_chunk, page_used, nmaps, chunk_stack, g, want, out_pages,
 
 
 @njit(cache=True)
-def conflicts(page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, first, last, out_pages, out_chunks):
-    """Pages in ``[first, last)`` that are live but whose chunk is live through another mapping
-    too: their chunks come off them (the caller unmaps them, then gives them others). Returns
-    how many, in ``out_pages``/``out_chunks``."""
+def conflicts(meta, page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, start, n, out_pages, out_chunks):
+    """Pages of the block just committed at units ``[start, start + n)`` that it made live but
+    whose chunk is live through another mapping too: their chunks come off them (the caller
+    unmaps them, then gives them others). Returns how many, in ``out_pages``/``out_chunks``.
+
+    Only a page the block made live can be one: a page it shares with a live neighbour (units
+    finer than a page) was live before, and keeps its chunk and the neighbour's data, even when
+    the other mapping of that chunk is a later page of this same block (that page is remapped)."""
+    q = meta[M_Q]
     k = 0
-    for p in range(first, last):
+    u = start
+    end = start + n
+    while u < end:
+        p = u // q
+        nxt = min(end, (p + 1) * q)
         c = page_chunk[p]
-        if c != NONE and page_used[p] > 0 and chunk_live[c] > 1:
+        if c != NONE and page_used[p] == nxt - u and chunk_live[c] > 1:  # all its live units are the block's
             chunk_live[c] -= 1
             _detach(page_chunk, nmaps, chunk_stack, g, p, out_pages, out_chunks, k)
             k += 1
+        u = nxt
     return k
 
 
