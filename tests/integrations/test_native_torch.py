@@ -5,7 +5,7 @@ import pytest
 
 from vmstoolkit.integrations.callbacks import roundtrips_from_native_thread
 from vmstoolkit.integrations.native_torch import ALLOC_FN, FREE_FN, G_BAD_FREES, NativeHook
-from vmstoolkit.pools import make_driver
+from vmstoolkit.pools import make_allocator, make_driver
 from vmstoolkit.pools.paged import heap as H
 from vmstoolkit.pools.sim_driver import SimulatedDriver
 from vmstoolkit.units import GiB, MiB
@@ -236,3 +236,58 @@ def test_two_native_threads_at_once_keep_the_heap_consistent():
         nd.allocator._check()
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("options", [{}, {"aliases": True, "slack_pages": 3}, {"aliases": True, "large_unit": 64 << 10}],
+                         ids=["defaults", "aliases-slack", "aliases-64k-units"])
+def test_a_random_program_gets_what_the_python_allocator_gives(options, capsys):
+    """The compiled entry points and the Python allocator, same options, same requests (out of
+    memory included): same offsets, same driver calls, same physical memory, at every step."""
+    import random
+
+    from vmstoolkit.errors import OutOfMemoryError
+    from vmstoolkit.pools.paged.allocator import SMALL_SIZE
+
+    capacity, page = 48 * 2 * MiB, 2 * MiB
+    hd = SimulatedDriver(capacity=capacity)
+    h = NativeHook(lambda device: hd, **options)
+    pa = make_allocator("paged", SimulatedDriver(capacity=capacity), **options)
+    try:
+        alloc, free = _entry_points(h)
+        rng = random.Random(7)
+        live, served, refused = [], 0, 0
+
+        def offset(a, ptr, size):
+            heap = a.small if size <= SMALL_SIZE else a.large
+            return ptr - heap.base
+
+        for _ in range(700):
+            if rng.random() < 0.55 or not live:
+                r = rng.random()
+                size = (rng.randint(1, MiB) if r < 0.5 else rng.randint(MiB + 1, 6 * page) if r < 0.85
+                        else rng.randint(6 * page, 20 * page))
+                try:
+                    pp = pa.allocate(size)
+                except OutOfMemoryError:
+                    pp = 0
+                hp = alloc(size, 0, None) or 0
+                assert (hp == 0) == (pp == 0), f"{size} bytes: hook {hp:#x}, Python {pp:#x}"
+                if pp:
+                    assert offset(h.bridge(0).allocator, hp, size) == offset(pa, pp, size)
+                    live.append((pp, hp, size))
+                    served += 1
+                else:
+                    refused += 1
+            else:
+                pp, hp, size = live.pop(rng.randrange(len(live)))
+                pa.free(pp)
+                free(hp, size, 0, None)
+            assert dict(hd.calls) == dict(pa.driver.calls) and hd.physical_bytes == pa.driver.physical_bytes
+        assert served > 300 and refused > 0  # both paths exercised, out of memory too
+        h.bridge(0).allocator._check()
+        pa._check()
+    finally:
+        pa.close()
+        h.close()
+    assert hd.is_empty(), hd.leak_report()
+    capsys.readouterr()  # the hook reports each refusal on standard error
