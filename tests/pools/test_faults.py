@@ -67,7 +67,8 @@ def _calls_reached(name, events, **options):
 
 
 @pytest.mark.parametrize("name, options", [("vms", {}), ("gmlake", {}), ("native", {}), ("paged", {}),
-                                           ("paged", {"aliases": True})])
+                                           ("paged", {"aliases": True}),
+                                           ("paged", {"aliases": True, "large_unit": 64 << 10})])
 def test_every_nth_call_of_every_operation(name, options, events):
     reached = _calls_reached(name, events, **options)
     ops = [op for op in OPERATIONS if reached.get(op)]
