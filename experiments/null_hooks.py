@@ -32,6 +32,9 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 from llvmlite import ir
 
+from vmstoolkit.integrations.native_torch import _gil_release, pointer_to
+from vmstoolkit.integrations.native_torch import take_gil as enter_gil  # the paged hook's own
+
 RELEASE_THRESHOLD = 2**64 - 1  # keep freed memory in the pool across synchronizations, as PyTorch does
 CUDA_ERROR_INVALID_CONTEXT = 201
 
@@ -43,10 +46,9 @@ def _compile(alloc_addr: int, free_addr: int, take_gil: bool, set_ctx_addr: int,
 
     PyTorch calls in from threads that may have no current context (its autograd threads: the
     runtime binds one lazily, the driver does not): on ``CUDA_ERROR_INVALID_CONTEXT`` a call makes
-    ``ctx`` current with the function at ``set_ctx_addr`` (``cuCtxSetCurrent``) and retries once. Any other
-    failure is counted in ``errors`` ([failures, last error code]) and gives the null pointer."""
-    from vmstoolkit.integrations.native_torch import _gil_ensure, _gil_release, _gil_this_state
-
+    ``ctx`` current with the function at ``set_ctx_addr`` (``cuCtxSetCurrent``) and retries once.
+    Any other failure is counted in ``errors`` ([failures, last error code]) and gives the null pointer."""
+    gil = take_gil  # a compile-time constant in the cfuncs
     i8p, i32, i64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
 
     def call_retrying(builder, addr, fnty, args):
@@ -85,17 +87,8 @@ def _compile(alloc_addr: int, free_addr: int, take_gil: bool, set_ctx_addr: int,
 
         return sig, codegen
 
-    @intrinsic
-    def pointer(typingctx, addr):
-        sig = types.CPointer(types.uint64)(types.int64)
-
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-        return sig, codegen
-
-    this_state, ensure, release = _gil_this_state, _gil_ensure, _gil_release
-    gil = take_gil
+    pointer = pointer_to(types.uint64)
+    release = _gil_release
     errors_addr = errors.ctypes.data
 
     @njit(inline="always")
@@ -123,10 +116,7 @@ def _compile(alloc_addr: int, free_addr: int, take_gil: bool, set_ctx_addr: int,
         if size == 0:
             return 0
         if gil:
-            fresh = this_state() == 0
-            st = ensure()
-            if fresh:
-                ensure()
+            st = enter_gil()
             ptr = serve(size, stream)
             release(st)
             return ptr
@@ -137,10 +127,7 @@ def _compile(alloc_addr: int, free_addr: int, take_gil: bool, set_ctx_addr: int,
         if ptr == 0:
             return
         if gil:
-            fresh = this_state() == 0
-            st = ensure()
-            if fresh:
-                ensure()
+            st = enter_gil()
             give_back(ptr, stream)
             release(st)
             return

@@ -6,28 +6,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 from numba import carray, cfunc, types
-from numba.core.extending import intrinsic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 import null_hooks  # noqa: E402
 
 from vmstoolkit.integrations.callbacks import roundtrips_from_native_thread  # noqa: E402
+from vmstoolkit.integrations.native_torch import pointer_to  # noqa: E402
 from vmstoolkit.integrations.torch import ALLOC_FN, FREE_FN  # noqa: E402
 
 # what the stand-ins saw: [allocations, frees, last size, last freed pointer, next pointer, current context]
 SEEN = np.zeros(6, np.uint64)
 CTX = 77
 _seen = SEEN.ctypes.data
-
-
-@intrinsic
-def ctypes_ptr(typingctx, addr):
-    sig = types.CPointer(types.uint64)(types.int64)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-    return sig, codegen
+ctypes_ptr = pointer_to(types.uint64)
 
 
 @cfunc(types.int32(types.uint64))

@@ -65,6 +65,35 @@ _gil_ensure = _pyapi("PyGILState_Ensure", ctypes.c_int)
 _gil_release = _pyapi("PyGILState_Release", None, ctypes.c_int)
 
 
+@njit(inline="always")
+def take_gil():
+    """``PyGILState_Ensure`` for a compiled entry point, returning the state to hand to
+    ``_gil_release``. A thread's first call pins its Python thread state for the thread's
+    lifetime (one more Ensure, never released), so later calls only take the GIL."""
+    fresh = _gil_this_state() == 0
+    st = _gil_ensure()
+    if fresh:
+        _gil_ensure()
+    return st
+
+
+def pointer_to(t):
+    """A Numba intrinsic that makes an int64 address a pointer to ``t`` (for ``carray``)."""
+    from numba import types
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def cast(typingctx, addr):
+        sig = types.CPointer(t)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+        return sig, codegen
+
+    return cast
+
+
 @njit(cache=True)
 def count_alloc(g, size):
     g[G_ALLOC_BYTES] += size
@@ -260,20 +289,7 @@ def _publish(dev: int, pa: PagedAllocator) -> None:
 
 def _compile(slow_alloc, slow_map, slow_free):
     """The two cfuncs, bound to this process's table and the given slow-path callbacks."""
-    from numba import carray, cfunc, njit, types
-    from numba.core.extending import intrinsic
-
-    def pointer_to(t):
-        @intrinsic
-        def cast(typingctx, addr):
-            sig = types.CPointer(t)(types.int64)
-
-            def codegen(context, builder, signature, args):
-                return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-            return sig, codegen
-
-        return cast
+    from numba import carray, cfunc, types
 
     p64, p32, p8, pu64 = pointer_to(types.int64), pointer_to(types.int32), pointer_to(types.int8), pointer_to(types.uint64)
     table_addr = TABLE.ctypes.data
@@ -289,17 +305,14 @@ def _compile(slow_alloc, slow_map, slow_free):
 
     heap_alloc, heap_free = H.heap_alloc, H.heap_free
     counted_alloc, counted_free = count_alloc, count_free
-    this_state, ensure, release = _gil_this_state, _gil_ensure, _gil_release
+    release = _gil_release
     small_size = SMALL_SIZE
 
     @cfunc(types.uint64(types.uint64, types.int32, types.voidptr))  # void* alloc(size_t, int, cudaStream_t)
     def alloc(size, device, stream):
         if size == 0:
             return 0
-        fresh = this_state() == 0
-        st = ensure()  # takes the GIL; released below
-        if fresh:
-            ensure()  # never released: pins this thread's Python state for its lifetime
+        st = take_gil()  # released below
         t = carray(p64(table_addr), table_len)
         row = device * ROW
         result = 0
@@ -328,10 +341,7 @@ def _compile(slow_alloc, slow_map, slow_free):
         addr = np.int64(ptr)
         if addr == 0:
             return
-        fresh = this_state() == 0
-        st = ensure()
-        if fresh:
-            ensure()
+        st = take_gil()
         t = carray(p64(table_addr), table_len)
         row = device * ROW
         done = False
