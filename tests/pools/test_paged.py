@@ -377,11 +377,20 @@ def _live_chunk_arrays(heaps):
     return out
 
 
-def test_with_aliases_a_live_page_keeps_its_chunk_through_a_real_trace(traces_dir):
+def test_with_aliases_a_live_page_keeps_its_chunk_through_a_real_trace(traces_dir, monkeypatch):
     """The bundled LoRA trace, two passes, aliases and 64 pages of slack: small blocks straddle
-    two pages of the small heap, and ten times (second pass) the first page is held live by a
-    neighbour while the second maps the same chunk. After every request, each page that was live and still is
-    has the chunk it had (before the fix, the neighbour's page lost its chunk there)."""
+    two pages of the small heap, and ten times (second pass; counted here) the first page is held
+    live by a neighbour while the second maps the same chunk. After every request, each page that
+    was live and still is has the chunk it had (before the fix, the neighbour's page lost its
+    chunk there)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+    from alias_shared_pages import counting_conflicts
+
+    shared = []
+    monkeypatch.setattr(H, "conflicts", counting_conflicts(shared))
     trace = load_trace(traces_dir / "llama-lora.caching.pickle.gz")
     events = trace.alloc_free_events()
     a = make_allocator("paged", SimulatedDriver(capacity=64 << 30), aliases=True, slack_pages=64)
@@ -405,5 +414,6 @@ def test_with_aliases_a_live_page_keeps_its_chunk_through_a_real_trace(traces_di
             before = now
         for p in live.values():
             a.free(p)
+    assert len(shared) == 10  # the case arose (the count is this trace's, at these options)
     a._check()
     a.close()
