@@ -1,8 +1,14 @@
 """The allocator protocol every allocator speaks, and the bookkeeping they all share.
 
 The replay engine, the experiments and the Numba and PyTorch integrations only ever call
-``allocate``, ``free``, ``stats``, ``empty_cache``, ``close`` and ``_check``: they never
-special-case an allocator.
+``allocate(size, stream)``, ``free(addr, stream)``, ``record_stream``, ``stats``,
+``empty_cache``, ``close`` and ``_check``: they never special-case an allocator.
+
+Streams follow PyTorch's contract (:mod:`vmstoolkit.pools.streams`): a block freed by one stream
+is reused at once by that stream only; another stream gets it once the work queued before the
+free has finished. The base class keeps it for every allocator through
+:class:`~vmstoolkit.pools.streams.DeferredFrees`; an allocator that orders streams itself
+(``paged``) overrides :meth:`Allocator._free_streamed` and :meth:`Allocator.record_stream`.
 
 :class:`Allocator` does what every allocator must do the same way: validate sizes, catch frees
 of unknown addresses and double frees *before* touching any state, count requested bytes and
@@ -18,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from vmstoolkit.errors import DoubleFreeError, DriverError, InvalidFreeError, InvalidSizeError, OutOfMemoryError
 from vmstoolkit.pools.driver import VMMDriver
+from vmstoolkit.pools.streams import DeferredFrees
 
 _FREED_MEMORY = 4096  # how many recently freed addresses are remembered to name a double free
 
@@ -38,6 +45,7 @@ class AllocatorStats:
     peak_reserved_bytes: int = 0
     total_allocs: int = 0
     total_frees: int = 0
+    total_allocated_bytes: int = 0  # bytes ever requested (PyTorch's ``allocated_bytes.all.allocated``)
     num_ooms: int = 0
     driver_calls: dict = field(default_factory=dict)
 
@@ -61,6 +69,13 @@ class Allocator(ABC):
     """Base of every allocator. ``name`` is the registry name (``"vms"``, ``"pytorch-caching"``)."""
 
     name: str = "abstract"
+    streams_apart: bool = False
+    """True for an allocator that never reuses one stream's free on another by itself (the
+    PyTorch simulations keep a pool per stream; ``paged`` waits through tagged chunks)."""
+
+    compiled_hook: str | None = None
+    """``"module:Class"`` of compiled entry points that serve PyTorch (see
+    :func:`vmstoolkit.integrations.torch.make_handle`); None: Python callbacks serve it."""
 
     def __init__(self, driver: VMMDriver) -> None:
         self.driver = driver
@@ -71,37 +86,56 @@ class Allocator(ABC):
         self._peak_count = 0
         self._total_allocs = 0
         self._total_frees = 0
+        self._total_bytes = 0
         self._num_ooms = 0
+        self._streams = DeferredFrees(driver, self._free, streams_apart=self.streams_apart)
 
     # -- the protocol ----------------------------------------------------------------------
     def allocate(self, size: int, stream: int = 0) -> int:
-        """Allocate ``size`` bytes on ``stream``; returns the device address.
+        """Allocate ``size`` bytes for use on ``stream``; returns the device address.
 
         Raises :class:`~vmstoolkit.errors.InvalidSizeError` for a size of zero or below and
-        :class:`~vmstoolkit.errors.OutOfMemoryError` when physical memory cannot serve it.
+        :class:`~vmstoolkit.errors.OutOfMemoryError` when physical memory cannot serve it, even
+        after waiting for every held free (see :mod:`~vmstoolkit.pools.streams`).
         """
         if not isinstance(size, int) or isinstance(size, bool):
             raise InvalidSizeError(f"allocation size must be an integer, got {size!r}")
         if size <= 0:
             raise InvalidSizeError(f"allocation size must be positive, got {size}")
-        try:
-            addr = self._allocate(size, stream)
-        except OutOfMemoryError:
-            self._num_ooms += 1
-            raise
+        st = self._streams
+        st.on_allocate(stream)
+        addr = st.reuse(size, stream) if st.multi else None
+        if addr is None:
+            st.collect()
+            try:
+                addr = self._allocate(size, stream)
+            except OutOfMemoryError:
+                if not st.holding:
+                    self._num_ooms += 1
+                    raise
+                st.drain()  # every held free back, after the device is idle; then once more
+                try:
+                    addr = self._allocate(size, stream)
+                except OutOfMemoryError:
+                    self._num_ooms += 1
+                    raise
+        st.note_stream(addr, stream)
         self._live[addr] = size
         self._recently_freed.pop(addr, None)
         self._allocated += size
         self._total_allocs += 1
+        self._total_bytes += size
         if self._allocated > self._peak_allocated:
             self._peak_allocated = self._allocated
         if len(self._live) > self._peak_count:
             self._peak_count = len(self._live)
         return addr
 
-    def free(self, addr: int) -> None:
+    def free(self, addr: int, stream: int | None = None) -> None:
         """Free the allocation that starts at ``addr``.
 
+        ``stream`` is the stream the caller frees on (PyTorch passes the one it allocated on);
+        a stream other than the allocation's counts as a use on it, as ``record_stream`` does.
         An address that no live allocation starts at raises
         :class:`~vmstoolkit.errors.DoubleFreeError` (recently freed) or
         :class:`~vmstoolkit.errors.InvalidFreeError` (unknown), and changes nothing.
@@ -112,13 +146,28 @@ class Allocator(ABC):
                 raise DoubleFreeError(f"double free of address {addr:#x}")
             raise InvalidFreeError(f"free of unknown address {addr:#x}")
         try:
-            self._free(addr)
+            self._free_streamed(addr, size, stream)
         except DriverError:
             # The pool let go of the block before its driver teardown failed; the failed steps
             # wait in its graveyard for empty_cache/close. The allocation is gone either way.
             self._forget(addr, size)
             raise
         self._forget(addr, size)
+
+    def record_stream(self, addr: int, stream: int) -> None:
+        """Work on ``stream`` uses the live allocation at ``addr``: once freed, it is not reused
+        before that work, as queued up to the free, has finished (``Tensor.record_stream``)."""
+        if addr not in self._live:
+            raise InvalidFreeError(f"record_stream of address {addr:#x}, which is not a live allocation")
+        self._streams.record(addr, stream, self._streams.own_stream(addr))
+
+    def _free_streamed(self, addr: int, size: int, stream: int | None) -> None:
+        """Free now when no other stream's queued work can use the block; else hold it."""
+        streams = self._streams.streams_at_free(addr, stream)
+        if streams is None:
+            self._free(addr)
+        else:
+            self._streams.hold(addr, size, streams)
 
     def _forget(self, addr: int, size: int) -> None:
         del self._live[addr]
@@ -150,6 +199,7 @@ class Allocator(ABC):
             peak_reserved_bytes=self.driver.peak_physical_bytes,
             total_allocs=self._total_allocs,
             total_frees=self._total_frees,
+            total_allocated_bytes=self._total_bytes,
             num_ooms=self._num_ooms,
             driver_calls=dict(self.driver.calls),
         )
@@ -159,12 +209,27 @@ class Allocator(ABC):
         self._peak_count = len(self._live)
         self.driver.reset_peak()
 
+    def reset_accumulated_stats(self) -> None:
+        """Zero the running totals (allocations, frees, bytes ever requested, out-of-memory count)."""
+        self._total_allocs = self._total_frees = self._total_bytes = self._num_ooms = 0
+
+    def _held_by_core(self) -> dict[int, int]:
+        """address -> requested size of every block the core still holds as allocated: the live
+        ones and the freed ones held for other streams' queued work (:mod:`~vmstoolkit.pools.streams`)."""
+        return {**self._live, **self._streams.held()}
+
     def live_allocations(self) -> dict[int, int]:
         """address -> requested size of every live allocation (a copy)."""
         return dict(self._live)
 
     def empty_cache(self) -> None:
-        """Give every cached byte that no live allocation uses back to the driver."""
+        """Give every cached byte that no live allocation uses back to the driver (after the
+        device has finished the work queued on blocks freed by other streams)."""
+        self._streams.drain()
+        self._empty_cache()
+
+    def _empty_cache(self) -> None:
+        """What the allocator caches, given back (subclasses)."""
 
     def close(self) -> None:
         """Free every live allocation and give everything back to the driver.

@@ -112,6 +112,8 @@ class CudaDriver(VMMDriver):
         (err,) = cu.cuCtxSetCurrent(ctx)  # on this thread, as before; other threads bind per call
         _check(cu, err, "cuCtxSetCurrent")
         self._binding = ContextBinding(cu, ctx)
+        self._events: dict = {}  # int key -> CUevent
+        self._spare_events: list = []
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -251,6 +253,43 @@ class CudaDriver(VMMDriver):
         with self._binding:
             (err,) = self._cu.cuCtxSynchronize()
         _check(self._cu, err, "cuCtxSynchronize")
+
+    # -- streams and events: a small pool of events without timing, reused ---------------------
+    def _record_event(self, stream: int) -> int:
+        cu = self._cu
+        with self._binding:
+            if self._spare_events:
+                ev = self._spare_events.pop()
+            else:
+                err, ev = cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+                _check(cu, err, "cuEventCreate")
+            (err,) = cu.cuEventRecord(ev, stream)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            self._spare_events.append(ev)
+        _check(cu, err, f"cuEventRecord(stream={stream:#x})")
+        key = int(ev)
+        self._events[key] = ev
+        return key
+
+    def _event_done(self, event: int) -> bool:
+        cu = self._cu
+        with self._binding:
+            (err,) = cu.cuEventQuery(self._events[event])
+        if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        _check(cu, err, "cuEventQuery")
+        return True
+
+    def _stream_wait(self, stream: int, event: int) -> None:
+        cu = self._cu
+        with self._binding:
+            (err,) = cu.cuStreamWaitEvent(stream, self._events[event], 0)
+        _check(cu, err, f"cuStreamWaitEvent(stream={stream:#x})")
+
+    def _release_event(self, event: int) -> None:
+        # recording an event again is legal while earlier waits on it are queued: they keep the
+        # state they captured (cuStreamWaitEvent), so a released event is simply reused
+        self._spare_events.append(self._events.pop(event))
 
     def close(self) -> None:
         if self._closed:

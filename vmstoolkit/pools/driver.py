@@ -23,7 +23,15 @@ method             CUDA driver call            meaning
 ``mem_free``       ``cuMemFree``
 ``memset``         ``cuMemsetD8``              touch memory (checks it is accessible)
 ``mem_info``       ``cuMemGetInfo``            (free, total) bytes of the device
+``record_event``   ``cuEventRecord``           mark the work queued on a stream so far
+``event_done``     ``cuEventQuery``            has that work finished?
+``stream_wait``    ``cuStreamWaitEvent``       later work on a stream waits for an event
 =================  ==========================  =======================================
+
+Streams and events are what stream-ordered reuse needs (:mod:`vmstoolkit.pools.streams`): a
+block freed by one stream is handed to another only once the first stream's queued work is
+done, or behind a ``stream_wait``. Streams are the framework's handles as ints (0: the legacy
+default stream); a driver without streams treats every event as done.
 """
 
 from __future__ import annotations
@@ -144,6 +152,37 @@ class VMMDriver(ABC):
 
     def synchronize(self) -> None:
         """Wait for outstanding device work (no-op where there is none)."""
+
+    # -- streams and events ----------------------------------------------------------------
+    def record_event(self, stream: int) -> int:
+        """An event that completes once the work queued on ``stream`` so far has finished."""
+        self.calls["record_event"] += 1
+        return self._record_event(stream)
+
+    def event_done(self, event: int) -> bool:
+        """Whether the work before ``event`` has finished (never blocks)."""
+        return self._event_done(event)
+
+    def stream_wait(self, stream: int, event: int) -> None:
+        """Make every later piece of work on ``stream`` wait for ``event`` (the host never waits)."""
+        self.calls["stream_wait"] += 1
+        self._stream_wait(stream, event)
+
+    def release_event(self, event: int) -> None:
+        """Give ``event`` back (it may still be waited on by queued work)."""
+        self._release_event(event)
+
+    def _record_event(self, stream: int) -> int:
+        return 0
+
+    def _event_done(self, event: int) -> bool:
+        return True
+
+    def _stream_wait(self, stream: int, event: int) -> None:
+        pass
+
+    def _release_event(self, event: int) -> None:
+        pass
 
     def bound(self):
         """A context manager: the driver's context is current on the calling thread inside it

@@ -38,13 +38,13 @@ class NativeAllocator(Allocator):
         nbytes, h = self._ranges.pop(addr)
         self.graveyard.run(unmap_range_steps(addr, nbytes, h))
 
-    def empty_cache(self) -> None:
+    def _empty_cache(self) -> None:
         """Nothing is cached; only teardown steps that failed earlier are retried."""
         self.graveyard.retry()
 
     def _check(self) -> None:
         super()._check()
-        assert set(self._ranges) == set(self._live), "native: mapped ranges differ from live allocations"
+        assert set(self._ranges) == set(self._held_by_core()), "native: mapped ranges differ from live allocations"
         held = sum(n for n, _ in self._ranges.values()) + self.graveyard.held_bytes()
         assert held == self.driver.physical_bytes, f"native: holds {held} bytes, driver counts {self.driver.physical_bytes}"
         g = self.driver.granularity

@@ -175,6 +175,8 @@ class PyTorchCachingAllocator(Allocator):
     """See the module docstring. ``config`` is a ``PYTORCH_CUDA_ALLOC_CONF``-style string or a
     :class:`~vmstoolkit.pools.pytorch_config.PyTorchAllocConfig`."""
 
+    streams_apart = True  # a pool per stream, as in PyTorch
+
     name = "pytorch-caching"
     expandable = False
 
@@ -249,7 +251,7 @@ class PyTorchCachingAllocator(Allocator):
         block.allocated = False
         self._free_block(block)
 
-    def empty_cache(self) -> None:
+    def _empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: give back every cached segment nothing uses."""
         self.graveyard.retry()
         self._release_cached_blocks()
@@ -409,10 +411,11 @@ class PyTorchCachingAllocator(Allocator):
 
     def _check(self) -> None:
         super()._check()
-        assert set(self.active) == set(self._live), f"{self.name}: allocated blocks differ from live allocations"
+        core = self._held_by_core()
+        assert set(self.active) == set(core), f"{self.name}: allocated blocks differ from live allocations"
         for ptr, b in self.active.items():
             assert b.allocated and b.ptr == ptr, f"{self.name}: active block {b} is not allocated at {ptr:#x}"
-            assert b.size >= self.round_size(self._live[ptr]), f"{self.name}: block {b} smaller than its request {self._live[ptr]}"
+            assert b.size >= self.round_size(core[ptr]), f"{self.name}: block {b} smaller than its request {core[ptr]}"
         for pool in (self.small_pool, self.large_pool):
             assert len(pool.blocks) == len(pool.by_ptr), f"{self.name}: pool index out of step"
             for s, size, ptr in pool.blocks:

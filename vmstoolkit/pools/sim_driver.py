@@ -28,6 +28,10 @@ GRANULARITY = 2 * MiB  # what cuMemGetAllocationGranularity reports on the H200
 VA_BASE = 0x7F00_0000_0000  # where simulated reservations start, as on a real Linux process
 
 
+def _overlap(a: list, b: list) -> bool:
+    return any(ka == kb and sa < eb and sb < ea for ka, sa, ea in a for kb, sb, eb in b)
+
+
 @dataclass
 class _Mapping:
     size: int
@@ -52,7 +56,13 @@ class SimulatedDriver(VMMDriver):
         self._reservations: SortedDict = SortedDict()  # va -> size
         self._mappings: SortedDict = SortedDict()  # va -> _Mapping
         self._faults: dict[str, tuple[int, str]] = {}
-        self._queued: list[tuple[int, int]] = []  # ranges queued work will still touch (enqueue_use)
+        # queued work (enqueue_use): (va, size, stream, seq, physical ranges) not yet finished
+        self._queued: list[tuple[int, int, int, int, list]] = []
+        self._seq = 0  # numbers every queued piece of work and every event, in queue order
+        self._events: dict[int, tuple[int, int]] = {}  # event -> (stream, seq when recorded)
+        self._next_event = 1
+        self._ordered: dict[tuple[int, int], int] = {}  # (waiter, stream) -> seq the waiter waits for
+        self.races: list[str] = []  # unordered cross-stream uses found by enqueue_use
         self.syncs = 0  # synchronize() calls
         self._allocs: SortedDict = SortedDict()  # ptr -> size of plain allocations
         self._sizes: dict[Handle, int] = {}  # every handle not yet freed, released ones included
@@ -168,7 +178,7 @@ class SimulatedDriver(VMMDriver):
         self._handle_maps[handle].add(va)
 
     def _unmap(self, va: int, size: int) -> None:
-        for qva, qsize in self._queued:
+        for qva, qsize, _, _, _ in self._queued:
             if qva < va + size and va < qva + qsize:
                 raise DriverError("CUDA_ERROR_ILLEGAL_ADDRESS",
                                   f"cuMemUnmap({va:#x}, {size}) while queued work still uses [{qva:#x}, +{qsize}): synchronize first")
@@ -240,11 +250,61 @@ class SimulatedDriver(VMMDriver):
         self.syncs += 1
         self._queued.clear()
 
-    def enqueue_use(self, va: int, size: int) -> None:
-        """Model a kernel queued on the device that will touch ``[va, va + size)`` later (as
-        PyTorch frees a tensor while its last kernel is still queued): until :meth:`synchronize`,
-        unmapping any of it fails, where a real device would fault in that kernel."""
-        self._queued.append((va, size))
+    def enqueue_use(self, va: int, size: int, stream: int = 0) -> None:
+        """Model a kernel queued on ``stream`` that will touch ``[va, va + size)`` later (as
+        PyTorch frees a tensor while its last kernel is still queued): until it finishes
+        (:meth:`finish` or :meth:`synchronize`), unmapping any of it fails, where a real device
+        would fault in that kernel.
+
+        The physical bytes behind the range are checked against the queued work of every other
+        stream: touching bytes that such work still uses, with no :meth:`stream_wait` ordering
+        this stream after it, is a race (the stream-ordered reuse contract broken); it is
+        recorded in :attr:`races` and raised as ``CUDA_ERROR_ILLEGAL_ADDRESS``."""
+        phys = self._physical(va, size)
+        for qva, qsize, qstream, qseq, qphys in self._queued:
+            if qstream == stream or self._ordered.get((stream, qstream), -1) >= qseq:
+                continue
+            if _overlap(phys, qphys):
+                msg = (f"race: stream {stream:#x} touches [{va:#x}, +{size}) while work queued on stream "
+                       f"{qstream:#x} still uses [{qva:#x}, +{qsize}) (same physical memory), with no wait between them")
+                self.races.append(msg)
+                raise DriverError("CUDA_ERROR_ILLEGAL_ADDRESS", msg)
+        self._seq += 1
+        self._queued.append((va, size, stream, self._seq, phys))
+
+    def finish(self, stream: int | None = None) -> None:
+        """The queued work of ``stream`` (every stream: None) has finished."""
+        self._queued = [q for q in self._queued if stream is not None and q[2] != stream]
+
+    def _physical(self, va: int, size: int) -> list[tuple[object, int, int]]:
+        """The physical bytes behind ``[va, va + size)``: (handle, start, end) pieces; plain
+        allocations and unmapped addresses stand for themselves."""
+        out = []
+        for s in self._overlapping(va, size):
+            m = self._mappings[s]
+            lo, hi = max(va, s), min(va + size, s + m.size)
+            out.append((m.handle, m.offset + lo - s, m.offset + hi - s))
+        if not out:
+            out.append(("va", va, va + size))
+        return out
+
+    def _record_event(self, stream: int) -> int:
+        ev = self._next_event
+        self._next_event += 1
+        self._events[ev] = (stream, self._seq)
+        return ev
+
+    def _event_done(self, event: int) -> bool:
+        stream, seq = self._events[event]
+        return not any(q[2] == stream and q[3] <= seq for q in self._queued)
+
+    def _stream_wait(self, stream: int, event: int) -> None:
+        other, seq = self._events[event]
+        if other != stream and self._ordered.get((stream, other), -1) < seq:
+            self._ordered[(stream, other)] = seq
+
+    def _release_event(self, event: int) -> None:
+        del self._events[event]
 
     # -- introspection (tests, invariants, leak checks) -----------------------------------
     def aliases(self, handle: Handle) -> int:

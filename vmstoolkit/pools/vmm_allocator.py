@@ -253,7 +253,7 @@ class VMMAllocator(Allocator):
         parts = () if isinstance(b, PrimitiveBlock) else tuple((p.va, p.nchunks) for p in b.parts)
         return BlockInfo(kind, b.va, b.nchunks * self.g, tuple(b.handles), parts)
 
-    def empty_cache(self) -> None:
+    def _empty_cache(self) -> None:
         """Unmap every idle stitched range, give back every free primitive block and empty
         small segment. Live allocations keep their memory. Teardown steps that failed
         earlier are retried first."""
@@ -271,7 +271,8 @@ class VMMAllocator(Allocator):
         self.stitched._check(self.primitives.blocks)
         small_handles = self.small._check()
         g = self.g
-        large_live = {a for a in self._live if not self.small.owns(a)}
+        core = self._held_by_core()
+        large_live = {a for a in core if not self.small.owns(a)}
         assert set(self._blocks) == large_live, "allocated blocks differ from live large allocations"
         for addr, b in self._blocks.items():
             if isinstance(b, StitchedPrefix):
@@ -280,7 +281,7 @@ class VMMAllocator(Allocator):
                 assert b.allocated and b.prefix is None, f"{b} is live but not marked allocated whole"
             else:
                 assert b.user is b, f"{b} is live but used by {b.user}"
-            assert b.nchunks * g >= self._live[addr], f"block at {addr:#x} smaller than its request"
+            assert b.nchunks * g >= core[addr], f"block at {addr:#x} smaller than its request"
         gy = self.graveyard
         reserved = (self.primitives.total_chunks + len(self.small.segments)) * g + gy.held_bytes()
         assert reserved == self.driver.physical_bytes, f"pools hold {reserved} bytes, driver counts {self.driver.physical_bytes}"
