@@ -28,6 +28,15 @@ def register_allocator(name: str, description: str):
     return deco
 
 
+def compiled_hook(name: str) -> str | None:
+    """``"module:Class"`` of the compiled PyTorch hook that serves allocator ``name``, or None
+    (served through Python callbacks); see :attr:`~vmstoolkit.pools.base.Allocator.compiled_hook`."""
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ConfigError(f"unknown allocator {name!r}; choose one of: {', '.join(_FACTORIES)}")
+    return getattr(factory, "compiled_hook", None)
+
+
 def allocator_names() -> list[str]:
     return list(_FACTORIES)
 

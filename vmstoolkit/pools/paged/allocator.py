@@ -36,7 +36,7 @@ import threading
 
 import numpy as np
 
-from vmstoolkit.errors import ConfigError, DriverError, DriverOutOfMemoryError, OutOfMemoryError
+from vmstoolkit.errors import ConfigError, DriverError, DriverOutOfMemoryError, InvalidFreeError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
 from vmstoolkit.pools.driver import VMMDriver
 from vmstoolkit.pools.paged import heap as H
@@ -45,11 +45,17 @@ from vmstoolkit.units import GiB, MiB
 
 SMALL_SIZE = 1 * MiB
 SMALL_UNIT_SHIFT = 9  # 512 B, PyTorch's rounding
+MIN_BLOCKS = 8  # block records to start with; the heaps double them when they run out
+MAX_SLOTS = 63  # streams with a bit in chunk tags (int64; the last bit is shared by any further streams)
+OVERFLOW_BIT = 1 << (MAX_SLOTS - 1)
+G_NSLOTS = 13  # g[] slot: streams with a slot (heap.py uses 0-5, the PyTorch hook 6-12)
 
 
 @register_allocator("paged", "best-fit heap over one virtual range; 2 MiB pages mapped on demand, reclaimed at the peak")
 class PagedAllocator(Allocator):
     name = "paged"
+    streams_apart = True  # streams are ordered through tagged chunks, below
+    compiled_hook = "vmstoolkit.integrations.native_torch:NativeHook"
 
     def __init__(self, driver: VMMDriver, *, va_bytes: int | None = None, small_va_bytes: int = 4 * GiB,
                  slack_pages: int = 0, reclaim: str = "top-down", reclaim_batch: int = 16,
@@ -61,6 +67,9 @@ class PagedAllocator(Allocator):
             raise ConfigError(f"paged: the granularity {page} is not a power of two of at least 512 B")
         if slack_pages < 0:
             raise ConfigError(f"paged: slack_pages must be >= 0, got {slack_pages}")
+        if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < MIN_BLOCKS:
+            raise ConfigError(f"paged: max_blocks must be an integer of at least {MIN_BLOCKS} (block records, grown "
+                              f"on demand), got {max_blocks!r}")
         if reclaim_batch < 1:
             raise ConfigError(f"paged: reclaim_batch must be >= 1, got {reclaim_batch}")
         self.reclaim_batch = reclaim_batch
@@ -80,18 +89,23 @@ class PagedAllocator(Allocator):
         max_chunks = va_bytes // page + small_va_bytes // page
         self.aliases = aliases
         self.chunk_live = np.zeros(max_chunks, np.int32)  # per chunk id: live pages mapping it (0 or 1)
+        self.chunk_tag = np.zeros(max_chunks, np.int64)  # per chunk id: streams (slot bits) that may still use it
         self.nmaps = np.zeros(max_chunks, np.int32)  # per chunk id: pages mapping it (more than one: aliases)
         self._lend_hand = np.zeros(1, np.int64)
         self.large = H.Heap(va_bytes >> large_shift, large_shift, self.page_shift, buckets=4096, max_blocks=max_blocks,
-                            chunk_live=self.chunk_live)
+                            chunk_live=self.chunk_live, chunk_tag=self.chunk_tag)
         self.small = H.Heap(small_va_bytes >> SMALL_UNIT_SHIFT, SMALL_UNIT_SHIFT, self.page_shift,
                             buckets=(SMALL_SIZE >> SMALL_UNIT_SHIFT) + 1, max_blocks=max_blocks,
-                            chunk_live=self.chunk_live)
+                            chunk_live=self.chunk_live, chunk_tag=self.chunk_tag)
         for h in (self.large, self.small):
             h.meta[H.M_CLOCK_ORDER] = reclaim == "clock"
         self.large.meta[H.M_PLACE_MAPPED] = placement == "mapped"
         self.g = np.zeros(16, np.int64)  # heap.G_* slots, then the PyTorch hook's counters
         self.g[H.G_SLACK] = slack_pages
+        self.stream_slots = np.zeros(MAX_SLOTS, np.int64)  # slot -> stream handle (g[G_NSLOTS] in use)
+        self._slot: dict[int, int] = {}
+        self.on_arrays_changed = None  # called after heap arrays are replaced (the hook republishes)
+        self._stuck: list = []  # (heap, page) left mapped by a rollback whose unmap failed
         self.chunk_stack = np.zeros(max_chunks, np.int32)
         self.handles: list = []  # chunk id -> driver handle (None once released)
         self._spare_ids: list[int] = []
@@ -118,10 +132,17 @@ class PagedAllocator(Allocator):
         self.large.base = large
 
     # -- allocate and free (the Allocator protocol; the PyTorch hook's slow path) ---------------
-    def alloc_block(self, size: int) -> int:
-        """Address of a new block for ``size`` bytes, its pages mapped; raises
+    def alloc_block(self, size: int, stream: int = 0) -> int:
+        """Address of a new block for ``size`` bytes on ``stream``, its pages mapped and the stream
+        ordered after any other stream's queued work on its chunks; raises
         :class:`~vmstoolkit.errors.OutOfMemoryError` (nothing changed) when it cannot."""
         with self.slow_lock:
+            self._repair()
+            if size > self.large.nbytes:  # sizes the heap cannot represent: an OOM, never a wrapped size
+                raise OutOfMemoryError(
+                    f"paged: a request of {size} bytes is larger than the {self.large.nbytes}-byte virtual range "
+                    f"(the device has {self.driver.capacity})", requested=size,
+                    reserved=self.driver.physical_bytes, capacity=self.driver.capacity)
             try:
                 self.reserve_ranges()
             except DriverOutOfMemoryError as e:
@@ -129,12 +150,11 @@ class PagedAllocator(Allocator):
                                        requested=size, reserved=self.driver.physical_bytes,
                                        capacity=self.driver.capacity) from None
             heap = self.small if size <= SMALL_SIZE else self.large
-            n = -(-size // (1 << heap.unit_shift))
-            start, missing = H.heap_alloc(*heap.arrays(), self.g, n)
+            start, missing = self._commit(heap, size)
             if start < 0 and heap is self.small:  # the small range is full: a page of the large one
                 heap = self.large
-                n = -(-size // (1 << heap.unit_shift))
-                start, missing = H.heap_alloc(*heap.arrays(), self.g, n)
+                start, missing = self._commit(heap, size)
+            n = -(-size // (1 << heap.unit_shift))
             if start < 0:
                 raise OutOfMemoryError(
                     f"paged: no free range of {n << heap.unit_shift} bytes left in the {heap.nbytes}-byte virtual range "
@@ -144,15 +164,37 @@ class PagedAllocator(Allocator):
                 self.map_block(heap, start, n, size)
             else:
                 self.counts["fast"] += 1
+            self.order_after(heap, start, n, stream)
             return heap.base + (start << heap.unit_shift)
 
-    def free_block(self, addr: int) -> bool:
-        """Free the live block at ``addr``; False (nothing changed) if no live block starts there."""
+    def _commit(self, heap: H.Heap, size: int) -> tuple[int, int]:
+        """``heap_alloc`` for ``size`` bytes, growing the block records when they run out."""
+        n = -(-size // (1 << heap.unit_shift))
+        while True:
+            start, missing = H.heap_alloc(*heap.arrays(), self.g, n)
+            if start != H.NO_RECORD:
+                return start, missing
+            heap.grow_records()
+            if self.on_arrays_changed is not None:
+                self.on_arrays_changed()
+
+    def free_block(self, addr: int, bits: int = 1) -> bool:
+        """Free the live block that starts at ``addr`` (its chunks tagged with the streams
+        ``bits``); False, nothing changed, if no live block starts exactly there."""
         with self.slow_lock:
-            for heap in (self.large, self.small):
-                if heap.base is not None and heap.base <= addr < heap.base + heap.nbytes:
-                    return H.heap_free(*heap.arrays(), self.g, (addr - heap.base) >> heap.unit_shift) > 0
-            return False
+            heap, start = self._locate(addr)
+            return heap is not None and H.heap_free(*heap.arrays(), self.g, start, bits) > 0
+
+    def _locate(self, addr: int) -> tuple[H.Heap | None, int]:
+        """The heap and unit of a block start at ``addr`` (None for an address inside a unit,
+        outside both heaps, or before they exist)."""
+        for heap in (self.large, self.small):
+            if heap.base is not None and heap.base <= addr < heap.base + heap.nbytes:
+                off = addr - heap.base
+                if off & ((1 << heap.unit_shift) - 1):
+                    return None, -1  # an interior pointer is no block's start
+                return heap, off >> heap.unit_shift
+        return None, -1
 
     def free_untracked(self) -> int:
         """Free every live block that ``alloc_block``'s callers still hold (the compiled hook's,
@@ -165,15 +207,79 @@ class PagedAllocator(Allocator):
                     continue
                 for start in H.live_starts(heap.b_start, heap.b_free, heap.b_next, heap.block_at):
                     if heap.base + (int(start) << heap.unit_shift) not in self._live:  # close frees those
-                        n += H.heap_free(*heap.arrays(), self.g, start) > 0
+                        n += H.heap_free(*heap.arrays(), self.g, start, 1) > 0
         return n
 
     def _allocate(self, size: int, stream: int) -> int:
-        return self.alloc_block(size)
+        return self.alloc_block(size, stream)
 
     def _free(self, addr: int) -> None:
         freed = self.free_block(addr)
         assert freed, f"paged: no live block at {addr:#x}"
+
+    # -- streams: chunks tagged with the streams that may still use them ------------------------
+    # A freed block's chunks carry the bits of its streams (its own and those recorded on it). A
+    # block handed to another stream first makes that stream wait for an event on each tagged
+    # stream (cuStreamWaitEvent: the GPU orders the work, the host never waits), so memory is
+    # reused across streams at once and safely; the same stream needs nothing. A device
+    # synchronize (reclaim) clears every tag.
+
+    def slot_bit(self, stream: int) -> int:
+        """The stream's bit in chunk tags (slots are handed out in order of first use; streams
+        past the 62nd share bit 62, which waits for the whole device)."""
+        slot = self._slot.get(stream)
+        if slot is None:
+            k = int(self.g[G_NSLOTS])
+            slot = min(k, MAX_SLOTS - 1)
+            if k < MAX_SLOTS:
+                self.stream_slots[k] = stream
+                self.g[G_NSLOTS] = k + 1
+            self._slot[stream] = slot
+        return 1 << slot
+
+    def order_after(self, heap: H.Heap, start: int, n: int, stream: int) -> None:
+        """Make ``stream`` wait for every other stream whose queued work may use the chunks of
+        the block at unit ``start`` (see :func:`~vmstoolkit.pools.paged.heap.take_tags`)."""
+        bit = self.slot_bit(stream)
+        mine = 0 if bit == OVERFLOW_BIT else bit
+        w = int(H.take_tags(heap.meta, heap.page_chunk, heap.page_used, self.chunk_tag, start, n, mine))
+        if w:
+            self.wait_for(stream, w)
+
+    def wait_for(self, stream: int, mask: int) -> None:
+        """``stream`` waits for the work queued so far on the streams of ``mask``."""
+        if mask & OVERFLOW_BIT:  # streams without a slot of their own: wait for the whole device
+            self.driver.synchronize()
+            self.chunk_tag[:] = 0
+            return
+        for slot in range(MAX_SLOTS - 1):
+            if mask >> slot & 1:
+                ev = self.driver.record_event(int(self.stream_slots[slot]))
+                try:
+                    if not self.driver.event_done(ev):
+                        self.driver.stream_wait(stream, ev)
+                finally:
+                    self.driver.release_event(ev)
+
+    def _free_streamed(self, addr: int, size: int, stream: int | None) -> None:
+        own = self._streams.stream_of.pop(addr, self._streams.home)
+        bits = self.slot_bit(own if own is not None else 0)
+        if stream is not None:
+            bits |= self.slot_bit(stream)
+        freed = self.free_block(addr, bits)
+        assert freed, f"paged: no live block at {addr:#x}"
+
+    def record_stream(self, addr: int, stream: int) -> None:
+        if addr not in self._live:
+            raise InvalidFreeError(f"record_stream of address {addr:#x}, which is not a live allocation")
+        self.record_block(addr, stream)
+
+    def record_block(self, addr: int, stream: int) -> bool:
+        """Add ``stream`` to the streams of the live block at ``addr`` (False: none starts there)."""
+        with self.slow_lock:
+            heap, start = self._locate(addr)
+            return heap is not None and bool(H.record_on(heap.meta, heap.b_free, heap.block_at, heap.b_rec, start,
+                                                         self.slot_bit(stream)))
 
     def path_counts(self) -> dict:
         """``counts`` with the mapped placement's searches (requests whose best fit lacked chunks)
@@ -202,7 +308,7 @@ class PagedAllocator(Allocator):
             self._map_pages(heap, k)
         except (DriverError, OutOfMemoryError) as e:
             H.settle_stack(self.nmaps, self.chunk_stack, self.g)
-            H.heap_free(*heap.arrays(), self.g, start)
+            H.heap_free(*heap.arrays(), self.g, start, 0)
             if isinstance(e, DriverOutOfMemoryError):
                 raise OutOfMemoryError(
                     f"paged: out of memory for a request of {size} bytes ({need} new pages of {self.page}) with "
@@ -249,6 +355,7 @@ class PagedAllocator(Allocator):
                 self.handles.append(h)
             else:
                 self.handles[cid] = h
+            self.chunk_tag[cid] = 0
             self.chunk_stack[self.g[H.G_FREE_CHUNKS]] = cid
             self.g[H.G_FREE_CHUNKS] += 1
             self.g[H.G_TOTAL_CHUNKS] += 1
@@ -270,6 +377,7 @@ class PagedAllocator(Allocator):
                 # Work already queued may still use a free block's pages (PyTorch frees when the
                 # last reference goes, not when the stream is done): wait for it before unmapping.
                 self.driver.synchronize()
+                self.chunk_tag[:] = 0  # nothing queued uses any chunk now
                 synced = True
             k = H.reclaim(heap.meta, heap.page_chunk, heap.page_used, self.nmaps, self.chunk_stack, g, want - pages,
                           self._out_pages, self._out_chunks)
@@ -286,6 +394,7 @@ class PagedAllocator(Allocator):
         pages, chunks = self._out_pages[:k].copy(), self._out_chunks[:k].copy()
         if k and not synced:
             self.driver.synchronize()  # queued work may still use these pages (see _reclaim)
+            self.chunk_tag[:] = 0
         for i, p in enumerate(pages.tolist()):
             try:
                 self.driver.unmap(heap.base + (p << self.page_shift), self.page)
@@ -310,18 +419,50 @@ class PagedAllocator(Allocator):
                 self.driver.set_access(heap.base + (int(pages[i]) << self.page_shift), (j - i + 1) * self.page)
                 i = j + 1
         except DriverError:
+            # Undo: unmap what was mapped. A page whose unmap fails too stays mapped, so it keeps
+            # its chunk in the books (the driver's truth) and waits in ``_stuck`` for _repair;
+            # until then every allocation takes the slow path, which repairs first.
+            undo = [p for p in pages[done:].tolist()]
             for p in pages[:done].tolist():
                 try:
                     self.driver.unmap(heap.base + (p << self.page_shift), self.page)
+                    undo.append(p)
                 except DriverError:
-                    pass
-            H.unassign(heap.page_chunk, heap.page_used, self.chunk_live, self.nmaps, self.chunk_stack, self.g, pages, k)
+                    self._stick(heap, p)
+            gone = np.array(undo, np.int64)
+            H.unassign(heap.page_chunk, heap.page_used, self.chunk_live, self.nmaps, self.chunk_stack, self.g,
+                       gone, len(undo))
             raise
 
+    def _stick(self, heap: H.Heap, p: int) -> None:
+        if not self._stuck:
+            self.g[H.G_BUSY] += 1  # the compiled fast path defers to Python until repaired
+        self._stuck.append((heap, p))
+
+    def _repair(self) -> None:
+        """Unmap the pages a failed rollback left mapped (see :meth:`_map_pages`); those that
+        still fail stay for the next try. Called first by every slow-path entry and by close."""
+        if not self._stuck:
+            return
+        keep = []
+        for heap, p in self._stuck:
+            try:
+                self.driver.unmap(heap.base + (p << self.page_shift), self.page)
+            except DriverError:
+                keep.append((heap, p))
+                continue
+            H.unassign(heap.page_chunk, heap.page_used, self.chunk_live, self.nmaps, self.chunk_stack, self.g,
+                       np.array([p], np.int64), 1)
+        H.settle_stack(self.nmaps, self.chunk_stack, self.g)
+        self._stuck = keep
+        if not keep:
+            self.g[H.G_BUSY] -= 1
+
     # -- caches ----------------------------------------------------------------------------
-    def empty_cache(self) -> None:
+    def _empty_cache(self) -> None:
         """Unmap every page no live block uses and release every free chunk."""
         with self.slow_lock:
+            self._repair()
             self._reclaim(len(self._out_pages))
             while self.g[H.G_FREE_CHUNKS] > 0:
                 cid = int(self.chunk_stack[self.g[H.G_FREE_CHUNKS] - 1])
@@ -368,3 +509,13 @@ class PagedAllocator(Allocator):
         assert live_pages == g[H.G_LIVE_PAGES], "paged: live page count"
         for h in (self.large, self.small):
             assert not np.any((h.page_used > 0) & (h.page_chunk == H.NONE)), "paged: a live page has no chunk"
+        truth = getattr(self.driver, "live_mappings", None)  # the simulated driver's own record
+        if truth is not None:
+            mapped = {va for va in truth() for h in (self.large, self.small)
+                      if h.base is not None and h.base <= va < h.base + h.nbytes}
+            books = {h.base + (int(p) << self.page_shift) for h in (self.large, self.small) if h.base is not None
+                     for p in np.flatnonzero(h.page_chunk != H.NONE)}
+            assert mapped == books, (f"paged: the driver maps {len(mapped - books)} pages the books do not know, "
+                                     f"and the books map {len(books - mapped)} the driver does not")
+        for h, p in self._stuck:
+            assert h.page_chunk[p] != H.NONE and h.page_used[p] == 0, "paged: a stuck page lost its chunk or is live"

@@ -31,13 +31,14 @@ M_LOW = 11  # the start of a block with no free block below it (where those sear
 # g[] slots shared by the heaps of one device
 G_FREE_CHUNKS, G_TOTAL_CHUNKS, G_LIVE_PAGES, G_PEAK_LIVE_PAGES, G_BUSY, G_SLACK = 0, 1, 2, 3, 4, 5
 NONE = -1
+NO_RECORD = -2  # heap_alloc's start when no block record is left (grow them: Heap.grow_records)
 
 
 class Heap:
     """The arrays of one heap (see the module docstring); ``units`` of ``1 << unit_shift`` bytes."""
 
     def __init__(self, units: int, unit_shift: int, page_shift: int, buckets: int, max_blocks: int,
-                 chunk_live: np.ndarray) -> None:
+                 chunk_live: np.ndarray, chunk_tag: np.ndarray) -> None:
         q = 1 << (page_shift - unit_shift)
         if units % q:
             raise ValueError(f"a heap of {units} units does not hold whole pages of {q} units")
@@ -58,13 +59,33 @@ class Heap:
         self.page_chunk = np.full(units // q, NONE, np.int32)
         self.page_used = np.zeros(units // q, np.int32)
         self.chunk_live = chunk_live  # per chunk: live pages mapping it (shared by a device's heaps)
+        self.b_rec = np.zeros(max_blocks, np.int64)  # per live block: streams recorded on it (slot bits)
+        self.chunk_tag = chunk_tag  # per chunk: streams whose queued work may use it (slot bits, shared)
         self.meta[M_REC_TOP] = max_blocks
         init_heap(*self.arrays())
 
     def arrays(self) -> tuple:
         return (self.meta, self.b_start, self.b_len, self.b_free, self.b_prev, self.b_next, self.b_fprev,
                 self.b_fnext, self.rec_stack, self.block_at, self.bucket_head, self.bits, self.page_chunk,
-                self.page_used, self.chunk_live)
+                self.page_used, self.chunk_live, self.b_rec, self.chunk_tag)
+
+    def grow_records(self) -> None:
+        """Twice the block records (the compiled code ran out): the block arrays are copied into
+        arrays twice as long and the new records pushed on the stack. Callers republish the
+        arrays' addresses (the PyTorch hook's table)."""
+        old = self.b_start.shape[0]
+        for name, fill in (("b_start", 0), ("b_len", 0), ("b_free", 0), ("b_prev", NONE), ("b_next", NONE),
+                           ("b_fprev", NONE), ("b_fnext", NONE), ("b_rec", 0)):
+            a = getattr(self, name)
+            b = np.full(2 * old, fill, a.dtype)
+            b[:old] = a
+            setattr(self, name, b)
+        top = int(self.meta[M_REC_TOP])
+        stack = np.zeros(2 * old, np.int32)
+        stack[:old] = np.arange(2 * old - 1, old - 1, -1, dtype=np.int32)  # new records, taken last
+        stack[old:old + top] = self.rec_stack[:top]
+        self.rec_stack = stack
+        self.meta[M_REC_TOP] = top + old
 
 
 @njit(cache=True)
@@ -138,7 +159,7 @@ def _split(meta, b_start, b_len, b_free, b_prev, b_next, rec_stack, block_at, bl
 
 @njit(cache=True)
 def init_heap(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
-              bucket_head, bits, page_chunk, page_used, chunk_live):
+              bucket_head, bits, page_chunk, page_used, chunk_live, b_rec, chunk_tag):
     """One free block spanning the whole heap."""
     blk = _new_record(meta, rec_stack)
     b_start[blk] = 0
@@ -187,9 +208,10 @@ def _ctz(word):
 
 @njit(cache=True)
 def heap_alloc(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
-               bucket_head, bits, page_chunk, page_used, chunk_live, g, n):
-    """Commit a block of ``n`` units. Returns ``(start unit, pages without a chunk)``, or
-    ``(-1, 0)`` when no free block is large enough (or no block record is left)."""
+               bucket_head, bits, page_chunk, page_used, chunk_live, b_rec, chunk_tag, g, n):
+    """Commit a block of ``n`` units. Returns ``(start unit, pages without a chunk)``,
+    ``(-1, 0)`` when no free block is large enough, or ``(NO_RECORD, 0)`` when no block record
+    is left (nothing changed either way)."""
     blk = _find_fit(meta, b_len, b_fnext, bucket_head, bits, n)
     if blk == NONE:
         return -1, 0
@@ -201,11 +223,12 @@ def heap_alloc(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, r
         rest = _split(meta, b_start, b_len, b_free, b_prev, b_next, rec_stack, block_at, blk, n)
         if rest == NONE:
             _push_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, blk)
-            return -1, 0
+            return NO_RECORD, 0
         _push_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, rest)
     else:
         _pop_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, blk)
     b_free[blk] = 0
+    b_rec[blk] = 0
     start = b_start[blk]
     meta[M_LIVE_UNITS] += n
     q = meta[M_Q]
@@ -300,14 +323,18 @@ def _place_mapped(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext
 
 @njit(cache=True)
 def heap_free(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
-              bucket_head, bits, page_chunk, page_used, chunk_live, g, start):
+              bucket_head, bits, page_chunk, page_used, chunk_live, b_rec, chunk_tag, g, start, sbits):
     """Free the live block at unit ``start``; returns its length, or -1 if none is live there.
-    Its pages keep their chunks (reclaimed only when memory is needed elsewhere)."""
+    Its pages keep their chunks (reclaimed only when memory is needed elsewhere); their chunks
+    are tagged with ``sbits`` (the streams the block was used on) and the streams recorded on the
+    block: a later block on another stream waits for them (:func:`take_tags`)."""
     if start < 0 or start >= meta[M_UNITS]:
         return -1
     blk = block_at[start]
     if blk == NONE or b_free[blk] != 0:
         return -1
+    tag = sbits | b_rec[blk]
+    b_rec[blk] = 0
     n = b_len[blk]
     q = meta[M_Q]
     u = start
@@ -316,6 +343,8 @@ def heap_free(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, re
         p = u // q
         nxt = min(end, (p + 1) * q)
         page_used[p] -= nxt - u
+        if page_chunk[p] != NONE:
+            chunk_tag[page_chunk[p]] |= tag
         if page_used[p] == 0:
             g[G_LIVE_PAGES] -= 1
             if page_chunk[p] != NONE:
@@ -346,6 +375,36 @@ def heap_free(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, re
     if b_start[blk] < meta[M_LOW]:
         meta[M_LOW] = b_start[blk]
     return n
+
+
+@njit(cache=True)
+def take_tags(meta, page_chunk, page_used, chunk_tag, start, n, tbit):
+    """The streams (slot bits) whose queued work may still use the chunks of the block just
+    committed at units ``[start, start + n)``, other than its own stream ``tbit``: the caller
+    orders its stream after them before handing the block out. A page the live blocks now fill
+    whole loses its tag (every block on it was ordered so); an overflow stream (``tbit`` 0)
+    gets every tag. Runtime: one pass over the block's pages."""
+    q = meta[M_Q]
+    w = 0
+    for p in range(start // q, (start + n + q - 1) // q):
+        c = page_chunk[p]
+        if c != NONE:
+            w |= chunk_tag[c] & ~tbit
+            if page_used[p] == q:
+                chunk_tag[c] = 0
+    return w
+
+
+@njit(cache=True)
+def record_on(meta, b_free, block_at, b_rec, start, bits):
+    """Add ``bits`` (streams) to the live block at unit ``start``; False if none is live there."""
+    if start < 0 or start >= meta[M_UNITS]:
+        return False
+    blk = block_at[start]
+    if blk == NONE or b_free[blk] != 0:
+        return False
+    b_rec[blk] |= bits
+    return True
 
 
 @njit(cache=True)
@@ -533,7 +592,7 @@ def unassign(page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, pages, k)
 
 @njit(cache=True)
 def check_heap(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
-               bucket_head, bits, page_chunk, page_used, chunk_live):
+               bucket_head, bits, page_chunk, page_used, chunk_live, b_rec, chunk_tag):
     """0 when every invariant holds, else a code naming the first broken one."""
     units = meta[M_UNITS]
     q = meta[M_Q]
