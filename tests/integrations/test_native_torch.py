@@ -168,14 +168,17 @@ def test_install_paged_hands_pytorch_the_compiled_pointers(monkeypatch):
     seen = {}
     fake = types.ModuleType("torch")
     fake.cuda = types.SimpleNamespace(is_available=lambda: True)
+    fake.Tensor = type("Tensor", (), {"record_stream": lambda self, stream: None})
     fake._C = types.SimpleNamespace(
         _cuda_customAllocator=lambda a, f: seen.setdefault("pointers", (a, f)) and "allocator",
         _cuda_changeCurrentAllocator=lambda alloc: seen.setdefault("installed", alloc))
     monkeypatch.setitem(sys.modules, "torch", fake)
     monkeypatch.setattr(vt, "_INSTALLED", None)
-    h = vt.install("paged")
+    h = vt.install("paged")  # the stand-in has no extension builder: the bare hook, patched in Python
     try:
         assert seen["pointers"] == (h.alloc_ptr, h.free_ptr) and seen["installed"] == "allocator"
+        assert not h.raises and "cpp_extension" in h.shim_reason
+        assert fake.Tensor.record_stream is not None and callable(fake._C._cuda_memoryStats)
         assert vt.install("paged") is h
         with pytest.raises(VmsError, match="already installed"):
             vt.install("vms")
@@ -184,6 +187,31 @@ def test_install_paged_hands_pytorch_the_compiled_pointers(monkeypatch):
         assert isinstance(h.last_error, NoGPUError), repr(h.last_error)
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("name", ["paged", "vms"])
+def test_install_with_the_shim_hands_it_every_entry_point(monkeypatch, name):
+    """With the shim built (a stand-in here), it receives the seven entry points, and the handle
+    leaves failed allocations to it (no report on stderr: the shim raises torch.OutOfMemoryError)."""
+    import sys
+    import types
+
+    from vmstoolkit.integrations import torch as vt
+
+    seen = {}
+    fake = types.ModuleType("torch")
+    fake.cuda = types.SimpleNamespace(is_available=lambda: True)
+    shim = types.SimpleNamespace(install=lambda *ptrs: seen.setdefault("pointers", ptrs))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setattr(vt, "_INSTALLED", None)
+    monkeypatch.setattr(vt, "_load_shim", lambda: (shim, ""))
+    h = vt.install(name)
+    try:
+        assert seen["pointers"] == h.shim_pointers and len(set(h.shim_pointers)) == 7
+        assert h.raises
+    finally:
+        if name == "paged":
+            h.close()
 
 
 def test_two_native_threads_at_once_keep_the_heap_consistent():

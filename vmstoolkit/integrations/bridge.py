@@ -1,14 +1,16 @@
 """The framework-neutral side of an integration: pointers in, pointers out, statistics.
 
-A framework hands over raw ``malloc(size) -> ptr`` and ``free(ptr)`` requests, possibly from
-several threads (PyTorch's autograd engine frees from its own threads). The bridge serialises
-them with a lock, turns a zero-size request into the null pointer, never lets an exception
-cross into C (a failure returns the null pointer and is kept in ``last_error``), and reports
-statistics in PyTorch's ``memory_stats()`` vocabulary.
+A framework hands over raw ``malloc(size, stream) -> ptr`` and ``free(ptr, stream)`` requests,
+possibly from several threads (PyTorch's autograd engine frees from its own threads). The bridge
+serialises them with a lock, turns a zero-size request into the null pointer, never lets an
+exception cross into C (a failure returns the null pointer and is kept in ``last_error``), and
+reports statistics in PyTorch's ``memory_stats()`` vocabulary through one function,
+:func:`torch_stats`, over the allocator's :class:`~vmstoolkit.pools.base.AllocatorStats`.
 
-PyTorch's pluggable hook does not check the pointer it gets: a null one becomes a tensor whose
-first use fails far from the cause (``invalid argument`` in a copy, an illegal address in a
-kernel). So every failed allocation is also reported on standard error at once
+PyTorch's bare pluggable hook does not check the pointer it gets: a null one becomes a tensor
+whose first use fails far from the cause. The PyTorch integration's compiled shim
+(:mod:`vmstoolkit.integrations.torch_shim`) raises ``torch.OutOfMemoryError`` instead; without
+the shim every failed allocation is at least reported on standard error at once
 (:func:`report_failed_malloc`), naming the size, the device and the allocator's error.
 """
 
@@ -19,7 +21,7 @@ import threading
 import time
 
 from vmstoolkit.errors import OutOfMemoryError, VmsError
-from vmstoolkit.pools.base import Allocator
+from vmstoolkit.pools.base import Allocator, AllocatorStats
 
 
 class AllocatorBridge:
@@ -31,39 +33,63 @@ class AllocatorBridge:
         self.failed_frees = 0
         self.seconds = 0.0  # wall time spent inside malloc and free (allocator CPU cost)
 
-    def malloc(self, size: int) -> int:
-        """Device pointer of a new ``size``-byte allocation; 0 for size 0 or on failure."""
+    def malloc(self, size: int, stream: int = 0, report: bool = True) -> int:
+        """Device pointer of a new ``size``-byte allocation on ``stream``; 0 for size 0 or on
+        failure (reported on standard error unless ``report`` is False: the shim raises instead)."""
         if size == 0:
             return 0
         with self._lock:
             t0 = time.perf_counter()
             try:
-                return self.allocator.allocate(int(size))
+                return self.allocator.allocate(int(size), int(stream))
             except (VmsError, MemoryError) as e:
                 self.last_error = e
                 self.failed_mallocs += 1
-                report_failed_malloc(size, None, e)
+                if report:
+                    report_failed_malloc(size, None, e)
                 return 0
             finally:
                 self.seconds += time.perf_counter() - t0
 
-    def free(self, ptr: int) -> None:
+    def free(self, ptr: int, stream: int | None = None) -> None:
         """Free ``ptr`` (0 is ignored); a bad pointer is recorded, never raised into C."""
         if not ptr:
             return
         with self._lock:
             t0 = time.perf_counter()
             try:
-                self.allocator.free(int(ptr))
+                self.allocator.free(int(ptr), stream)
             except VmsError as e:
                 self.last_error = e
                 self.failed_frees += 1
             finally:
                 self.seconds += time.perf_counter() - t0
 
-    def stats(self) -> dict:
+    def record_stream(self, ptr: int, stream: int) -> None:
         with self._lock:
-            return torch_style_stats(self.allocator)
+            try:
+                self.allocator.record_stream(int(ptr), int(stream))
+            except VmsError as e:
+                self.last_error = e
+
+    def allocator_stats(self) -> AllocatorStats:
+        with self._lock:
+            return self.allocator.stats()
+
+    def stats(self) -> dict:
+        return torch_stats(self.allocator_stats())
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.allocator.reset_peak_stats()
+
+    def reset_accumulated(self) -> None:
+        with self._lock:
+            self.allocator.reset_accumulated_stats()
+
+    def empty_cache(self) -> None:
+        with self._lock:
+            self.allocator.empty_cache()
 
 
 def report_failed_malloc(size: int, device: int | None, error: BaseException) -> None:
@@ -73,6 +99,51 @@ def report_failed_malloc(size: int, device: int | None, error: BaseException) ->
     sys.stderr.write(f"vmstoolkit: could not allocate {size} bytes{where} ({type(error).__name__}: {error}); "
                      "the framework gets a null pointer and will fail where it first uses it\n")
     sys.stderr.flush()
+
+
+# The statistics the compiled shim hands PyTorch (``getDeviceStats``), in this order: the shim's
+# C++ reads the same list (vmstoolkit/integrations/csrc/torch_shim.cpp, ``enum Stat``).
+STAT_KEYS = (
+    "allocated_bytes.all.current", "allocated_bytes.all.peak", "allocated_bytes.all.allocated",
+    "allocated_bytes.all.freed", "reserved_bytes.all.current", "reserved_bytes.all.peak",
+    "active.all.current", "active.all.peak", "allocation.all.allocated", "allocation.all.freed",
+    "num_ooms", "num_device_alloc", "num_device_free", "num_alloc_retries",
+)
+
+
+def torch_stats(s: AllocatorStats) -> dict:
+    """An allocator's statistics under the names ``torch.cuda.memory_stats()`` uses: the one
+    place they are named, for the handle, the shim and the fallback alike.
+
+    ``allocated``, ``requested`` and ``active`` bytes are the bytes requested by live
+    allocations (PyTorch counts its rounded blocks for the first and third); ``reserved`` bytes
+    the physical bytes mapped for the allocator (``cuMemCreate`` chunks or plain allocations).
+    """
+    freed = s.total_allocated_bytes - s.allocated_bytes
+    out = {
+        "allocated_bytes.all.current": s.allocated_bytes,
+        "allocated_bytes.all.peak": s.peak_allocated_bytes,
+        "allocated_bytes.all.allocated": s.total_allocated_bytes,
+        "allocated_bytes.all.freed": freed,
+        "reserved_bytes.all.current": s.reserved_bytes,
+        "reserved_bytes.all.peak": s.peak_reserved_bytes,
+        "active.all.current": s.allocated_count,
+        "active.all.peak": s.peak_allocated_count,
+        "allocation.all.allocated": s.total_allocs,
+        "allocation.all.freed": s.total_frees,
+        "num_ooms": s.num_ooms,
+        "num_device_alloc": s.driver_calls.get("create", 0) + s.driver_calls.get("mem_alloc", 0),
+        "num_device_free": s.driver_calls.get("release", 0) + s.driver_calls.get("mem_free", 0),
+        "num_alloc_retries": 0,
+    }
+    out["requested_bytes.all.current"] = out["active_bytes.all.current"] = s.allocated_bytes
+    out["requested_bytes.all.peak"] = out["active_bytes.all.peak"] = s.peak_allocated_bytes
+    return out
+
+
+def torch_style_stats(allocator: Allocator) -> dict:
+    """:func:`torch_stats` of ``allocator`` (kept for existing callers)."""
+    return torch_stats(allocator.stats())
 
 
 class HandleStats:
@@ -89,29 +160,5 @@ class HandleStats:
         return self.memory_stats(device)["allocated_bytes.all.peak"]
 
 
-def torch_style_stats(allocator: Allocator) -> dict:
-    """An allocator's statistics under the names ``torch.cuda.memory_stats()`` uses.
-
-    ``allocated_bytes`` here are the bytes requested (PyTorch counts its rounded blocks);
-    ``reserved_bytes`` the physical bytes the allocator holds from the driver.
-    """
-    s = allocator.stats()
-    return {
-        "allocated_bytes.all.current": s.allocated_bytes,
-        "allocated_bytes.all.peak": s.peak_allocated_bytes,
-        "requested_bytes.all.current": s.allocated_bytes,
-        "requested_bytes.all.peak": s.peak_allocated_bytes,
-        "reserved_bytes.all.current": s.reserved_bytes,
-        "reserved_bytes.all.peak": s.peak_reserved_bytes,
-        "active.all.current": s.allocated_count,
-        "active.all.peak": s.peak_allocated_count,
-        "allocation.all.allocated": s.total_allocs,
-        "allocation.all.freed": s.total_frees,
-        "num_ooms": s.num_ooms,
-        "num_alloc_retries": 0,
-        "num_device_alloc": s.driver_calls.get("create", 0) + s.driver_calls.get("mem_alloc", 0),
-        "num_device_free": s.driver_calls.get("release", 0) + s.driver_calls.get("mem_free", 0),
-    }
-
-
-__all__ = ["AllocatorBridge", "HandleStats", "report_failed_malloc", "torch_style_stats", "OutOfMemoryError"]
+__all__ = ["AllocatorBridge", "HandleStats", "STAT_KEYS", "report_failed_malloc", "torch_stats", "torch_style_stats",
+           "OutOfMemoryError"]

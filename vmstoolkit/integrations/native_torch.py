@@ -32,27 +32,35 @@ from contextlib import contextmanager
 import numpy as np
 from numba import njit
 
-from vmstoolkit.integrations.bridge import HandleStats, report_failed_malloc
+from vmstoolkit.errors import VmsError
+from vmstoolkit.integrations.bridge import report_failed_malloc, torch_stats
+from vmstoolkit.integrations.torch import HookBase
+from vmstoolkit.pools.base import AllocatorStats
 from vmstoolkit.pools.paged import heap as H
-from vmstoolkit.pools.paged.allocator import SMALL_SIZE, PagedAllocator
+from vmstoolkit.pools.paged.allocator import G_NSLOTS, MAX_SLOTS, OVERFLOW_BIT, SMALL_SIZE, PagedAllocator
 
 MAX_DEVICES = 16
-N_HEAP_ARRAYS = 15
-# one row per device: ready, g, bases and sizes, unit shifts, then (address, length) of each heap array
+N_HEAP_ARRAYS = 17
+# one row per device: ready, g, bases and sizes, unit shifts, the stream slots, then (address,
+# length) of each heap array
 R_READY, R_G, R_G_LEN = 0, 1, 2
 R_LARGE_BASE, R_LARGE_BYTES, R_SMALL_BASE, R_SMALL_BYTES, R_LARGE_SHIFT, R_SMALL_SHIFT = 3, 4, 5, 6, 7, 8
-R_HEAPS = 9  # large heap arrays at R_HEAPS, small heap arrays at R_HEAPS + 2 * N_HEAP_ARRAYS
+R_SLOTS = 9  # address of the allocator's stream_slots (g[G_NSLOTS] of them in use)
+R_HEAPS = 10  # large heap arrays at R_HEAPS, small heap arrays at R_HEAPS + 2 * N_HEAP_ARRAYS
 ROW = R_HEAPS + 4 * N_HEAP_ARRAYS
 TABLE = np.zeros(MAX_DEVICES * ROW, np.int64)
 
 # g[] slots the hook keeps (heap.py uses 0-5)
 G_ALLOC_BYTES, G_PEAK_ALLOC, G_ALLOCS, G_FREES, G_BAD_FREES, G_LIVE, G_PEAK_LIVE = 6, 7, 8, 9, 10, 11, 12
+G_TOTAL_BYTES = 14  # bytes ever allocated (13 is the allocator's G_NSLOTS)
 
 ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
-SLOW_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int)  # (size, device) -> ptr
-SLOW_MAP_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64)
-SLOW_FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int)
+SLOW_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int64)  # (size, device, stream) -> ptr
+SLOW_MAP_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64,
+                               ctypes.c_int64)  # (device, heap, start, n, size, stream) -> 1 on success
+SLOW_FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int64)
+SLOW_WAIT_FN = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)  # (device, stream, slot bits)
 
 
 def _pyapi(name: str, restype, *argtypes):
@@ -97,6 +105,7 @@ def pointer_to(t):
 @njit(cache=True)
 def count_alloc(g, size):
     g[G_ALLOC_BYTES] += size
+    g[G_TOTAL_BYTES] += size
     g[G_ALLOCS] += 1
     g[G_LIVE] += 1
     if g[G_ALLOC_BYTES] > g[G_PEAK_ALLOC]:
@@ -127,29 +136,46 @@ class NativeDevice:
     def bad_frees(self) -> int:
         return int(self.g[G_BAD_FREES])
 
-    def stats(self) -> dict:
-        """``torch.cuda.memory_stats()``-style statistics (allocated: bytes PyTorch asked for;
-        reserved: physical bytes the driver holds for this allocator)."""
+    def allocator_stats(self) -> AllocatorStats:
+        """The hook's counters (allocated: bytes PyTorch asked for) and the driver's (reserved:
+        physical bytes it holds for this allocator)."""
         g, d = self.g, self.allocator.driver
-        return {
-            "allocated_bytes.all.current": int(g[G_ALLOC_BYTES]),
-            "allocated_bytes.all.peak": int(g[G_PEAK_ALLOC]),
-            "requested_bytes.all.current": int(g[G_ALLOC_BYTES]),
-            "requested_bytes.all.peak": int(g[G_PEAK_ALLOC]),
-            "reserved_bytes.all.current": d.physical_bytes,
-            "reserved_bytes.all.peak": d.peak_physical_bytes,
-            "active.all.current": int(g[G_LIVE]),
-            "active.all.peak": int(g[G_PEAK_LIVE]),
-            "allocation.all.allocated": int(g[G_ALLOCS]),
-            "allocation.all.freed": int(g[G_FREES]),
-            "num_ooms": self.failed_mallocs,
-            "num_alloc_retries": 0,
-            "num_device_alloc": d.calls.get("create", 0),
-            "num_device_free": d.calls.get("release", 0),
-        }
+        return AllocatorStats(
+            allocated_bytes=int(g[G_ALLOC_BYTES]), peak_allocated_bytes=int(g[G_PEAK_ALLOC]),
+            allocated_count=int(g[G_LIVE]), peak_allocated_count=int(g[G_PEAK_LIVE]),
+            reserved_bytes=d.physical_bytes, peak_reserved_bytes=d.peak_physical_bytes,
+            total_allocs=int(g[G_ALLOCS]), total_frees=int(g[G_FREES]), total_allocated_bytes=int(g[G_TOTAL_BYTES]),
+            num_ooms=self.failed_mallocs, driver_calls=dict(d.calls))
+
+    def stats(self) -> dict:
+        """``torch.cuda.memory_stats()``-style statistics (:func:`~vmstoolkit.integrations.bridge.torch_stats`)."""
+        return torch_stats(self.allocator_stats())
+
+    def record_stream(self, ptr: int, stream: int) -> None:
+        self.allocator.record_block(ptr, stream)
+
+    def reset_peak(self) -> None:
+        with self.allocator.slow_lock:
+            self.g[G_PEAK_ALLOC] = self.g[G_ALLOC_BYTES]
+            self.g[G_PEAK_LIVE] = self.g[G_LIVE]
+            self.allocator.driver.reset_peak()
+
+    def reset_accumulated(self) -> None:
+        with self.allocator.slow_lock:
+            self.g[G_ALLOCS] = self.g[G_FREES] = self.g[G_TOTAL_BYTES] = 0
+            self.failed_mallocs = 0
+
+    def empty_cache(self) -> None:
+        pa = self.allocator
+        with pa.slow_lock, pa.driver.bound():
+            self.g[H.G_BUSY] += 1
+            try:
+                pa.empty_cache()
+            finally:
+                self.g[H.G_BUSY] -= 1
 
 
-class NativeHook(HandleStats):
+class NativeHook(HookBase):
     """The compiled entry points and the devices they serve. ``driver_factory(device)`` makes
     each device's driver (the real one by default; the simulated one in tests)."""
 
@@ -158,15 +184,17 @@ class NativeHook(HandleStats):
     def __init__(self, driver_factory, **options) -> None:
         if NativeHook._active is not None:
             raise RuntimeError("a native vmstoolkit hook already owns this process's device table")
+        super().__init__()
         self._driver_factory = driver_factory
         self._options = options
         self.devices: dict[int, NativeDevice] = {}
         self._make_lock = threading.Lock()
-        self.last_error: BaseException | None = None
         self.slow_alloc_fn = SLOW_ALLOC_FN(self._slow_alloc)
         self.slow_map_fn = SLOW_MAP_FN(self._slow_map)
         self.slow_free_fn = SLOW_FREE_FN(self._slow_free)
-        self.alloc_cfunc, self.free_cfunc = _compile(self.slow_alloc_fn, self.slow_map_fn, self.slow_free_fn)
+        self.slow_wait_fn = SLOW_WAIT_FN(self._slow_wait)
+        self.alloc_cfunc, self.free_cfunc = _compile(self.slow_alloc_fn, self.slow_map_fn, self.slow_free_fn,
+                                                     self.slow_wait_fn)
         NativeHook._active = self
 
     allocator_name = "paged"
@@ -190,16 +218,17 @@ class NativeHook(HandleStats):
         self.devices.clear()
         NativeHook._active = None
 
-    # -- the integration's handle interface (as :class:`~vmstoolkit.integrations.torch.TorchAllocatorHandle`)
+    # -- the integration's handle interface (:class:`~vmstoolkit.integrations.torch.HookBase`)
     def bridge(self, device: int) -> NativeDevice:
         return self.device(device)
 
-    def reset_peak_memory_stats(self, device: int = 0) -> None:
-        nd = self.device(device)
-        with nd.allocator.slow_lock:
-            nd.g[G_PEAK_ALLOC] = nd.g[G_ALLOC_BYTES]
-            nd.g[G_PEAK_LIVE] = nd.g[G_LIVE]
-            nd.allocator.driver.reset_peak()
+    def devices_in_use(self) -> list[int]:
+        return list(self.devices)
+
+    def _history_changed(self, enabled: bool) -> None:
+        # while recording, the compiled fast paths defer to Python, which logs every call
+        for nd in self.devices.values():
+            nd.g[H.G_BUSY] += 1 if enabled else -1
 
     # -- devices -----------------------------------------------------------------------------
     def device(self, dev: int) -> NativeDevice:
@@ -209,10 +238,13 @@ class NativeHook(HandleStats):
                 nd = self.devices.get(dev)
                 if nd is None:
                     if not 0 <= dev < MAX_DEVICES:
-                        raise ValueError(f"device {dev} is outside 0..{MAX_DEVICES - 1}")
+                        raise VmsError(f"device {dev} is outside 0..{MAX_DEVICES - 1}, the devices the compiled hook serves")
                     pa = PagedAllocator(self._driver_factory(dev), **self._options)
                     pa.reserve_ranges()
+                    pa.on_arrays_changed = lambda: _publish(dev, pa)  # block records grown: new addresses
                     nd = NativeDevice(pa)
+                    if self._history is not None:
+                        nd.g[H.G_BUSY] += 1
                     _publish(dev, pa)
                     self.devices[dev] = nd
         return nd
@@ -221,7 +253,8 @@ class NativeHook(HandleStats):
     @contextmanager
     def _working(self, nd: NativeDevice, size: int, dev: int):
         """The slow path's frame: the allocator's lock, the device marked busy (fast paths defer),
-        the time counted; an exception is recorded and reported as a failed allocation."""
+        the time counted; an exception is recorded (and reported on standard error when no shim
+        raises it as torch.OutOfMemoryError)."""
         t0 = time.perf_counter()
         try:
             with nd.allocator.slow_lock, nd.allocator.driver.bound():  # bound: the calling thread may have no context
@@ -233,39 +266,51 @@ class NativeHook(HandleStats):
         except Exception as e:
             nd.last_error = self.last_error = e
             nd.failed_mallocs += 1
-            report_failed_malloc(size, dev, e)
+            if not self.raises:
+                report_failed_malloc(size, dev, e)
         finally:
             nd.seconds += time.perf_counter() - t0
 
-    def _slow_alloc(self, size: int, dev: int) -> int:
+    def _slow_alloc(self, size: int, dev: int, stream: int) -> int:
         try:
             nd = self.device(dev)
         except Exception as e:
             self.last_error = e
-            report_failed_malloc(size, dev, e)
+            if not self.raises:
+                report_failed_malloc(size, dev, e)
             return 0
         with self._working(nd, size, dev):
-            addr = nd.allocator.alloc_block(size)
+            addr = nd.allocator.alloc_block(size, stream)
             count_alloc(nd.g, size)
+            self._log("alloc", dev, addr, size, stream)
             return addr
         return 0
 
-    def _slow_map(self, dev: int, which: int, start: int, n: int, size: int) -> int:
+    def _slow_map(self, dev: int, which: int, start: int, n: int, size: int, stream: int) -> int:
         nd = self.devices[dev]
-        heap = nd.allocator.large if which == 0 else nd.allocator.small
+        pa = nd.allocator
+        heap = pa.large if which == 0 else pa.small
         with self._working(nd, size, dev):
-            nd.allocator.map_block(heap, start, n, size)  # frees the block again on failure
+            pa.map_block(heap, start, n, size)  # frees the block again on failure
+            pa.order_after(heap, start, n, stream)
             count_alloc(nd.g, size)
             return 1
         return 0
 
-    def _slow_free(self, ptr: int, size: int, dev: int) -> None:
+    def _slow_wait(self, dev: int, stream: int, mask: int) -> None:
+        nd = self.devices[dev]
+        with self._working(nd, 0, dev):
+            nd.allocator.wait_for(stream, mask)
+
+    def _slow_free(self, ptr: int, size: int, dev: int, stream: int) -> None:
         nd = self.devices.get(dev)
         if nd is None:
             return
         try:
-            if nd.allocator.free_block(ptr):
+            pa = nd.allocator
+            if pa.free_block(ptr, pa.slot_bit(stream)):
                 count_free(nd.g, size)
+                self._log("free_completed", dev, ptr, size, stream)
             else:
                 nd.g[G_BAD_FREES] += 1
         except Exception as e:
@@ -280,6 +325,7 @@ def _publish(dev: int, pa: PagedAllocator) -> None:
     TABLE[row + R_LARGE_BASE], TABLE[row + R_LARGE_BYTES] = pa.large.base, pa.large.nbytes
     TABLE[row + R_SMALL_BASE], TABLE[row + R_SMALL_BYTES] = pa.small.base, pa.small.nbytes
     TABLE[row + R_LARGE_SHIFT], TABLE[row + R_SMALL_SHIFT] = pa.large.unit_shift, pa.small.unit_shift
+    TABLE[row + R_SLOTS] = pa.stream_slots.ctypes.data
     for h, heap in enumerate((pa.large, pa.small)):
         for i, a in enumerate(heap.arrays()):
             TABLE[row + R_HEAPS + 2 * (h * N_HEAP_ARRAYS + i)] = a.ctypes.data
@@ -287,7 +333,7 @@ def _publish(dev: int, pa: PagedAllocator) -> None:
     TABLE[row + R_READY] = 1
 
 
-def _compile(slow_alloc, slow_map, slow_free):
+def _compile(slow_alloc, slow_map, slow_free, slow_wait):
     """The two cfuncs, bound to this process's table and the given slow-path callbacks."""
     from numba import carray, cfunc, types
 
@@ -301,42 +347,65 @@ def _compile(slow_alloc, slow_map, slow_free):
                 carray(p8(t[b + 6]), t[b + 7]), carray(p32(t[b + 8]), t[b + 9]), carray(p32(t[b + 10]), t[b + 11]),
                 carray(p32(t[b + 12]), t[b + 13]), carray(p32(t[b + 14]), t[b + 15]), carray(p32(t[b + 16]), t[b + 17]),
                 carray(p32(t[b + 18]), t[b + 19]), carray(p32(t[b + 20]), t[b + 21]), carray(pu64(t[b + 22]), t[b + 23]),
-                carray(p32(t[b + 24]), t[b + 25]), carray(p32(t[b + 26]), t[b + 27]), carray(p32(t[b + 28]), t[b + 29]))
+                carray(p32(t[b + 24]), t[b + 25]), carray(p32(t[b + 26]), t[b + 27]), carray(p32(t[b + 28]), t[b + 29]),
+                carray(p64(t[b + 30]), t[b + 31]), carray(p64(t[b + 32]), t[b + 33]))
 
-    heap_alloc, heap_free = H.heap_alloc, H.heap_free
+    @njit(inline="always")
+    def slot_bit(t, row, g, stream):
+        """The stream's tag bit; 0 for a stream without a slot yet (the slow path gives it one)."""
+        slots = carray(p64(t[row + R_SLOTS]), MAX_SLOTS)
+        k = g[G_NSLOTS]
+        for i in range(k):
+            if slots[i] == stream:
+                return np.int64(1) << i
+        return np.int64(0)
+
+    heap_alloc, heap_free, take_tags = H.heap_alloc, H.heap_free, H.take_tags
     counted_alloc, counted_free = count_alloc, count_free
     release = _gil_release
     small_size = SMALL_SIZE
+    overflow = np.int64(OVERFLOW_BIT)
 
-    @cfunc(types.uint64(types.uint64, types.int32, types.voidptr))  # void* alloc(size_t, int, cudaStream_t)
+    # cudaStream_t arrives as a 64-bit integer (the same register as a pointer on x86-64 and arm64)
+    @cfunc(types.uint64(types.uint64, types.int32, types.uint64))  # void* alloc(size_t, int, cudaStream_t)
     def alloc(size, device, stream):
         if size == 0:
             return 0
         st = take_gil()  # released below
         t = carray(p64(table_addr), table_len)
         row = device * ROW
+        s = np.int64(stream)
         result = 0
         if 0 <= device < MAX_DEVICES and t[row + R_READY] == 1:
             g = carray(p64(t[row + R_G]), t[row + R_G_LEN])
-            if g[H.G_BUSY] == 0:
+            bit = slot_bit(t, row, g, s)
+            # sizes the heap cannot hold (2**63 and up included) go to Python, which says OOM
+            if g[H.G_BUSY] == 0 and bit != 0 and size <= np.uint64(t[row + R_LARGE_BYTES]):
                 small = size <= small_size
                 shift = t[row + R_SMALL_SHIFT] if small else t[row + R_LARGE_SHIFT]
                 b = row + R_HEAPS + (2 * N_HEAP_ARRAYS if small else 0)
                 n = (np.int64(size) + (np.int64(1) << shift) - 1) >> shift
-                start, missing = heap_alloc(*heap_views(t, b), g, n)
+                views = heap_views(t, b)
+                start, missing = heap_alloc(*views, g, n)
                 if start >= 0:
-                    if missing == 0 or slow_map(device, 1 if small else 0, start, n, size) == 1:
-                        if missing == 0:
-                            counted_alloc(g, np.int64(size))
+                    if missing == 0:
+                        counted_alloc(g, np.int64(size))
+                        w = take_tags(views[0], views[12], views[13], views[16], start, n, 0 if bit == overflow else bit)
+                        if w != 0:  # chunks another stream's queued work may use: order after it
+                            slow_wait(device, s, w)
+                        ok = True
+                    else:
+                        ok = slow_map(device, 1 if small else 0, start, n, size, s) == 1
+                    if ok:
                         base = t[row + R_SMALL_BASE] if small else t[row + R_LARGE_BASE]
                         result = base + (start << shift)
                     release(st)
                     return result
-        result = slow_alloc(size, device)
+        result = slow_alloc(size, device, s)
         release(st)
         return result
 
-    @cfunc(types.void(types.uint64, types.uint64, types.int32, types.voidptr))  # free(void*, size_t, int, cudaStream_t)
+    @cfunc(types.void(types.uint64, types.uint64, types.int32, types.uint64))  # free(void*, size_t, int, cudaStream_t)
     def free(ptr, size, device, stream):
         addr = np.int64(ptr)
         if addr == 0:
@@ -344,24 +413,26 @@ def _compile(slow_alloc, slow_map, slow_free):
         st = take_gil()
         t = carray(p64(table_addr), table_len)
         row = device * ROW
+        s = np.int64(stream)
         done = False
         if 0 <= device < MAX_DEVICES and t[row + R_READY] == 1:
             g = carray(p64(t[row + R_G]), t[row + R_G_LEN])
-            if g[H.G_BUSY] == 0:
+            bit = slot_bit(t, row, g, s)
+            if g[H.G_BUSY] == 0 and bit != 0:
                 done = True
-                if t[row + R_LARGE_BASE] <= addr < t[row + R_LARGE_BASE] + t[row + R_LARGE_BYTES]:
-                    k = heap_free(*heap_views(t, row + R_HEAPS), g, (addr - t[row + R_LARGE_BASE]) >> t[row + R_LARGE_SHIFT])
-                elif t[row + R_SMALL_BASE] <= addr < t[row + R_SMALL_BASE] + t[row + R_SMALL_BYTES]:
-                    k = heap_free(*heap_views(t, row + R_HEAPS + 2 * N_HEAP_ARRAYS), g,
-                                  (addr - t[row + R_SMALL_BASE]) >> t[row + R_SMALL_SHIFT])
-                else:
-                    k = -1
+                k = -1
+                for h in range(2):
+                    base = t[row + (R_LARGE_BASE if h == 0 else R_SMALL_BASE)]
+                    shift = t[row + (R_LARGE_SHIFT if h == 0 else R_SMALL_SHIFT)]
+                    if base <= addr < base + t[row + (R_LARGE_BYTES if h == 0 else R_SMALL_BYTES)]:
+                        if (addr - base) & ((np.int64(1) << shift) - 1) == 0:  # a block's start, not inside one
+                            k = heap_free(*heap_views(t, row + R_HEAPS + 2 * N_HEAP_ARRAYS * h), g, (addr - base) >> shift, bit)
                 if k > 0:
                     counted_free(g, np.int64(size))
                 else:
                     g[G_BAD_FREES] += 1
         if not done:
-            slow_free(addr, size, device)
+            slow_free(addr, size, device, s)
         release(st)
 
     return alloc, free

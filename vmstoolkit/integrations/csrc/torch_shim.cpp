@@ -1,0 +1,173 @@
+// vmstoolkit's PyTorch shim: PyTorch's pluggable allocator, plus the parts of the allocator
+// contract its bare hook drops. Built on first use by torch.utils.cpp_extension (cached); see
+// vmstoolkit/integrations/torch_shim.py. Every decision stays in the Python or compiled
+// allocator behind the function pointers; this file only forwards and converts.
+//
+// What it adds to CUDAPluggableAllocator:
+// - an allocation the allocator cannot serve raises c10::OutOfMemoryError (torch.OutOfMemoryError
+//   in Python, also from inside backward()) with the allocator's own message; a null pointer
+//   never reaches a kernel;
+// - recordStream reaches the allocator with the block's device and allocation stream;
+// - getDeviceStats / resetPeakStats / resetAccumulatedStats / emptyCache / cacheInfo answer
+//   from the allocator, so every torch.cuda memory function works unchanged.
+#include <pybind11/pybind11.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace {
+
+using Base = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+using Meta = torch::cuda::CUDAPluggableAllocator::_AllocationMetadata;
+
+typedef void* (*AllocFn)(size_t, int, cudaStream_t);
+typedef void (*FreeFn)(void*, size_t, int, cudaStream_t);
+typedef void (*RecordFn)(void*, int, cudaStream_t, cudaStream_t);  // ptr, device, its stream, the user
+typedef int (*StatsFn)(int, int64_t*, int);                           // device, out, count
+typedef void (*ResetFn)(int, int);                                    // device, 0: peaks, 1: totals
+typedef void (*EmptyFn)();
+typedef int (*ErrorFn)(int, char*, size_t);                           // device, message buffer
+
+// The order of vmstoolkit.integrations.bridge.STAT_KEYS.
+enum Stat {
+  ALLOC_CUR, ALLOC_PEAK, ALLOC_TOTAL, ALLOC_FREED, RES_CUR, RES_PEAK, ACTIVE_CUR, ACTIVE_PEAK,
+  COUNT_ALLOC, COUNT_FREED, OOMS, DEV_ALLOC, DEV_FREE, RETRIES, N_STATS
+};
+
+struct VmsAllocator : public Base {
+  VmsAllocator(AllocFn a, FreeFn f, RecordFn r, StatsFn s, ResetFn rs, EmptyFn e, ErrorFn er)
+      : Base(a, f), record_(r), stats_(s), reset_(rs), error_(er) {
+    reset_fn_ = [e]() { e(); };  // what the base's emptyCache calls
+    record_stream_fn_ = [this](void* ptr, cudaStream_t stream) { this->record(ptr, stream); };
+  }
+
+  void* checked(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    void* p = alloc_fn_(size, device, stream);
+    if (p == nullptr) {
+      if (size == 0) return nullptr;
+      char buf[2048] = {0};
+      error_(device, buf, sizeof(buf) - 1);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (vmstoolkit). Tried to allocate ", size,
+                       " bytes on device ", static_cast<int>(device), ". ", buf);
+    }
+    {
+      const std::lock_guard<std::mutex> lock(allocator_mutex_);
+      allocation_metadata_.emplace(p, Meta(size, device, stream));
+    }
+    return p;
+  }
+
+  c10::DataPtr allocate(size_t size) override {
+    c10::DeviceIndex device = -1;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
+    void* r = checked(size, device, stream);
+    return {r, r, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device)};
+  }
+
+  void* raw_alloc(size_t nbytes) override {
+    c10::DeviceIndex device = -1;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return checked(nbytes, device, c10::cuda::getCurrentCUDAStream(device));
+  }
+
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    c10::DeviceIndex device = -1;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return checked(nbytes, device, stream);
+  }
+
+  void record(void* ptr, cudaStream_t stream) {
+    if (ptr == nullptr) return;
+    int device;
+    cudaStream_t own;
+    {
+      const std::lock_guard<std::mutex> lock(allocator_mutex_);
+      auto it = allocation_metadata_.find(ptr);
+      if (it == allocation_metadata_.end()) return;
+      device = it->second.device_idx;
+      own = it->second.stream;
+    }
+    record_(ptr, device, own, stream);
+  }
+
+  c10::cuda::CUDACachingAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    int64_t v[N_STATS] = {0};
+    stats_(device, v, N_STATS);
+    c10::cuda::CUDACachingAllocator::DeviceStats s;
+    const size_t all = 0;  // StatType::AGGREGATE
+    auto bytes = [&](auto& stat) {
+      stat[all].current = v[ALLOC_CUR];
+      stat[all].peak = v[ALLOC_PEAK];
+      stat[all].allocated = v[ALLOC_TOTAL];
+      stat[all].freed = v[ALLOC_FREED];
+    };
+    bytes(s.allocated_bytes);
+    bytes(s.requested_bytes);
+    bytes(s.active_bytes);
+    s.reserved_bytes[all].current = v[RES_CUR];
+    s.reserved_bytes[all].peak = v[RES_PEAK];
+    auto counts = [&](auto& stat) {
+      stat[all].current = v[ACTIVE_CUR];
+      stat[all].peak = v[ACTIVE_PEAK];
+      stat[all].allocated = v[COUNT_ALLOC];
+      stat[all].freed = v[COUNT_FREED];
+    };
+    counts(s.allocation);
+    counts(s.active);
+    s.num_ooms = v[OOMS];
+    s.num_device_alloc = v[DEV_ALLOC];
+    s.num_device_free = v[DEV_FREE];
+    s.num_alloc_retries = v[RETRIES];
+    return s;
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override { reset_(device, 1); }
+  void resetPeakStats(c10::DeviceIndex device) override { reset_(device, 0); }
+
+  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
+    // cuDNN sizes its workspace by the largest block the allocator could hand out: the device's
+    // free memory is what a VMM allocator can map.
+    size_t free_b = 0, total = 0;
+    if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) {
+      (void)cudaGetLastError();
+      free_b = 0;
+    }
+    *largestBlock = free_b;
+  }
+
+  std::string name() override { return "vmstoolkit"; }
+
+  RecordFn record_;
+  StatsFn stats_;
+  ResetFn reset_;
+  ErrorFn error_;
+};
+
+void install(uint64_t a, uint64_t f, uint64_t r, uint64_t s, uint64_t rs, uint64_t e, uint64_t er) {
+  auto alloc = std::make_shared<VmsAllocator>(
+      reinterpret_cast<AllocFn>(a), reinterpret_cast<FreeFn>(f), reinterpret_cast<RecordFn>(r),
+      reinterpret_cast<StatsFn>(s), reinterpret_cast<ResetFn>(rs), reinterpret_cast<EmptyFn>(e),
+      reinterpret_cast<ErrorFn>(er));
+  alloc->init(c10::cuda::device_count());
+  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(alloc);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("install", [](uint64_t a, uint64_t f, uint64_t r, uint64_t s, uint64_t rs, uint64_t e, uint64_t er) {
+    try {
+      install(a, f, r, s, rs, e, er);
+    } catch (const c10::Error& err) {
+      throw std::runtime_error(err.what_without_backtrace());
+    }
+  });
+}
