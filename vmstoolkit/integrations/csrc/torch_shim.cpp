@@ -21,11 +21,19 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 
 namespace {
 
 using Base = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
-using Meta = torch::cuda::CUDAPluggableAllocator::_AllocationMetadata;
+
+// The base class's _AllocationMetadata has no exported constructor (libtorch_cuda keeps it
+// hidden), so the shim keeps its own record of each block and frees through it.
+struct Meta {
+  size_t size;
+  int device;
+  cudaStream_t stream;
+};
 
 typedef void* (*AllocFn)(size_t, int, cudaStream_t);
 typedef void (*FreeFn)(void*, size_t, int, cudaStream_t);
@@ -59,9 +67,21 @@ struct VmsAllocator : public Base {
     }
     {
       const std::lock_guard<std::mutex> lock(allocator_mutex_);
-      allocation_metadata_.emplace(p, Meta(size, device, stream));
+      blocks_[p] = Meta{size, static_cast<int>(device), stream};
     }
     return p;
+  }
+
+  void raw_delete(void* ptr) override {
+    Meta m;
+    {
+      const std::lock_guard<std::mutex> lock(allocator_mutex_);
+      auto it = blocks_.find(ptr);
+      TORCH_CHECK(it != blocks_.end(), "vmstoolkit: free of a pointer it did not allocate: ", ptr);
+      m = it->second;
+      blocks_.erase(it);
+    }
+    free_fn_(ptr, m.size, m.device, m.stream);
   }
 
   c10::DataPtr allocate(size_t size) override {
@@ -90,9 +110,9 @@ struct VmsAllocator : public Base {
     cudaStream_t own;
     {
       const std::lock_guard<std::mutex> lock(allocator_mutex_);
-      auto it = allocation_metadata_.find(ptr);
-      if (it == allocation_metadata_.end()) return;
-      device = it->second.device_idx;
+      auto it = blocks_.find(ptr);
+      if (it == blocks_.end()) return;
+      device = it->second.device;
       own = it->second.stream;
     }
     record_(ptr, device, own, stream);
@@ -145,6 +165,7 @@ struct VmsAllocator : public Base {
 
   std::string name() override { return "vmstoolkit"; }
 
+  std::unordered_map<void*, Meta> blocks_;
   RecordFn record_;
   StatsFn stats_;
   ResetFn reset_;

@@ -1,0 +1,141 @@
+"""DDP and FSDP2 on two GPUs under each allocator mode: peak reserved per rank, step time, losses.
+
+    python experiments/ddp_fsdp_gpu.py --out DIR [--modes default,expandable,paged:aliases=True+slack_pages=64]
+        [--repeats 4] [--gpus 2] [--steps 16] [--warmup 4]
+
+Each repeat runs every mode once, interleaved, each as its own ``torchrun`` (an allocator is
+installed before PyTorch's first CUDA allocation, on every rank). Inside one process: an 8-layer
+OPT (hidden 2048, random weights from its config, no download) trained with bf16 autocast and
+AdamW, first under DDP, then (memory given back, peaks reset) under FSDP2 (``fully_shard`` per
+layer and on the whole model). Batch and sequence length change every step, from one seeded list,
+the same in every mode. Rows go to ``DIR/train.jsonl``, one per (process, strategy), in the
+format ``experiments/pool_runs.py`` pools (``variant`` = ddp | fsdp2, ``mode``, ``step_times``):
+
+    python experiments/pool_runs.py DIR/train.jsonl --variant fsdp2 --mode paged:aliases=True+slack_pages=64 --steps-per-round 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def parse_mode(mode: str) -> tuple[str, dict]:
+    """``paged:aliases=True+slack_pages=64`` -> ("paged", {"aliases": True, "slack_pages": 64})."""
+    name, _, rest = mode.partition(":")
+    opts = {}
+    for kv in filter(None, rest.split("+")):
+        k, v = kv.split("=", 1)
+        opts[k] = {"True": True, "False": False}.get(v, int(v) if v.lstrip("-").isdigit() else v)
+    return name, opts
+
+
+def shapes(steps: int, seed: int = 0) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    return [(rng.choice([2, 4, 6, 8]), rng.choice([256, 384, 512, 768, 1024])) for _ in range(steps)]
+
+
+def worker(args) -> None:
+    mode = args.mode
+    name, opts = parse_mode(mode)
+    if name == "expandable":
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    import torch
+
+    handle = None
+    if name not in ("default", "expandable"):
+        import vmstoolkit.integrations.torch as vt
+
+        handle = vt.install(name, **opts)
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from transformers import OPTConfig, OPTForCausalLM
+
+    rank = int(os.environ["RANK"])
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    cfg = OPTConfig(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, ffn_dim=8192,
+                    vocab_size=50272, max_position_embeddings=2048)
+    plan = shapes(args.warmup + args.steps)
+    rows = []
+    for strategy in ("ddp", "fsdp2"):
+        torch.manual_seed(0)
+        model = OPTForCausalLM(cfg).cuda()
+        if strategy == "ddp":
+            wrapped = DDP(model, device_ids=[local])
+        else:
+            for layer in model.model.decoder.layers:
+                fully_shard(layer)
+            wrapped = fully_shard(model)
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times, losses = [], []
+        for step, (b, t) in enumerate(plan):
+            g = torch.Generator(device="cuda").manual_seed(1000 * step + rank)
+            ids = torch.randint(0, cfg.vocab_size, (b, t), device="cuda", generator=g)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = wrapped(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+        rows.append({"variant": strategy, "mode": mode, "rank": rank, "step_times": times, "losses": losses,
+                     "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated(),
+                     "shim": bool(getattr(handle, "raises", False)) if handle else None})
+        del wrapped, model, opt, loss
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    all_rows = [None] * dist.get_world_size()
+    dist.all_gather_object(all_rows, rows)
+    if rank == 0:
+        with open(args.out / "train.jsonl", "a") as f:
+            for per_rank in all_rows:
+                for r in per_rank:
+                    f.write(json.dumps(r) + "\n")
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--modes", default="default,expandable,paged:aliases=True+slack_pages=64")
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.worker:
+        worker(args)
+        return 0
+    for rep in range(args.repeats):
+        for mode in args.modes.split(","):
+            t0 = time.perf_counter()
+            cmd = ["torchrun", "--standalone", f"--nproc_per_node={args.gpus}", __file__, "--worker", "--mode", mode,
+                   "--out", str(args.out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            print(f"repeat {rep} {mode}: rc {p.returncode} in {time.perf_counter() - t0:.0f} s", flush=True)
+            if p.returncode:
+                print(p.stderr[-2500:], flush=True)
+                with open(args.out / "train.jsonl", "a") as f:
+                    f.write(json.dumps({"mode": mode, "error": p.stderr[-800:]}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
