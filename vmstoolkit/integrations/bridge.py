@@ -25,9 +25,16 @@ from vmstoolkit.pools.base import Allocator, AllocatorStats
 
 
 class AllocatorBridge:
+    """One allocator behind a lock. A free that arrives *while this thread is inside the
+    allocator* (Python's garbage collector runs at any allocation of a Python object, and may
+    drop a tensor whose deleter calls back here) is queued and done when the outer call leaves:
+    re-entering would deadlock on the lock, or change the allocator's state half-way through."""
+
     def __init__(self, allocator: Allocator) -> None:
         self.allocator = allocator
         self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread inside the allocator
+        self._reentrant_frees: list[tuple[int, int | None]] = []
         self.last_error: BaseException | None = None
         self.failed_mallocs = 0
         self.failed_frees = 0
@@ -39,6 +46,7 @@ class AllocatorBridge:
         if size == 0:
             return 0
         with self._lock:
+            self._owner = threading.get_ident()
             t0 = time.perf_counter()
             try:
                 return self.allocator.allocate(int(size), int(stream))
@@ -49,21 +57,37 @@ class AllocatorBridge:
                     report_failed_malloc(size, None, e)
                 return 0
             finally:
+                self._leave()
                 self.seconds += time.perf_counter() - t0
 
     def free(self, ptr: int, stream: int | None = None) -> None:
         """Free ``ptr`` (0 is ignored); a bad pointer is recorded, never raised into C."""
         if not ptr:
             return
+        if self._owner == threading.get_ident():  # re-entered from inside the allocator (see the class)
+            self._reentrant_frees.append((int(ptr), stream))
+            return
         with self._lock:
+            self._owner = threading.get_ident()
             t0 = time.perf_counter()
             try:
-                self.allocator.free(int(ptr), stream)
-            except VmsError as e:
-                self.last_error = e
-                self.failed_frees += 1
+                self._free_one(int(ptr), stream)
             finally:
+                self._leave()
                 self.seconds += time.perf_counter() - t0
+
+    def _free_one(self, ptr: int, stream: int | None) -> None:
+        try:
+            self.allocator.free(ptr, stream)
+        except VmsError as e:
+            self.last_error = e
+            self.failed_frees += 1
+
+    def _leave(self) -> None:
+        """Do the frees queued by re-entry, then let other threads in."""
+        while self._reentrant_frees:
+            self._free_one(*self._reentrant_frees.pop(0))
+        self._owner = None
 
     def record_stream(self, ptr: int, stream: int) -> None:
         with self._lock:

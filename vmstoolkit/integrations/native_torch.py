@@ -243,7 +243,7 @@ class NativeHook(HookBase):
                     pa.reserve_ranges()
                     pa.on_arrays_changed = lambda: _publish(dev, pa)  # block records grown: new addresses
                     nd = NativeDevice(pa)
-                    if self._history is not None:
+                    if self._recording:
                         nd.g[H.G_BUSY] += 1
                     _publish(dev, pa)
                     self.devices[dev] = nd

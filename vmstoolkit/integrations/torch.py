@@ -79,7 +79,8 @@ class HookBase(HandleStats):
         self.raises = False  # the shim raises torch.OutOfMemoryError: no report on stderr then
         self.shim_reason = ""  # why the shim is not in use, if it is not
         self.last_error: BaseException | None = None
-        self._history: dict[int, list] | None = None
+        self._history: dict[int, list] | None = None  # device -> events, once recorded
+        self._recording = False
         self._history_max = 0
         self.record_fn = RECORD_FN(self._record)
         self.stats_fn = STATS_FN(self._stats)
@@ -144,22 +145,23 @@ class HookBase(HandleStats):
         self._empty()
 
     # -- snapshots ---------------------------------------------------------------------------
-    def record_history(self, enabled: bool = True, max_entries: int = 1_000_000) -> None:
-        """Record every allocation and free from now on (``enabled=False`` stops), as
-        ``torch.cuda.memory._record_memory_history`` would; :meth:`dump_snapshot` writes them."""
+    def record_history(self, enabled: bool = True, max_entries: int = 1_000_000, clear: bool = False) -> None:
+        """Record every allocation and free from now on (``enabled=False`` stops and keeps what was
+        recorded; ``clear=True`` forgets it), as ``torch.cuda.memory._record_memory_history``
+        would; :meth:`dump_snapshot` writes them."""
         self._history_max = max_entries
-        if enabled and self._history is None:
+        if clear or self._history is None:
             self._history = {}
-        elif not enabled:
-            self._history = None
-        self._history_changed(enabled)
+        was, self._recording = self._recording, enabled
+        if was != enabled:
+            self._history_changed(enabled)
 
     def _history_changed(self, enabled: bool) -> None:
         """Subclasses whose fast path bypasses Python route it through Python while recording."""
 
     def _log(self, action: str, device: int, addr: int, size: int, stream: int) -> None:
         h = self._history
-        if h is not None:
+        if self._recording:
             events = h.setdefault(device, [])
             if len(events) < self._history_max:
                 events.append({"action": action, "addr": addr, "size": size, "stream": stream,
@@ -213,7 +215,7 @@ class TorchAllocatorHandle(HookBase):
         try:
             self.threads.pin()
             ptr = self.bridge(device).malloc(size, stream or 0, report=not self.raises)
-            if ptr and self._history is not None:
+            if ptr and self._recording:
                 self._log("alloc", device, ptr, size, stream or 0)
             return ptr or None
         except Exception as e:  # never let an exception cross into C++
@@ -225,7 +227,7 @@ class TorchAllocatorHandle(HookBase):
     def _free(self, ptr, size, device, stream):
         try:
             self.threads.pin()
-            if ptr and self._history is not None:
+            if ptr and self._recording:
                 self._log("free_completed", device, ptr, size, stream or 0)
             self.bridge(device).free(ptr or 0, stream or 0)
         except Exception as e:

@@ -102,6 +102,11 @@ class Allocator(ABC):
             raise InvalidSizeError(f"allocation size must be an integer, got {size!r}")
         if size <= 0:
             raise InvalidSizeError(f"allocation size must be positive, got {size}")
+        if size > self.driver.capacity:  # no allocator can serve it: say so before touching the driver
+            self._num_ooms += 1
+            raise OutOfMemoryError(f"{self.name}: out of memory: a request of {size} bytes is larger than the device "
+                                   f"({self.driver.capacity} bytes)", requested=size,
+                                   reserved=self.driver.physical_bytes, capacity=self.driver.capacity)
         st = self._streams
         st.on_allocate(stream)
         addr = st.reuse(size, stream) if st.multi else None

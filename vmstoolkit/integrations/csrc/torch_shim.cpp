@@ -18,6 +18,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -60,10 +62,16 @@ struct VmsAllocator : public Base {
     void* p = alloc_fn_(size, device, stream);
     if (p == nullptr) {
       if (size == 0) return nullptr;
-      char buf[2048] = {0};
-      error_(device, buf, sizeof(buf) - 1);
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (vmstoolkit). Tried to allocate ", size,
-                       " bytes on device ", static_cast<int>(device), ". ", buf);
+      const bool trace = std::getenv("VMSTOOLKIT_SHIM_TRACE") != nullptr;
+      if (trace) std::fprintf(stderr, "shim: null for %zu bytes on %d; asking why\n", size, (int)device), std::fflush(stderr);
+      std::string why(2048, '\0');
+      int n = error_(device, &why[0], why.size() - 1);
+      why.resize(n > 0 ? static_cast<size_t>(n) : 0);
+      if (trace) std::fprintf(stderr, "shim: %s; throwing\n", why.c_str()), std::fflush(stderr);
+      throw c10::OutOfMemoryError(
+          c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+          "CUDA out of memory (vmstoolkit). Tried to allocate " + std::to_string(size) + " bytes on device " +
+              std::to_string(static_cast<int>(device)) + ". " + why);
     }
     {
       const std::lock_guard<std::mutex> lock(allocator_mutex_);
