@@ -29,6 +29,8 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+from vmstoolkit.exec.dag import check_acyclic
+
 
 # Copy streams are FIFO: a copy queued early, but needed late, delays one that becomes ready
 # after it and is needed first. Holding at most COPY_DEPTH copies in flight per copy stream
@@ -140,6 +142,13 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
         done.set_result(None)
     driver = asyncio.ensure_future(backend.drive(done))
     try:
+        # the backend's drive loop can fail (the sim backend finds nothing in flight): end the
+        # run with its error instead of waiting for a completion that will never come
+        await asyncio.wait((done, driver), return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            done.cancel()
+            driver.result()  # raises the backend's error
+            raise RuntimeError(f"the backend's drive loop ended with {state['remaining']} of {n} vertices unfinished")
         await done
     finally:
         await driver
@@ -150,12 +159,15 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
 
 async def run_event_driven(mg, backend, *, lookahead: bool = True, copy_depth: int | None = COPY_DEPTH) -> RunResult:
     """Run ``mg`` on ``backend`` (already ``setup``) launching whatever is ready, most urgent
-    (earliest in compile order) first; at most ``copy_depth`` copies queued per copy stream."""
+    (earliest in compile order) first; at most ``copy_depth`` copies queued per copy stream.
+    Raises :class:`~vmstoolkit.exec.errors.CycleError` first if ``mg`` has a cycle."""
+    check_acyclic(mg)
     return await _run(mg, backend, fixed_order=False, lookahead=lookahead, copy_depth=copy_depth)
 
 
 async def run_fixed_order(mg, backend, *, lookahead: bool = True) -> RunResult:
-    """Run ``mg`` on ``backend`` launching vertices in compile order only."""
+    """Run ``mg`` on ``backend`` launching vertices in compile order only (a cycle: as above)."""
+    check_acyclic(mg)
     return await _run(mg, backend, fixed_order=True, lookahead=lookahead)
 
 
@@ -167,6 +179,7 @@ async def execute_async(mg, backend, executor: str = "event-driven", **kw) -> Ru
     async code or a notebook, where a loop is already running)."""
     if executor not in EXECUTORS:
         raise ValueError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
+    check_acyclic(mg)  # before the backend takes its GPU regions (again in the executor: O(V + E))
     backend.setup(mg)
     return await EXECUTORS[executor](mg, backend, **kw)
 
