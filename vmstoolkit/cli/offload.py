@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from vmstoolkit.cli.common import OutputFormat, fail, json_lines
+from vmstoolkit.errors import VmsError
 
 
 class Backend(str, Enum):
@@ -31,14 +32,15 @@ def offload_command(
 ) -> None:
     """Run a LLaMA prefill at budgets from its whole working set down to an eighth of it, with the
     event-driven and the fixed-order executors; report makespan against the lower bound."""
-    from vmstoolkit.exec.errors import ExecError
     from vmstoolkit.exec.experiment import plot_makespan, run_offload_experiment
     from vmstoolkit.exec.graph import LlamaConfig
 
+    if figure is not None:
+        check_figure_path(figure, "--figure")  # before the experiment, which can take minutes
     try:
         cfg = LlamaConfig(n_blocks=blocks, seq=seq, hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn)
         rows = run_offload_experiment(backend.value, gpus, config=cfg, parts=parts, seed=seed)
-    except (ValueError, ExecError) as e:
+    except VmsError as e:
         fail(str(e))
     if figure is not None:
         plot_makespan(rows, figure)
@@ -50,6 +52,23 @@ def offload_command(
         typer.echo(rows_to_csv(rows), nl=False)
     else:
         _table(rows)
+
+
+def check_figure_path(path: Path, flag: str) -> None:
+    """Fail (one line, exit 2) unless ``path`` names a file matplotlib can write: an existing
+    folder, a known extension. Matplotlib would otherwise add ``.png`` to a folder's name or an
+    extensionless name and write beside it, or fail with a traceback after the whole run."""
+    from matplotlib.figure import Figure
+
+    formats = sorted(Figure().canvas.get_supported_filetypes())
+    if path.is_dir():
+        fail(f"{flag} {path} is a folder: give a file name such as {path / 'offload.png'}", code=2)
+    if not path.suffix:
+        fail(f"{flag} {path} has no extension: end it with one of .{', .'.join(formats)}", code=2)
+    if path.suffix[1:].lower() not in formats:
+        fail(f"{flag} {path}: unknown figure format {path.suffix!r}; known: {', '.join(formats)}", code=2)
+    if not path.parent.is_dir():
+        fail(f"{flag} {path}: folder {path.parent} does not exist", code=2)
 
 
 def _table(rows: list[dict]) -> None:

@@ -9,6 +9,14 @@ class ExecError(VmsError):
     """Base class of the runtime's errors."""
 
 
+class InvalidShapeError(ExecError, ValueError):
+    """A model or tensor shape that cannot be built: a size of zero, or widths that do not divide."""
+
+
+class InvalidBudgetError(ExecError, ValueError):
+    """A GPU budget that is not a positive whole number of bytes (NaN, infinite, zero, negative)."""
+
+
 class BudgetTooSmallError(ExecError):
     """No schedule fits: one vertex alone needs more GPU memory than the budget."""
 

@@ -8,10 +8,11 @@ CLI (``vmstoolkit.cli.offload``).
 
 from __future__ import annotations
 
+import math
 import time
 
 from vmstoolkit.exec.compiler import compile_memory_graph, working_set
-from vmstoolkit.exec.errors import BudgetTooSmallError
+from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError
 from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.graph import LlamaConfig, build_llama
 
@@ -28,6 +29,11 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
     ``fits_without_offload``, ``vertices``, ``compile_s``. A budget below one vertex's needs
     gives a row with ``error`` and no timings. ``makespan_s`` is the best of ``repeats`` runs.
     """
+    for frac in fractions:
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not (math.isfinite(frac) and frac > 0):
+            raise InvalidBudgetError(f"budget fraction {frac!r}: must be a positive finite number (1 = the working set)")
+    if backend == "cuda":
+        require_gpus(n_gpus)  # before minutes of compiling
     cfg = config or LlamaConfig()
     graph = build_llama(cfg, parts=parts, n_gpus=n_gpus)
     ws = working_set(graph)
@@ -79,6 +85,19 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
                          "offloaded_bytes": mg.offloaded_bytes, "reloaded_bytes": mg.reloaded_bytes,
                          "vertices": len(mg.vertices), "compile_s": compile_s})
     return rows
+
+
+def require_gpus(n: int) -> None:
+    """Raise :class:`~vmstoolkit.errors.NoGPUError` (one line) unless this machine has ``n``
+    usable CUDA GPUs for the cuda backend."""
+    from vmstoolkit.errors import NoGPUError
+    from vmstoolkit.pools.cuda_driver import cuda_init
+
+    try:
+        cuda_init(n - 1)
+    except NoGPUError as e:
+        reason = " ".join(str(e).split()).split("; use the simulated driver")[0]
+        raise NoGPUError(f"the cuda backend needs {n} CUDA GPU(s): {reason}; the sim backend runs without one") from None
 
 
 def plot_makespan(rows: list[dict], path) -> None:
