@@ -72,3 +72,25 @@ def test_cuda_backend_without_gpu():
     else:
         pytest.skip("this machine has a GPU")
     one_line_error(invoke(*OK_SHAPE, "--backend", "cuda"), "cuda backend", "GPU")
+
+
+def test_budget_option_sizes_and_fractions_in_order():
+    import json
+
+    r = invoke(*OK_SHAPE, "--budget", "0.5", "--budget", "1MiB", "--format", "json")
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(x) for x in r.output.splitlines()]
+    assert [x["budget_spec"] for x in rows] == ["0.5", "0.5", "1MiB", "1MiB"]
+
+
+@pytest.mark.parametrize("bad", ["nan", "0", "-2GiB", "4096", "lots"])
+def test_bad_budget_is_one_line_naming_it(bad):
+    one_line_error(invoke(*OK_SHAPE, "--budget", bad), repr(bad))
+
+
+def test_table_explains_offloaded_and_reloaded_and_why_no_schedule():
+    r = invoke(*OK_SHAPE, "--budget", "1.0", "--budget", "16KiB")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "offloaded" in text and "GPU -> host" in text and "host -> GPU" in text
+    assert "no schedule" in text and "needs" in text  # the reason, not only the verdict

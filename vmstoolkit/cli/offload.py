@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
 from vmstoolkit.cli.common import OutputFormat, fail, json_lines
 from vmstoolkit.errors import VmsError
+from vmstoolkit.units import format_size
 
 
 class Backend(str, Enum):
@@ -27,19 +28,35 @@ def offload_command(
     hidden: Annotated[int, typer.Option(min=8, help="Hidden size.")] = 4096,
     heads: Annotated[int, typer.Option(min=1, help="Attention heads.")] = 32,
     ffn: Annotated[int, typer.Option(min=1, help="FFN width.")] = 11008,
-    figure: Annotated[Path | None, typer.Option(help="Write a figure of makespan against budget here.")] = None,
+    budget: Annotated[Optional[list[str]], typer.Option(
+        "--budget", metavar="SIZE|FRACTION",
+        help="GPU budget per GPU, repeatable: a size with its unit (12GiB, 512MiB) or a fraction of the "
+             "no-offload working set (0.5, 50%). Default: 1, 0.75, 0.5, 0.375, 0.25, 0.125.",
+        show_default=False)] = None,
+    figure: Annotated[Path | None, typer.Option(help="Write a figure of makespan against budget here (.png, .pdf, .svg, ...).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the simulated jitter.")] = 0,
 ) -> None:
-    """Run a LLaMA prefill at budgets from its whole working set down to an eighth of it, with the
-    event-driven and the fixed-order executors; report makespan against the lower bound."""
-    from vmstoolkit.exec.experiment import plot_makespan, run_offload_experiment
+    """Run a LLaMA prefill at budgets from its whole working set down to an eighth of it (or those
+    given with --budget), with the event-driven and the fixed-order executors; report makespan
+    against the lower bound.
+
+    Offloaded GiB are GPU -> host copies: activations evicted before their last use, once each.
+    Weights and inputs are never copied out (a host copy exists from the start; evicting them
+    drops them), so offloaded stays 0 while only weights are dropped. Reloaded GiB are
+    host -> GPU copies: weights that did not fit at the start and everything dropped or
+    offloaded, brought back before its next use."""
+    from vmstoolkit.exec.experiment import BudgetSpec, plot_makespan, run_offload_experiment
     from vmstoolkit.exec.graph import LlamaConfig
 
     if figure is not None:
         check_figure_path(figure, "--figure")  # before the experiment, which can take minutes
     try:
+        specs = [BudgetSpec.parse(b) for b in budget] if budget else None
+    except VmsError as e:
+        fail(f"--budget: {e}", code=2)
+    try:
         cfg = LlamaConfig(n_blocks=blocks, seq=seq, hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn)
-        rows = run_offload_experiment(backend.value, gpus, config=cfg, parts=parts, seed=seed)
+        rows = run_offload_experiment(backend.value, gpus, config=cfg, parts=parts, seed=seed, budgets=specs)
     except VmsError as e:
         fail(str(e))
     if figure is not None:
@@ -71,21 +88,32 @@ def check_figure_path(path: Path, flag: str) -> None:
         fail(f"{flag} {path}: folder {path.parent} does not exist", code=2)
 
 
+TABLE_NOTE = ("offloaded: GPU -> host copies of activations evicted before their last use (weights and inputs "
+              "are dropped, never copied out: a host copy exists); reloaded: host -> GPU copies (weights that did "
+              "not fit at the start, and whatever was dropped or offloaded)")
+
+
 def _table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="offload: makespan against budget")
-    for c in ("budget GiB", "fraction", "executor", "makespan s", "lower bound s", "ratio",
-              "offloaded GiB", "reloaded GiB", "fits w/o offload"):
+    reasons = list(dict.fromkeys(f"{r['budget_spec'] or r['budget_fraction']}: {r['error']}"
+                                 for r in rows if "error" in r))
+    caption = TABLE_NOTE + "".join(f"\nbudget {x}" for x in reasons)
+    t = Table(title="offload: makespan against budget", caption=caption, caption_justify="left")
+    for c in ("budget", "fraction", "executor", "makespan s", "lower bound s", "ratio",
+              "offloaded", "reloaded", "fits w/o offload"):
         t.add_column(c, justify="right")
     for r in rows:
         if "error" in r:
-            t.add_row(f"{r['budget'] / 2**30:.2f}", f"{r['budget_fraction']:.3f}", r["executor"], "no schedule",
-                      "", "", "", "", str(r["fits_without_offload"]))
+            t.add_row(format_size(r["budget"]), f"{r['budget_fraction']:.3f}", r["executor"],
+                      "no schedule (below)", "", "", "", "", str(r["fits_without_offload"]))
             continue
-        t.add_row(f"{r['budget'] / 2**30:.2f}", f"{r['budget_fraction']:.3f}", r["executor"],
+        t.add_row(format_size(r["budget"]), f"{r['budget_fraction']:.3f}", r["executor"],
                   f"{r['makespan_s']:.4f}", f"{r['lower_bound_s']:.4f}", f"{r['makespan_s'] / r['lower_bound_s']:.3f}",
-                  f"{r['offloaded_bytes'] / 2**30:.2f}", f"{r['reloaded_bytes'] / 2**30:.2f}",
+                  format_size(r["offloaded_bytes"]), format_size(r["reloaded_bytes"]),
                   str(r["fits_without_offload"]))
-    Console().print(t)
+    console = Console()
+    if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
+        console = Console(width=160)
+    console.print(t)

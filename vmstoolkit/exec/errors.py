@@ -22,10 +22,12 @@ class BudgetTooSmallError(ExecError):
 
     def __init__(self, vertex: str, gpu: int, needed: int, budget: int, detail: str = ""):
         self.vertex, self.gpu, self.needed, self.budget = vertex, gpu, needed, budget
+        from vmstoolkit.units import format_size
+
         msg = (
             f"no schedule fits: vertex {vertex!r} on GPU {gpu} needs {needed} bytes "
-            f"({needed / 2**20:.1f} MiB) of inputs and outputs resident, budget is {budget} bytes "
-            f"({budget / 2**20:.1f} MiB)"
+            f"({format_size(needed)}) of inputs and outputs resident, budget is {budget} bytes "
+            f"({format_size(budget)})"
         )
         super().__init__(msg + (f"; {detail}" if detail else ""))
 
