@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vmstoolkit.cli.common import OutputFormat, fail, json_lines
+from vmstoolkit.cli.common import OutputFormat, emit_rows, fail
 from vmstoolkit.errors import VmsError
 from vmstoolkit.units import format_size
 
@@ -61,14 +61,7 @@ def offload_command(
         fail(str(e))
     if figure is not None:
         plot_makespan(rows, figure)
-    if format is OutputFormat.json:
-        typer.echo(json_lines(rows), nl=False)
-    elif format is OutputFormat.csv:
-        from vmstoolkit.cli.common import rows_to_csv
-
-        typer.echo(rows_to_csv(rows), nl=False)
-    else:
-        _table(rows)
+    emit_rows(rows, format, offload_table)
 
 
 def check_figure_path(path: Path, flag: str) -> None:
@@ -93,8 +86,7 @@ TABLE_NOTE = ("offloaded: GPU -> host copies of activations evicted before their
               "not fit at the start, and whatever was dropped or offloaded)")
 
 
-def _table(rows: list[dict]) -> None:
-    from rich.console import Console
+def offload_table(rows: list[dict]):
     from rich.table import Table
 
     reasons = list(dict.fromkeys(f"{r['budget_spec'] or r['budget_fraction']}: {r['error']}"
@@ -113,7 +105,4 @@ def _table(rows: list[dict]) -> None:
                   f"{r['makespan_s']:.4f}", f"{r['lower_bound_s']:.4f}", f"{r['makespan_s'] / r['lower_bound_s']:.3f}",
                   format_size(r["offloaded_bytes"]), format_size(r["reloaded_bytes"]),
                   str(r["fits_without_offload"]))
-    console = Console()
-    if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
-        console = Console(width=160)
-    console.print(t)
+    return t

@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from vmstoolkit.cli.common import OutputFormat, fail, json_lines, parse_options, rows_to_csv, size_option
+from vmstoolkit.cli.common import OutputFormat, emit_rows, fail, parse_options, size_option
 from vmstoolkit.errors import VmsError
 from vmstoolkit.units import format_size
 
@@ -92,15 +91,7 @@ def sweep_command(
         rows = sweep_rows(run_jobs(run_sweep_job, job_list, jobs or os.cpu_count() or 1, cluster=cluster))
     except VmsError as e:
         fail(str(e))
-    if fmt is OutputFormat.json:
-        typer.echo(json_lines(rows), nl=False)
-    elif fmt is OutputFormat.csv:
-        typer.echo(rows_to_csv(rows), nl=False)
-    else:
-        console = Console()
-        if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
-            console = Console(width=200)
-        console.print(sweep_table(rows))
+    emit_rows(rows, fmt, sweep_table)
 
 
 def sweep_table(rows: list[dict]) -> Table:
