@@ -82,3 +82,19 @@ def test_a_backend_failure_ends_the_run_instead_of_hanging():
 
     with pytest.raises(RuntimeError, match="deadlock"):
         asyncio.run(asyncio.wait_for(run(), timeout=20))
+
+
+def test_acyclic_graph_numbered_out_of_order_is_accepted():
+    """Ids need not be a topological order (the fast path only accepts those that are)."""
+    from types import SimpleNamespace
+
+    from vmstoolkit.exec.dag import check_acyclic, topological_positions
+
+    verts = [SimpleNamespace(name=n) for n in "abc"]
+    mg = SimpleNamespace(preds=[[1], [], [0]], vertices=verts)  # 1 -> 0 -> 2
+    check_acyclic(mg)
+    pos = topological_positions(mg.preds)
+    assert pos[1] < pos[0] < pos[2]
+    mg.preds[1] = [2]  # 2 -> 1 closes 1 -> 0 -> 2 -> 1
+    with pytest.raises(CycleError, match="'a'.*'c'|'c'.*'a'"):
+        check_acyclic(mg)

@@ -42,8 +42,15 @@ def topological_positions(preds: list[list[int]], names: list[str] | None = None
 
 
 def check_acyclic(mg) -> None:
-    """Raise :class:`CycleError` if memory graph ``mg``'s edges form a cycle. O(V + E)."""
-    topological_positions(mg.preds, [v.name for v in mg.vertices])
+    """Raise :class:`CycleError` if memory graph ``mg``'s edges form a cycle. O(V + E).
+
+    The compiler numbers vertices in a topological order, so first the cheap test that every
+    edge goes from a lower id to a higher one (0.05 s at 83k vertices, against 0.5 s for a
+    topological sort); only a graph that fails it is sorted, to name its cycle or accept it."""
+    preds = mg.preds
+    if all(max(ps, default=-1) < v for v, ps in enumerate(preds)):
+        return
+    topological_positions(preds, [v.name for v in mg.vertices])
 
 
 def _cycle_among(pset: list[set[int]], pos: list[int]) -> list[int]:
