@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -79,26 +78,24 @@ def run_job(job: Job) -> ReplayResult:
         return result
     from vmstoolkit.trace.run import replay_one
 
+    if not Path(job.spec).is_file():  # checked by the CLI, but a cluster's worker may be elsewhere
+        import platform
+
+        from vmstoolkit.errors import TraceFormatError
+
+        raise TraceFormatError(f"no trace file {job.spec} on worker host {platform.node()!r}: the workers of a "
+                               f"cluster need the snapshots at the same path (a shared filesystem)")
     return replay_one(job.spec, job.allocator, timeline=job.timeline)
 
 
-def run_jobs(jobs: list[Job], n_workers: int = 1, on_done: Callable[[Job, ReplayResult], None] | None = None) -> list[ReplayResult]:
-    """Run ``jobs`` (in ``n_workers`` processes when more than one); results in job order."""
-    results: list[ReplayResult | None] = [None] * len(jobs)
-    if n_workers <= 1 or len(jobs) <= 1:
-        for i, job in enumerate(jobs):
-            results[i] = run_job(job)
-            if on_done:
-                on_done(job, results[i])
-        return results  # type: ignore[return-value]
-    with ProcessPoolExecutor(max_workers=min(n_workers, len(jobs))) as pool:
-        futures = {pool.submit(run_job, job): i for i, job in enumerate(jobs)}
-        for fut in as_completed(futures):
-            i = futures[fut]
-            results[i] = fut.result()
-            if on_done:
-                on_done(jobs[i], results[i])
-    return results  # type: ignore[return-value]
+def run_jobs(jobs: list[Job], n_workers: int = 1, on_done: Callable[[Job, ReplayResult], None] | None = None,
+             *, cluster: str | None = None) -> list[ReplayResult]:
+    """Run ``jobs`` (in ``n_workers`` local processes when more than one, or on the Dask
+    cluster ``cluster``: ``local:N`` or a scheduler address); results in job order, identical
+    wherever they ran (:func:`vmstoolkit.analysis.runner.run_jobs`)."""
+    from vmstoolkit.analysis.runner import run_jobs as run
+
+    return run(run_job, jobs, n_workers, cluster=cluster, on_done=on_done)
 
 
 def plan_jobs(specs: list[str], allocators: list[str], timeline_workload: str | None) -> list[Job]:

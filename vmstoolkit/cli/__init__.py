@@ -32,6 +32,7 @@ def _register() -> None:
     app.command("allocators")(_replay.allocators_command)
     for module, name, attr in (
         ("vmstoolkit.cli.info", "info", "info_command"),
+        ("vmstoolkit.cli.sweep", "sweep", "sweep_command"),
     ):
         _maybe(app, module, name, attr)
     for module, name, attr in (

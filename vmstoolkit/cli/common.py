@@ -76,4 +76,20 @@ def json_lines(rows: list[dict]) -> str:
     return "".join(json.dumps(r, sort_keys=False) + "\n" for r in rows)
 
 
-__all__ = ["OutputFormat", "fail", "size_option", "parse_options", "rows_to_csv", "json_lines", "VmsError"]
+def emit_rows(rows: list[dict], fmt: OutputFormat, table) -> None:
+    """Print ``rows`` as JSON lines, CSV, or the rich table ``table(rows)`` builds; a table that
+    is piped or captured gets 200 columns instead of being squeezed into 80."""
+    if fmt is OutputFormat.json:
+        typer.echo(json_lines(rows), nl=False)
+    elif fmt is OutputFormat.csv:
+        typer.echo(rows_to_csv(rows), nl=False)
+    else:
+        from rich.console import Console
+
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=200)
+        console.print(table(rows))
+
+
+__all__ = ["OutputFormat", "fail", "size_option", "parse_options", "rows_to_csv", "json_lines", "emit_rows", "VmsError"]

@@ -71,6 +71,10 @@ def fragmentation_command(
         help="Add one SYNTHETIC trace of every kind (recompute, LoRA, offload, ZeRO, growing sequences, ...).")] = False,
     timeline: Annotated[Optional[str], typer.Option(
         help="Workload whose reserved/allocated timeline is drawn (default: the first).")] = None,
+    cluster: Annotated[Optional[str], typer.Option(
+        help="Run the replays on a Dask cluster instead of local processes: local:N starts N local workers, "
+             "tcp://HOST:PORT joins a running scheduler (workers need the traces at the same path). "
+             "Needs pip install 'vmstoolkit[cluster]'.")] = None,
 ) -> None:
     """Replay traces through the allocators and print the fragmentation table; write it as CSV
     and JSON with figures (utilization per workload, memory over time for one trace)."""
@@ -89,6 +93,13 @@ def fragmentation_command(
         fail("an allocator is named twice", code=2)
     if jobs is not None and jobs < 1:
         fail(f"--jobs must be at least 1, got {jobs}", code=2)
+    if cluster is not None:
+        from vmstoolkit.analysis.runner import check_cluster_spec
+
+        try:
+            cluster = check_cluster_spec(cluster)
+        except VmsError as e:
+            fail(str(e), code=2)
     specs = list(traces) if traces else default_specs()
     if synthetic:
         specs += [f"synthetic:{k}" for k in KINDS if f"synthetic:{k}" not in specs]
@@ -114,7 +125,8 @@ def fragmentation_command(
             task = progress.add_task(f"replaying {len(specs)} traces x {len(names)} allocators "
                                      f"({min(n_workers, len(job_list))} workers)", total=len(job_list))
             results = run_jobs(job_list, n_workers,
-                               on_done=lambda job, r: progress.update(task, advance=1, description=f"{r.trace} / {r.allocator}"))
+                               on_done=lambda job, r: progress.update(task, advance=1, description=f"{r.trace} / {r.allocator}"),
+                               cluster=cluster)
     except VmsError as e:
         fail(str(e))
     rows = fragmentation_rows(specs, names, results)

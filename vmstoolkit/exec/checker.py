@@ -22,37 +22,18 @@ from collections import defaultdict
 
 from sortedcontainers import SortedDict
 
+from vmstoolkit.exec.dag import topological_positions
 from vmstoolkit.exec.errors import RaceError
 
-
-def topological_positions(preds: list[list[int]]) -> list[int]:
-    n = len(preds)
-    indeg = [len(set(p)) for p in preds]
-    succ: list[list[int]] = [[] for _ in range(n)]
-    for v, ps in enumerate(preds):
-        for u in set(ps):
-            succ[u].append(v)
-    stack = [v for v in range(n) if indeg[v] == 0]
-    pos = [-1] * n
-    k = 0
-    while stack:
-        u = stack.pop()
-        pos[u] = k
-        k += 1
-        for v in succ[u]:
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                stack.append(v)
-    if k != n:
-        raise RaceError("a cycle", "the graph", -1, 0, 0)
-    return pos
+__all__ = ["check_race_free", "topological_positions"]
 
 
 def check_race_free(mg) -> int:
-    """Raise :class:`RaceError` unless ``mg`` (a MemoryGraph) is race free; return the number of
+    """Raise :class:`RaceError` unless ``mg`` (a MemoryGraph) is race free, or
+    :class:`~vmstoolkit.exec.errors.CycleError` if it has a cycle; return the number of
     orderings that were proved."""
     preds = mg.preds
-    pos = topological_positions(preds)
+    pos = topological_positions(preds, [v.name for v in mg.vertices])
     order = sorted(range(len(preds)), key=pos.__getitem__)
     # requirements: writer vertex -> [(vertex that must precede it, description)]
     need: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # w -> (u, old buffer, new buffer)

@@ -23,11 +23,12 @@ processed, so memory stays near the width of the graph).
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 from sortedcontainers import SortedDict, SortedList
 
-from vmstoolkit.exec.errors import BudgetTooSmallError
+from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError
 from vmstoolkit.exec.graph import TaskGraph, TensorKind
 
 # Every buffer starts on a 256-byte boundary: what cudaMalloc guarantees and what vectorised
@@ -212,6 +213,19 @@ class MemoryGraph:
         }
 
 
+def check_budget_value(budget) -> int:
+    """``budget`` as an int number of bytes; :class:`InvalidBudgetError` unless it is a positive
+    whole number (an integral float such as ``1e9`` is taken; NaN, infinities, fractions of a
+    byte, zero, negatives, text and booleans are not)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise InvalidBudgetError(f"budget {budget!r} is not a number of bytes")
+    if isinstance(budget, float) and not (math.isfinite(budget) and budget.is_integer()):
+        raise InvalidBudgetError(f"budget {budget!r} is not a whole number of bytes")
+    if budget <= 0:
+        raise InvalidBudgetError(f"budget {budget!r} bytes: must be positive")
+    return int(budget)
+
+
 def working_set(graph: TaskGraph) -> int:
     """The smallest budget (within 1%) that runs ``graph`` with no offload or reload: every
     weight resident plus the peak of live activations, plus what placement loses to
@@ -232,8 +246,10 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
     With ``preload``, weights and inputs are placed on the GPU before the run, in order of first
     use, while they fit; the rest start on the host. Preloaded tensors are clean (a host copy
     exists), so when the simulation needs their room, Belady drops the furthest-used ones for free.
-    Raises :class:`BudgetTooSmallError` when one vertex alone does not fit.
+    Raises :class:`BudgetTooSmallError` when one vertex alone does not fit, and
+    :class:`InvalidBudgetError` for a budget that is not a positive whole number of bytes.
     """
+    budget = check_budget_value(budget)
     n_gpus = graph.n_gpus if n_gpus is None else n_gpus
     if graph.n_gpus > n_gpus:
         raise ValueError(f"graph uses {graph.n_gpus} GPUs, compiling for {n_gpus}")

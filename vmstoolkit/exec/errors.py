@@ -1,10 +1,20 @@
-"""Errors of the memory-aware runtime."""
+"""Errors of the memory-aware runtime, members of the :class:`~vmstoolkit.errors.VmsError` family."""
 
 from __future__ import annotations
 
+from vmstoolkit.errors import VmsError
 
-class ExecError(Exception):
+
+class ExecError(VmsError):
     """Base class of the runtime's errors."""
+
+
+class InvalidShapeError(ExecError, ValueError):
+    """A model or tensor shape that cannot be built: a size of zero, or widths that do not divide."""
+
+
+class InvalidBudgetError(ExecError, ValueError):
+    """A GPU budget that is not a positive whole number of bytes (NaN, infinite, zero, negative)."""
 
 
 class BudgetTooSmallError(ExecError):
@@ -12,10 +22,12 @@ class BudgetTooSmallError(ExecError):
 
     def __init__(self, vertex: str, gpu: int, needed: int, budget: int, detail: str = ""):
         self.vertex, self.gpu, self.needed, self.budget = vertex, gpu, needed, budget
+        from vmstoolkit.units import format_size
+
         msg = (
             f"no schedule fits: vertex {vertex!r} on GPU {gpu} needs {needed} bytes "
-            f"({needed / 2**20:.1f} MiB) of inputs and outputs resident, budget is {budget} bytes "
-            f"({budget / 2**20:.1f} MiB)"
+            f"({format_size(needed)}) of inputs and outputs resident, budget is {budget} bytes "
+            f"({format_size(budget)})"
         )
         super().__init__(msg + (f"; {detail}" if detail else ""))
 
@@ -29,3 +41,19 @@ class RaceError(ExecError):
             f"race on GPU {gpu} bytes [{lo}, {hi}): {first} is still in use when {second} is written "
             f"(no path from its last access to the writer)"
         )
+
+
+class CycleError(ExecError):
+    """A memory graph whose edges form a cycle: its vertices could never become ready.
+
+    ``vertices`` is one cycle as a path ``[a, b, ..., a]`` along the graph's edges."""
+
+    SHOWN = 8  # vertices named in the message; longer cycles are cut in the middle
+
+    def __init__(self, vertices: list[int], names: list[str]):
+        self.vertices = vertices
+        steps = [f"vertex {v} {n!r}" for v, n in zip(vertices, names)]
+        if len(steps) > self.SHOWN:
+            steps = steps[: self.SHOWN // 2] + [f"... ({len(vertices) - self.SHOWN} more)"] + steps[-self.SHOWN // 2:]
+        super().__init__(f"the memory graph has a cycle of {len(vertices) - 1} vertices, which can never "
+                         f"run: {' -> '.join(steps)}")

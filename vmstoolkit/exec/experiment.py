@@ -8,26 +8,101 @@ CLI (``vmstoolkit.cli.offload``).
 
 from __future__ import annotations
 
+import math
+import re
 import time
+from dataclasses import dataclass
 
 from vmstoolkit.exec.compiler import compile_memory_graph, working_set
-from vmstoolkit.exec.errors import BudgetTooSmallError
+from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError
 from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.graph import LlamaConfig, build_llama
 
 DEFAULT_FRACTIONS = (1.0, 0.75, 0.5, 0.375, 0.25, 0.125)
 EXECUTORS = ("event-driven", "fixed-order")
+# A plain number is a fraction of the working set. Above this it is far more likely a byte
+# count missing its unit ("--budget 4096") than a wish for ten working sets: refuse it and say so.
+MAX_FRACTION = 10.0
+_FRACTION = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(%?)\s*")
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """One GPU budget per GPU: ``nbytes`` bytes, or a ``fraction`` of the graph's no-offload
+    working set (known only once the graph is built). ``text`` is what the user wrote."""
+
+    nbytes: int | None = None
+    fraction: float | None = None
+    text: str = ""
+
+    def __eq__(self, other) -> bool:  # the spelling does not matter
+        return isinstance(other, BudgetSpec) and (self.nbytes, self.fraction) == (other.nbytes, other.fraction)
+
+    def __hash__(self) -> int:
+        return hash((self.nbytes, self.fraction))
+
+    @classmethod
+    def parse(cls, text: str) -> "BudgetSpec":
+        """``"12GiB"``, ``"512MiB"``, ``"4096B"``: a size (units required); ``"0.5"``, ``"50%"``:
+        a fraction of the working set, positive and at most :data:`MAX_FRACTION`. Raises
+        :class:`InvalidBudgetError` naming ``text`` otherwise (NaN, infinities, zero, negatives,
+        unknown units)."""
+        from vmstoolkit.units import parse_size
+
+        t = str(text).strip()
+        m = _FRACTION.fullmatch(t)
+        if m:
+            f = float(m.group(1)) / (100.0 if m.group(2) else 1.0)
+            if not 0 < f <= MAX_FRACTION:
+                hint = f"; a size needs its unit ({t}B, or KiB, MiB, GiB)" if f > MAX_FRACTION and not m.group(2) else ""
+                raise InvalidBudgetError(f"budget {text!r}: a fraction of the working set must be above 0 and at "
+                                         f"most {MAX_FRACTION:g}{hint}")
+            return cls(fraction=f, text=t)
+        if not re.search(r"[a-zA-Z]", t) or t.lower().lstrip("+-").startswith(("nan", "inf")):
+            raise InvalidBudgetError(f"budget {text!r}: give a size such as 12GiB or a fraction of the working "
+                                     f"set such as 0.5 or 50%")
+        try:
+            n = parse_size(t)
+        except ValueError as e:
+            raise InvalidBudgetError(f"budget {text!r}: {e}; or give a fraction of the working set such as 0.5") from None
+        if n <= 0:
+            raise InvalidBudgetError(f"budget {text!r}: must be more than 0 bytes")
+        return cls(nbytes=n, text=t)
+
+    def resolve(self, working_set: int) -> int:
+        """Bytes per GPU for a graph whose working set is ``working_set`` bytes."""
+        return self.nbytes if self.nbytes is not None else int(working_set * self.fraction)
 
 
 def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: LlamaConfig | None = None,
                            parts: int = 1, fractions=DEFAULT_FRACTIONS, executors=EXECUTORS,
-                           seed: int = 0, jitter: float = 0.05, repeats: int = 1) -> list[dict]:
-    """Rows with ``budget``, ``budget_fraction``, ``executor``, ``makespan_s``, ``lower_bound_s``
-    (max of compute time, H2D bytes / bandwidth, D2H bytes / bandwidth), ``compute_s``,
-    ``h2d_s``, ``d2h_s``, ``offloaded_bytes`` (GPU -> host), ``reloaded_bytes`` (host -> GPU),
-    ``fits_without_offload``, ``vertices``, ``compile_s``. A budget below one vertex's needs
-    gives a row with ``error`` and no timings. ``makespan_s`` is the best of ``repeats`` runs.
+                           seed: int = 0, jitter: float = 0.05, repeats: int = 1,
+                           budgets: list[BudgetSpec | str] | None = None) -> list[dict]:
+    """Rows with ``budget``, ``budget_fraction`` (of the working set), ``budget_spec`` (as
+    given), ``executor``, ``makespan_s``, ``lower_bound_s`` (max of compute time, H2D bytes /
+    bandwidth, D2H bytes / bandwidth), ``compute_s``, ``h2d_s``, ``d2h_s``, ``offloaded_bytes``,
+    ``reloaded_bytes``, ``fits_without_offload``, ``vertices``, ``compile_s``, and the model's
+    shape. A budget below one vertex's needs gives a row with ``error`` (the reason) and no
+    timings. ``makespan_s`` is the best of ``repeats`` runs.
+
+    ``budgets`` (sizes or fractions, :class:`BudgetSpec` or its text), in the order given,
+    replace ``fractions`` (fractions of the working set).
+
+    What moves: ``offloaded_bytes`` are GPU -> host copies, made only for activations evicted
+    before their last use, once each (weights and inputs have a host copy from the start, so
+    evicting them copies nothing: they are dropped); ``reloaded_bytes`` are host -> GPU copies:
+    weights that did not fit at the start and every dropped or offloaded tensor brought back.
+    Offloaded 0 with reloads climbing means only weights were dropped.
     """
+    if budgets is None:
+        for frac in fractions:
+            if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not (math.isfinite(frac) and frac > 0):
+                raise InvalidBudgetError(f"budget fraction {frac!r}: must be a positive finite number (1 = the working set)")
+        specs = [BudgetSpec(fraction=float(f), text=f"{f:g}") for f in fractions]
+    else:
+        specs = [b if isinstance(b, BudgetSpec) else BudgetSpec.parse(b) for b in budgets]
+    if backend == "cuda":
+        require_gpus(n_gpus)  # before minutes of compiling
     cfg = config or LlamaConfig()
     graph = build_llama(cfg, parts=parts, n_gpus=n_gpus)
     ws = working_set(graph)
@@ -55,11 +130,12 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
         raise ValueError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
 
     rows = []
-    for frac in fractions:
-        budget = int(ws * frac)
-        base = {"budget": budget, "budget_fraction": frac, "working_set": ws, "n_gpus": n_gpus,
-                "blocks": cfg.n_blocks, "parts": parts, "backend": backend,
-                "fits_without_offload": budget >= ws}
+    for spec in specs:
+        budget = spec.resolve(ws)
+        base = {"budget": budget, "budget_fraction": spec.fraction if spec.fraction is not None else budget / ws,
+                "budget_spec": spec.text, "working_set": ws, "n_gpus": n_gpus,
+                "blocks": cfg.n_blocks, "parts": parts, "seq": cfg.seq, "hidden": cfg.hidden, "heads": cfg.heads,
+                "ffn": cfg.ffn, "backend": backend, "fits_without_offload": budget >= ws}
         t0 = time.perf_counter()
         try:
             mg = compile_memory_graph(graph, budget)
@@ -81,12 +157,29 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
     return rows
 
 
-def plot_makespan(rows: list[dict], path) -> None:
-    """Makespan and lower bound against budget (GiB), one line per executor."""
+def require_gpus(n: int) -> None:
+    """Raise :class:`~vmstoolkit.errors.NoGPUError` (one line) unless this machine has ``n``
+    usable CUDA GPUs for the cuda backend."""
+    from vmstoolkit.errors import NoGPUError
+    from vmstoolkit.pools.cuda_driver import cuda_init
+
+    try:
+        cuda_init(n - 1)
+    except NoGPUError as e:
+        reason = " ".join(str(e).split()).split("; use the simulated driver")[0]
+        raise NoGPUError(f"the cuda backend needs {n} CUDA GPU(s): {reason}; the sim backend runs without one") from None
+
+
+def plot_makespan(rows: list[dict], path, title: str | None = None):
+    """Makespan and lower bound against budget (GiB), one line per executor; returns the Figure.
+
+    The title names the model and backend (from the rows, unless ``title`` is given). The y axis
+    spans the data, not zero to the top: the executors differ by a few percent, which a
+    zero-based axis flattens (the axis label's values say where it starts)."""
 
     from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
 
-    fig = Figure(figsize=(6, 4))
+    fig = Figure(figsize=(6.4, 4.2))
     ax = fig.subplots()
     ok = [r for r in rows if "makespan_s" in r]
     for ex in dict.fromkeys(r["executor"] for r in ok):
@@ -97,8 +190,23 @@ def plot_makespan(rows: list[dict], path) -> None:
         ax.plot(*zip(*lb), "k--", label="lower bound")
     ax.set_xlabel("GPU budget per GPU (GiB)")
     ax.set_ylabel("makespan (s)")
-    ax.set_ylim(bottom=0)
+    ax.margins(y=0.08)
+    ax.set_title(title if title is not None else _title(rows), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
+    return fig
+
+
+def _title(rows: list[dict]) -> str:
+    """"Makespan against GPU budget: LLaMA prefill, 16 blocks" over "seq 2048, hidden 4096,
+    heads 32; sim backend, 1 GPU", from whichever of those fields the rows carry."""
+    r = rows[0] if rows else {}
+    first = "Makespan against GPU budget: LLaMA prefill" + (f", {r['blocks']} blocks" if "blocks" in r else "")
+    second = [", ".join(f"{k} {r[k]}" for k in ("seq", "hidden", "heads") if k in r)]
+    gpus = r.get("n_gpus", r.get("gpus"))
+    second.append(", ".join(x for x in (f"{r['backend']} backend" if "backend" in r else "",
+                                         f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "") if x))
+    second = "; ".join(x for x in second if x)
+    return first + (f"\n{second}" if second else "")

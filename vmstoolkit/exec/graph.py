@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vmstoolkit.exec.errors import InvalidShapeError
+
 # The compute operations a backend must implement. The six kernel names are the contract of
 # ``vmstoolkit.kernels.tasks.KERNEL_TASKS``; ``concat`` (join column parts) and ``copy``
 # (GPU to GPU) are implemented by the backends themselves.
@@ -78,6 +80,8 @@ class TaskGraph:
 
     # -- building -----------------------------------------------------------------------------
     def tensor(self, name, shape, dtype="float32", gpu=0, kind=TensorKind.ACTIVATION) -> int:
+        if not shape or any(int(s) < 1 for s in shape):
+            raise InvalidShapeError(f"tensor {name!r} has shape {tuple(shape)}: every dimension must be at least 1")
         t = Tensor(len(self.tensors), name, tuple(int(s) for s in shape), dtype, gpu, kind)
         self.tensors.append(t)
         self.producer.append(-1)
@@ -146,6 +150,28 @@ class LlamaConfig:
     eps: float = 1e-6
     rope_theta: float = 10000.0
 
+    def __post_init__(self) -> None:
+        """Refuse shapes the graph cannot be built from (:class:`InvalidShapeError`, naming them)."""
+        for name in ("n_blocks", "batch", "seq", "hidden", "heads", "kv_heads", "ffn"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidShapeError(f"{name}={v!r}: must be a whole number of at least 1")
+        if self.hidden % self.heads:
+            raise InvalidShapeError(f"hidden={self.hidden} is not divisible by heads={self.heads}: every head "
+                                    f"needs hidden / heads features")
+        if self.head_dim % 2:
+            raise InvalidShapeError(f"head_dim={self.head_dim} (hidden={self.hidden} / heads={self.heads}) is odd: "
+                                    f"rotary embeddings rotate the two halves of each head")
+        if self.heads % self.kv_heads:
+            raise InvalidShapeError(f"kv_heads={self.kv_heads} does not divide heads={self.heads}: grouped-query "
+                                    f"attention shares each key/value head among heads / kv_heads query heads")
+        try:
+            np.dtype(self.dtype)
+        except TypeError:
+            raise InvalidShapeError(f"dtype={self.dtype!r} is not a numpy dtype") from None
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise InvalidShapeError(f"eps={self.eps!r}: must be a positive finite number")
+
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
@@ -158,7 +184,7 @@ class LlamaConfig:
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:
     if n % parts:
-        raise ValueError(f"{n} is not divisible into {parts} parts")
+        raise InvalidShapeError(f"hidden={n} is not divisible into parts={parts}")
     s = n // parts
     return [(i * s, (i + 1) * s) for i in range(parts)]
 
@@ -174,8 +200,12 @@ def build_llama(cfg: LlamaConfig, parts: int = 1, n_gpus: int = 1) -> TaskGraph:
     Graph inputs: ``x`` (B*T, hidden). Graph output: the hidden state after the last block.
     Weight names: ``b{i}.attn_norm``, ``b{i}.wq.{p}``, ... (``.{p}`` is the part index).
     """
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise InvalidShapeError(f"parts={parts!r}: must be a whole number of at least 1")
+    if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
+        raise InvalidShapeError(f"n_gpus={n_gpus!r}: must be a whole number of at least 1")
     if cfg.heads % parts or cfg.kv_heads % parts or cfg.ffn % parts or cfg.heads % cfg.kv_heads:
-        raise ValueError(f"parts={parts} must divide heads={cfg.heads}, kv_heads={cfg.kv_heads}, ffn={cfg.ffn}")
+        raise InvalidShapeError(f"parts={parts} must divide heads={cfg.heads}, kv_heads={cfg.kv_heads} and ffn={cfg.ffn}")
     g = TaskGraph()
     b, t, h, f, hd = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn, cfg.head_dim
     m = b * t
