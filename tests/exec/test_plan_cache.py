@@ -16,12 +16,13 @@ TINY = LlamaConfig(n_blocks=2, seq=8, hidden=32, heads=4, kv_heads=2, ffn=48)
 
 
 def test_bucket_edges():
-    edges = sorted({bucket_edge(s) for s in range(256, 4097)})
+    assert sorted({bucket_edge(s) for s in range(1, 4097)}) == list(range(256, 4097, 256))
+    edges = sorted({bucket_edge(s, ratio=1.25) for s in range(256, 4097)})
     assert edges == [256, 512, 768, 1024, 1280, 1792, 2304, 3072, 3840, 4864]
-    assert bucket_edge(4000, max_seq=4096) == 4096  # the last edge is capped
+    assert bucket_edge(4000, ratio=1.25, max_seq=4096) == 4096  # the last edge is capped
     assert [bucket_edge(s, granule=8, ratio=1.0) for s in (1, 8, 9, 17)] == [8, 8, 16, 24]
     for s in range(1, 3000, 7):  # padding bounded by the ratio (or one granule)
-        e = bucket_edge(s)
+        e = bucket_edge(s, ratio=1.25)
         assert s <= e <= max(256, s * 1.25 + 256)
     with pytest.raises(ValueError, match="must be positive, got 0"):
         bucket_edge(0)
@@ -76,7 +77,7 @@ def test_hundred_changing_steps_spend_under_5_percent_planning():
     recs = run_steps(cache, seqs, _Sim(seed=0, jitter=0.05, check=False), "event-driven")
     simulated = sum(r.step_s for r in recs)
     planning = sum(r.plan_s for r in recs)
-    assert cache.misses == len(cache.plans) <= 10
+    assert cache.misses == len(cache.plans) <= 16
     assert any(r.offloaded_bytes for r in recs)  # the long steps do offload
     share = planning / (planning + simulated)
     print(f"planning {planning:.2f} s, simulated {simulated:.2f} s, share {share:.2%}, {cache.misses} plans")

@@ -3,17 +3,33 @@
 Note [Shape buckets]
 --------------------
 Rationale. A memory plan (compiled memory graph) is tied to every tensor's size, so a new
-sequence length needs a new plan, and compiling one costs about a quarter of a simulated step
-(16 LLaMA-7B-wide blocks, LoRA, seq 2048: 0.19 s to compile against a 0.69 s step). Planning
-every step would spend a fifth of the run planning.
+sequence length needs a new plan, and compiling one costs a sixth of a simulated step (16
+LLaMA-7B-wide blocks, LoRA, seq 2048: 0.11 s to compile, ``benchmarks/train_compile.py``,
+against a 0.69 s simulated step). Planning every step would spend a sixth of the run planning.
 
 Approach. Round each length up to a bucket edge and pad: the graph of the bucket is compiled
-once and reused. Edges grow geometrically (``ratio``) on a ``granule`` grid: 256, 512, 768,
-1024, 1280, 1536, 2048, 2560, 3072, 3840, 4864... for ratio 1.25, granule 256. A length pays at
-most ``ratio - 1`` extra rows (less with attention's quadratic part), and the number of plans
-grows with the log of the length range: 12 plans cover 256..4096 at ratio 1.25.
-``benchmarks/train_shape_buckets.py`` gives the trade-off: exact lengths recompile almost every
-step; ratio 1.25 keeps planning near 2% of simulated time for an 11% padding cost on average.
+once and reused. Edges sit on a ``granule`` grid (256 rows) and may grow geometrically
+(``ratio``): ratio 1.0 (the default) gives every multiple of 256, ratio 1.25 gives 256, 512,
+768, 1024, 1280, 1792, 2304, 3072, 3840, 4864... A length pays at most one granule, or
+``ratio - 1``, of extra rows.
+
+Figures (``benchmarks/train_shape_buckets.py``, 100 steps drawn in 256..4096, 4 LLaMA-7B-wide
+blocks, LoRA, budget half the working set at 4096, sim backend, this 2-core machine):
+
+=========== ===== ========== ========= ============= ===========================
+buckets     plans planning   simulated planning      (simulated + planning) /
+                  (host s)   s         share         simulated at exact lengths
+=========== ===== ========== ========= ============= ===========================
+exact       100   3.75       18.55     16.8%         1.202
+ratio 1.0   15    0.33       19.59     1.7%          1.074
+ratio 1.25  9     0.20       20.89     1.0%          1.137
+ratio 1.5   6     0.14       21.88     0.6%          1.187
+ratio 2.0   4     0.09       25.53     0.3%          1.381
+=========== ===== ========== ========= ============= ===========================
+
+Planning every length costs a sixth of the run; the 256-row grid costs 1.7% planning and 5.6%
+padding, the best total; coarser buckets plan less but pad more than they save. With a much
+wider range of lengths (up to 32k: 128 grid buckets) a ratio above 1 bounds the plan count.
 
 Padding is exact, not an approximation: padded positions are appended after the real ones, the
 attention is causal (a real position never reads a padded one), and the loss gradient ``dout``
@@ -44,7 +60,7 @@ from vmstoolkit.exec.graph import LlamaConfig
 from vmstoolkit.exec.train_graph import AdamWConfig, TrainGraph, build_train_step
 
 DEFAULT_GRANULE = 256  # rows: a multiple of every GEMM tile height, and of 16-row attention tiles
-DEFAULT_RATIO = 1.25  # at most 25% padding; see benchmarks/train_shape_buckets.py
+DEFAULT_RATIO = 1.0  # every multiple of the granule: best total in the Note's table
 
 
 def bucket_edge(seq: int, granule: int = DEFAULT_GRANULE, ratio: float = DEFAULT_RATIO,
