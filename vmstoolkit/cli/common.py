@@ -76,4 +76,14 @@ def json_lines(rows: list[dict]) -> str:
     return "".join(json.dumps(r, sort_keys=False) + "\n" for r in rows)
 
 
-__all__ = ["OutputFormat", "fail", "size_option", "parse_options", "rows_to_csv", "json_lines", "VmsError"]
+def print_rows(rows: list[dict], format: OutputFormat, table) -> None:
+    """Rows as JSON lines, CSV, or ``table(rows)`` (a rich table printer)."""
+    if format is OutputFormat.json:
+        typer.echo(json_lines(rows), nl=False)
+    elif format is OutputFormat.csv:
+        typer.echo(rows_to_csv(rows), nl=False)
+    else:
+        table(rows)
+
+
+__all__ = ["OutputFormat", "fail", "print_rows", "size_option", "parse_options", "rows_to_csv", "json_lines", "VmsError"]

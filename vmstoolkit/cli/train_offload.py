@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from vmstoolkit.cli.common import OutputFormat, fail, json_lines
+from vmstoolkit.cli.common import OutputFormat, fail, print_rows
 
 
 class Backend(str, Enum):
@@ -68,14 +68,7 @@ def train_offload_command(
                                     check_grads=check_grads)
     except (ValueError, ExecError) as e:
         fail(str(e))
-    if format is OutputFormat.json:
-        typer.echo(json_lines(rows), nl=False)
-    elif format is OutputFormat.csv:
-        from vmstoolkit.cli.common import rows_to_csv
-
-        typer.echo(rows_to_csv(rows), nl=False)
-    else:
-        _table(rows)
+    print_rows(rows, format, _table)
 
 
 def _table(rows: list[dict]) -> None:

@@ -65,22 +65,21 @@ def check_args(x, y) -> tuple:
 
 def rope(x, y, theta: float = 10000.0, offset: int = 0, stream=0):
     """Enqueue RoPE of x (B, T, nh, hd) at positions offset..offset+T-1 into y (may be x)."""
+    _launch(x, y, theta, offset, stream, inverse=False)
+
+
+def _launch(x, y, theta, offset, stream, inverse: bool) -> None:
     b, t, nh, hd = check_args(x, y)
     n = b * t * nh * (hd // 2)
     if n == 0:
         return
     blocks, threads = elementwise_grid(n)
-    make_rope_kernel()[blocks, threads, stream](x, y, np.float64(theta), np.int64(offset))
+    make_rope_kernel(inverse)[blocks, threads, stream](x, y, np.float64(theta), np.int64(offset))
 
 
 def rope_backward(dy, dx, theta: float = 10000.0, offset: int = 0, stream=0):
     """Enqueue the gradient of :func:`rope`: dy (B, T, nh, hd) rotated back into dx (may be dy)."""
-    b, t, nh, hd = check_args(dy, dx)
-    n = b * t * nh * (hd // 2)
-    if n == 0:
-        return
-    blocks, threads = elementwise_grid(n)
-    make_rope_kernel(True)[blocks, threads, stream](dy, dx, np.float64(theta), np.int64(offset))
+    _launch(dy, dx, theta, offset, stream, inverse=True)
 
 
 def validate_backward(shapes=((1, 3, 2, 4), (2, 5, 3, 8)), theta: float = 500.0, rtol: float = 1e-5,
