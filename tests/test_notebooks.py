@@ -49,7 +49,8 @@ def run_notebook(nb, kernel_name: str, cwd: Path):
 
 def test_there_are_notebooks():
     assert [p.name for p in NOTEBOOKS] == [
-        "01_fragmentation.ipynb", "02_stitching.ipynb", "03_your_snapshot.ipynb", "04_offload_runtime.ipynb"]
+        "01_fragmentation.ipynb", "02_stitching.ipynb", "03_your_snapshot.ipynb", "04_offload_runtime.ipynb",
+        "05_training_under_budget.ipynb"]
 
 
 def test_kernel_is_this_interpreter(kernel, tmp_path):

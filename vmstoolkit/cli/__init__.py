@@ -38,6 +38,7 @@ def _register() -> None:
     for module, name, attr in (
         ("vmstoolkit.cli.fragmentation", "fragmentation", "fragmentation_command"),
         ("vmstoolkit.cli.offload", "offload", "offload_command"),
+        ("vmstoolkit.cli.train_offload", "train-offload", "train_offload_command"),
     ):
         _maybe(experiment_app, module, name, attr)
 

@@ -77,19 +77,25 @@ def json_lines(rows: list[dict]) -> str:
 
 
 def emit_rows(rows: list[dict], fmt: OutputFormat, table) -> None:
-    """Print ``rows`` as JSON lines, CSV, or the rich table ``table(rows)`` builds; a table that
-    is piped or captured gets 200 columns instead of being squeezed into 80."""
+    """Print ``rows`` as JSON lines, CSV, or a table: ``table(rows)`` either returns a rich
+    renderable (printed here; a table that is piped or captured gets 200 columns instead of being
+    squeezed into 80) or prints itself and returns None."""
     if fmt is OutputFormat.json:
         typer.echo(json_lines(rows), nl=False)
     elif fmt is OutputFormat.csv:
         typer.echo(rows_to_csv(rows), nl=False)
     else:
-        from rich.console import Console
+        rendered = table(rows)
+        if rendered is not None:
+            from rich.console import Console
 
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=200)
-        console.print(table(rows))
+            console = Console()
+            if not console.is_terminal:
+                console = Console(width=200)
+            console.print(rendered)
 
 
-__all__ = ["OutputFormat", "fail", "size_option", "parse_options", "rows_to_csv", "json_lines", "emit_rows", "VmsError"]
+print_rows = emit_rows  # the name the train-offload command was written against
+
+__all__ = ["OutputFormat", "fail", "size_option", "parse_options", "rows_to_csv", "json_lines", "emit_rows", "print_rows",
+           "VmsError"]

@@ -26,11 +26,13 @@ import numpy as np
 
 from vmstoolkit.exec.errors import InvalidShapeError
 
-# The compute operations a backend must implement. The six kernel names are the contract of
-# ``vmstoolkit.kernels.tasks.KERNEL_TASKS``; ``concat`` (join column parts) and ``copy``
-# (GPU to GPU) are implemented by the backends themselves.
+# The compute operations a backend must implement. The kernel names are the contract of
+# ``vmstoolkit.kernels.tasks.KERNEL_TASKS`` (the forward six, then the training tasks);
+# ``concat`` (join column parts) and ``copy`` (GPU to GPU) are implemented by the backends.
 KERNEL_OPS = ("linear", "rmsnorm", "rope", "attention", "swiglu", "residual_add")
-COMPUTE_OPS = KERNEL_OPS + ("concat", "copy")
+TRAIN_OPS = ("linear_dx", "linear_dw", "rmsnorm_dx", "rmsnorm_dw", "rope_backward", "attention_lse",
+             "attention_backward", "swiglu_backward", "adamw")
+COMPUTE_OPS = KERNEL_OPS + TRAIN_OPS + ("concat", "copy")
 
 
 class TensorKind(str, enum.Enum):
@@ -312,6 +314,6 @@ def reference_forward(graph: TaskGraph, values: dict[int, np.ndarray]) -> dict[i
 
     vals = dict(values)
     for v in graph.vertices:
-        (res,) = run_op(v, [vals[t] for t in v.inputs])
-        vals[v.outputs[0]] = res.reshape(graph.tensors[v.outputs[0]].shape)
+        for t, res in zip(v.outputs, run_op(v, [vals[t] for t in v.inputs])):
+            vals[t] = res.reshape(graph.tensors[t].shape)
     return vals

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vmstoolkit.exec.graph import TRAIN_OPS
 from vmstoolkit.kernels import reference as ref
 
 
@@ -29,6 +30,13 @@ def run_op(v, inputs: list[np.ndarray]) -> list[np.ndarray]:
         y = np.concatenate(xs, axis=-1)
     elif op == "copy":
         y = xs[0].copy()
+    elif op in TRAIN_OPS:
+        from vmstoolkit.kernels.tasks import KERNEL_TASKS
+
+        task = KERNEL_TASKS[op]
+        ys = task.reference(xs, **v.params)
+        ys = list(ys) if task.n_outputs > 1 else [ys]
+        return [np.ascontiguousarray(y, dtype=xs[0].dtype).reshape(shape) for y, shape in zip(ys, v.views[n_in:])]
     else:
         raise ValueError(f"vertex {v.name!r}: no numpy implementation of op {op!r}")
     return [np.ascontiguousarray(y, dtype=xs[0].dtype).reshape(out_shape)]

@@ -82,8 +82,11 @@ SIM_TILES = AttentionTiles(bq=8, bkv=4, rm=2, tpr=2)
 
 
 @lru_cache(maxsize=None)
-def make_attention_kernel(hd: int, tiles: AttentionTiles):
+def make_attention_kernel(hd: int, tiles: AttentionTiles, with_lse: bool = False):
+    """The kernel for head_dim ``hd``; ``with_lse`` also writes each row's log-sum-exp of the
+    scaled scores into ``lse`` (B, nh, T), the statistics the backward recomputes P from."""
     tiles.check(hd)
+    WITH_LSE = with_lse
     HD, BQ, BKV, RM, TPR = hd, tiles.bq, tiles.bkv, tiles.rm, tiles.tpr
     NRG = BQ // RM
     NT = NRG * TPR
@@ -94,7 +97,7 @@ def make_attention_kernel(hd: int, tiles: AttentionTiles):
     KV_LOADS = -(-BKV * HD // NT)
 
     @cuda.jit
-    def attention_kernel(q, k, v, o, scale):
+    def attention_kernel(q, k, v, o, scale, lse):
         t_ = q.shape[1]
         group = q.shape[2] // k.shape[2]
         n_qt = (t_ + BQ - 1) // BQ
@@ -194,6 +197,8 @@ def make_attention_kernel(hd: int, tiles: AttentionTiles):
                 inv = float32(1.0) / l_i[i]
                 for c in range(CPT):
                     o[b, row, h, lane + c * TPR] = acc[i, c] * inv
+                if WITH_LSE and lane == 0:
+                    lse[b, h, row] = m_i[i] + math.log(l_i[i])
 
     return attention_kernel
 
@@ -226,15 +231,22 @@ def check_args(q, k, v, o) -> tuple[int, int, int, int, int]:
     return b, t, nh, nkv, hd
 
 
-def attention(q, k, v, o, stream=0, tiles: AttentionTiles | None = None):
-    """Enqueue causal attention of q (B, T, nh, hd) over k, v (B, T, nkv, hd) into o."""
+def attention(q, k, v, o, stream=0, tiles: AttentionTiles | None = None, lse=None):
+    """Enqueue causal attention of q (B, T, nh, hd) over k, v (B, T, nkv, hd) into o; with
+    ``lse`` (B, nh, T) also the row statistics that :mod:`attention_backward` needs."""
     b, t, nh, _, hd = check_args(q, k, v, o)
+    if lse is not None:
+        check_float32("lse", lse)
+        if tuple(lse.shape) != (b, nh, t):
+            raise ValueError(f"attention: lse has shape {tuple(lse.shape)}, expected (B, nh, T) = {(b, nh, t)}")
     if b * t * nh == 0:
         return
     tiles = tiles or choose_tiles(hd)
-    kernel = make_attention_kernel(hd, tiles)
+    kernel = make_attention_kernel(hd, tiles, lse is not None)
     grid = (-(-t // tiles.bq), nh, b)
-    kernel[grid, tiles.threads, stream](q, k, v, o, np.float32(1.0 / math.sqrt(hd)))
+    if lse is None:
+        lse = o.reshape(b, t, nh * hd)  # a 3-D float32 stand-in, never written (one signature)
+    kernel[grid, tiles.threads, stream](q, k, v, o, np.float32(1.0 / math.sqrt(hd)), lse)
 
 
 def validate(

@@ -25,24 +25,113 @@ from .rope import rope
 from .swiglu import swiglu
 
 
-@dataclass(frozen=True)
+# Short names kept from before the Hugging Face names (issue 18): keyword aliases and properties.
+_SHORT_NAMES = {
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_size": "intermediate_size",
+    "rms_eps": "rms_norm_eps",
+}
+
+
+@dataclass(frozen=True, init=False)
 class LlamaBlockConfig:
-    """Sizes of one decoder block. Defaults: the H200 acceptance shape (TinyLlama-1.1B's width
-    and FFN with 16 full heads), HF ``LlamaConfig`` defaults for eps and theta."""
+    """Sizes of one decoder block, under the names of ``transformers.LlamaConfig``. Defaults: the
+    H200 acceptance shape (TinyLlama-1.1B's width and FFN with 16 full heads), HF ``LlamaConfig``
+    defaults for eps and theta.
+
+    ``LlamaBlockConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+    intermediate_size=14336)`` or ``LlamaBlockConfig.from_hf(llama_config)``; the short names
+    (``n_heads``, ``n_kv_heads``, ``ffn_size``, ``rms_eps``) work as keywords and properties.
+    ``num_key_value_heads=None`` means ``num_attention_heads`` (HF's rule).
+    """
 
     hidden_size: int = 2048  # model width H
-    n_heads: int = 16  # query heads; head_dim = H // n_heads = 128
-    n_kv_heads: int = 16  # key/value heads; fewer than n_heads = grouped-query attention
-    ffn_size: int = 5632  # SwiGLU inner width F (TinyLlama: 2.75 x 2048)
-    rms_eps: float = 1e-6  # HF LlamaConfig.rms_norm_eps default
+    num_attention_heads: int = 16  # query heads; head_dim = H // heads = 128
+    num_key_value_heads: int = 16  # key/value heads; fewer = grouped-query attention
+    intermediate_size: int = 5632  # SwiGLU inner width F (TinyLlama: 2.75 x 2048)
+    rms_norm_eps: float = 1e-6  # HF LlamaConfig.rms_norm_eps default
     rope_theta: float = 10000.0  # HF LlamaConfig.rope_theta default
+
+    def __init__(self, hidden_size: int = 2048, num_attention_heads: int = 16,
+                 num_key_value_heads: int | None = None, intermediate_size: int = 5632,
+                 rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0, **short):
+        unknown = sorted(set(short) - set(_SHORT_NAMES))
+        if unknown:
+            raise TypeError(f"LlamaBlockConfig got unexpected keyword arguments {unknown}")
+        given = {"num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
+                 "intermediate_size": intermediate_size, "rms_norm_eps": rms_norm_eps}
+        for alias, name in _SHORT_NAMES.items():
+            if alias in short:
+                given[name] = short[alias]
+        if given["num_key_value_heads"] is None:
+            given["num_key_value_heads"] = given["num_attention_heads"]
+        object.__setattr__(self, "hidden_size", hidden_size)
+        for name, value in given.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "rope_theta", rope_theta)
+
+    @classmethod
+    def from_hf(cls, config) -> "LlamaBlockConfig":
+        """From any object with ``transformers.LlamaConfig``'s attributes (a ``LlamaConfig``, a
+        ``SimpleNamespace``...). Raises ValueError for what the kernels do not compute: RoPE
+        scaling, an activation other than SiLU, biases, or a ``head_dim`` that is not
+        ``hidden_size // num_attention_heads``."""
+        missing = [n for n in ("hidden_size", "num_attention_heads", "intermediate_size")
+                   if not hasattr(config, n)]
+        if missing:
+            raise ValueError(f"LlamaBlockConfig.from_hf: {type(config).__name__} has no {missing}")
+        theta = getattr(config, "rope_theta", None)
+        rope_params = getattr(config, "rope_parameters", None) or {}
+        if theta is None:  # transformers >= 5 keeps it in rope_parameters
+            theta = rope_params.get("rope_theta", 10000.0)
+        scaling = getattr(config, "rope_scaling", None) or {}
+        kind = scaling.get("rope_type", scaling.get("type")) or rope_params.get("rope_type", "default")
+        if kind != "default":
+            raise ValueError(f"LlamaBlockConfig.from_hf: rope scaling {kind!r} is not supported "
+                             f"(the kernels apply plain RoPE)")
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"LlamaBlockConfig.from_hf: hidden_act={act!r}, the kernels compute SiLU")
+        for flag in ("attention_bias", "mlp_bias"):
+            if getattr(config, flag, False):
+                raise ValueError(f"LlamaBlockConfig.from_hf: {flag}=True is not supported (no biases)")
+        out = cls(
+            hidden_size=int(config.hidden_size),
+            num_attention_heads=int(config.num_attention_heads),
+            num_key_value_heads=getattr(config, "num_key_value_heads", None),
+            intermediate_size=int(config.intermediate_size),
+            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+        )
+        hd = getattr(config, "head_dim", None)
+        if hd is not None and hd != out.head_dim:
+            raise ValueError(f"LlamaBlockConfig.from_hf: head_dim={hd} but hidden_size // "
+                             f"num_attention_heads = {out.head_dim}; the kernels need them equal")
+        return out
+
+    @property
+    def n_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.intermediate_size
+
+    @property
+    def rms_eps(self) -> float:
+        return self.rms_norm_eps
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.n_heads
 
     def check(self) -> None:
-        for name in ("hidden_size", "n_heads", "n_kv_heads", "ffn_size"):
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"LlamaBlockConfig.{name} must be positive, got {getattr(self, name)}")
         if self.hidden_size % self.n_heads:

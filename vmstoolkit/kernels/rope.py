@@ -21,7 +21,11 @@ from ._util import check_float32, check_ndim, elementwise_grid
 
 
 @lru_cache(maxsize=None)
-def make_rope_kernel():
+def make_rope_kernel(inverse: bool = False):
+    """The forward kernel, or with ``inverse`` its backward: the rotation by the opposite angle
+    (the transpose of a rotation), so ``dx = rope_inverse(dy)``."""
+    SIGN = -1.0 if inverse else 1.0
+
     @cuda.jit
     def rope_kernel(x, y, theta, offset):
         b_, t_, nh, hd = x.shape
@@ -39,7 +43,7 @@ def make_rope_kernel():
             inv_freq = 1.0 / (theta ** (float64(2 * i) / float64(hd)))
             ang = float64(t + offset) * inv_freq
             c = float32(math.cos(ang))
-            s = float32(math.sin(ang))
+            s = float32(SIGN * math.sin(ang))
             x1 = x[b, t, h, i]
             x2 = x[b, t, h, i + half]
             y[b, t, h, i] = x1 * c - x2 * s
@@ -61,12 +65,37 @@ def check_args(x, y) -> tuple:
 
 def rope(x, y, theta: float = 10000.0, offset: int = 0, stream=0):
     """Enqueue RoPE of x (B, T, nh, hd) at positions offset..offset+T-1 into y (may be x)."""
+    _launch(x, y, theta, offset, stream, inverse=False)
+
+
+def _launch(x, y, theta, offset, stream, inverse: bool) -> None:
     b, t, nh, hd = check_args(x, y)
     n = b * t * nh * (hd // 2)
     if n == 0:
         return
     blocks, threads = elementwise_grid(n)
-    make_rope_kernel()[blocks, threads, stream](x, y, np.float64(theta), np.int64(offset))
+    make_rope_kernel(inverse)[blocks, threads, stream](x, y, np.float64(theta), np.int64(offset))
+
+
+def rope_backward(dy, dx, theta: float = 10000.0, offset: int = 0, stream=0):
+    """Enqueue the gradient of :func:`rope`: dy (B, T, nh, hd) rotated back into dx (may be dy)."""
+    _launch(dy, dx, theta, offset, stream, inverse=True)
+
+
+def validate_backward(shapes=((1, 3, 2, 4), (2, 5, 3, 8)), theta: float = 500.0, rtol: float = 1e-5,
+                      seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    records = []
+    for shape in shapes:
+        dy = rng.standard_normal(shape, dtype=np.float32)  # (B, T, nh, hd)
+        want = reference.rope_backward(dy, theta)
+        d_dx = cuda.device_array(shape, dtype=np.float32)
+        rope_backward(cuda.to_device(dy), d_dx, theta)
+        err = float(np.max(np.abs(d_dx.copy_to_host() - want)) / np.max(np.abs(want)))
+        records.append({"shape": shape, "max_rel_err": err})
+        if not err <= rtol:
+            raise AssertionError(f"rope backward at {shape}: max rel err {err:.3g}")
+    return records
 
 
 def validate(shapes=((1, 3, 2, 4), (2, 5, 3, 8), (1, 7, 1, 6)), theta: float = 10000.0,

@@ -2,13 +2,15 @@
 
 ``KERNEL_TASKS[name]`` is a ``KernelTask`` with
 
-- ``reference(inputs, **params) -> np.ndarray``: the numpy result (``reference.py``);
+- ``reference(inputs, **params) -> np.ndarray``: the numpy result (``reference.py``); a tuple
+  of arrays for the tasks with several outputs (``n_outputs > 1``);
 - ``launch(stream, inputs, outputs, **params) -> None``: enqueue the Numba kernel(s) on that
-  stream, reading the device arrays ``inputs`` and writing the preallocated ``outputs[0]``;
+  stream, reading the device arrays ``inputs`` and writing the preallocated ``outputs``;
   no allocation, no synchronisation (works on a GPU and under ``NUMBA_ENABLE_CUDASIM=1``);
 - ``flops(shapes, **params)`` and ``bytes_moved(shapes, **params)``: the cost model's figures
   from the input shapes (bytes: each input read once, the output written once, float32);
-- ``output_shape(shapes, **params)``: the shape of the single output, for the runtime to allocate.
+- ``output_shape(shapes, **params)``: the shape of the (first) output, for the runtime to
+  allocate; ``output_shapes`` gives every output's.
 
 Inputs and params:
 
@@ -22,6 +24,25 @@ attention       q (B, T, nh, hd), k, v (B, T, nkv, hd)       -          like q, 
 swiglu          gate, up (same shape)                        -          like gate
 residual_add    a, b (same shape)                            -          like a
 =============== ============================================ ========== ===================
+
+Training (backward and optimizer; ``[acc]``: an optional existing gradient added to the result):
+
+================== ======================================== ============ ========================
+name               inputs                                   params       outputs
+================== ======================================== ============ ========================
+linear_dx          dy (M, N), w (N, K) [, acc (M, K)]       -            dx (M, K) = dy @ w
+linear_dw          dy (M, N), x (M, K) [, acc (N, K)]       -            dw (N, K) = dy.T @ x
+rmsnorm_dx         x (R, H), w (H,), dy (R, H)              eps          dx (R, H)
+rmsnorm_dw         x (R, H), dy (R, H) [, acc (H,)]         eps          dw (H,)
+rope_backward      dy (B, T, nh, hd)                        theta        dx like dy
+attention_lse      q, k, v as attention                     -            o like q, lse (B, nh, T)
+attention_backward q, k, v, o, lse, do                      -            dq, dk, dv
+swiglu_backward    gate, up, ds (same shape)                -            dgate, dup
+adamw              w, g, m, v (same shape)                  lr, beta1,   w, m, v after the step
+                                                            beta2, eps,
+                                                            weight_decay,
+                                                            step
+================== ======================================== ============ ========================
 """
 
 from __future__ import annotations
@@ -32,12 +53,15 @@ from typing import Callable
 import numpy as np
 
 from . import reference
+from .adamw import adamw
 from .attention import attention
+from .attention_backward import attention_backward
 from .gemm import gemm
+from .gemm_backward import linear_dw, linear_dx
 from .residual import residual_add
-from .rmsnorm import rmsnorm
-from .rope import rope
-from .swiglu import swiglu
+from .rmsnorm import rmsnorm, rmsnorm_backward_dw, rmsnorm_backward_dx
+from .rope import rope, rope_backward
+from .swiglu import swiglu, swiglu_backward
 
 F32 = 4  # bytes per element
 
@@ -50,19 +74,29 @@ class KernelTask:
     flops: Callable[..., float]
     bytes_moved: Callable[..., float]
     output_shape: Callable[..., tuple] = field(default=lambda shapes, **params: tuple(shapes[0]))
-    n_inputs: int = 1
+    n_inputs: int | tuple[int, ...] = 1  # or the accepted counts
     params: tuple[str, ...] = ()  # accepted keyword parameters
+    n_outputs: int = 1
+    output_shapes: Callable[..., list] | None = None  # every output's shape (default: [output_shape])
+
+    def shapes_out(self, shapes, **params) -> list[tuple]:
+        """Shapes of every output, in order."""
+        if self.output_shapes is not None:
+            return [tuple(s) for s in self.output_shapes(shapes, **params)]
+        return [tuple(self.output_shape(shapes, **params))]
 
 
 def _numel(shape) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
 
-def _check_call(task: str, n_inputs: int, allowed: tuple, inputs, outputs, params) -> None:
-    if len(inputs) != n_inputs:
-        raise ValueError(f"{task}: expected {n_inputs} inputs, got {len(inputs)}")
-    if outputs is not None and len(outputs) != 1:
-        raise ValueError(f"{task}: expected 1 output, got {len(outputs)}")
+def _check_call(task: str, n_inputs, allowed: tuple, inputs, outputs, params, n_outputs: int = 1) -> None:
+    counts = n_inputs if isinstance(n_inputs, tuple) else (n_inputs,)
+    if len(inputs) not in counts:
+        want = " or ".join(map(str, counts))
+        raise ValueError(f"{task}: expected {want} inputs, got {len(inputs)}")
+    if outputs is not None and len(outputs) != n_outputs:
+        raise ValueError(f"{task}: expected {n_outputs} output{'s' if n_outputs > 1 else ''}, got {len(outputs)}")
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         raise ValueError(f"{task}: unknown params {unknown} (accepted: {list(allowed)})")
@@ -191,6 +225,98 @@ def _bytes(out_shape_fn):
     return bytes_moved
 
 
+# ---- training: backward and optimizer ------------------------------------------------------
+
+
+def _train_task(name, n_inputs, fn_ref, fn_launch, flops, out_shapes, params=(), n_outputs=1):
+    """A KernelTask whose reference and launch take the inputs positionally (the optional
+    accumulator last) and check arity, params and outputs in one place."""
+
+    def ref(inputs, **p):
+        _check_call(name, n_inputs, params, inputs, None, p, n_outputs)
+        return fn_ref(*inputs, **p)
+
+    def launch(stream, inputs, outputs, **p):
+        _check_call(name, n_inputs, params, inputs, outputs, p, n_outputs)
+        fn_launch(stream, list(inputs), list(outputs), **p)
+
+    def bytes_moved(shapes, **p):
+        return float(F32 * (sum(_numel(s) for s in shapes) + sum(_numel(s) for s in out_shapes(shapes, **p))))
+
+    return KernelTask(name, ref, launch, flops, bytes_moved, lambda shapes, **p: tuple(out_shapes(shapes, **p)[0]),
+                      n_inputs, params, n_outputs, out_shapes)
+
+
+def _acc(inputs, i):
+    return inputs[i] if len(inputs) > i else None
+
+
+def _gemm_flops(m, n, k):
+    return 2.0 * m * n * k
+
+
+def _attention_backward_flops(shapes, **p):
+    return 2.5 * _attention_flops(shapes)  # dV, dP, dQ, dK: 4 matmuls, plus the recomputed QK^T
+
+
+_TRAIN = (
+    _train_task(
+        "linear_dx", (2, 3),
+        lambda dy, w, acc=None: reference.linear_backward_x(dy, w) + (0 if acc is None else acc),
+        lambda s, i, o: linear_dx(i[0], i[1], o[0], s, acc=_acc(i, 2)),
+        lambda sh, **p: _gemm_flops(sh[0][0], sh[1][1], sh[0][1]),
+        lambda sh, **p: [(sh[0][0], sh[1][1])]),
+    _train_task(
+        "linear_dw", (2, 3),
+        lambda dy, x, acc=None: reference.linear_backward_w(dy, x, acc),
+        lambda s, i, o: linear_dw(i[0], i[1], o[0], s, acc=_acc(i, 2)),
+        lambda sh, **p: _gemm_flops(sh[0][1], sh[1][1], sh[0][0]),
+        lambda sh, **p: [(sh[0][1], sh[1][1])]),
+    _train_task(
+        "rmsnorm_dx", 3,
+        lambda x, w, dy, eps=1e-6: reference.rmsnorm_backward(x, w, dy, eps)[0],
+        lambda s, i, o, eps=1e-6: rmsnorm_backward_dx(_rows(i[0]), i[1], _rows(i[2]), _rows(o[0]), eps, s),
+        lambda sh, **p: 8.0 * _numel(sh[0]),
+        lambda sh, **p: [tuple(sh[0])], ("eps",)),
+    _train_task(
+        "rmsnorm_dw", (2, 3),
+        lambda x, dy, acc=None, eps=1e-6: reference.rmsnorm_backward(x, np.ones(x.shape[-1], x.dtype), dy, eps)[1]
+        + (0 if acc is None else acc),
+        lambda s, i, o, eps=1e-6: rmsnorm_backward_dw(_rows(i[0]), _rows(i[1]), o[0], eps, s, acc=_acc(i, 2)),
+        lambda sh, **p: 5.0 * _numel(sh[0]),
+        lambda sh, **p: [(sh[0][len(sh[0]) - 1],)], ("eps",)),
+    _train_task(
+        "rope_backward", 1,
+        lambda dy, theta=10000.0: reference.rope_backward(dy, theta),
+        lambda s, i, o, theta=10000.0: rope_backward(i[0], o[0], theta, 0, s),
+        _rope_flops, lambda sh, **p: [tuple(sh[0])], ("theta",)),
+    _train_task(
+        "attention_lse", 3,
+        reference.attention_lse,
+        lambda s, i, o: attention(i[0], i[1], i[2], o[0], s, lse=o[1]),
+        _attention_flops,
+        lambda sh, **p: [tuple(sh[0]), (sh[0][0], sh[0][2], sh[0][1])], n_outputs=2),
+    _train_task(
+        "attention_backward", 6,
+        reference.attention_backward,
+        lambda s, i, o: attention_backward(*i, *o, stream=s),
+        _attention_backward_flops,
+        lambda sh, **p: [tuple(sh[0]), tuple(sh[1]), tuple(sh[2])], n_outputs=3),
+    _train_task(
+        "swiglu_backward", 3,
+        reference.swiglu_backward,
+        lambda s, i, o: swiglu_backward(*i, *o, stream=s),
+        lambda sh, **p: 10.0 * _numel(sh[0]),
+        lambda sh, **p: [tuple(sh[0]), tuple(sh[0])], n_outputs=2),
+    _train_task(
+        "adamw", 4,
+        lambda w, g, m, v, **hp: reference.adamw(w, g, m, v, **hp),
+        lambda s, i, o, **hp: adamw(*i, *o, stream=s, **hp),
+        lambda sh, **p: 12.0 * _numel(sh[0]),
+        lambda sh, **p: [tuple(sh[0])] * 3, ("lr", "beta1", "beta2", "eps", "weight_decay", "step"), 3),
+)
+
+
 KERNEL_TASKS: dict[str, KernelTask] = {
     t.name: t
     for t in (
@@ -207,5 +333,6 @@ KERNEL_TASKS: dict[str, KernelTask] = {
         KernelTask("residual_add", _residual_ref, _residual_launch,
                    lambda s, **p: 1.0 * _numel(s[0]), _bytes(_same_shape_out),
                    _same_shape_out, 2),
+        *_TRAIN,
     )
 }

@@ -1,0 +1,325 @@
+"""Training under a GPU budget on the H200 (issue 17), side by side with PyTorch eager, in one run.
+
+    python experiments/train_offload_gpu.py --out experiments/results/train-offload-h200
+    python experiments/train_offload_gpu.py --dry-run --out /tmp/x   # CPU: sim backend, tiny shapes
+
+For each variant (LoRA, full fine-tuning) of a 16-block, 4096-wide LLaMA (LLaMA-7B widths) at
+batch 1, sequence 2048, writes to ``<out>/train_offload.jsonl`` one JSON object per measurement:
+
+- ``direct``: the whole training graph with our Numba kernels, every tensor its own device
+  array, launched back to back on one stream (the equality reference and the compute time);
+- ``runtime``: our memory graph at half and a quarter of the no-offload working set, event-driven
+  and fixed-order: step time (best and all ``--repeats``), lower bound (max of the direct compute
+  time, H2D bytes / measured bandwidth, D2H bytes / bandwidth) and which term bounds it
+  (``transfer_bound`` when a copy term exceeds compute), bytes moved, and the largest gradient
+  difference against ``direct`` (gradients read back from the updated first moments);
+- ``torch``: PyTorch eager on the same model and values at the same budget, in a subprocess
+  (``torch.cuda.set_per_process_memory_fraction``): frozen / trainable weights kept in pinned CPU
+  memory and copied to the GPU per block inside ``torch.utils.checkpoint`` (so backward's
+  recompute copies them again), block inputs saved with
+  ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, gradients landing on the CPU parameters
+  and AdamW stepping on the CPU (``foreach=True``) for full fine-tuning; LoRA adapters and their
+  AdamW state stay on the GPU. Its step time includes the optimizer step, like ours; its
+  gradients are compared with ours too.
+
+``<out>/summary.json`` collects the side-by-side step times. Needs numba-cuda and cuda-bindings
+(our kernels) and torch (the baseline; ``--skip-torch`` without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vmstoolkit.exec.compiler import compile_memory_graph, working_set  # noqa: E402
+from vmstoolkit.exec.executor import execute  # noqa: E402
+from vmstoolkit.exec.graph import LlamaConfig, reference_forward  # noqa: E402
+from vmstoolkit.exec.train_graph import build_train_step, grads_from_updates, random_train_values  # noqa: E402
+
+FRACTIONS = {"half": 0.5, "quarter": 0.25}
+
+
+def config(a) -> LlamaConfig:
+    if a.dry_run:
+        return LlamaConfig(n_blocks=2, seq=16, hidden=32, heads=4, kv_heads=2, ffn=48)
+    return LlamaConfig(n_blocks=a.blocks, seq=a.seq, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads or a.heads,
+                       ffn=a.ffn)
+
+
+def max_grad_err(a: dict, b: dict) -> float:
+    return max(float(np.max(np.abs(a[n] - b[n]))) for n in b)
+
+
+def run_ours(tg, values, emit, a, variant):
+    """direct, then each budget x executor; returns {budget_name: budget bytes}."""
+    graph = tg.graph
+    ws = working_set(graph)
+    budgets = {name: int(ws * f) for name, f in FRACTIONS.items()}
+    emit({"kind": "working_set", "variant": variant, "working_set": ws, "budgets": budgets,
+          "trainable_bytes": tg.trainable_bytes()})
+    if a.dry_run:
+        from vmstoolkit.exec.backends.sim import CostModel, SimBackend
+
+        ref = reference_forward(graph, values)
+        compute_s, bw = None, None
+    else:
+        from numba import cuda
+
+        from vmstoolkit.exec.backends.cuda import copy_bandwidth, direct_forward
+
+        ref, compute_s = direct_forward(graph, values, repeats=a.repeats)
+        ref = {t: ref[t] for t in graph.outputs}
+        gc.collect()
+        cuda.current_context().deallocations.clear()  # give the direct run's memory back now
+        bw = copy_bandwidth()
+        emit({"kind": "direct", "variant": variant, "compute_s": compute_s, **bw})
+    want = grads_from_updates(tg, values, ref)
+    host: dict = {}  # pinned host copies shared by every run of this graph
+    for name, budget in budgets.items():
+        t0 = time.perf_counter()
+        try:
+            mg = compile_memory_graph(graph, budget)
+        except Exception as e:  # a budget too small is a result
+            emit({"kind": "runtime", "variant": variant, "budget_name": name, "budget": budget, "error": str(e)})
+            continue
+        compile_s = time.perf_counter() - t0
+        if a.dry_run:
+            bound = CostModel().lower_bound(mg)
+        else:
+            h2d = mg.reloaded_bytes / bw["h2d"]
+            d2h = mg.offloaded_bytes / bw["d2h"]
+            bound = {"compute_s": compute_s, "h2d_s": h2d, "d2h_s": d2h, "lower_bound_s": max(compute_s, h2d, d2h)}
+        for ex in ("event-driven", "fixed-order"):
+            row = {"kind": "runtime", "variant": variant, "budget_name": name, "budget": budget, "working_set": ws,
+                   "executor": ex, "compile_s": compile_s, **bound,
+                   "transfer_bound": max(bound["h2d_s"], bound["d2h_s"]) > bound["compute_s"],
+                   "offloaded_bytes": mg.offloaded_bytes, "reloaded_bytes": mg.reloaded_bytes,
+                   "vertices": len(mg.vertices), "peak_bytes": max(mg.peak_bytes)}
+            try:
+                spans = []
+                for rep in range(1 if a.dry_run else a.repeats):
+                    if a.dry_run:
+                        be = SimBackend(seed=rep, jitter=0.05, numerics=True, values=values)
+                    else:
+                        from vmstoolkit.exec.backends.cuda import CudaBackend
+
+                        be = CudaBackend(values, host=host)
+                    try:
+                        spans.append(execute(mg, be, ex).makespan_s)
+                        got = grads_from_updates(tg, values, be.result())
+                    finally:
+                        if hasattr(be, "close"):
+                            be.close()
+                err = max_grad_err(got, want)
+                scale = max(float(np.max(np.abs(w))) for w in want.values())
+                row.update(step_s=min(spans), steps_s=spans, max_abs_grad_err=err, grad_max_abs=scale,
+                           equal=bool(err <= 1e-4 * max(1.0, scale)),
+                           ratio_to_lower_bound=min(spans) / bound["lower_bound_s"])
+            except Exception as e:
+                row.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-2000:])
+            emit(row)
+    return budgets, want
+
+
+# ---- PyTorch eager baseline (run in its own process: --torch-only) --------------------------
+
+
+def torch_step(cfg: LlamaConfig, variant: str, rank: int, budget: int, seed: int, repeats: int) -> dict:
+    """One PyTorch eager training step under ``budget`` bytes of GPU memory (module docstring);
+    the same values as ours (``random_train_values`` of the same graph and seed)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    tg = build_train_step(cfg, variant, rank=rank)
+    values = random_train_values(tg, seed)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+    dev = torch.device("cuda")
+    names = {t.name: t.id for t in tg.graph.tensors}
+    lora = variant == "lora"
+    opt_cfg = tg.adamw
+    cpu = {}  # frozen or trainable weights on the CPU, pinned
+    gpu = {}  # LoRA adapters on the GPU
+    for t in tg.graph.tensors:
+        if t.id not in values or t.name in ("x", "dout") or t.name.endswith((".adam_m", ".adam_v")):
+            continue
+        a = torch.from_numpy(values[t.id])
+        if lora and t.name in tg.params:
+            gpu[t.name] = torch.nn.Parameter(a.to(dev))
+        else:
+            cpu[t.name] = torch.nn.Parameter(a.pin_memory(), requires_grad=not lora)
+    params = list(gpu.values()) if lora else list(cpu.values())
+    opt = torch.optim.AdamW(params, lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
+                            weight_decay=opt_cfg.weight_decay, foreach=True)
+    x0 = torch.from_numpy(values[names["x"]]).to(dev)
+    dout = torch.from_numpy(values[names["dout"]]).to(dev)
+    del values  # the pinned copies above are what the step uses
+    b, t, nh, nkv, hd = cfg.batch, cfg.seq, cfg.heads, cfg.kv_heads, cfg.head_dim
+
+    def rope(x):
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=dev) / hd))
+        emb = torch.outer(torch.arange(t, dtype=torch.float64, device=dev), inv)
+        emb = torch.cat([emb, emb], -1)
+        cos, sin = emb.cos().float()[None, :, None], emb.sin().float()[None, :, None]
+        return x * cos + torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1) * sin
+
+    def block(x, i):
+        p = f"b{i}."
+        w = {k[len(p):]: v.to(dev, non_blocking=True) for k, v in cpu.items() if k.startswith(p)}
+
+        def proj(name, xin):
+            y = torch.nn.functional.linear(xin, w[name])
+            if lora:
+                y = y + torch.nn.functional.linear(torch.nn.functional.linear(xin, gpu[p + name + ".lora_a"]),
+                                                   gpu[p + name + ".lora_b"])
+            return y
+
+        def norm(z, wn):
+            return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + cfg.eps) * wn
+
+        xn = norm(x, w["attn_norm"])
+        q = rope(proj("wq", xn).view(b, t, nh, hd)).transpose(1, 2)
+        k = rope(proj("wk", xn).view(b, t, nkv, hd)).transpose(1, 2)
+        v = proj("wv", xn).view(b, t, nkv, hd).transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
+        h = x + proj("wo", o.transpose(1, 2).reshape(b * t, nh * hd))
+        hn = norm(h, w["ffn_norm"])
+        return h + proj("wd", torch.nn.functional.silu(proj("wg", hn)) * proj("wu", hn))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        x = x0
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            for i in range(cfg.n_blocks):
+                x = checkpoint(block, x, i, use_reentrant=False)
+        (x * dout).sum().backward()
+        grads = {n: (gpu.get(n) if lora else cpu.get(n)).grad.detach().cpu().numpy().copy() for n in tg.params}
+        opt.step()
+        torch.cuda.synchronize()
+        return grads
+
+    times, grads = [], None
+    state0 = {k: v.detach().clone() for k, v in (gpu if lora else cpu).items()}
+    for _ in range(repeats):
+        with torch.no_grad():  # the same starting point every repeat
+            for k, v in (gpu if lora else cpu).items():
+                v.copy_(state0[k])
+        opt.state.clear()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        g = step()
+        times.append(time.perf_counter() - t0)
+        grads = grads or g
+    return {"step_s": min(times), "steps_s": times, "peak_bytes": torch.cuda.max_memory_allocated(),
+            "grads": grads}
+
+
+def run_torch(cfg, variant, budgets, want, emit, a):
+    for name, budget in budgets.items():
+        row = {"kind": "torch", "variant": variant, "budget_name": name, "budget": budget}
+        npz = a.out / f"torch_{variant}_{name}.npz"
+        cmd = [sys.executable, __file__, "--torch-only", "--variant", variant, "--budget", str(budget),
+               "--out", str(a.out), "--npz", str(npz), "--blocks", str(cfg.n_blocks), "--seq", str(cfg.seq),
+               "--hidden", str(cfg.hidden), "--heads", str(cfg.heads), "--kv-heads", str(cfg.kv_heads),
+               "--ffn", str(cfg.ffn), "--rank", str(a.rank), "--seed", str(a.seed), "--repeats", str(a.repeats)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            row["error"] = (proc.stderr or proc.stdout)[-2000:]
+        else:
+            row.update(json.loads(lines[-1]))
+            got = dict(np.load(npz))
+            row["max_abs_grad_err_vs_ours"] = max_grad_err({k: got[k] for k in want}, want)
+        emit(row)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--dry-run", action="store_true", help="CPU only: sim backend, tiny shapes, no torch")
+    ap.add_argument("--variants", nargs="+", default=["lora", "full"], choices=["lora", "full"])
+    ap.add_argument("--blocks", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--ffn", type=int, default=11008)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--npz", type=Path, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    faulthandler.enable()
+    a.out.mkdir(parents=True, exist_ok=True)
+    cfg = config(a)
+    if a.torch_only:
+        res = torch_step(cfg, a.variant, a.rank, a.budget, a.seed, a.repeats)
+        np.savez(a.npz, **res.pop("grads"))
+        print(json.dumps(res), flush=True)
+        return 0
+    rows_path = a.out / "train_offload.jsonl"
+    rows_path.write_text("")
+    rows = []
+
+    def emit(row):
+        row = {"command": " ".join(sys.argv), "config": asdict(cfg), **row}
+        rows.append(row)
+        with rows_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps({k: v for k, v in row.items() if k not in ("traceback", "command", "config")}), flush=True)
+
+    t0 = time.perf_counter()
+    for variant in a.variants:
+        tg = build_train_step(cfg, variant, rank=a.rank)
+        values = random_train_values(tg, a.seed)
+        budgets, want = run_ours(tg, values, emit, a, variant)
+        del values
+        gc.collect()
+        if not a.dry_run:  # free our pinned host copies before the baseline takes its own
+            from numba import cuda
+
+            cuda.current_context().deallocations.clear()
+        if a.dry_run or a.skip_torch:
+            emit({"kind": "torch", "variant": variant, "skipped": "dry run" if a.dry_run else "--skip-torch"})
+        else:
+            run_torch(cfg, variant, budgets, want, emit, a)
+    side = {}
+    for r in rows:
+        if "step_s" in r and r["kind"] in ("runtime", "torch"):
+            key = f"{r['variant']} {r['budget_name']}"
+            side.setdefault(key, {})[r.get("executor", "torch eager")] = r["step_s"]
+            if r["kind"] == "runtime":
+                side[key]["lower_bound_s"] = r["lower_bound_s"]
+                side[key]["transfer_bound"] = r["transfer_bound"]
+    summary = {"command": " ".join(sys.argv), "config": asdict(cfg), "wall_s": time.perf_counter() - t0,
+               "step_s": side,
+               "all_equal": all(r.get("equal", True) for r in rows if r["kind"] == "runtime" and "error" not in r),
+               "errors": [r["error"][:300] for r in rows if "error" in r]}
+    (a.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary["step_s"], indent=1))
+    return 0 if summary["all_equal"] and not summary["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""``vmstoolkit experiment train-offload``: the issue's JSON keys, both variants, a changing
+length, and one-line errors."""
+
+import json
+
+from typer.testing import CliRunner
+
+from vmstoolkit.cli import app
+from vmstoolkit.exec.train_experiment import ROW_KEYS
+
+runner = CliRunner()
+TINY = ["--blocks", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "48", "--rank", "4"]
+KEYS = ["budget", "executor", "variant", "step_s", "lower_bound_s", "offloaded_bytes", "reloaded_bytes",
+        "recomputed_flops", "plan_s", "max_abs_grad_err"]
+
+
+def run(*args):
+    return runner.invoke(app, ["experiment", "train-offload", *TINY, *args])
+
+
+def test_json_rows_have_exactly_the_issue_keys():
+    assert list(ROW_KEYS) == KEYS
+    for variant in ("lora", "full"):
+        res = run("--variant", variant, "--seq", "16", "--steps", "2", "--budget", "0.5", "--budget", "300KiB",
+                  "--format", "json")
+        assert res.exit_code == 0, res.output
+        rows = [json.loads(line) for line in res.stdout.splitlines()]
+        assert [(r["executor"], r["variant"]) for r in rows] == [
+            ("event-driven", variant), ("fixed-order", variant)] * 2
+        for r in rows:
+            assert list(r) == KEYS
+            assert r["step_s"] >= r["lower_bound_s"] > 0
+            assert r["reloaded_bytes"] > 0 and r["recomputed_flops"] == 0
+            assert r["max_abs_grad_err"] < 1e-3  # the numpy reference, on the sim backend
+        assert rows[2]["budget"] == 300 * 1024
+
+
+def test_changing_lengths_and_csv():
+    res = run("--seq-range", "8:40", "--steps", "6", "--budget", "0.5", "--format", "csv", "--no-check-grads")
+    assert res.exit_code == 0, res.output
+    head, *rows = res.stdout.splitlines()
+    assert head.split(",") == KEYS and len(rows) == 2
+
+
+def test_budget_below_one_vertex_is_one_line_naming_both_sizes():
+    res = run("--seq", "16", "--budget", "1KiB")
+    assert res.exit_code == 1
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and "needs" in lines[0] and "budget is 1024 bytes" in lines[0]
+    assert "Traceback" not in res.output
+
+
+def test_bad_arguments_are_one_line_errors():
+    for args, msg in ((["--seq-range", "40:8"], "--seq-range takes A:B"),
+                      (["--seq", "16", "--seq-range", "8:40"], "not both"),
+                      (["--seq", "16", "--budget", "1.5"], "budget fraction must be in (0, 1]"),
+                      (["--seq", "16", "--budget", "lots"], "budget 'lots'")):
+        res = run(*args)
+        assert res.exit_code != 0 and msg in res.output, (args, res.output)
+        assert len(res.output.strip().splitlines()) == 1

@@ -1,0 +1,227 @@
+"""The training-under-a-budget experiment: step time against budget, per executor, for a fixed
+or a changing sequence length (pure functions; printing happens in ``vmstoolkit.cli.train_offload``).
+
+``run_train_experiment`` returns one row per (budget, executor) with exactly the keys of issue
+17: ``budget``, ``executor``, ``variant``, ``step_s`` (mean over steady steps: every step but
+the first of each bucket), ``lower_bound_s`` (same steps), ``offloaded_bytes`` and
+``reloaded_bytes`` (per steady step), ``recomputed_flops`` (0: no activation is recomputed, the
+compiler only keeps or offloads), ``plan_s`` (planning seconds per step, compiles and cache
+lookups included) and ``max_abs_grad_err`` (largest gradient difference against the numpy
+reference on the sim backend, or the direct all-on-GPU computation with the same kernels on
+cuda; ``None`` when not checked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from vmstoolkit.exec.compiler import working_set
+from vmstoolkit.exec.executor import execute
+from vmstoolkit.exec.graph import LlamaConfig
+from vmstoolkit.exec.plan_cache import DEFAULT_GRANULE, DEFAULT_RATIO, Plan, PlanCache, pad_rows
+from vmstoolkit.exec.train_graph import AdamWConfig, build_train_step, grads_from_updates, random_train_values
+from vmstoolkit.units import parse_size
+
+EXECUTORS = ("event-driven", "fixed-order")
+ROW_KEYS = ("budget", "executor", "variant", "step_s", "lower_bound_s", "offloaded_bytes", "reloaded_bytes",
+            "recomputed_flops", "plan_s", "max_abs_grad_err")
+# Numerics on the sim backend run the numpy kernels for real: only below this many FLOPs per
+# step (a few seconds of numpy) unless asked for.
+SIM_CHECK_FLOPS = 2e10
+
+
+class BudgetSpecError(ValueError):
+    pass
+
+
+def parse_budget(spec, working_set_bytes) -> int:
+    """A budget from ``"8GiB"`` / ``123456`` (bytes) or ``"0.5"`` (a fraction in (0, 1] of the
+    no-offload working set, ``working_set_bytes()`` computed on first need)."""
+    if isinstance(spec, float) or (isinstance(spec, str) and "." in spec and spec.replace(".", "", 1).isdigit()):
+        frac = float(spec)
+        if not 0.0 < frac <= 1.0:
+            raise BudgetSpecError(f"budget fraction must be in (0, 1], got {spec!r}")
+        return int(working_set_bytes() * frac)
+    try:
+        n = parse_size(spec)
+    except ValueError as e:
+        raise BudgetSpecError(f"budget {spec!r}: {e}") from None
+    if n <= 0:
+        raise BudgetSpecError(f"budget must be positive, got {spec!r}")
+    return n
+
+
+@dataclass
+class StepRecord:
+    seq: int
+    bucket: int
+    first_of_bucket: bool
+    step_s: float  # makespan (simulated seconds on sim)
+    lower_bound_s: float
+    offloaded_bytes: int
+    reloaded_bytes: int
+    plan_s: float  # planning seconds spent for this step
+    max_abs_grad_err: float | None
+
+
+def step_values(plan: Plan, seq: int, seed: int, base: dict | None = None) -> dict[int, np.ndarray]:
+    """Host values for one step of ``seq`` real positions in ``plan``'s bucket: random weights
+    (or those of ``base``), x and dout, both zero on the padded rows."""
+    tg = plan.train
+    values = dict(base) if base is not None else random_train_values(tg, seed)
+    b = tg.config.batch
+    for t in (tg.x, tg.dout):
+        real = values[t].reshape(b, plan.seq, -1)[:, :seq].reshape(b * seq, -1)
+        values[t] = pad_rows(real, b, seq, plan.seq)
+    return values
+
+
+class _Sim:
+    def __init__(self, seed, jitter, check):
+        from vmstoolkit.exec.backends.sim import CostModel
+
+        self.cost, self.seed, self.jitter, self.check = CostModel(), seed, jitter, check
+        self.needs_values = check  # timing alone needs no numbers
+
+    def run(self, plan, executor, values, i):
+        from vmstoolkit.exec.backends.sim import SimBackend
+
+        be = SimBackend(self.cost, seed=self.seed + i, jitter=self.jitter, numerics=self.check, values=values)
+        span = execute(plan.memory, be, executor).makespan_s
+        err = None
+        if self.check:
+            from vmstoolkit.exec.train_reference import reference_train_step
+
+            want, _ = reference_train_step(plan.train, values)
+            got = grads_from_updates(plan.train, values, be.result())
+            err = max(float(np.max(np.abs(got[n] - want[n]))) for n in want)
+        return span, self.cost.lower_bound(plan.memory)["lower_bound_s"], err
+
+
+class _Cuda:
+    def __init__(self, check):
+        self.check = check
+        self.needs_values = True
+        self._direct: dict[tuple[int, int], dict] = {}
+
+    def run(self, plan, executor, values, i):
+        from vmstoolkit.exec.backends.cuda import CudaBackend, direct_forward, measure_lower_bound
+
+        be = CudaBackend(values)
+        try:
+            res = execute(plan.memory, be, executor)
+            out = be.result()
+        finally:
+            be.close()
+        err = None
+        if self.check:
+            key = (id(plan.train), id(values[plan.train.x]))
+            if key not in self._direct:
+                ref, _ = direct_forward(plan.train.graph, values, repeats=1)
+                self._direct[key] = grads_from_updates(plan.train, values, ref)
+            want = self._direct[key]
+            got = grads_from_updates(plan.train, values, out)
+            err = max(float(np.max(np.abs(got[n] - want[n]))) for n in want)
+        return res.makespan_s, measure_lower_bound(plan.memory, values)["lower_bound_s"], err
+
+
+def run_steps(cache: PlanCache, seqs, runner, executor: str, seed: int = 0) -> list[StepRecord]:
+    """Run one training step per length in ``seqs`` through ``cache``'s plans."""
+    out = []
+    weights: dict[int, dict] = {}  # bucket -> random values (weights drawn once per bucket)
+    for i, seq in enumerate(seqs):
+        before, misses = cache.plan_s, cache.misses
+        plan = cache.get(int(seq))
+        plan_s = cache.plan_s - before
+        values = None
+        if runner.needs_values:
+            if plan.seq not in weights:
+                weights[plan.seq] = random_train_values(plan.train, seed)
+            values = step_values(plan, int(seq), seed, weights[plan.seq])
+        span, lb, err = runner.run(plan, executor, values, i)
+        mg = plan.memory
+        out.append(StepRecord(int(seq), plan.seq, cache.misses > misses, span, lb, mg.offloaded_bytes,
+                              mg.reloaded_bytes, plan_s, err))
+    return out
+
+
+def summarize(budget: int, executor: str, variant: str, steps: list[StepRecord]) -> dict:
+    steady = [s for s in steps if not s.first_of_bucket] or steps
+    errs = [s.max_abs_grad_err for s in steps if s.max_abs_grad_err is not None]
+    return {
+        "budget": budget,
+        "executor": executor,
+        "variant": variant,
+        "step_s": float(np.mean([s.step_s for s in steady])),
+        "lower_bound_s": float(np.mean([s.lower_bound_s for s in steady])),
+        "offloaded_bytes": int(np.mean([s.offloaded_bytes for s in steady])),
+        "reloaded_bytes": int(np.mean([s.reloaded_bytes for s in steady])),
+        "recomputed_flops": 0.0,
+        "plan_s": sum(s.plan_s for s in steps) / len(steps),
+        "max_abs_grad_err": max(errs) if errs else None,
+    }
+
+
+def step_lengths(seq: int | None, seq_range: tuple[int, int] | None, steps: int | None, seed: int = 0) -> list[int]:
+    """``steps`` lengths: ``seq`` every step (default 3 steps), or uniform in ``seq_range``
+    (inclusive, default 100 steps)."""
+    if seq is not None and seq_range is not None:
+        raise ValueError("give a fixed sequence length or a range, not both")
+    if seq_range is not None:
+        lo, hi = seq_range
+        if not 0 < lo <= hi:
+            raise ValueError(f"sequence range {lo}:{hi} must satisfy 0 < A <= B")
+        return [int(s) for s in np.random.default_rng(seed).integers(lo, hi + 1, steps or 100)]
+    seq = 2048 if seq is None else seq
+    if seq <= 0:
+        raise ValueError(f"sequence length must be positive, got {seq}")
+    return [seq] * (steps or 3)
+
+
+def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("0.5", "0.25"), *,
+                         config: LlamaConfig | None = None, seq: int | None = None,
+                         seq_range: tuple[int, int] | None = None, steps: int | None = None, rank: int = 16,
+                         executors=EXECUTORS, seed: int = 0, jitter: float = 0.05,
+                         check_grads: bool | None = None, adamw: AdamWConfig | None = None,
+                         granule: int = DEFAULT_GRANULE, ratio: float = DEFAULT_RATIO) -> list[dict]:
+    """Rows of :data:`ROW_KEYS`, one per (budget, executor). Budget fractions are of the
+    no-offload working set at the longest bucket of the run. Raises BudgetTooSmallError (naming
+    the vertex, its bytes and the budget) when a budget cannot hold one vertex."""
+    cfg = config or LlamaConfig()
+    seqs = step_lengths(seq, seq_range, steps, seed)
+    buckets = {"granule": granule, "ratio": ratio, "max_seq": max(seqs)}
+    probe = PlanCache(cfg, variant, 1, rank=rank, adamw=adamw, **buckets)
+    longest = max(probe.bucket(s) for s in seqs)
+
+    def ws():
+        return working_set(build_train_step(replace(cfg, seq=longest), variant, rank=rank, adamw=adamw).graph)
+
+    ws_cache: list[int] = []
+
+    def ws_once():
+        if not ws_cache:
+            ws_cache.append(ws())
+        return ws_cache[0]
+
+    resolved = [parse_budget(b, ws_once) for b in budgets]
+    if check_grads is None:
+        if backend == "cuda":
+            check_grads = True
+        else:
+            tg = build_train_step(replace(cfg, seq=longest), variant, rank=rank, adamw=adamw)
+            check_grads = sum(v.flops for v in tg.graph.vertices) <= SIM_CHECK_FLOPS
+    if backend == "sim":
+        runner = _Sim(seed, jitter, check_grads)
+    elif backend == "cuda":
+        runner = _Cuda(check_grads)
+    else:
+        raise ValueError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
+    rows = []
+    for budget in resolved:
+        for ex in executors:
+            cache = PlanCache(cfg, variant, budget, rank=rank, adamw=adamw, **buckets)
+            recs = run_steps(cache, seqs, runner, ex, seed)
+            rows.append(summarize(budget, ex, variant, recs))
+    return rows
