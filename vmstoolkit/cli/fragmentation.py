@@ -53,7 +53,7 @@ def fragmentation_table(rows: list[dict], allocators: list[str], baseline: str |
 def fragmentation_command(
     traces: Annotated[Optional[list[str]], typer.Argument(
         help="Snapshots (.pickle/.pickle.gz) or synthetic:KIND[:SEED]. None: the bundled H200 traces.",
-        metavar="[TRACE]...", show_default=False)] = None,
+        metavar="TRACE", show_default=False)] = None,
     allocator: Annotated[Optional[list[str]], typer.Option(
         "--allocator", "-a", metavar="NAME", help="Allocator to compare; repeat for several. Default: "
                                                    "pytorch-caching, pytorch-expandable, gmlake, vms.")] = None,

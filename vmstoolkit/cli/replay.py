@@ -34,7 +34,7 @@ def result_row(result, *, source: str = "", source_sha256: str | None = None, ca
 def replay_command(
     traces: Annotated[Optional[list[Path]], typer.Argument(
         help="PyTorch memory snapshots (.pickle or .pickle.gz). None: the bundled H200 traces.",
-        metavar="[TRACE]...", show_default=False)] = None,
+        metavar="TRACE", show_default=False)] = None,
     allocator: Annotated[Optional[list[str]], typer.Option(
         "--allocator", "-a", metavar="NAME",
         help="Allocator to replay through; repeat for several (default: vms). See `vmstoolkit allocators`.")] = None,
