@@ -107,10 +107,23 @@ def test_bad_arguments(tmp_path, fake_torch):
     assert r.returncode == 2 and "is a file, not a directory" in r.stderr
 
 
-def test_context_manager(tmp_path, fake_torch, monkeypatch, capsys):
+@pytest.fixture
+def torch_modules_restored():
+    """The fake torch imported in-process must not outlive the test (other tests import torch)."""
+    def torch_mods():
+        return {m: mod for m, mod in sys.modules.items() if m == "torch" or m.startswith("torch.")}
+
+    saved = torch_mods()
+    for m in saved:
+        del sys.modules[m]
+    yield
+    for m in torch_mods():
+        del sys.modules[m]
+    sys.modules.update(saved)
+
+
+def test_context_manager(tmp_path, fake_torch, monkeypatch, capsys, torch_modules_restored):
     monkeypatch.syspath_prepend(str(fake_torch))
-    for m in [m for m in sys.modules if m == "torch" or m.startswith("torch.")]:
-        monkeypatch.delitem(sys.modules, m)
     import torch
 
     out = tmp_path / "cm.pickle"
