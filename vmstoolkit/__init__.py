@@ -8,7 +8,10 @@ The package is laid out by architecture:
 - ``vmstoolkit.exec``: task graphs, the memory-graph compiler with CPU offload, executors;
 - ``vmstoolkit.kernels``: Numba CUDA kernels of a LLaMA decoder block, with numpy references;
 - ``vmstoolkit.integrations``: the allocators plugged into Numba and PyTorch;
-- ``vmstoolkit.cli``: the ``vmstoolkit`` command.
+- ``vmstoolkit.cli``: the ``vmstoolkit`` command;
+- ``vmstoolkit.record``: record a PyTorch run's memory history (:mod:`vmstoolkit.recording`).
 """
 
 __version__ = "0.1.0"
+
+from vmstoolkit.recording import record  # noqa: E402  (imports torch only when recording starts)

@@ -30,9 +30,11 @@ def utilization_figure(rows: list[dict], allocators: list[str], path: Path) -> P
             ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=6)
     ax.set_xticks(x, workloads, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("utilization (peak allocated / peak reserved)")
-    ax.set_ylim(0, 1.25)  # headroom for the legend above the bars
-    ax.set_title("Memory utilization per workload and allocator")
-    ax.legend(fontsize=7, ncol=min(4, len(allocators)), loc="upper center")
+    ax.set_ylim(0, 1.0)  # a ratio capped at 1; the legend sits outside the axes, labels may pass the top
+    for t in ax.texts:
+        t.set_clip_on(False)
+    ax.set_title("Memory utilization per workload and allocator", pad=14)
+    ax.legend(fontsize=7, ncol=min(4, len(allocators)), loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
@@ -45,29 +47,36 @@ def _thin(n: int) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, _MAX_POINTS).astype(np.int64))
 
 
-def timeline_figure(timelines: dict[str, dict], workload: str, path: Path, *, synthetic: bool = False) -> Path:
-    """Reserved memory of each allocator and allocated memory over the replay of one trace.
+def timeline_figure(timelines: dict[str, dict[str, dict]], path: Path, *, synthetic: set[str] | frozenset = frozenset()) -> Path:
+    """Reserved memory of each allocator and allocated memory over time, one panel per workload.
 
-    ``timelines`` maps allocator name to a replay timeline (``allocated``, ``reserved``,
-    ``time_us`` arrays, one entry per event). The x axis is the event index, which is the
-    same for every allocator (a trace's clock is not meaningful for a synthetic one).
+    ``timelines`` maps workload to ``{allocator: replay timeline}`` (``allocated``, ``reserved``,
+    ``time_us`` arrays, one entry per event). The x axis is seconds since the trace's first event
+    (the recorded clock, as the notebooks draw it); a synthetic workload (in ``synthetic``) has no
+    clock, so its panel counts events instead.
     """
-    fig = Figure(figsize=(8, 4.2))
-    ax = fig.subplots()
-    allocated_drawn = False
-    for name, tl in timelines.items():
-        reserved = np.asarray(tl["reserved"])
-        idx = _thin(len(reserved))
-        ax.plot(idx, reserved[idx] / GiB, label=f"{name} reserved", linewidth=1.1)
-        if not allocated_drawn:
-            allocated = np.asarray(tl["allocated"])
-            ax.fill_between(idx, allocated[idx] / GiB, color="0.75", label="allocated", step="post")
-            allocated_drawn = True
-    ax.set_xlabel("event (alloc or free)")
-    ax.set_ylabel("GiB")
-    ax.set_title(f"Reserved vs allocated memory: {workload}" + (" (SYNTHETIC workload)" if synthetic else ""))
-    ax.legend(fontsize=7, loc="upper left")
-    ax.grid(alpha=0.3)
+    n = len(timelines)
+    fig = Figure(figsize=(8, 2.6 * n + 0.8))
+    axes = fig.subplots(n, 1, squeeze=False)[:, 0]
+    for ax, (workload, by_alloc) in zip(axes, timelines.items()):
+        clock = workload not in synthetic
+        allocated_drawn = False
+        for name, tl in by_alloc.items():
+            reserved = np.asarray(tl["reserved"])
+            idx = _thin(len(reserved))
+            t = np.asarray(tl["time_us"], dtype=np.float64)
+            x = (t[idx] - t[0]) / 1e6 if clock and len(t) else idx
+            ax.plot(x, reserved[idx] / GiB, label=f"{name} reserved", linewidth=1.1)
+            if not allocated_drawn:
+                allocated = np.asarray(tl["allocated"])
+                ax.fill_between(x, allocated[idx] / GiB, color="0.75", label="allocated", step="post")
+                allocated_drawn = True
+        ax.set_xlabel("seconds since the first recorded event" if clock else "event (alloc or free)")
+        ax.set_ylabel("GiB")
+        ax.set_title(f"{workload}" + ("" if clock else " (SYNTHETIC workload)"), fontsize=9)
+        ax.legend(fontsize=6, loc="upper left")
+        ax.grid(alpha=0.3)
+    fig.suptitle("Reserved vs allocated memory")
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     return path

@@ -9,13 +9,13 @@ JSON carries :data:`~vmstoolkit.trace.synthetic.SYNTHETIC_NOTE`.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from vmstoolkit.analysis.rows import file_sha256, replay_row, rows_to_csv, uniform
+from vmstoolkit.pools.options import format_options
 from vmstoolkit.trace.replay import ReplayResult
 from vmstoolkit.trace.synthetic import KINDS, SYNTHETIC_NOTE, is_synthetic_spec, parse_synthetic_spec
 
@@ -26,9 +26,14 @@ OURS = "vms"
 
 @dataclass(frozen=True)
 class Job:
+    """One replay: a trace spec through an allocator with its options (a tuple of ``(key, value)``,
+    hashable) on a simulated device of ``capacity`` bytes (``None``: the default)."""
+
     spec: str
     allocator: str
     timeline: bool = False
+    options: tuple = ()
+    capacity: int | None = None
 
 
 def default_specs(synthetic: bool = False) -> list[str]:
@@ -68,8 +73,8 @@ def run_job(job: Job) -> ReplayResult:
 
         kind, seed = parse_synthetic_spec(job.spec)
         trace = synthetic_trace(kind, seed)
-        driver = make_driver("sim")
-        alloc = make_allocator(job.allocator, driver)
+        driver = make_driver("sim", capacity=job.capacity)
+        alloc = make_allocator(job.allocator, driver, **dict(job.options))
         try:
             result = replay(trace, alloc, timeline=job.timeline)
         finally:
@@ -85,7 +90,8 @@ def run_job(job: Job) -> ReplayResult:
 
         raise TraceFormatError(f"no trace file {job.spec} on worker host {platform.node()!r}: the workers of a "
                                f"cluster need the snapshots at the same path (a shared filesystem)")
-    return replay_one(job.spec, job.allocator, timeline=job.timeline)
+    return replay_one(job.spec, job.allocator, timeline=job.timeline, options=dict(job.options),
+                      capacity=job.capacity)
 
 
 def run_jobs(jobs: list[Job], n_workers: int = 1, on_done: Callable[[Job, ReplayResult], None] | None = None,
@@ -98,9 +104,36 @@ def run_jobs(jobs: list[Job], n_workers: int = 1, on_done: Callable[[Job, Replay
     return run(run_job, jobs, n_workers, cluster=cluster, on_done=on_done)
 
 
-def plan_jobs(specs: list[str], allocators: list[str], timeline_workload: str | None) -> list[Job]:
-    """Every (spec, allocator) job; timelines only for the chosen workload's trace."""
-    return [Job(s, a, timeline=spec_workload(s) == timeline_workload) for s in specs for a in allocators]
+def plan_jobs(specs: list[str], allocators: list[str], timeline_workload: str | None, *,
+              options: dict[str, dict] | None = None, capacity: int | None = None) -> list[Job]:
+    """Every (spec, allocator) job, with each allocator's ``options``; timelines only for the
+    chosen workload's trace (``None``: every workload's)."""
+    options = options or {}
+    return [Job(s, a, timeline=timeline_workload is None or spec_workload(s) == timeline_workload,
+                options=tuple(options.get(a, {}).items()), capacity=capacity)
+            for s in specs for a in allocators]
+
+
+def savings_pairs(allocators: list[str], baseline: str | None = None) -> list[tuple[str, str]]:
+    """The (allocator, baseline) pairs of the savings columns: with ``baseline``, what every other
+    allocator saves against it; without, what ``vms`` saves against every other one (the
+    published table), when ``vms`` ran.
+
+    >>> savings_pairs(["pytorch-caching", "paged", "vms"], "pytorch-caching")
+    [('paged', 'pytorch-caching'), ('vms', 'pytorch-caching')]
+    >>> savings_pairs(["pytorch-caching", "vms"])
+    [('vms', 'pytorch-caching')]
+    """
+    if baseline is not None:
+        return [(a, baseline) for a in allocators if a != baseline]
+    return [(OURS, a) for a in allocators if a != OURS] if OURS in allocators else []
+
+
+def spec_source(spec: str) -> tuple[str, str | None]:
+    """(source, SHA-256 of the file) of a trace spec; a synthetic spec has no file."""
+    if is_synthetic_spec(spec) or not Path(spec).is_file():
+        return str(spec), None
+    return str(spec), file_sha256(spec)
 
 
 def recorded_reference(spec: str) -> dict:
@@ -127,83 +160,109 @@ def savings(baseline_reserved: int, ours_reserved: int) -> tuple[float, float]:
     return saved / GiB, (100.0 * saved / baseline_reserved if baseline_reserved else 0.0)
 
 
-def fragmentation_rows(specs: list[str], allocators: list[str], results: Iterable[ReplayResult]) -> list[dict]:
-    """One row per workload: peak allocated, each allocator's peak reserved and utilization,
-    and (when ``vms`` is among the allocators) what ``vms`` saves against each other one."""
+def fragmentation_rows(specs: list[str], allocators: list[str], results: Iterable[ReplayResult], *,
+                       baseline: str | None = None, options: dict[str, dict] | None = None,
+                       capacity: int | None = None) -> list[dict]:
+    """One flat row per workload: what was replayed (source, its SHA-256, device, capacity, the
+    toolkit's version), each allocator's options, peak reserved, utilization and out-of-memory
+    event, and the savings of :func:`savings_pairs` (``None`` where either side ran out of memory)."""
+    from vmstoolkit import __version__
+    from vmstoolkit.pools.sim_driver import DEFAULT_CAPACITY
+
+    options = options or {}
     by_key = {}
     for r in results:
         by_key[(workload_name(r.trace), r.allocator)] = r
     rows = []
     for spec in specs:
         w = spec_workload(spec)
-        row: dict = {"workload": w, "synthetic": is_synthetic_spec(spec)}
+        source, digest = spec_source(spec)
+        row: dict = {"workload": w, "synthetic": is_synthetic_spec(spec), "source": source, "source_sha256": digest}
         rs = [by_key[(w, a)] for a in allocators if (w, a) in by_key]
-        row["events"] = rs[0].events if rs else 0
+        row["device"] = rs[0].as_dict().get("device") if rs else None
+        row["capacity"] = capacity or DEFAULT_CAPACITY
+        row["vmstoolkit"] = __version__
+        row["events"] = max((r.events for r in rs), default=0)
         row["peak_allocated"] = max((r.peak_allocated for r in rs), default=0)
         for a in allocators:
             r = by_key.get((w, a))
+            row[f"{a}.options"] = format_options(options.get(a, {}))
             row[f"{a}.peak_reserved"] = r.peak_reserved if r else None
             row[f"{a}.utilization"] = round(r.utilization, 6) if r else None
             row[f"{a}.oom"] = r.oom if r else None
-        if OURS in allocators and (w, OURS) in by_key:
-            ours = by_key[(w, OURS)]
-            for a in allocators:
-                if a == OURS or (w, a) not in by_key:
-                    continue
-                gib, pct = savings(by_key[(w, a)].peak_reserved, ours.peak_reserved)
-                row[f"vms_saved_vs_{a}.gib"] = round(gib, 4)
-                row[f"vms_saved_vs_{a}.pct"] = round(pct, 3)
+            row[f"{a}.oom_event"] = r.oom_event if r else None
+        for a, b in savings_pairs(allocators, baseline):
+            ra, rb = by_key.get((w, a)), by_key.get((w, b))
+            ok = ra is not None and rb is not None and not ra.oom and not rb.oom
+            gib, pct = savings(rb.peak_reserved, ra.peak_reserved) if ok else (None, None)
+            row[f"{a}_saved_vs_{b}.gib"] = round(gib, 4) if ok else None
+            row[f"{a}_saved_vs_{b}.pct"] = round(pct, 3) if ok else None
         row.update(recorded_reference(spec))
         rows.append(row)
     return rows
 
 
-def rows_to_csv(rows: list[dict]) -> str:
-    if not rows:
-        return ""
-    fields: list[str] = []
-    for r in rows:
-        fields += [k for k in r if k not in fields]
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
-    w.writeheader()
-    w.writerows(rows)
-    return buf.getvalue()
+def replay_rows(results: list[ReplayResult], jobs: list[Job]) -> list[dict]:
+    """Every replay's flat row (:func:`vmstoolkit.analysis.rows.replay_row`), jobs in the same order,
+    all with the same columns."""
+    from vmstoolkit.pools.sim_driver import DEFAULT_CAPACITY
+
+    sources = {s: spec_source(s) for s in dict.fromkeys(j.spec for j in jobs)}
+    return uniform([replay_row(r, source=sources[j.spec][0], source_sha256=sources[j.spec][1],
+                               capacity=j.capacity or DEFAULT_CAPACITY, options=dict(j.options))
+                    for r, j in zip(results, jobs)])
 
 
-def markdown_table(rows: list[dict], allocators: list[str]) -> str:
-    """The table as Markdown (sizes in GiB, utilization in %), synthetic rows starred."""
-    baselines = [a for a in allocators if a != OURS] if OURS in allocators else []
+def table_cells(rows: list[dict], allocators: list[str], baseline: str | None = None) -> tuple[list[str], list[list[str]]]:
+    """The table's header and cells as text (sizes in GiB, utilization in %, synthetic workloads
+    starred, a replay that ran out of memory as ``OOM at event N``), shared by the terminal and
+    Markdown tables."""
+    pairs = savings_pairs(allocators, baseline)
     head = ["workload", "peak allocated"] + [f"{a} reserved (util)" for a in allocators] \
-        + [f"vms saves vs {a}" for a in baselines]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        + [f"{a} saves vs {b}" for a, b in pairs]
+    body = []
     for r in rows:
         cells = [r["workload"] + (" *" if r["synthetic"] else ""), f"{r['peak_allocated'] / GiB:.2f} GiB"]
         for a in allocators:
             res = r.get(f"{a}.peak_reserved")
-            cells.append("-" if res is None else
-                         f"{res / GiB:.2f} GiB ({100 * r[f'{a}.utilization']:.1f}%)" + (" OOM" if r.get(f"{a}.oom") else ""))
-        for a in baselines:
-            gib = r.get(f"vms_saved_vs_{a}.gib")
-            cells.append("-" if gib is None else f"{gib:+.2f} GiB ({r[f'vms_saved_vs_{a}.pct']:+.1f}%)")
-        lines.append("| " + " | ".join(cells) + " |")
+            if res is None:
+                cells.append("-")
+            elif r.get(f"{a}.oom"):
+                cells.append(f"OOM at event {r[f'{a}.oom_event']}")
+            else:
+                cells.append(f"{res / GiB:.2f} GiB ({100 * r[f'{a}.utilization']:.1f}%)")
+        for a, b in pairs:
+            gib = r.get(f"{a}_saved_vs_{b}.gib")
+            cells.append("-" if gib is None else f"{gib:+.2f} GiB ({r[f'{a}_saved_vs_{b}.pct']:+.1f}%)")
+        body.append(cells)
+    return head, body
+
+
+def markdown_table(rows: list[dict], allocators: list[str], baseline: str | None = None) -> str:
+    """The table as Markdown, synthetic rows starred (:func:`table_cells`)."""
+    head, body = table_cells(rows, allocators, baseline)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
     if any(r["synthetic"] for r in rows):
         lines.append("")
         lines.append(f"\\* {SYNTHETIC_NOTE}")
     return "\n".join(lines) + "\n"
 
 
-def experiment_json(rows: list[dict], results: list[ReplayResult], *, allocators: list[str], command: str = "",
-                    machine: str = "") -> str:
-    """The table, every replay's figures, and how they were made, as one JSON document."""
+def experiment_json(rows: list[dict], replays: list, *, allocators: list[str], baseline: str | None = None,
+                    command: str = "", machine: str = "") -> str:
+    """The table, every replay's flat row, and how they were made, as one JSON document."""
+    pairs = savings_pairs(allocators, baseline)
     doc = {
         "experiment": "fragmentation",
         "command": command,
         "machine": machine,
         "allocators": allocators,
-        "savings": f"(baseline peak reserved - {OURS} peak reserved), in GiB and % of the baseline",
+        "baseline": baseline,
+        "savings": "A_saved_vs_B: (B's peak reserved - A's peak reserved), in GiB and % of B's; pairs: "
+                   + (", ".join(f"{a} vs {b}" for a, b in pairs) or "none"),
         "rows": rows,
-        "replays": [r.as_dict() for r in results],
+        "replays": [r.as_dict() if isinstance(r, ReplayResult) else r for r in replays],
     }
     if any(r.get("synthetic") for r in rows):
         doc["synthetic_note"] = SYNTHETIC_NOTE
@@ -211,9 +270,11 @@ def experiment_json(rows: list[dict], results: list[ReplayResult], *, allocators
 
 
 def write_outputs(out_dir: Path, rows: list[dict], results: list[ReplayResult], *, allocators: list[str],
-                  timeline_workload: str | None, command: str = "", machine: str = "") -> list[Path]:
+                  timeline_workload: str | None, command: str = "", machine: str = "", baseline: str | None = None,
+                  replays: list[dict] | None = None) -> list[Path]:
     """Write ``fragmentation.csv``, ``fragmentation.md``, ``fragmentation.json``, ``utilization.png`` and
-    ``timeline-WORKLOAD.png`` under ``out_dir``; returns the paths written."""
+    the timeline (``timeline.png``: every workload; ``timeline-WORKLOAD.png`` for one) under
+    ``out_dir``; returns the paths written."""
     from vmstoolkit.analysis.figures import timeline_figure, utilization_figure
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -222,19 +283,23 @@ def write_outputs(out_dir: Path, rows: list[dict], results: list[ReplayResult], 
     p.write_text(rows_to_csv(rows))
     written.append(p)
     p = out_dir / "fragmentation.md"
-    p.write_text(markdown_table(rows, allocators))
+    p.write_text(markdown_table(rows, allocators, baseline))
     written.append(p)
     p = out_dir / "fragmentation.json"
-    p.write_text(experiment_json(rows, results, allocators=allocators, command=command, machine=machine))
+    p.write_text(experiment_json(rows, replays if replays is not None else results,
+                                 allocators=allocators, baseline=baseline, command=command, machine=machine))
     written.append(p)
     p = out_dir / "utilization.png"
     utilization_figure(rows, allocators, p)
     written.append(p)
-    timelines = {r.allocator: r.timeline for r in results
-                 if r.timeline is not None and workload_name(r.trace) == timeline_workload}
+    timelines: dict[str, dict[str, dict]] = {}
+    for r in results:
+        w = workload_name(r.trace)
+        if r.timeline is not None and (timeline_workload is None or w == timeline_workload):
+            timelines.setdefault(w, {})[r.allocator] = r.timeline
     if timelines:
-        synthetic = any(r["synthetic"] for r in rows if r["workload"] == timeline_workload)
-        p = out_dir / f"timeline-{timeline_workload}.png"
-        timeline_figure(timelines, timeline_workload, p, synthetic=synthetic)
+        synthetic = {r["workload"] for r in rows if r["synthetic"]}
+        p = out_dir / ("timeline.png" if timeline_workload is None else f"timeline-{timeline_workload}.png")
+        timeline_figure(timelines, p, synthetic=synthetic)
         written.append(p)
     return written

@@ -8,29 +8,96 @@ traceback: :func:`main` turns every :class:`~vmstoolkit.errors.VmsError` into th
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from vmstoolkit.errors import VmsError
+
+
+_LABELS = {"int": "INTEGER", "str": "TEXT", "float": "FLOAT", "Path": "PATH", "bool": ""}
+
+
+def _label(typed: str | None) -> str | None:
+    """``<list[int]>`` -> ``INTEGER``, ``<table|json>`` -> ``[table|json]``, ``<bool>`` -> nothing."""
+    if not typed:
+        return None
+    t = typed.strip("<>")
+    if t.startswith("list[") and t.endswith("]"):
+        t = t[5:-1]
+    if "|" in t:
+        return f"[{t}]"
+    return _LABELS.get(t, t.upper()) or None
+
+
+class _PlainTypes:
+    """Help that names values the way a user types them, never as Python types.
+
+    Typer labels every parameter with its annotation (``<list[Path]>``, ``<int>``, ``<bool>``);
+    here an argument is named by its metavar alone, an option by its metavar or a Click-style
+    label (``INTEGER``, ``TEXT``, ``[table|json|csv]``), a flag by nothing.
+    """
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "_plain_types", False):
+                continue
+            p._plain_types = True
+            if isinstance(p, TyperArgument) or getattr(p, "is_flag", False):
+                p.display_type_rich = lambda ctx: None
+            elif getattr(p, "metavar", None) is None:
+                p.display_type_rich = lambda ctx, p=p, f=p.display_type_rich: _label(f(ctx))
+        return params
+
+
+class Command(_PlainTypes, TyperCommand):
+    """A command with :class:`_PlainTypes` help."""
+
+
+class Group(_PlainTypes, TyperGroup):
+    """A command group with :class:`_PlainTypes` help."""
+
+
+def _version(value: bool) -> None:
+    if value:
+        from vmstoolkit import __version__
+
+        typer.echo(f"vmstoolkit {__version__}")
+        raise typer.Exit()
+
 
 app = typer.Typer(
     name="vmstoolkit",
     help="See, measure and beat GPU memory fragmentation: replay PyTorch memory snapshots through "
          "VMM-stitching and baseline allocators, and run the papers' experiments.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
+    cls=Group,
 )
-experiment_app = typer.Typer(help="Reproduce the published experiments.", no_args_is_help=True)
+experiment_app = typer.Typer(help="Reproduce the published experiments.", no_args_is_help=True, cls=Group)
 app.add_typer(experiment_app, name="experiment")
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """See, measure and beat GPU memory fragmentation: replay PyTorch memory snapshots through
+    VMM-stitching and baseline allocators, and run the papers' experiments."""
 
 
 def _register() -> None:
     from vmstoolkit.cli import replay as _replay
 
-    app.command("replay")(_replay.replay_command)
-    app.command("allocators")(_replay.allocators_command)
+    app.command("replay", cls=Command)(_replay.replay_command)
+    app.command("allocators", cls=Command)(_replay.allocators_command)
     for module, name, attr in (
+        ("vmstoolkit.cli.compare", "compare", "compare_command"),
+        ("vmstoolkit.cli.view", "view", "view_command"),
+        ("vmstoolkit.cli.record", "record", "record_command"),
         ("vmstoolkit.cli.info", "info", "info_command"),
         ("vmstoolkit.cli.sweep", "sweep", "sweep_command"),
     ):
@@ -52,7 +119,7 @@ def _maybe(target: typer.Typer, module: str, name: str, attr: str) -> None:
         if e.name != module:
             raise
         return
-    target.command(name)(getattr(mod, attr))
+    target.command(name, cls=Command, **getattr(mod, "COMMAND_SETTINGS", {}))(getattr(mod, attr))
 
 
 _register()

@@ -1,16 +1,26 @@
-"""Pieces shared by the CLI commands: option types, error reporting, output formats."""
+"""Pieces shared by the CLI commands: option types, error reporting, output formats, checks of
+output paths. Parsing of allocator options lives in :mod:`vmstoolkit.pools.options`; this module
+only turns its errors into the CLI's one-line exits."""
 
 from __future__ import annotations
 
-import csv
-import io
-import json
+import os
 from enum import Enum
+from pathlib import Path
 
 import typer
+from rich.console import Console
 
-from vmstoolkit.errors import VmsError
+from vmstoolkit.analysis.rows import json_lines, rows_to_csv
+from vmstoolkit.errors import ConfigError, VmsError
 from vmstoolkit.units import parse_size
+
+OOM_EXIT_CODE = 3
+"""Exit status when a replay ran out of memory (``--oom-exit-code`` changes it). The output is
+complete either way; a distinct status lets a script ask "would it fit?" without parsing it, and
+is told apart from a user error (2) and a failure (1). 0 turns it off."""
+
+PIPED_WIDTH = 200  # a table written to a pipe or file, without COLUMNS: wide enough not to fold it
 
 
 class OutputFormat(str, Enum):
@@ -23,6 +33,15 @@ def fail(message: str, code: int = 1) -> None:
     """Print one error line and exit: the CLI's only way out on a user error."""
     typer.secho(f"error: {message}", err=True, fg="red")
     raise typer.Exit(code=code)
+
+
+def console(stderr: bool = False) -> Console:
+    """A console whose tables fit the terminal (Rich folds cells to its width); piped without
+    ``COLUMNS``, :data:`PIPED_WIDTH` columns so that files get whole lines."""
+    c = Console(stderr=stderr)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c = Console(stderr=stderr, width=PIPED_WIDTH)
+    return c
 
 
 def size_option(value: str | None, what: str) -> int | None:
@@ -38,42 +57,77 @@ def size_option(value: str | None, what: str) -> int | None:
 
 
 def parse_options(items: list[str] | None) -> dict:
-    """``["reuse_max_ratio=2", "selection=largest-first"]`` -> keyword options for
-    :func:`~vmstoolkit.pools.make_allocator`; numbers and true/false are converted, the rest
-    stays text (sizes such as ``64MiB`` are parsed by the allocator)."""
-    out: dict = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            fail(f"--option takes KEY=VALUE, got {item!r}", code=2)
-        value = value.strip()
-        if value.lower() in ("true", "false"):
-            out[key.strip()] = value.lower() == "true"
-            continue
-        for conv in (int, float):
-            try:
-                out[key.strip()] = conv(value)
-                break
-            except ValueError:
-                continue
-        else:
-            out[key.strip()] = value
-    return out
+    """``["reuse_max_ratio=2", "aliases=true"]`` -> keyword options for one allocator
+    (:func:`vmstoolkit.pools.options.parse_options`); a malformed item exits with one line."""
+    from vmstoolkit.pools.options import parse_options as _parse
+
+    try:
+        return _parse(items)
+    except ConfigError as e:
+        fail(str(e), code=2)
 
 
-def rows_to_csv(rows: list[dict]) -> str:
-    if not rows:
-        return ""
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: (json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in r.items()})
-    return buf.getvalue()
+def allocator_options(items: list[str] | None, names: list[str], capacity: int | None) -> dict[str, dict]:
+    """Per allocator, its checked ``-o`` options (``KEY=VALUE``: where taken; ``ALLOC:KEY=VALUE``:
+    that one), checked against the capacity too; a bad one exits with one line (status 2)."""
+    from vmstoolkit.pools.options import resolve_option_items
+    from vmstoolkit.pools.sim_driver import DEFAULT_CAPACITY
+
+    try:
+        return resolve_option_items(items, names, capacity=capacity or DEFAULT_CAPACITY)
+    except ConfigError as e:
+        fail(str(e), code=2)
 
 
-def json_lines(rows: list[dict]) -> str:
-    return "".join(json.dumps(r, sort_keys=False) + "\n" for r in rows)
+def check_allocators(names: list[str]) -> None:
+    from vmstoolkit.pools import allocator_names
+
+    known = allocator_names()
+    for n in names:
+        if n not in known:
+            fail(f"unknown allocator {n!r}; choose one of: {', '.join(known)}", code=2)
+    if len(set(names)) != len(names):
+        fail("an allocator is named twice", code=2)
+
+
+def _blocking_file(path: Path) -> Path | None:
+    """The existing non-directory at ``path`` or above it, if any."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def _nearest_existing(path: Path) -> Path:
+    for p in (path, *path.parents):
+        if p.exists():
+            return p
+    return Path(".")
+
+
+def check_output_dir(path: Path, what: str = "--out") -> None:
+    """Exit with one line unless ``path`` is, or can be made, a writable directory. Run before
+    any work: finding it after an hour of replays is too late."""
+    path = path.expanduser()
+    blocker = _blocking_file(path)
+    if blocker == path:
+        fail(f"{what} {path} is a file, not a directory", code=2)
+    if blocker is not None:
+        fail(f"{what} {path} is under {blocker}, which is a file", code=2)
+    base = _nearest_existing(path)
+    if not os.access(base, os.W_OK | os.X_OK):
+        fail(f"{what} {path}: {base} is not writable", code=2)
+
+
+def check_output_file(path: Path, what: str = "--out") -> None:
+    """Exit with one line unless a file can be written at ``path`` (its folder exists or can be
+    made, and is writable; ``path`` is not a directory)."""
+    path = path.expanduser()
+    if path.is_dir():
+        fail(f"{what} {path} is a directory, not a file", code=2)
+    check_output_dir(path.parent, what=f"{what} {path}: the folder")
+    if path.exists() and not os.access(path, os.W_OK):
+        fail(f"{what} {path} is not writable", code=2)
 
 
 def emit_rows(rows: list[dict], fmt: OutputFormat, table) -> None:
@@ -89,13 +143,12 @@ def emit_rows(rows: list[dict], fmt: OutputFormat, table) -> None:
         if rendered is not None:
             from rich.console import Console
 
-            console = Console()
-            if not console.is_terminal:
-                console = Console(width=200)
-            console.print(rendered)
+            out = Console()
+            if not out.is_terminal:
+                out = Console(width=200)
+            out.print(rendered)
 
 
-print_rows = emit_rows  # the name the train-offload command was written against
-
-__all__ = ["OutputFormat", "fail", "size_option", "parse_options", "rows_to_csv", "json_lines", "emit_rows", "print_rows",
+__all__ = ["OutputFormat", "OOM_EXIT_CODE", "fail", "console", "size_option", "parse_options", "allocator_options",
+           "check_allocators", "check_output_dir", "check_output_file", "rows_to_csv", "json_lines", "emit_rows",
            "VmsError"]

@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from vmstoolkit.cli.common import fail
+from vmstoolkit.cli.common import (
+    OOM_EXIT_CODE, allocator_options, check_allocators, check_output_dir, console, fail, size_option,
+)
+from vmstoolkit.cli.replay import OOM_HELP, OPTION_HELP
 from vmstoolkit.errors import VmsError
-
-GiB = 1 << 30
 
 
 def machine_description() -> str:
@@ -26,71 +26,70 @@ def machine_description() -> str:
             f"{os.cpu_count()} cores, Python {platform.python_version()}")
 
 
-def fragmentation_table(rows: list[dict], allocators: list[str]) -> Table:
+def fragmentation_table(rows: list[dict], allocators: list[str], baseline: str | None = None) -> Table:
     """The paper-style table: per workload, each allocator's peak reserved and utilization, and
-    what ``vms`` saves against each baseline."""
-    from vmstoolkit.analysis.fragmentation import OURS
+    the savings columns (:func:`~vmstoolkit.analysis.fragmentation.savings_pairs`). What every row
+    shares (capacity, version, options) is in the caption; OOM cells are red."""
+    from vmstoolkit import __version__
+    from vmstoolkit.analysis.fragmentation import table_cells
     from vmstoolkit.trace.synthetic import SYNTHETIC_NOTE
+    from vmstoolkit.units import format_size
 
-    synthetic = any(r["synthetic"] for r in rows)
+    head, body = table_cells(rows, allocators, baseline)
+    notes = [f"capacity {format_size(rows[0]['capacity'])}; vmstoolkit {__version__}" if rows else ""]
+    notes += [f"{a}: {rows[0][f'{a}.options']}" for a in allocators if rows and rows[0].get(f"{a}.options")]
+    if any(r["synthetic"] for r in rows):
+        notes.append(f"* {SYNTHETIC_NOTE}")
     t = Table(title="Fragmentation: peak reserved (utilization = peak allocated / peak reserved)",
-              caption=f"* {SYNTHETIC_NOTE}" if synthetic else None)
-    t.add_column("workload")
-    t.add_column("peak allocated", justify="right")
-    for a in allocators:
-        t.add_column(f"{a}\nreserved (util)", justify="right")
-    baselines = [a for a in allocators if a != OURS] if OURS in allocators else []
-    for a in baselines:
-        t.add_column(f"vms saves vs\n{a}", justify="right")
-    for r in rows:
-        cells = [r["workload"] + (" *" if r["synthetic"] else ""), f"{r['peak_allocated'] / GiB:.2f} GiB"]
-        for a in allocators:
-            res = r.get(f"{a}.peak_reserved")
-            if res is None:
-                cells.append("-")
-            else:
-                oom = " OOM" if r.get(f"{a}.oom") else ""
-                cells.append(f"{res / GiB:.2f} GiB ({100 * r[f'{a}.utilization']:.1f}%){oom}")
-        for a in baselines:
-            gib = r.get(f"vms_saved_vs_{a}.gib")
-            cells.append("-" if gib is None else f"{gib:+.2f} GiB ({r[f'vms_saved_vs_{a}.pct']:+.1f}%)")
-        t.add_row(*cells)
+              caption="\n".join(n for n in notes if n), caption_justify="left")
+    for i, h in enumerate(head):
+        t.add_column(h.replace(" reserved", "\nreserved").replace(" saves vs ", " saves vs\n"),
+                     justify="left" if i == 0 else "right", overflow="fold")
+    for cells in body:
+        t.add_row(*[f"[bold red]{c}[/]" if c.startswith("OOM") else c for c in cells])
     return t
 
 
 def fragmentation_command(
     traces: Annotated[Optional[list[str]], typer.Argument(
         help="Snapshots (.pickle/.pickle.gz) or synthetic:KIND[:SEED]. None: the bundled H200 traces.",
-        show_default=False)] = None,
+        metavar="TRACE", show_default=False)] = None,
     allocator: Annotated[Optional[list[str]], typer.Option(
-        "--allocator", "-a", help="Allocator to compare; repeat for several. Default: pytorch-caching, "
-                                  "pytorch-expandable, gmlake, vms (those registered).")] = None,
-    out: Annotated[Path, typer.Option(help="Directory for the CSV, JSON and PNG figures.")] = Path("fragmentation-results"),
-    jobs: Annotated[Optional[int], typer.Option(help="Worker processes for the replays (default: the machine's cores).")] = None,
+        "--allocator", "-a", metavar="NAME", help="Allocator to compare; repeat for several. Default: "
+                                                   "pytorch-caching, pytorch-expandable, gmlake, vms.")] = None,
+    out: Annotated[Path, typer.Option(metavar="DIR", help="Directory for the CSV, JSON and PNG figures.")] = Path("fragmentation-results"),
+    jobs: Annotated[Optional[int], typer.Option(metavar="N", help="Worker processes for the replays (default: the machine's cores).")] = None,
     synthetic: Annotated[bool, typer.Option(
         help="Add one SYNTHETIC trace of every kind (recompute, LoRA, offload, ZeRO, growing sequences, ...).")] = False,
     timeline: Annotated[Optional[str], typer.Option(
-        help="Workload whose reserved/allocated timeline is drawn (default: the first).")] = None,
+        metavar="WORKLOAD", help="Draw the reserved/allocated timeline of this workload only (default: every workload).")] = None,
+    capacity: Annotated[Optional[str], typer.Option(
+        metavar="SIZE", help="Device memory for the simulated driver, e.g. 80GiB (default 141GiB, an H200).")] = None,
+    option: Annotated[Optional[list[str]], typer.Option("--option", "-o", metavar="[ALLOC:]KEY=VALUE",
+                                                        help=OPTION_HELP)] = None,
+    baseline: Annotated[Optional[str], typer.Option(
+        metavar="NAME", help="Savings columns: what every other allocator saves against this one. "
+                             "Default: what vms saves against every other one (the published table).")] = None,
+    oom_exit_code: Annotated[int, typer.Option(metavar="N", min=0, max=255, help=OOM_HELP)] = OOM_EXIT_CODE,
     cluster: Annotated[Optional[str], typer.Option(
-        help="Run the replays on a Dask cluster instead of local processes: local:N starts N local workers, "
+        metavar="local:N|ADDRESS", help="Run the replays on a Dask cluster instead of local processes: local:N starts N local workers, "
              "tcp://HOST:PORT joins a running scheduler (workers need the traces at the same path). "
              "Needs pip install 'vmstoolkit[cluster]'.")] = None,
 ) -> None:
     """Replay traces through the allocators and print the fragmentation table; write it as CSV
-    and JSON with figures (utilization per workload, memory over time for one trace)."""
+    and JSON with figures (utilization per workload, memory over time)."""
     from vmstoolkit.analysis.fragmentation import (
-        DEFAULT_ALLOCATORS, default_specs, fragmentation_rows, plan_jobs, run_jobs, spec_workload, write_outputs,
+        DEFAULT_ALLOCATORS, default_specs, fragmentation_rows, plan_jobs, replay_rows, run_jobs, spec_workload,
+        write_outputs,
     )
     from vmstoolkit.pools import allocator_names
     from vmstoolkit.trace.synthetic import KINDS, is_synthetic_spec
 
     known = allocator_names()
     names = list(allocator) if allocator else [a for a in DEFAULT_ALLOCATORS if a in known]
-    for n in names:
-        if n not in known:
-            fail(f"unknown allocator {n!r}; choose one of: {', '.join(known)}", code=2)
-    if len(set(names)) != len(names):
-        fail("an allocator is named twice", code=2)
+    check_allocators(names)
+    if baseline is not None and baseline not in names:
+        fail(f"--baseline {baseline!r} is not among the allocators: {', '.join(names)}", code=2)
     if jobs is not None and jobs < 1:
         fail(f"--jobs must be at least 1, got {jobs}", code=2)
     if cluster is not None:
@@ -100,6 +99,9 @@ def fragmentation_command(
             cluster = check_cluster_spec(cluster)
         except VmsError as e:
             fail(str(e), code=2)
+    cap = size_option(capacity, "--capacity")
+    options = allocator_options(option, names, cap)
+    check_output_dir(out)
     specs = list(traces) if traces else default_specs()
     if synthetic:
         specs += [f"synthetic:{k}" for k in KINDS if f"synthetic:{k}" not in specs]
@@ -112,13 +114,12 @@ def fragmentation_command(
         fail(str(e), code=2)
     if len(set(workloads)) != len(workloads):
         fail("two traces have the same workload name; give each once", code=2)
-    chosen = timeline or workloads[0]
-    if chosen not in workloads:
-        fail(f"--timeline {chosen!r} is not one of the workloads: {', '.join(workloads)}", code=2)
+    if timeline is not None and timeline not in workloads:
+        fail(f"--timeline {timeline!r} is not one of the workloads: {', '.join(workloads)}", code=2)
 
-    job_list = plan_jobs(specs, names, chosen)
+    job_list = plan_jobs(specs, names, timeline, options=options, capacity=cap)
     n_workers = jobs or os.cpu_count() or 1
-    err = Console(stderr=True)
+    err = console(stderr=True)
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=not err.is_terminal) as progress:
@@ -129,17 +130,16 @@ def fragmentation_command(
                                cluster=cluster)
     except VmsError as e:
         fail(str(e))
-    rows = fragmentation_rows(specs, names, results)
-    out_console = Console()
-    if not out_console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
-        out_console = Console(width=220)
-    out_console.print(fragmentation_table(rows, names))
+    rows = fragmentation_rows(specs, names, results, baseline=baseline, options=options, capacity=cap)
+    console().print(fragmentation_table(rows, names, baseline))
     argv = sys.argv[1:]
     if "fragmentation" in argv:  # the vmstoolkit command (or experiments/fragmentation.py): name it as typed
         command = "vmstoolkit experiment fragmentation " + shlex.join(argv[argv.index("fragmentation") + 1:])
     else:
         command = shlex.join(["python", sys.argv[0], *argv])
-    written = write_outputs(out, rows, results, allocators=names, timeline_workload=chosen,
-                            command=command, machine=machine_description())
+    written = write_outputs(out, rows, results, allocators=names, timeline_workload=timeline, command=command,
+                            machine=machine_description(), baseline=baseline, replays=replay_rows(results, job_list))
     for p in written:
         err.print(f"wrote {p}")
+    if oom_exit_code and any(r.oom for r in results):
+        raise typer.Exit(code=oom_exit_code)

@@ -6,102 +6,138 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from vmstoolkit.cli.common import OutputFormat, fail, json_lines, parse_options, rows_to_csv, size_option
+from vmstoolkit.cli.common import (
+    OOM_EXIT_CODE, OutputFormat, allocator_options, check_allocators, console, fail, json_lines, rows_to_csv,
+    size_option,
+)
 from vmstoolkit.errors import VmsError
 from vmstoolkit.units import format_size
 
-REPLAY_KEYS = ("trace", "allocator", "events", "peak_allocated", "peak_reserved", "utilization",
-               "fragmentation", "oom", "driver_calls", "seconds", "events_per_second")
+OPTION_HELP = ("Allocator option KEY=VALUE (every chosen allocator that takes KEY) or ALLOC:KEY=VALUE "
+               "(that one), repeatable: e.g. vms:reuse_max_ratio=2, stitch_min_bytes=64MiB (vms, gmlake), "
+               "slack_pages=128 (paged), config=max_split_size_mb:128 (pytorch-*).")
+OOM_HELP = ("Exit status when a replay runs out of memory (the output is complete either way); 0: exit 0. "
+            "Errors exit 1, bad arguments 2.")
 
 
-def result_row(result) -> dict:
-    d = result.as_dict()
-    row = {k: d[k] for k in REPLAY_KEYS}
-    row["seconds"] = round(row["seconds"], 4)
-    row["events_per_second"] = round(row["events_per_second"], 1)
-    if result.oom:
-        row["oom_event"] = result.oom_event
-        row["oom_message"] = result.oom_message
-    row.update(result.extra)
-    return row
+def result_row(result, *, source: str = "", source_sha256: str | None = None, capacity: int | None = None,
+               options: dict | None = None) -> dict:
+    """The flat row of one replay (:func:`vmstoolkit.analysis.rows.replay_row`)."""
+    from vmstoolkit.analysis.rows import replay_row
+
+    return replay_row(result, source=source, source_sha256=source_sha256, capacity=capacity, options=options)
 
 
 def replay_command(
-    traces: Annotated[list[Path], typer.Argument(help="PyTorch memory snapshots (.pickle or .pickle.gz). None: the bundled H200 traces.", show_default=False)] = None,
-    allocator: Annotated[list[str], typer.Option("--allocator", "-a", help="Allocator to replay through; repeat for several. See `vmstoolkit allocators`.")] = None,
-    capacity: Annotated[Optional[str], typer.Option(help="Device memory for the simulated driver, e.g. 80GiB (default 141GiB, an H200).")] = None,
+    traces: Annotated[Optional[list[Path]], typer.Argument(
+        help="PyTorch memory snapshots (.pickle or .pickle.gz). None: the bundled H200 traces.",
+        metavar="TRACE", show_default=False)] = None,
+    allocator: Annotated[Optional[list[str]], typer.Option(
+        "--allocator", "-a", metavar="NAME",
+        help="Allocator to replay through; repeat for several (default: vms). See `vmstoolkit allocators`.")] = None,
+    capacity: Annotated[Optional[str], typer.Option(
+        metavar="SIZE", help="Device memory for the simulated driver, e.g. 80GiB (default 141GiB, an H200).")] = None,
     fmt: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
-    device: Annotated[str, typer.Option(help="Driver: 'sim' (simulated, default) or 'cuda' (really map GPU memory).")] = "sim",
+    device: Annotated[str, typer.Option(
+        metavar="sim|cuda", help="Driver: 'sim' (simulated, default) or 'cuda' (really map GPU memory).")] = "sim",
     touch: Annotated[bool, typer.Option(help="Write every allocation once (memset) to prove it is mapped.")] = False,
-    option: Annotated[list[str], typer.Option("--option", "-o", help="Allocator option KEY=VALUE, repeatable: e.g. reuse_max_ratio=2 or stitch_min_bytes=64MiB (vms, gmlake), slack_pages=128 or reclaim=clock (paged), config=max_split_size_mb:128 (pytorch-*).")] = None,
+    option: Annotated[Optional[list[str]], typer.Option("--option", "-o", metavar="[ALLOC:]KEY=VALUE",
+                                                        help=OPTION_HELP)] = None,
+    oom_exit_code: Annotated[int, typer.Option(metavar="N", min=0, max=255, help=OOM_HELP)] = OOM_EXIT_CODE,
 ) -> None:
-    """Replay snapshots through allocators: peak allocated, peak reserved, utilization, fragmentation."""
-    from vmstoolkit.pools import allocator_names
+    """Replay snapshots through allocators: peak allocated, peak reserved, utilization, fragmentation.
+
+    Every row names the trace, its file's SHA-256, the allocator and its options, the capacity and
+    the toolkit's version; JSON and CSV carry the same flat columns (driver_calls.create, ...).
+    """
+    from vmstoolkit.analysis.rows import file_sha256
+    from vmstoolkit.pools.sim_driver import DEFAULT_CAPACITY
     from vmstoolkit.trace import bundled_trace_paths
     from vmstoolkit.trace.run import replay_one
 
-    names = allocator or ["vms"]
-    known = allocator_names()
-    for n in names:
-        if n not in known:
-            fail(f"unknown allocator {n!r}; choose one of: {', '.join(known)}", code=2)
+    names = list(allocator or ["vms"])
+    check_allocators(names)
     cap = size_option(capacity, "--capacity")
     if device not in ("sim", "cuda"):
         fail(f"unknown device {device!r} (choose 'sim' or 'cuda')", code=2)
-    options = parse_options(option)
-    if options:
-        from vmstoolkit.pools import make_allocator
-
-        for n in names:  # check the options against every chosen allocator before replaying
-            try:
-                make_allocator(n, **options)
-            except VmsError as e:
-                fail(str(e), code=2)
+    options = allocator_options(option, names, cap)
     paths = list(traces) if traces else bundled_trace_paths()
-    err = Console(stderr=True)
+    for p in paths:
+        if not Path(p).exists():
+            fail(f"no such trace file: {p}")
+    row_capacity = (cap or DEFAULT_CAPACITY) if device == "sim" else None
+    err = console(stderr=True)
     rows = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=err, transient=True, disable=not err.is_terminal) as progress:
         for path in paths:
+            digest = file_sha256(path)
             for name in names:
                 task = progress.add_task(f"{Path(path).name} / {name}", total=None)
                 try:
-                    result = replay_one(path, name, capacity=cap, device=device, touch=touch, options=options,
+                    result = replay_one(path, name, capacity=cap, device=device, touch=touch, options=options[name],
                                         progress=lambda done, total, t=task: progress.update(t, completed=done, total=total))
                 except VmsError as e:
                     fail(str(e))
                 progress.remove_task(task)
-                rows.append(result_row(result))
+                rows.append(result_row(result, source=str(path), source_sha256=digest, capacity=row_capacity,
+                                       options=options[name]))
     if fmt is OutputFormat.json:
         typer.echo(json_lines(rows), nl=False)
     elif fmt is OutputFormat.csv:
         typer.echo(rows_to_csv(rows), nl=False)
     else:
-        Console().print(replay_table(rows))
+        console().print(replay_table(rows, oom_exit_code))
+    if oom_exit_code and any(r["oom"] for r in rows):
+        raise typer.Exit(code=oom_exit_code)
 
 
-def replay_table(rows: list[dict]) -> Table:
-    t = Table(title="Replay")
-    for col in ("trace", "allocator", "events", "peak allocated", "peak reserved", "utilization", "OOM", "driver calls", "events/s"):
-        t.add_column(col, justify="left" if col in ("trace", "allocator") else "right")
+def replay_table(rows: list[dict], oom_exit_code: int = OOM_EXIT_CODE) -> Table:
+    """The rows as a table that wraps to the terminal's width: the trace with its device, the
+    allocator with its options, the figures; what every row shares (capacity, version, the files'
+    SHA-256) in the caption. A replay that ran out of memory reads OOM in red where its peak
+    reserved and utilization would be (they cover only the events before it)."""
+    from rich import box
+
+    from vmstoolkit import __version__
+
+    caps = sorted({format_size(r["capacity"]) if r["capacity"] else "the device's" for r in rows})
+    lines = [f"capacity {', '.join(caps)}; vmstoolkit {__version__}"]
+    lines += [f"{t}: sha256 {h[:16]}" for t, h in dict.fromkeys((r["trace"], r["source_sha256"] or "") for r in rows) if h]
+    if any(r["oom"] for r in rows):
+        lines.append(f"OOM: out of memory at that event; the row's figures cover only the events before it. "
+                     f"Exit status {oom_exit_code} (--oom-exit-code).")
+    t = Table(title="Replay", caption="\n".join(lines), caption_justify="left", box=box.SIMPLE_HEAD,
+              expand=True)
+    t.add_column("trace", overflow="fold", ratio=1)
+    t.add_column("allocator", overflow="fold", ratio=1)
+    for col in ("peak\nallocated", "peak\nreserved", "utilization", "driver\ncalls", "events/s"):
+        t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(r["trace"], r["allocator"], str(r["events"]), format_size(r["peak_allocated"]),
-                  format_size(r["peak_reserved"]), f"{r['utilization']:.4f}", "yes" if r["oom"] else "no",
-                  str(sum(r["driver_calls"].values())), f"{r['events_per_second']:.0f}")
+        trace = r["trace"] if r.get("device") is None else f"{r['trace']} (device {r['device']})"
+        alloc = r["allocator"] + (f" {r['options']}" if r["options"] else "")
+        if r["oom"]:
+            t.add_row(trace, alloc, format_size(r["peak_allocated"]), "OOM", f"OOM at\nevent {r['oom_event']}",
+                      str(r["driver_calls"]), f"{r['events_per_second']:.0f}", style="bold red")
+        else:
+            t.add_row(trace, alloc, format_size(r["peak_allocated"]), format_size(r["peak_reserved"]),
+                      f"{r['utilization']:.4f}", str(r["driver_calls"]), f"{r['events_per_second']:.0f}")
     return t
 
 
 def allocators_command() -> None:
-    """List the allocators and what each one is."""
+    """List the allocators, what each one is, and the options it takes."""
     from vmstoolkit.pools import describe_allocators
+    from vmstoolkit.pools.options import OPTIONS
 
     t = Table(title="Allocators")
-    t.add_column("name")
-    t.add_column("what it is")
+    t.add_column("name", no_wrap=True)
+    t.add_column("what it is", overflow="fold")
+    t.add_column("options (-o KEY=VALUE)", overflow="fold")
     for name, desc in describe_allocators().items():
-        t.add_row(name, desc)
-    Console().print(t)
+        cls = OPTIONS.get(name)
+        t.add_row(name, desc, ", ".join(cls.keys()) if cls else "")
+    console().print(t)

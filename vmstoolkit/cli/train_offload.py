@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from vmstoolkit.cli.common import OutputFormat, fail, print_rows
+from vmstoolkit.cli.common import OutputFormat, emit_rows, fail
 
 
 class Backend(str, Enum):
@@ -68,7 +68,7 @@ def train_offload_command(
                                     check_grads=check_grads)
     except (ValueError, ExecError) as e:
         fail(str(e))
-    print_rows(rows, format, _table)
+    emit_rows(rows, format, _table)
 
 
 def _table(rows: list[dict]) -> None:

@@ -48,14 +48,20 @@ def describe_allocators() -> dict[str, str]:
 def make_allocator(name: str, driver: VMMDriver | None = None, *, capacity: int | str | None = None, **options) -> Allocator:
     """A new allocator ``name`` over ``driver`` (default: a fresh simulated driver of ``capacity``).
 
+    ``options`` are converted and checked first (:mod:`vmstoolkit.pools.options`: ``"2"`` for a
+    ratio, ``"64MiB"`` for a size), against the driver's capacity and page size too; a bad one
+    raises :class:`~vmstoolkit.errors.ConfigError` naming it. An error inside the factory itself
+    (a ``TypeError`` included) surfaces as it is: it is a bug, not a bad option.
+
     >>> a = make_allocator("native"); p = a.allocate(1000); a.free(p)
     """
+    from vmstoolkit.pools.options import check_options
+
     factory = _FACTORIES.get(name)
     if factory is None:
         raise ConfigError(f"unknown allocator {name!r}; choose one of: {', '.join(_FACTORIES)}")
+    options = check_options(name, options)
     if driver is None:
         driver = make_driver("sim", capacity=capacity)
-    try:
-        return factory(driver, **options)
-    except TypeError as e:
-        raise ConfigError(f"bad options for allocator {name!r}: {e}") from None
+    options = check_options(name, options, capacity=driver.capacity, granularity=driver.granularity)
+    return factory(driver, **options)

@@ -1,0 +1,37 @@
+"""Issue 21 "CLI conventions": --version, shell completion, help without Python types."""
+
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from vmstoolkit import __version__
+from vmstoolkit.cli import app
+
+runner = CliRunner(env={"COLUMNS": "120"})
+
+
+def test_version():
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.stdout.strip() == f"vmstoolkit {__version__}"
+
+
+def test_shell_completion_is_offered():
+    r = runner.invoke(app, ["--help"])
+    assert "--install-completion" in r.stdout and "--show-completion" in r.stdout
+
+
+def _paths():
+    top = get_command(app)
+    out = [[]]
+    for name, cmd in top.commands.items():
+        out.append([name])
+        out += [[name, sub] for sub in getattr(cmd, "commands", {})]
+    return out
+
+
+@pytest.mark.parametrize("path", _paths(), ids=lambda p: " ".join(p) or "vmstoolkit")
+def test_help_names_no_python_type(path):
+    r = runner.invoke(app, [*path, "--help"])
+    assert r.exit_code == 0, r.output
+    for typed in ("<list[", "<int>", "<str>", "<bool>", "<Path>", "<float>", "[[", "list[Path]"):
+        assert typed not in r.stdout, f"{typed} in `vmstoolkit {' '.join(path)} --help`"

@@ -1,0 +1,138 @@
+"""Allocator options: typed, range-checked in one place, before anything is built (issue 15 item 10,
+issue 19 "Options", issue 21 "CLI conventions")."""
+
+import inspect
+from dataclasses import fields
+
+import pytest
+
+from vmstoolkit.errors import ConfigError
+from vmstoolkit.pools import make_allocator, registry
+from vmstoolkit.pools.options import (
+    OPTIONS, check_options, format_options, parse_options, resolve_option_items, split_option_item,
+)
+
+
+@pytest.mark.parametrize("name, key, value", [
+    ("vms", "coalesce", "maybe"),
+    ("vms", "stitched_prefix", "2"),
+    ("paged", "aliases", "maybe"),
+    ("vms", "reuse_max_ratio", "nan"),
+    ("vms", "reuse_max_ratio", "inf"),
+    ("vms", "reuse_max_ratio", "abc"),
+    ("vms", "reuse_max_ratio", "0.5"),
+    ("gmlake", "max_cached_stitched", "1.5"),
+    ("vms", "small_size", "1e30"),
+    ("vms", "small_size", "abc"),
+    ("vms", "small_size", "40MiB"),
+    ("vms", "stitch_min_bytes", "-5"),
+    ("vms", "stitch_min_bytes", "1.5"),
+    ("vms", "stitch_min_bytes", "abc"),
+    ("paged", "max_blocks", "-1"),
+    ("paged", "max_blocks", "0"),
+    ("paged", "max_blocks", "1"),
+    ("paged", "max_blocks", "2"),
+    ("paged", "slack_pages", "-1"),
+    ("paged", "large_unit", "1000"),
+    ("paged", "reclaim", "lru"),
+])
+def test_bad_values_name_key_and_value(name, key, value):
+    with pytest.raises(ConfigError) as e:
+        check_options(name, {key: value})
+    msg = str(e.value)
+    assert key in msg and repr(value) in msg and name in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("name, key, value", [
+    ("vms", "small_size", 1e30), ("vms", "reuse_max_ratio", float("nan")), ("vms", "coalesce", 1),
+    ("vms", "max_cached_stitched", 1.5), ("paged", "max_blocks", 0), ("paged", "aliases", "maybe"),
+])
+def test_python_callers_get_the_same_checks(name, key, value):
+    with pytest.raises(ConfigError, match=key):
+        make_allocator(name, **{key: value})
+
+
+def test_values_are_converted():
+    assert check_options("vms", {"reuse_max_ratio": "2", "coalesce": "false", "stitch_min_bytes": "1.5GiB",
+                                 "small_size": "512KiB", "selection": "largest-first"}) == {
+        "reuse_max_ratio": 2.0, "coalesce": False, "stitch_min_bytes": 3 << 29, "small_size": 512 << 10,
+        "selection": "largest-first"}
+    assert check_options("paged", {"large_unit": "64KiB", "va_bytes": "none", "aliases": True}) == {
+        "large_unit": 64 << 10, "va_bytes": None, "aliases": True}
+    a = make_allocator("vms", stitched_prefix="false", reuse_max_ratio="3")
+    assert a.policy.stitched_prefix is False and a.policy.reuse_max_ratio == 3.0
+
+
+def test_unknown_key_names_the_allocators_that_take_it():
+    with pytest.raises(ConfigError, match=r"unknown stitch policy option 'slack_pages'; it is an option of paged"):
+        check_options("vms", {"slack_pages": "3"})
+    with pytest.raises(ConfigError, match="no allocator takes it"):
+        resolve_option_items(["nope=1"], ["vms"])
+    with pytest.raises(ConfigError, match="'slack_pages' for vms, pytorch-caching; it is an option of paged"):
+        resolve_option_items(["slack_pages=3"], ["vms", "pytorch-caching"])
+
+
+def test_unprefixed_options_go_where_they_are_taken_prefixed_to_one():
+    got = resolve_option_items(["reuse_max_ratio=2", "config=max_split_size_mb:128", "vms:coalesce=false",
+                                "gmlake:reuse_max_ratio=4"], ["pytorch-caching", "gmlake", "vms", "native"])
+    assert got == {"pytorch-caching": {"config": "max_split_size_mb:128"},
+                   "gmlake": {"reuse_max_ratio": 4.0}, "vms": {"reuse_max_ratio": 2.0, "coalesce": False},
+                   "native": {}}
+    with pytest.raises(ConfigError, match="'paged', which is not among the chosen allocators"):
+        resolve_option_items(["paged:slack_pages=1"], ["vms"])
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        split_option_item("junk")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        split_option_item(":x=1")
+
+
+def test_pytorch_config_is_checked_up_front():
+    with pytest.raises(ConfigError, match="pytorch-expandable"):
+        check_options("pytorch-caching", {"config": "expandable_segments:True"})
+    with pytest.raises(ConfigError, match="max_split_size_mb"):
+        check_options("pytorch-expandable", {"config": "max_split_size_mb:lots"})
+
+
+def test_capacity_that_paged_cannot_represent_is_refused_before_building():
+    with pytest.raises(ConfigError, match=r"paged: .*capacity 1024TiB.*lower the capacity or set va_bytes"):
+        check_options("paged", {}, capacity=1024 << 40)
+    assert check_options("paged", {}, capacity=141 << 30) == {}
+
+
+def test_legacy_parse_options_and_formatting():
+    assert parse_options(["a=1", "b=true", "c=2.5", "d=x:y"]) == {"a": 1, "b": True, "c": 2.5, "d": "x:y"}
+    with pytest.raises(ConfigError, match="names an allocator"):
+        parse_options(["vms:a=1"])
+    assert format_options({"reuse_max_ratio": 2.0, "coalesce": False}) == "reuse_max_ratio=2.0 coalesce=false"
+
+
+def test_a_type_error_inside_a_factory_surfaces_as_itself(monkeypatch):
+    def broken(driver, **options):
+        raise TypeError("a real bug")
+
+    monkeypatch.setitem(registry._FACTORIES, "native", broken)
+    with pytest.raises(TypeError, match="a real bug"):
+        make_allocator("native")
+
+
+def _defaults_of(name):
+    from vmstoolkit.pools.paged import PagedAllocator
+    from vmstoolkit.pools.vmm_allocator import GMLAKE_POLICY, VMS_POLICY
+
+    if name in ("gmlake", "vms"):
+        policy = GMLAKE_POLICY if name == "gmlake" else VMS_POLICY
+        return {f.name: getattr(policy, f.name) for f in fields(policy)}
+    if name == "paged":
+        return {k: p.default for k, p in inspect.signature(PagedAllocator.__init__).parameters.items()
+                if k not in ("self", "driver")}
+    return {"config": None} if name.startswith("pytorch") else {}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_options_classes_match_the_allocators(name):
+    """The documented defaults are the allocators' own, and every keyword is documented."""
+    cls = OPTIONS[name]
+    documented = {f.name: f.default for f in fields(cls)}
+    assert documented == _defaults_of(name)
+    for f in fields(cls):
+        assert f.metadata["help"]
