@@ -201,3 +201,27 @@ def test_every_allocation_lands_where_pytorch_put_it(path):
             a.free(e.addr)
     assert a.driver.peak_physical_bytes == trace.recorded_peak_reserved()
     a._check()
+
+
+def test_one_failed_unmap_in_empty_cache_does_not_break_later_allocations():
+    """Issue 15 item 6: after one failed unmap in empty_cache, every later allocation on those
+    pages failed with "overlaps an existing mapping" until empty_cache ran again."""
+    from vmstoolkit.errors import DriverError
+    from vmstoolkit.pools import make_allocator
+    from vmstoolkit.pools.sim_driver import SimulatedDriver
+    from vmstoolkit.units import GiB, MiB
+
+    d = SimulatedDriver(capacity=4 * GiB)
+    a = make_allocator("pytorch-expandable", d)
+    x = a.allocate(60 * MiB)
+    a.free(x)
+    d.fail_on("unmap", d.calls["unmap"] + 1)
+    with pytest.raises(DriverError):
+        a.empty_cache()
+    d.clear_faults()
+    y = a.allocate(60 * MiB)  # the same pages again, without another empty_cache
+    d.memset(y, 60 * MiB)
+    a._check()
+    a.free(y)
+    a.close()
+    assert d.is_empty(), d.leak_report()

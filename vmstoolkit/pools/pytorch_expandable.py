@@ -72,6 +72,10 @@ class ExpandableSegment:
         assert self.base + begin * page == ptr, f"map at {ptr:#x} is not on a page boundary"
         if begin == end:
             return 0
+        if self.graveyard.pending:
+            # a teardown that failed earlier (an unmap in empty_cache) may still hold these very
+            # pages mapped: finish it first, or the map below overlaps its mapping
+            self.graveyard.retry()
         while len(self.handles) < end:
             self.handles.append(None)
         try:

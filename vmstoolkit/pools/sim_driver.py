@@ -55,7 +55,7 @@ class SimulatedDriver(VMMDriver):
         self._handle_maps: dict[Handle, set[int]] = {}  # handle -> VAs it is mapped at
         self._reservations: SortedDict = SortedDict()  # va -> size
         self._mappings: SortedDict = SortedDict()  # va -> _Mapping
-        self._faults: dict[str, tuple[int, str]] = {}
+        self._faults: dict[str, dict[int, str]] = {}  # op -> {n: CUresult}
         # queued work (enqueue_use): (va, size, stream, seq, physical ranges) not yet finished
         self._queued: list[tuple[int, int, int, int, list]] = []
         self._seq = 0  # numbers every queued piece of work and every event, in queue order
@@ -78,7 +78,8 @@ class SimulatedDriver(VMMDriver):
         return self._capacity
 
     def fail_on(self, op: str, n: int, result: str | None = None) -> None:
-        """Make the ``n``-th call (counting from 1, over the driver's life) of ``op`` fail.
+        """Make the ``n``-th call (counting from 1, over the driver's life) of ``op`` fail; call
+        it again for more faults (several calls of one operation, or several operations).
 
         ``result`` names the CUresult; the default is ``CUDA_ERROR_OUT_OF_MEMORY`` for
         ``create``/``mem_alloc``/``reserve`` and ``CUDA_ERROR_UNKNOWN`` otherwise.
@@ -87,15 +88,14 @@ class SimulatedDriver(VMMDriver):
             raise ValueError(f"unknown driver operation {op!r}; one of {', '.join(OPERATIONS)}")
         if result is None:
             result = "CUDA_ERROR_OUT_OF_MEMORY" if op in ("create", "mem_alloc", "reserve") else "CUDA_ERROR_UNKNOWN"
-        self._faults[op] = (n, result)
+        self._faults.setdefault(op, {})[n] = result
 
     def clear_faults(self) -> None:
         self._faults.clear()
 
     def _before(self, op: str, n: int) -> None:
-        fault = self._faults.get(op)
-        if fault is not None and fault[0] == n:
-            result = fault[1]
+        result = self._faults.get(op, {}).get(n)
+        if result is not None:
             cls = DriverOutOfMemoryError if result == "CUDA_ERROR_OUT_OF_MEMORY" else DriverError
             raise cls(result, f"injected fault on call {n} of {op}")
 

@@ -41,6 +41,7 @@ from vmstoolkit.pools.base import Allocator
 from vmstoolkit.pools.driver import VMMDriver
 from vmstoolkit.pools.paged import heap as H
 from vmstoolkit.pools.registry import register_allocator
+from vmstoolkit.pools.teardown import Graveyard
 from vmstoolkit.units import GiB, MiB
 
 SMALL_SIZE = 1 * MiB
@@ -106,6 +107,7 @@ class PagedAllocator(Allocator):
         self._slot: dict[int, int] = {}
         self.on_arrays_changed = None  # called after heap arrays are replaced (the hook republishes)
         self._stuck: list = []  # (heap, page) left mapped by a rollback whose unmap failed
+        self.graveyard = Graveyard(driver)  # driver teardown that failed, for a retry
         self.chunk_stack = np.zeros(max_chunks, np.int32)
         self.handles: list = []  # chunk id -> driver handle (None once released)
         self._spare_ids: list[int] = []
@@ -127,7 +129,10 @@ class PagedAllocator(Allocator):
         try:
             self.small.base = self.driver.reserve(self.small.nbytes)
         except DriverError:
-            self.driver.free_address(large, self.large.nbytes)
+            try:
+                self.graveyard.run([("free_address", large, self.large.nbytes)])
+            except DriverError:
+                pass  # the graveyard keeps it for empty_cache/close
             raise
         self.large.base = large
 
@@ -463,6 +468,7 @@ class PagedAllocator(Allocator):
         """Unmap every page no live block uses and release every free chunk."""
         with self.slow_lock:
             self._repair()
+            self.graveyard.retry()
             self._reclaim(len(self._out_pages))
             while self.g[H.G_FREE_CHUNKS] > 0:
                 cid = int(self.chunk_stack[self.g[H.G_FREE_CHUNKS] - 1])
@@ -474,10 +480,12 @@ class PagedAllocator(Allocator):
 
     def close(self) -> None:
         super().close()
+        steps = []
         for h in (self.large, self.small):
             if getattr(h, "base", None) is not None:
-                self.driver.free_address(h.base, h.nbytes)
+                steps.append(("free_address", h.base, h.nbytes))
                 h.base = None
+        self.graveyard.run(steps)  # a failed step stays in the graveyard: a second close retries it
 
     def reset_peak_stats(self) -> None:
         super().reset_peak_stats()
