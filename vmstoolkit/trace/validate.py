@@ -5,7 +5,7 @@
   allocations, made when replay starts (PyTorch's ``MemoryViz`` reconstructs the same set);
 - a corrupt trace is an error naming the event: a second alloc at a live address, an alloc
   overlapping a live one, a free whose size differs from its alloc, a second free, an alloc of
-  zero bytes. ``lenient=True`` skips such events instead and counts them by kind.
+  (a free without a size is not checked). ``lenient=True`` skips such events instead and counts them by kind.
 
 Cost: two passes over the events, O(n log live) (a sorted list of live starts).
 """
@@ -43,6 +43,7 @@ def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, wher
     live: dict[int, int] = {}
     touched: set[int] = set()
     pre: dict[int, TraceEvent] = {}
+    sizeless: set[int] = set()
     for e in events:
         a = e.action
         if a is alloc:
@@ -50,7 +51,10 @@ def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, wher
             touched.add(e.addr)
         elif a is free:
             if live.pop(e.addr, None) is None and e.addr not in touched:
-                pre[e.addr] = TraceEvent(alloc, e.addr, e.size, e.stream, t0)
+                if e.size > 0:
+                    pre[e.addr] = TraceEvent(alloc, e.addr, e.size, e.stream, t0)
+                else:  # no size recorded: cannot be made; replay skips its free as before
+                    sizeless.add(e.addr)
             touched.add(e.addr)
     for addr, size, stream in live_blocks:
         if addr not in touched and addr not in pre and size > 0:
@@ -66,7 +70,7 @@ def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, wher
     def bad(i: int, kind: str, message: str) -> None:
         nonlocal keep
         if not lenient:
-            raise TraceFormatError(f"{where}: event {i} {message}; the trace is corrupt "
+            raise TraceFormatError(f"{where}: {message}; the trace is corrupt "
                                    "(lenient=True or --lenient skips such events)")
         skipped[kind] = skipped.get(kind, 0) + 1
         if keep is None:
@@ -79,24 +83,21 @@ def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, wher
         a = e.action
         if a is alloc:
             addr, size = e.addr, e.size
-            if size <= 0:
-                bad(i, "empty_alloc", f"allocates {size} bytes at {addr:#x}")
-                continue
             if addr in live_at:
-                bad(i, "double_alloc", f"allocates at {addr:#x}, which is live (allocated {origin(live_at[addr][1])})")
+                bad(i, "double_alloc", f"second alloc at live address {addr:#x} at event {i} (allocated {origin(live_at[addr][1])})")
                 continue
             k = bisect.bisect_left(starts, addr)
             if k > 0:
                 prev = starts[k - 1]
                 psize, pj = live_at[prev]
                 if prev + psize > addr:
-                    bad(i, "overlap", f"allocates [{addr:#x}, +{size}) overlapping the live [{prev:#x}, +{psize}) "
+                    bad(i, "overlap", f"event {i} allocates [{addr:#x}, +{size}) overlapping the live [{prev:#x}, +{psize}) "
                                       f"allocated {origin(pj)}")
                     continue
             if k < len(starts) and starts[k] < addr + size:
                 nxt = starts[k]
                 nsize, nj = live_at[nxt]
-                bad(i, "overlap", f"allocates [{addr:#x}, +{size}) overlapping the live [{nxt:#x}, +{nsize}) "
+                bad(i, "overlap", f"event {i} allocates [{addr:#x}, +{size}) overlapping the live [{nxt:#x}, +{nsize}) "
                                   f"allocated {origin(nj)}")
                 continue
             starts.insert(k, addr)
@@ -105,13 +106,18 @@ def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, wher
         elif a is free:
             got = live_at.get(e.addr)
             if got is None:
-                if e.addr in freed_at:
-                    bad(i, "double_free", f"frees {e.addr:#x} again (freed at event {freed_at[e.addr]})")
+                if e.addr in sizeless and e.addr not in freed_at:
+                    sizeless.discard(e.addr)  # its one free, skipped by replay
+                    if keep is not None:
+                        keep.append(i)
+                elif e.addr in freed_at:
+                    bad(i, "double_free", f"double free of address {e.addr:#x} at event {i} "
+                                          f"(already freed at event {freed_at[e.addr]})")
                 else:
-                    bad(i, "unknown_free", f"frees {e.addr:#x}, which is not live")
+                    bad(i, "unknown_free", f"event {i} frees {e.addr:#x}, which is not live")
                 continue
-            if e.size != got[0]:
-                bad(i, "size_mismatch", f"frees {e.size} bytes at {e.addr:#x}, allocated with {got[0]} bytes "
+            if e.size and e.size != got[0]:  # 0: no size recorded
+                bad(i, "size_mismatch", f"event {i} frees {e.size} bytes at {e.addr:#x}, allocated with {got[0]} bytes "
                                         f"{origin(got[1])}")
                 continue
             del live_at[e.addr]
