@@ -13,7 +13,7 @@ import csv
 import io
 import json
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -30,6 +30,8 @@ class Job:
     spec: str
     allocator: str
     timeline: bool = False
+    load: dict = field(default_factory=dict)
+    """Keywords for loading the snapshot (``gpu``, ``lenient``, ``max_bytes``, ``max_objects``)."""
 
 
 def default_specs(synthetic: bool = False) -> list[str]:
@@ -79,7 +81,7 @@ def run_job(job: Job) -> ReplayResult:
         return result
     from vmstoolkit.trace.run import replay_one
 
-    return replay_one(job.spec, job.allocator, timeline=job.timeline)
+    return replay_one(job.spec, job.allocator, timeline=job.timeline, **job.load)
 
 
 def run_jobs(jobs: list[Job], n_workers: int = 1, on_done: Callable[[Job, ReplayResult], None] | None = None) -> list[ReplayResult]:
@@ -101,9 +103,12 @@ def run_jobs(jobs: list[Job], n_workers: int = 1, on_done: Callable[[Job, Replay
     return results  # type: ignore[return-value]
 
 
-def plan_jobs(specs: list[str], allocators: list[str], timeline_workload: str | None) -> list[Job]:
-    """Every (spec, allocator) job; timelines only for the chosen workload's trace."""
-    return [Job(s, a, timeline=spec_workload(s) == timeline_workload) for s in specs for a in allocators]
+def plan_jobs(specs: list[str], allocators: list[str], timeline_workload: str | None,
+              load: dict | None = None) -> list[Job]:
+    """Every (spec, allocator) job; timelines only for the chosen workload's trace; ``load``:
+    keywords for loading each snapshot (see :class:`Job`)."""
+    return [Job(s, a, timeline=spec_workload(s) == timeline_workload, load=dict(load or {}))
+            for s in specs for a in allocators]
 
 
 def recorded_reference(spec: str) -> dict:

@@ -76,4 +76,15 @@ def json_lines(rows: list[dict]) -> str:
     return "".join(json.dumps(r, sort_keys=False) + "\n" for r in rows)
 
 
-__all__ = ["OutputFormat", "fail", "size_option", "parse_options", "rows_to_csv", "json_lines", "VmsError"]
+def load_options(gpu: int | None, lenient: bool, max_bytes: str | None, max_objects: int | None) -> dict:
+    """Snapshot-loading keywords from the ``--gpu``, ``--lenient``, ``--max-bytes`` and
+    ``--max-objects`` flags, checked."""
+    if gpu is not None and gpu < 0:
+        fail(f"--gpu must be a device number (0 or more), got {gpu}", code=2)
+    if max_objects is not None and max_objects <= 0:
+        fail(f"--max-objects must be positive, got {max_objects}", code=2)
+    return {"gpu": gpu, "lenient": lenient, "max_bytes": size_option(max_bytes, "--max-bytes"),
+            "max_objects": max_objects}
+
+
+__all__ = ["OutputFormat", "load_options", "fail", "size_option", "parse_options", "rows_to_csv", "json_lines", "VmsError"]

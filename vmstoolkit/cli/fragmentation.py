@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from vmstoolkit.cli.common import fail
+from vmstoolkit.cli.common import fail, load_options
 from vmstoolkit.errors import VmsError
 
 GiB = 1 << 30
@@ -71,6 +71,10 @@ def fragmentation_command(
         help="Add one SYNTHETIC trace of every kind (recompute, LoRA, offload, ZeRO, growing sequences, ...).")] = False,
     timeline: Annotated[Optional[str], typer.Option(
         help="Workload whose reserved/allocated timeline is drawn (default: the first).")] = None,
+    gpu: Annotated[Optional[int], typer.Option(help="Device of the snapshots to replay (default: the busiest).")] = None,
+    lenient: Annotated[bool, typer.Option(help="Skip and count corrupt events instead of failing.")] = False,
+    max_bytes: Annotated[Optional[str], typer.Option(help="Most decompressed bytes read from a snapshot, e.g. 64GiB (default 32 GiB, and 100x the size of a gzip file).")] = None,
+    max_objects: Annotated[Optional[int], typer.Option(help="Most pickle values built while reading a snapshot (default 1e9).")] = None,
 ) -> None:
     """Replay traces through the allocators and print the fragmentation table; write it as CSV
     and JSON with figures (utilization per workload, memory over time for one trace)."""
@@ -105,7 +109,7 @@ def fragmentation_command(
     if chosen not in workloads:
         fail(f"--timeline {chosen!r} is not one of the workloads: {', '.join(workloads)}", code=2)
 
-    job_list = plan_jobs(specs, names, chosen)
+    job_list = plan_jobs(specs, names, chosen, load=load_options(gpu, lenient, max_bytes, max_objects))
     n_workers = jobs or os.cpu_count() or 1
     err = Console(stderr=True)
     try:
