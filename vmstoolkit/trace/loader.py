@@ -175,7 +175,7 @@ def _trace(data: SnapshotData, d: int, *, name: str, source: str, where: str, le
 
 
 def devices_with_events(data: SnapshotData) -> list[int]:
-    """Devices whose trace has at least one entry, busiest first is *not* implied: device order."""
+    """Devices whose trace has at least one entry, in device order."""
     return [d for d, dev in enumerate(data.devices) if len(dev)]
 
 

@@ -110,11 +110,10 @@ def scan_file(path: str | Path, limits: Limits) -> ScanTables:
     fallback = int(regs[S.R_FALLBACK])
     if regs[S.R_RESULT_KIND] != S.K_CONT or (regs[S.R_RESULT_AUX] & 15) != S.R_ROOT:
         fallback = fallback or S.F_ROOT
-    n = regs
-    return ScanTables(regs=regs, ents=st["ents"][: n[S.R_NENT]], segs=st["segs"][: n[S.R_NSEG]],
-                      blks=st["blks"][: n[S.R_NBLK]], lists=st["lists"][: n[S.R_NLIST]],
-                      srec=st["srec"][: n[S.R_NSREC]], strs=st["strs"][: n[S.R_NSTR]],
-                      arena=st["arena"][: n[S.R_NARENA]], fallback=fallback)
+    return ScanTables(regs=regs, ents=st["ents"][: regs[S.R_NENT]], segs=st["segs"][: regs[S.R_NSEG]],
+                      blks=st["blks"][: regs[S.R_NBLK]], lists=st["lists"][: regs[S.R_NLIST]],
+                      srec=st["srec"][: regs[S.R_NSREC]], strs=st["strs"][: regs[S.R_NSTR]],
+                      arena=st["arena"][: regs[S.R_NARENA]], fallback=fallback)
 
 
 def _grow(st: dict, regs: np.ndarray, path: Path) -> None:

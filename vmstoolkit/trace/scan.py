@@ -345,7 +345,6 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
         pushed_kind = -1
         pushed_val = np.int64(0)
         pushed_aux = np.int64(-1)
-        need = 0  # bytes after the opcode byte this opcode needs in the buffer
 
         # ---------------------------------------------------------------- framing
         if op == 0x80:  # PROTO

@@ -25,9 +25,11 @@ DEFAULT_MAX_BYTES = 32 * GiB
 raise it a hundredfold."""
 DEFAULT_MAX_RATIO = 100
 """By default a gzip snapshot may also decompress to at most this many times its size (and
-at least :data:`MIN_BOMB_BYTES`): real snapshots compress 5-20x (the bundled ones 14x), a gzip
-bomb 1000x. An explicit ``max_bytes`` replaces both bounds."""
-MIN_BOMB_BYTES = 256 << 20
+at least :data:`MIN_BOMB_BYTES`): real snapshots compress 3-20x (the bundled ones 14x, the
+benchmark's 3.5x), a gzip bomb 1000x. An explicit ``max_bytes`` replaces both bounds."""
+MIN_BOMB_BYTES = 32 << 20
+"""Small enough that a 200 KB gzip of three million identical entries stops at about 2M entries
+(250 MB of RAM, ``benchmarks/loader_bench.py``); a real snapshot this compressible is unknown."""
 DEFAULT_MAX_OBJECTS = 1_000_000_000
 """Pickle values built (every push, memo references included) at most, by default: a
 snapshot with frames builds about 50 per entry, so this admits 20M entries."""
