@@ -65,12 +65,7 @@ def scan_file(path: str | Path, limits: Limits) -> ScanTables:
         final = False
         while True:
             if not final and len(pending) - int(regs[S.R_POS]) < CHUNK // 2:
-                chunk = src.read(CHUNK)
-                if not chunk:
-                    final = True
-                pending = pending[int(regs[S.R_POS]):] + chunk
-                regs[S.R_BASE] += regs[S.R_POS]
-                regs[S.R_POS] = 0
+                pending, final = _refill(src, pending, regs)
             if not pending and final:
                 raise TraceFormatError(f"snapshot {path} is empty" if regs[S.R_BASE] == 0 else
                                        f"snapshot {path} is truncated or not a pickle (it ends at byte "
@@ -101,12 +96,7 @@ def scan_file(path: str | Path, limits: Limits) -> ScanTables:
                 raise TraceFormatError(f"snapshot {path} is truncated or not a pickle (it ends at byte "
                                        f"{int(regs[S.R_BASE]) + len(pending)} before the pickle's STOP)")
             if len(pending) - int(regs[S.R_POS]) >= CHUNK // 2:  # one opcode longer than the window
-                chunk = src.read(CHUNK)
-                if not chunk:
-                    final = True
-                pending = pending[int(regs[S.R_POS]):] + chunk
-                regs[S.R_BASE] += regs[S.R_POS]
-                regs[S.R_POS] = 0
+                pending, final = _refill(src, pending, regs)
     fallback = int(regs[S.R_FALLBACK])
     if regs[S.R_RESULT_KIND] != S.K_CONT or (regs[S.R_RESULT_AUX] & 15) != S.R_ROOT:
         fallback = fallback or S.F_ROOT
@@ -114,6 +104,15 @@ def scan_file(path: str | Path, limits: Limits) -> ScanTables:
                       blks=st["blks"][: regs[S.R_NBLK]], lists=st["lists"][: regs[S.R_NLIST]],
                       srec=st["srec"][: regs[S.R_NSREC]], strs=st["strs"][: regs[S.R_NSTR]],
                       arena=st["arena"][: regs[S.R_NARENA]], fallback=fallback)
+
+
+def _refill(src: BoundedReader, pending: bytes, regs: np.ndarray) -> tuple[bytes, bool]:
+    """The unread rest of ``pending`` and one more chunk; whether the input has ended."""
+    chunk = src.read(CHUNK)
+    pos = int(regs[S.R_POS])
+    regs[S.R_BASE] += pos
+    regs[S.R_POS] = 0
+    return pending[pos:] + chunk, not chunk
 
 
 def _grow(st: dict, regs: np.ndarray, path: Path) -> None:

@@ -182,6 +182,49 @@ def _parse_decimal(buf, a, b):
     return (-v if neg else v), True
 
 
+@njit(cache=True, inline="always")
+def _room(regs, sp, mp, skind, marks, ents, segs, blks, lists, strs):
+    """The table (``G_*``) without room for one more opcode, and the size it needs; -1 if none."""
+    if sp + 2 > skind.size:
+        return G_STACK, sp + 2
+    if mp + 1 > marks.size:
+        return G_MARKS, mp + 1
+    if regs[R_NENT] + 1 > ents.shape[0]:
+        return G_ENT, regs[R_NENT] + 1
+    if regs[R_NSEG] + 1 > segs.shape[0]:
+        return G_SEG, regs[R_NSEG] + 1
+    if regs[R_NBLK] + 1 > blks.shape[0]:
+        return G_BLK, regs[R_NBLK] + 1
+    if regs[R_NLIST] + 1 > lists.shape[0]:
+        return G_LIST, regs[R_NLIST] + 1
+    if regs[R_NSTR] + 1 > strs.shape[0]:
+        return G_STR, regs[R_NSTR] + 1
+    return -1, 0
+
+
+@njit(cache=True, inline="always")
+def _err(regs, code, v1, v2):
+    regs[R_ERR] = code
+    regs[R_ERRV1] = v1
+    regs[R_ERRV2] = v2
+    return ST_ERR
+
+
+@njit(cache=True, inline="always")
+def _memo_index(buf, p, n, op):
+    """Index and end of a memo opcode's argument (BINPUT/BINGET: 1 byte, LONG_*: 4, PUT/GET:
+    a text line); end -1: not all in the buffer; -2: a line too long; index -1: not a number."""
+    if op == 0x71 or op == 0x68:
+        return (np.int64(buf[p + 1]), p + 2) if p + 2 <= n else (np.int64(0), -1)
+    if op == 0x72 or op == 0x6A:
+        return (_le(buf, p + 1, 4), p + 5) if p + 5 <= n else (np.int64(0), -1)
+    e = _find_nl(buf, p + 1, n)
+    if e < 0:
+        return np.int64(0), (-2 if n - p - 1 >= MAX_LINE else -1)
+    idx, ok = _parse_decimal(buf, p + 1, e)
+    return (idx if ok and idx >= 0 else np.int64(-1)), e + 1
+
+
 @njit(cache=True)
 def _fits(role, ctype):
     if role == R_DT or role == R_DEV or role == R_SEGS or role == R_BLKS:
@@ -299,48 +342,20 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
     while True:
         if p >= n:
             if final:
-                regs[R_ERR] = E_TRUNCATED
-                regs[R_ERRV1] = regs[R_BASE] + p
-                status = ST_ERR
+                status = _err(regs, E_TRUNCATED, regs[R_BASE] + p, 0)
             break
         # room for this opcode: at most one new push, one new row per table
-        if sp + 2 > skind.size:
-            regs[R_GROW] = G_STACK
-            regs[R_GROWN] = sp + 2
-            status = ST_GROW
-            break
-        if mp + 1 > marks.size:
-            regs[R_GROW] = G_MARKS
-            regs[R_GROWN] = mp + 1
-            status = ST_GROW
-            break
-        if regs[R_NENT] + 1 > ents.shape[0]:
-            regs[R_GROW] = G_ENT
-            regs[R_GROWN] = regs[R_NENT] + 1
-            status = ST_GROW
-            break
-        if regs[R_NSEG] + 1 > segs.shape[0]:
-            regs[R_GROW] = G_SEG
-            regs[R_GROWN] = regs[R_NSEG] + 1
-            status = ST_GROW
-            break
-        if regs[R_NBLK] + 1 > blks.shape[0]:
-            regs[R_GROW] = G_BLK
-            regs[R_GROWN] = regs[R_NBLK] + 1
-            status = ST_GROW
-            break
-        if regs[R_NLIST] + 1 > lists.shape[0]:
-            regs[R_GROW] = G_LIST
-            regs[R_GROWN] = regs[R_NLIST] + 1
-            status = ST_GROW
-            break
-        if regs[R_NSTR] + 1 > strs.shape[0]:
-            regs[R_GROW] = G_STR
-            regs[R_GROWN] = regs[R_NSTR] + 1
+        what = -1
+        size = 0
+        if (sp + 2 > skind.size or mp + 1 > marks.size or regs[R_NENT] >= ents.shape[0] or regs[R_NSEG] >= segs.shape[0]
+                or regs[R_NBLK] >= blks.shape[0] or regs[R_NLIST] >= lists.shape[0] or regs[R_NSTR] >= strs.shape[0]):
+            what, size = _room(regs, sp, mp, skind, marks, ents, segs, blks, lists, strs)
+        if what >= 0:
+            regs[R_GROW] = what
+            regs[R_GROWN] = size
             status = ST_GROW
             break
         op = buf[p]
-        start = p
         fence = marks[mp - 1] if mp > 0 else 0
         pushed_kind = -1
         pushed_val = np.int64(0)
@@ -359,9 +374,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
             continue
         if op == 0x2E:  # STOP
             if sp - fence < 1 or mp > 0:
-                regs[R_ERR] = E_UNDERFLOW
-                regs[R_ERRV1] = regs[R_BASE] + p
-                status = ST_ERR
+                status = _err(regs, E_UNDERFLOW, regs[R_BASE] + p, 0)
                 break
             regs[R_RESULT_KIND] = skind[sp - 1]
             regs[R_RESULT_AUX] = saux[sp - 1]
@@ -380,17 +393,13 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
             elif sp > 0:
                 sp -= 1
             else:
-                regs[R_ERR] = E_UNDERFLOW
-                regs[R_ERRV1] = regs[R_BASE] + p
-                status = ST_ERR
+                status = _err(regs, E_UNDERFLOW, regs[R_BASE] + p, 0)
                 break
             p += 1
             continue
         if op == 0x31:  # POP_MARK
             if mp == 0:
-                regs[R_ERR] = E_NOMARK
-                regs[R_ERRV1] = regs[R_BASE] + p
-                status = ST_ERR
+                status = _err(regs, E_NOMARK, regs[R_BASE] + p, 0)
                 break
             sp = marks[mp - 1]
             mp -= 1
@@ -398,9 +407,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
             continue
         if op == 0x32:  # DUP
             if sp - fence < 1:
-                regs[R_ERR] = E_UNDERFLOW
-                regs[R_ERRV1] = regs[R_BASE] + p
-                status = ST_ERR
+                status = _err(regs, E_UNDERFLOW, regs[R_BASE] + p, 0)
                 break
             if skind[sp - 1] == K_CONT:
                 regs[R_FALLBACK] = regs[R_FALLBACK] or F_SHARED
@@ -440,9 +447,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                 break
             ln = _le(buf, p + 1, hdr) if hdr == 1 else _le_signed(buf, p + 1, 4)
             if ln < 0:
-                regs[R_ERR] = E_NEG_LEN
-                regs[R_ERRV1] = regs[R_BASE] + p
-                status = ST_ERR
+                status = _err(regs, E_NEG_LEN, regs[R_BASE] + p, 0)
                 break
             if ln > 8:
                 if p + 1 + hdr + ln > n:  # skip a huge integer without buffering it
@@ -471,9 +476,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
             e = _find_nl(buf, p + 1, n)
             if e < 0:
                 if n - p - 1 >= MAX_LINE:
-                    regs[R_ERR] = E_LINE
-                    regs[R_ERRV1] = regs[R_BASE] + p
-                    status = ST_ERR
+                    status = _err(regs, E_LINE, regs[R_BASE] + p, 0)
                 break
             if op == 0x46:
                 pushed_kind = K_FLOAT
@@ -513,9 +516,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                 e = _find_nl(buf, p + 1, n)
                 if e < 0:
                     if n - p - 1 >= MAX_LINE:
-                        regs[R_ERR] = E_LINE
-                        regs[R_ERRV1] = regs[R_BASE] + p
-                        status = ST_ERR
+                        status = _err(regs, E_LINE, regs[R_BASE] + p, 0)
                     break
                 a = p + 1
                 ln = e - a
@@ -531,9 +532,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                     break
                 ln = _le(buf, p + 1, hdr) if hdr != 4 else _le_signed(buf, p + 1, 4)
                 if ln < 0:
-                    regs[R_ERR] = E_NEG_LEN
-                    regs[R_ERRV1] = regs[R_BASE] + p
-                    status = ST_ERR
+                    status = _err(regs, E_NEG_LEN, regs[R_BASE] + p, 0)
                     break
                 a = p + 1 + hdr
                 fmt = FMT_ASCII if (op == 0x54 or op == 0x55) else FMT_UTF8
@@ -585,37 +584,17 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
             if op == 0x94:
                 idx = regs[R_NMEMO]
                 nxt = p + 1
-            elif op == 0x71:
-                if p + 2 > n:
-                    break
-                idx = np.int64(buf[p + 1])
-                nxt = p + 2
-            elif op == 0x72:
-                if p + 5 > n:
-                    break
-                idx = _le(buf, p + 1, 4)
-                nxt = p + 5
             else:
-                e = _find_nl(buf, p + 1, n)
-                if e < 0:
-                    if n - p - 1 >= MAX_LINE:
-                        regs[R_ERR] = E_LINE
-                        regs[R_ERRV1] = regs[R_BASE] + p
-                        status = ST_ERR
+                idx, nxt = _memo_index(buf, p, n, op)
+                if nxt == -2:
+                    status = _err(regs, E_LINE, regs[R_BASE] + p, 0)
+                if nxt < 0:
                     break
-                idx, ok = _parse_decimal(buf, p + 1, e)
-                if not ok or idx < 0:
-                    regs[R_ERR] = E_MEMO_RANGE
-                    regs[R_ERRV1] = regs[R_BASE] + p
-                    regs[R_ERRV2] = -1
-                    status = ST_ERR
+                if idx < 0:
+                    status = _err(regs, E_MEMO_RANGE, regs[R_BASE] + p, -1)
                     break
-                nxt = e + 1
             if idx > nobj + 16:
-                regs[R_ERR] = E_MEMO_RANGE
-                regs[R_ERRV1] = regs[R_BASE] + p
-                regs[R_ERRV2] = idx
-                status = ST_ERR
+                status = _err(regs, E_MEMO_RANGE, regs[R_BASE] + p, idx)
                 break
             if idx >= mkind.size:
                 regs[R_GROW] = G_MEMO
@@ -623,9 +602,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                 status = ST_GROW
                 break
             if sp - fence < 1:
-                regs[R_ERR] = E_UNDERFLOW
-                regs[R_ERRV1] = regs[R_BASE] + p
-                status = ST_ERR
+                status = _err(regs, E_UNDERFLOW, regs[R_BASE] + p, 0)
                 break
             mkind[idx] = skind[sp - 1]
             mval[idx] = sval[sp - 1]
@@ -635,33 +612,13 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
             p = nxt
             continue
         elif op == 0x68 or op == 0x6A or op == 0x67:  # BINGET / LONG_BINGET / GET
-            if op == 0x68:
-                if p + 2 > n:
-                    break
-                idx = np.int64(buf[p + 1])
-                nxt = p + 2
-            elif op == 0x6A:
-                if p + 5 > n:
-                    break
-                idx = _le(buf, p + 1, 4)
-                nxt = p + 5
-            else:
-                e = _find_nl(buf, p + 1, n)
-                if e < 0:
-                    if n - p - 1 >= MAX_LINE:
-                        regs[R_ERR] = E_LINE
-                        regs[R_ERRV1] = regs[R_BASE] + p
-                        status = ST_ERR
-                    break
-                idx, ok = _parse_decimal(buf, p + 1, e)
-                if not ok:
-                    idx = -1
-                nxt = e + 1
+            idx, nxt = _memo_index(buf, p, n, op)
+            if nxt == -2:
+                status = _err(regs, E_LINE, regs[R_BASE] + p, 0)
+            if nxt < 0:
+                break
             if idx < 0 or idx >= regs[R_NMEMO] or mkind[idx] < 0:
-                regs[R_ERR] = E_MEMO_MISSING
-                regs[R_ERRV1] = regs[R_BASE] + p
-                regs[R_ERRV2] = idx
-                status = ST_ERR
+                status = _err(regs, E_MEMO_MISSING, regs[R_BASE] + p, idx)
                 break
             pushed_kind = mkind[idx]
             pushed_val = mval[idx]
@@ -669,10 +626,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
             if pushed_kind == K_CONT:
                 r = pushed_aux & 15
                 if r == R_ENT:
-                    regs[R_ERR] = E_SHARED_ENTRY
-                    regs[R_ERRV1] = regs[R_BASE] + p
-                    regs[R_ERRV2] = pushed_val
-                    status = ST_ERR
+                    status = _err(regs, E_SHARED_ENTRY, regs[R_BASE] + p, pushed_val)
                     break
                 regs[R_FALLBACK] = regs[R_FALLBACK] or F_SHARED
             p = nxt
@@ -687,16 +641,12 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
             base = sp
             if op == 0x64 or op == 0x6C:
                 if mp == 0:
-                    regs[R_ERR] = E_NOMARK
-                    regs[R_ERRV1] = regs[R_BASE] + p
-                    status = ST_ERR
+                    status = _err(regs, E_NOMARK, regs[R_BASE] + p, 0)
                     break
                 base = marks[mp - 1]
                 mp -= 1
                 if op == 0x64 and (sp - base) % 2 == 1:
-                    regs[R_ERR] = E_UNDERFLOW
-                    regs[R_ERRV1] = regs[R_BASE] + p
-                    status = ST_ERR
+                    status = _err(regs, E_UNDERFLOW, regs[R_BASE] + p, 0)
                     break
             role = _container_role(skind, sval, saux, base, marks, mp, ctype)
             if ctype == T_SET or (role == R_ROOT and ctype != T_DICT):
@@ -765,9 +715,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                 sp = base
             nobj += 1
             if nobj > maxobj:
-                regs[R_ERR] = E_OBJECTS
-                regs[R_ERRV1] = nobj
-                status = ST_ERR
+                status = _err(regs, E_OBJECTS, nobj, 0)
                 break
             skind[sp] = pushed_kind
             sval[sp] = pushed_val
@@ -779,24 +727,18 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
             if op == 0x61 or op == 0x73:
                 k = 1 if op == 0x61 else 2
                 if sp - fence < k + 1:
-                    regs[R_ERR] = E_UNDERFLOW
-                    regs[R_ERRV1] = regs[R_BASE] + p
-                    status = ST_ERR
+                    status = _err(regs, E_UNDERFLOW, regs[R_BASE] + p, 0)
                     break
                 base = sp - k
                 c = base - 1
             else:
                 if mp == 0:
-                    regs[R_ERR] = E_NOMARK
-                    regs[R_ERRV1] = regs[R_BASE] + p
-                    status = ST_ERR
+                    status = _err(regs, E_NOMARK, regs[R_BASE] + p, 0)
                     break
                 base = marks[mp - 1]
                 c = base - 1
                 if c < 0 or (op == 0x75 and (sp - base) % 2 == 1):
-                    regs[R_ERR] = E_UNDERFLOW
-                    regs[R_ERRV1] = regs[R_BASE] + p
-                    status = ST_ERR
+                    status = _err(regs, E_UNDERFLOW, regs[R_BASE] + p, 0)
                     break
             want_type = T_DICT if (op == 0x73 or op == 0x75) else (T_SET if op == 0x90 else T_LIST)
             if skind[c] == K_CONT:
@@ -829,18 +771,14 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                 base = sp
             elif op == 0x74 or op == 0x91:
                 if mp == 0:
-                    regs[R_ERR] = E_NOMARK
-                    regs[R_ERRV1] = regs[R_BASE] + p
-                    status = ST_ERR
+                    status = _err(regs, E_NOMARK, regs[R_BASE] + p, 0)
                     break
                 base = marks[mp - 1]
                 mp -= 1
             else:
                 k = op - 0x84
                 if sp - fence < k:
-                    regs[R_ERR] = E_UNDERFLOW
-                    regs[R_ERRV1] = regs[R_BASE] + p
-                    status = ST_ERR
+                    status = _err(regs, E_UNDERFLOW, regs[R_BASE] + p, 0)
                     break
                 base = sp - k
             ln = sp - base
@@ -864,9 +802,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
             e2 = _find_nl(buf, e1 + 1, n) if e1 >= 0 else -1
             if e1 < 0 or e2 < 0:
                 if n - p - 1 >= 2 * MAX_LINE:
-                    regs[R_ERR] = E_LINE
-                    regs[R_ERRV1] = regs[R_BASE] + p
-                    status = ST_ERR
+                    status = _err(regs, E_LINE, regs[R_BASE] + p, 0)
                 break
             mod = _match(buf, p + 1, e1 - p - 1, kblob, koff)
             name = _match(buf, e1 + 1, e2 - e1 - 1, kblob, koff)
@@ -878,9 +814,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
             p = e2 + 1
         elif op == 0x93:  # STACK_GLOBAL
             if sp - fence < 2:
-                regs[R_ERR] = E_UNDERFLOW
-                regs[R_ERRV1] = regs[R_BASE] + p
-                status = ST_ERR
+                status = _err(regs, E_UNDERFLOW, regs[R_BASE] + p, 0)
                 break
             mod = sval[sp - 2] if skind[sp - 2] == K_STR else -1
             name = sval[sp - 1] if skind[sp - 1] == K_STR else -1
@@ -893,9 +827,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
             p += 1
         elif op == 0x52:  # REDUCE
             if sp - fence < 2:
-                regs[R_ERR] = E_UNDERFLOW
-                regs[R_ERRV1] = regs[R_BASE] + p
-                status = ST_ERR
+                status = _err(regs, E_UNDERFLOW, regs[R_BASE] + p, 0)
                 break
             fk = skind[sp - 2]
             fv = sval[sp - 2]
@@ -912,10 +844,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                 k1 = (aa >> 16) & 255
                 known1 = (aa >> 24) - 1
                 if (fv == GL_BYTES or fv == GL_BYTEARRAY) and ln >= 1 and (k0 == K_INT or k0 == K_INTX or k0 == K_BOOL):
-                    regs[R_ERR] = E_ALLOC_CTOR
-                    regs[R_ERRV1] = fv
-                    regs[R_ERRV2] = av if k0 != K_INTX else -1
-                    status = ST_ERR
+                    status = _err(regs, E_ALLOC_CTOR, fv, av if k0 != K_INTX else -1)
                     break
                 if fv == GL_SET or fv == GL_FROZENSET:
                     if ln > 1 or (ln == 1 and not (k0 == K_DROPC or k0 == K_TUPLE or k0 == K_OPAQUE)):
@@ -940,24 +869,16 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
         elif (op == 0x50 or op == 0x51 or op == 0x62 or op == 0x69 or op == 0x6F or op == 0x81 or op == 0x82
               or op == 0x83 or op == 0x84 or op == 0x92 or op == 0x97 or op == 0x98):
             # PERSID BINPERSID BUILD INST OBJ NEWOBJ EXT1 EXT2 EXT4 NEWOBJ_EX NEXT_BUFFER READONLY_BUFFER
-            regs[R_ERR] = E_REFUSED_OP
-            regs[R_ERRV1] = regs[R_BASE] + p
-            regs[R_ERRV2] = op
-            status = ST_ERR
+            status = _err(regs, E_REFUSED_OP, regs[R_BASE] + p, op)
             break
         else:
-            regs[R_ERR] = E_OPCODE
-            regs[R_ERRV1] = regs[R_BASE] + p
-            regs[R_ERRV2] = op
-            status = ST_ERR
+            status = _err(regs, E_OPCODE, regs[R_BASE] + p, op)
             break
         # ---------------------------------------------------------------- push
         if pushed_kind >= 0:
             nobj += 1
             if nobj > maxobj:
-                regs[R_ERR] = E_OBJECTS
-                regs[R_ERRV1] = nobj
-                status = ST_ERR
+                status = _err(regs, E_OBJECTS, nobj, 0)
                 break
             skind[sp] = pushed_kind
             sval[sp] = pushed_val
