@@ -131,3 +131,45 @@ def test_allocator_options(traces_dir):
 def test_bad_allocator_options(traces_dir, opt, match):
     r = _cli("replay", str(traces_dir / "llama-lora.caching.pickle.gz"), "-a", "vms", "-o", opt)
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr
+
+
+def _two_device_snapshot(tmp_path):
+    dev = [{"action": "alloc", "addr": 4096, "size": 3 << 20}, {"action": "free_completed", "addr": 1 << 30, "size": 1 << 20},
+           {"action": "alloc", "addr": 4096, "size": 1 << 20}]  # event 2: a second alloc at a live address
+    p = tmp_path / "two.pickle"
+    p.write_bytes(pickle.dumps({"device_traces": [[dict(e) for e in dev[:2]], [], [dict(e) for e in dev[:2]]]}))
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(pickle.dumps({"device_traces": [dev]}))
+    return p, bad
+
+
+def test_every_device_a_chosen_one_and_a_missing_one(tmp_path):
+    p, _ = _two_device_snapshot(tmp_path)
+    res = runner.invoke(app, ["replay", str(p), "-a", "vms", "-f", "json"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["device"] for r in rows] == [0, 2]
+    assert all(r["unmatched_frees"] == 1 and r["preexisting_bytes"] == 1 << 20 for r in rows)
+    res = runner.invoke(app, ["replay", str(p), "-a", "vms", "-f", "json", "--gpu", "2"])
+    assert [json.loads(line)["device"] for line in res.stdout.splitlines()] == [2]
+    r = _cli("replay", str(p), "--gpu", "1")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "device 1 has no 'alloc' events" in r.stderr
+    r = _cli("replay", str(p), "--gpu", "7")
+    assert r.returncode == 1 and "no device 7: it holds traces of devices 0..2 (with events: 0, 2)" in r.stderr
+
+
+def test_corrupt_trace_fails_unless_lenient(tmp_path):
+    _, bad = _two_device_snapshot(tmp_path)
+    r = _cli("replay", str(bad))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "second alloc at live address 0x1000 at event 2" in r.stderr
+    res = runner.invoke(app, ["replay", str(bad), "-f", "json", "--lenient"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout.splitlines()[0])["skipped_events"] == 1
+
+
+def test_load_limits_are_flags(tmp_path, traces_dir):
+    r = _cli("replay", str(traces_dir / "llama-full.caching.pickle.gz"), "--max-bytes", "1MiB")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "decompresses to more than 1.00 MiB" in r.stderr
+    r = _cli("replay", str(traces_dir / "llama-full.caching.pickle.gz"), "--max-objects", "1000")
+    assert r.returncode == 1 and "builds more than 1000 objects" in r.stderr

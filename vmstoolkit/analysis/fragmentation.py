@@ -34,6 +34,9 @@ class Job:
     timeline: bool = False
     options: tuple = ()
     capacity: int | None = None
+    load: tuple = ()
+    """Keywords for loading the snapshot as ``(key, value)`` pairs (``gpu``, ``lenient``,
+    ``max_bytes``, ``max_objects``)."""
 
 
 def default_specs(synthetic: bool = False) -> list[str]:
@@ -91,7 +94,7 @@ def run_job(job: Job) -> ReplayResult:
         raise TraceFormatError(f"no trace file {job.spec} on worker host {platform.node()!r}: the workers of a "
                                f"cluster need the snapshots at the same path (a shared filesystem)")
     return replay_one(job.spec, job.allocator, timeline=job.timeline, options=dict(job.options),
-                      capacity=job.capacity)
+                      capacity=job.capacity, **dict(job.load))
 
 
 def run_jobs(jobs: list[Job], n_workers: int = 1, on_done: Callable[[Job, ReplayResult], None] | None = None,
@@ -105,12 +108,14 @@ def run_jobs(jobs: list[Job], n_workers: int = 1, on_done: Callable[[Job, Replay
 
 
 def plan_jobs(specs: list[str], allocators: list[str], timeline_workload: str | None, *,
-              options: dict[str, dict] | None = None, capacity: int | None = None) -> list[Job]:
+              options: dict[str, dict] | None = None, capacity: int | None = None,
+              load: dict | None = None) -> list[Job]:
     """Every (spec, allocator) job, with each allocator's ``options``; timelines only for the
-    chosen workload's trace (``None``: every workload's)."""
+    chosen workload's trace (``None``: every workload's); ``load``: keywords for loading each
+    snapshot (see :class:`Job`)."""
     options = options or {}
     return [Job(s, a, timeline=timeline_workload is None or spec_workload(s) == timeline_workload,
-                options=tuple(options.get(a, {}).items()), capacity=capacity)
+                options=tuple(options.get(a, {}).items()), capacity=capacity, load=tuple((load or {}).items()))
             for s in specs for a in allocators]
 
 

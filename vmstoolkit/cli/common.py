@@ -149,6 +149,17 @@ def emit_rows(rows: list[dict], fmt: OutputFormat, table) -> None:
             out.print(rendered)
 
 
-__all__ = ["OutputFormat", "OOM_EXIT_CODE", "fail", "console", "size_option", "parse_options", "allocator_options",
+def load_options(gpu: int | None, lenient: bool, max_bytes: str | None, max_objects: int | None) -> dict:
+    """Snapshot-loading keywords from the ``--gpu``, ``--lenient``, ``--max-bytes`` and
+    ``--max-objects`` flags, checked."""
+    if gpu is not None and gpu < 0:
+        fail(f"--gpu must be a device number (0 or more), got {gpu}", code=2)
+    if max_objects is not None and max_objects <= 0:
+        fail(f"--max-objects must be positive, got {max_objects}", code=2)
+    return {"gpu": gpu, "lenient": lenient, "max_bytes": size_option(max_bytes, "--max-bytes"),
+            "max_objects": max_objects}
+
+
+__all__ = ["OutputFormat", "OOM_EXIT_CODE", "load_options", "fail", "console", "size_option", "parse_options", "allocator_options",
            "check_allocators", "check_output_dir", "check_output_file", "rows_to_csv", "json_lines", "emit_rows",
            "VmsError"]

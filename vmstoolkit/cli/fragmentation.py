@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from vmstoolkit.cli.common import (
-    OOM_EXIT_CODE, allocator_options, check_allocators, check_output_dir, console, fail, size_option,
+    OOM_EXIT_CODE, allocator_options, check_allocators, check_output_dir, console, fail, load_options, size_option,
 )
 from vmstoolkit.cli.replay import OOM_HELP, OPTION_HELP
 from vmstoolkit.errors import VmsError
@@ -75,6 +75,10 @@ def fragmentation_command(
         metavar="local:N|ADDRESS", help="Run the replays on a Dask cluster instead of local processes: local:N starts N local workers, "
              "tcp://HOST:PORT joins a running scheduler (workers need the traces at the same path). "
              "Needs pip install 'vmstoolkit[cluster]'.")] = None,
+    gpu: Annotated[Optional[int], typer.Option(metavar="N", help="Device of the snapshots to replay (default: the busiest).")] = None,
+    lenient: Annotated[bool, typer.Option(help="Skip and count corrupt events instead of failing.")] = False,
+    max_bytes: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Most decompressed bytes read from a snapshot, e.g. 64GiB (default 32 GiB, and 100x the size of a gzip file).")] = None,
+    max_objects: Annotated[Optional[int], typer.Option(metavar="N", help="Most pickle values built while reading a snapshot (default 1e9).")] = None,
 ) -> None:
     """Replay traces through the allocators and print the fragmentation table; write it as CSV
     and JSON with figures (utilization per workload, memory over time)."""
@@ -117,7 +121,8 @@ def fragmentation_command(
     if timeline is not None and timeline not in workloads:
         fail(f"--timeline {timeline!r} is not one of the workloads: {', '.join(workloads)}", code=2)
 
-    job_list = plan_jobs(specs, names, timeline, options=options, capacity=cap)
+    job_list = plan_jobs(specs, names, timeline, options=options, capacity=cap,
+                         load=load_options(gpu, lenient, max_bytes, max_objects))
     n_workers = jobs or os.cpu_count() or 1
     err = console(stderr=True)
     try:

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from vmstoolkit.cli.common import (
-    OOM_EXIT_CODE, OutputFormat, allocator_options, check_allocators, console, fail, json_lines, rows_to_csv,
+    OOM_EXIT_CODE, OutputFormat, allocator_options, check_allocators, console, fail, json_lines, load_options, rows_to_csv,
     size_option,
 )
 from vmstoolkit.errors import VmsError
@@ -47,6 +47,10 @@ def replay_command(
     option: Annotated[Optional[list[str]], typer.Option("--option", "-o", metavar="[ALLOC:]KEY=VALUE",
                                                         help=OPTION_HELP)] = None,
     oom_exit_code: Annotated[int, typer.Option(metavar="N", min=0, max=255, help=OOM_HELP)] = OOM_EXIT_CODE,
+    gpu: Annotated[Optional[int], typer.Option(metavar="N", help="Replay only this device of the snapshots (default: every device with events).")] = None,
+    lenient: Annotated[bool, typer.Option(help="Skip and count corrupt events (double allocs, overlaps, size-mismatched frees) instead of failing.")] = False,
+    max_bytes: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Most decompressed bytes read from a snapshot, e.g. 64GiB (default 32 GiB, and 100x the size of a gzip file).")] = None,
+    max_objects: Annotated[Optional[int], typer.Option(metavar="N", help="Most pickle values built while reading a snapshot (default 1e9).")] = None,
 ) -> None:
     """Replay snapshots through allocators: peak allocated, peak reserved, utilization, fragmentation.
 
@@ -56,13 +60,15 @@ def replay_command(
     from vmstoolkit.analysis.rows import file_sha256
     from vmstoolkit.pools.sim_driver import DEFAULT_CAPACITY
     from vmstoolkit.trace import bundled_trace_paths
-    from vmstoolkit.trace.run import replay_one
+    from vmstoolkit.trace.loader import load_traces
+    from vmstoolkit.trace.run import replay_trace
 
     names = list(allocator or ["vms"])
     check_allocators(names)
     cap = size_option(capacity, "--capacity")
     if device not in ("sim", "cuda"):
         fail(f"unknown device {device!r} (choose 'sim' or 'cuda')", code=2)
+    load = load_options(gpu, lenient, max_bytes, max_objects)
     options = allocator_options(option, names, cap)
     paths = list(traces) if traces else bundled_trace_paths()
     for p in paths:
@@ -75,16 +81,22 @@ def replay_command(
                   console=err, transient=True, disable=not err.is_terminal) as progress:
         for path in paths:
             digest = file_sha256(path)
-            for name in names:
-                task = progress.add_task(f"{Path(path).name} / {name}", total=None)
-                try:
-                    result = replay_one(path, name, capacity=cap, device=device, touch=touch, options=options[name],
-                                        progress=lambda done, total, t=task: progress.update(t, completed=done, total=total))
-                except VmsError as e:
-                    fail(str(e))
-                progress.remove_task(task)
-                rows.append(result_row(result, source=str(path), source_sha256=digest, capacity=row_capacity,
-                                       options=options[name]))
+            try:
+                loaded = load_traces(path, device=load["gpu"], lenient=load["lenient"], max_bytes=load["max_bytes"],
+                                     max_objects=load["max_objects"])
+            except VmsError as e:
+                fail(str(e))
+            for trace in loaded:
+                for name in names:
+                    task = progress.add_task(f"{Path(path).name} / gpu {trace.device} / {name}", total=None)
+                    try:
+                        result = replay_trace(trace, name, capacity=cap, device=device, touch=touch, options=options[name],
+                                              progress=lambda done, total, t=task: progress.update(t, completed=done, total=total))
+                    except VmsError as e:
+                        fail(str(e))
+                    progress.remove_task(task)
+                    rows.append(result_row(result, source=str(path), source_sha256=digest, capacity=row_capacity,
+                                           options=options[name]))
     if fmt is OutputFormat.json:
         typer.echo(json_lines(rows), nl=False)
     elif fmt is OutputFormat.csv:
@@ -114,17 +126,20 @@ def replay_table(rows: list[dict], oom_exit_code: int = OOM_EXIT_CODE) -> Table:
               expand=True)
     t.add_column("trace", overflow="fold", ratio=1)
     t.add_column("allocator", overflow="fold", ratio=1)
-    for col in ("peak\nallocated", "peak\nreserved", "utilization", "driver\ncalls", "events/s"):
+    for col in ("peak\nallocated", "peak\nreserved", "utilization", "driver\ncalls", "events/s", "pre-\nexisting",
+                "unmatched\nfrees"):
         t.add_column(col, justify="right")
     for r in rows:
         trace = r["trace"] if r.get("device") is None else f"{r['trace']} (device {r['device']})"
         alloc = r["allocator"] + (f" {r['options']}" if r["options"] else "")
         if r["oom"]:
             t.add_row(trace, alloc, format_size(r["peak_allocated"]), "OOM", f"OOM at\nevent {r['oom_event']}",
-                      str(r["driver_calls"]), f"{r['events_per_second']:.0f}", style="bold red")
+                      str(r["driver_calls"]), f"{r['events_per_second']:.0f}", format_size(r.get("preexisting_bytes") or 0),
+                      str(r.get("unmatched_frees", 0)), style="bold red")
         else:
             t.add_row(trace, alloc, format_size(r["peak_allocated"]), format_size(r["peak_reserved"]),
-                      f"{r['utilization']:.4f}", str(r["driver_calls"]), f"{r['events_per_second']:.0f}")
+                      f"{r['utilization']:.4f}", str(r["driver_calls"]), f"{r['events_per_second']:.0f}",
+                      format_size(r.get("preexisting_bytes") or 0), str(r.get("unmatched_frees", 0)))
     return t
 
 

@@ -43,9 +43,20 @@ class Trace:
     device: int = 0
     source: str = ""
     allocator_settings: dict = field(default_factory=dict, compare=False, hash=False)
+    preexisting: tuple[TraceEvent, ...] = ()
+    """Allocations live before recording began (``alloc`` events, address order), which replay
+    makes first: see :mod:`vmstoolkit.trace.validate`."""
+    skipped: dict = field(default_factory=dict, compare=False, hash=False)
+    """Corrupt events a lenient load left out, by kind (``double_alloc``, ``overlap``, ...)."""
+    frames: tuple | None = field(default=None, compare=False, hash=False, repr=False)
+    """With ``frames=True`` at load: each event's ``(filename, line, name)`` frames."""
 
     def __len__(self) -> int:
         return len(self.events)
+
+    @property
+    def preexisting_bytes(self) -> int:
+        return sum(e.size for e in self.preexisting)
 
     @property
     def expandable_segments(self) -> bool:

@@ -1,105 +1,215 @@
-"""Load PyTorch memory snapshots without torch.
+"""Load PyTorch memory snapshots without torch, streaming, bounded and safe.
 
 Accepts what ``torch.cuda.memory._dump_snapshot`` writes (a pickle, optionally gzipped: the
 gzip magic decides, not the name) and the dict ``torch.cuda.memory._snapshot()`` returns.
-Unpickling is restricted to builtin types, so a snapshot cannot run code and torch is never
-needed. Every failure is a :class:`~vmstoolkit.errors.TraceFormatError` naming the file.
+
+- No code from the file ever runs: only plain data is unpickled (``set``, ``frozenset``,
+  ``bytes``, ``bytearray``, ``complex`` and ``_codecs.encode`` with arguments that cannot
+  allocate more than the file holds), and torch is never needed.
+- Bounded: only regular files are read; at most ``max_bytes`` decompressed bytes (by default
+  32 GiB, and for gzip at most 100 times the file's size) and ``max_objects`` pickle values.
+- Fast: :mod:`.scan` reads the pickle in compiled code and keeps five integers per entry;
+  frames are dropped unless ``frames=True``. Anything it does not expect sends the file through
+  the restricted ``pickle`` unpickler, after the scan has checked every limit.
+
+Every failure is a :class:`~vmstoolkit.errors.TraceFormatError` naming the file and the value.
 """
 
 from __future__ import annotations
 
-import gzip
+import functools
 import io
 import pickle
-import zlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from vmstoolkit.errors import TraceFormatError
 from vmstoolkit.trace.events import Action, Trace, TraceEvent
+from vmstoolkit.trace.snapshot import ACTIONS, Fallback, SnapshotData, from_dict, from_scan, short_repr
+from vmstoolkit.trace.source import CHUNK, BoundedReader, Limits, check_limits
+from vmstoolkit.trace.validate import check_events
 
-_SAFE_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool", "complex", "bytearray"}
-_ACTIONS = {a.value: a for a in Action}
+_ENCODINGS = {"latin1", "latin-1", "utf-8", "utf8", "ascii"}
+
+
+def _safe_set(*args):
+    _iterable_arg("set", args)
+    return set(*args)
+
+
+def _safe_frozenset(*args):
+    _iterable_arg("frozenset", args)
+    return frozenset(*args)
+
+
+def _iterable_arg(name: str, args: tuple) -> None:
+    if len(args) > 1 or (args and not isinstance(args[0], (list, tuple, set, frozenset))):
+        raise pickle.UnpicklingError(f"{name}{short_repr(args)} is not how plain data is pickled")
+
+
+def _safe_bytes(*args):
+    if len(args) > 1 or (args and not isinstance(args[0], (bytes, bytearray, list, tuple))):
+        raise pickle.UnpicklingError(f"bytes{short_repr(args)} would allocate memory the file does not hold")
+    return bytes(*args)
+
+
+def _safe_bytearray(*args):
+    if len(args) == 2 and isinstance(args[0], str) and args[1] in _ENCODINGS:
+        return bytearray(*args)
+    if len(args) > 1 or (args and not isinstance(args[0], (bytes, bytearray, list, tuple))):
+        raise pickle.UnpicklingError(f"bytearray{short_repr(args)} would allocate memory the file does not hold")
+    return bytearray(*args)
+
+
+def _safe_encode(obj, encoding="utf-8", *rest):
+    if rest or not isinstance(obj, str) or not isinstance(encoding, str):
+        raise pickle.UnpicklingError(f"_codecs.encode{short_repr((obj, encoding, *rest))} is not how bytes are pickled")
+    if encoding not in _ENCODINGS:
+        raise pickle.UnpicklingError(f"unknown encoding {short_repr(encoding)} for bytes")
+    return obj.encode(encoding)
+
+
+def _safe_complex(*args):
+    if len(args) > 2 or not all(type(a) in (int, float) for a in args):
+        raise pickle.UnpicklingError(f"complex{short_repr(args)} is not how plain data is pickled")
+    return complex(*args)
+
+
+_SAFE = {("builtins", "set"): _safe_set, ("builtins", "frozenset"): _safe_frozenset,
+         ("builtins", "bytes"): _safe_bytes, ("builtins", "bytearray"): _safe_bytearray,
+         ("builtins", "complex"): _safe_complex, ("_codecs", "encode"): _safe_encode}
 
 
 class _SnapshotUnpickler(pickle.Unpickler):
+    """Plain data only: every global it may load is a checked wrapper from ``_SAFE``."""
+
     def find_class(self, module: str, name: str) -> Any:
-        if module == "builtins" and name in _SAFE_BUILTINS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"snapshot refers to {module}.{name}, which is not plain data")
+        mod = "builtins" if module == "__builtin__" else module
+        f = _SAFE.get((mod, name))
+        if f is None:
+            raise pickle.UnpicklingError(f"snapshot refers to {module}.{name}, which is not plain data")
+        return f
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("snapshot refers to a persistent id, which is not plain data")
 
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise TraceFormatError(f"cannot read snapshot {path}: {e.strerror or e}") from None
-    if raw[:2] == b"\x1f\x8b":
+def _limits(max_bytes: int | None, max_objects: int | None) -> Limits:
+    lim = Limits(max_bytes=max_bytes, max_objects=max_objects)
+    check_limits(lim)
+    return lim
+
+
+def _unpickle(path: Path, limits: Limits) -> Any:
+    """The restricted unpickler over the bounded stream. Call only on a file the scanner accepted."""
+    with BoundedReader(path, limits) as raw:
+        f = io.BufferedReader(raw, CHUNK)
         try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:
-            raise TraceFormatError(f"snapshot {path} is a truncated or corrupt gzip file ({e})") from None
-    return raw
+            return _SnapshotUnpickler(f).load()
+        except TraceFormatError:
+            raise
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+                MemoryError, OverflowError, UnicodeDecodeError, RecursionError, LookupError) as e:
+            raise TraceFormatError(f"snapshot {path} is truncated or not a pickle ({type(e).__name__}: {e})") from None
 
 
-def load_snapshot_dict(path: str | Path) -> dict:
-    """The raw snapshot dict stored in ``path``."""
+def load_snapshot_dict(path: str | Path, *, max_bytes: int | None = None, max_objects: int | None = None) -> dict:
+    """The raw snapshot dict stored in ``path`` (frames and all), after the scanner has checked
+    the file against the limits. Memory: that of ``pickle.load``."""
+    from vmstoolkit.trace.reader import scan_file
+
     path = Path(path)
-    raw = _read_bytes(path)
-    if not raw:
-        raise TraceFormatError(f"snapshot {path} is empty")
-    try:
-        obj = _SnapshotUnpickler(io.BytesIO(raw)).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
-            MemoryError, OverflowError, UnicodeDecodeError) as e:
-        raise TraceFormatError(f"snapshot {path} is truncated or not a pickle ({type(e).__name__}: {e})") from None
-    return obj
+    limits = _limits(max_bytes, max_objects)
+    scan_file(path, limits)
+    return _unpickle(path, limits)
 
 
-def _device_traces(snapshot: Any, where: str) -> list:
-    if not isinstance(snapshot, dict) or "device_traces" not in snapshot:
-        kind = type(snapshot).__name__
-        keys = ", ".join(map(str, list(snapshot)[:5])) if isinstance(snapshot, dict) else ""
-        raise TraceFormatError(
-            f"{where} is not a PyTorch memory snapshot: expected a dict with 'device_traces' "
-            f"(from torch.cuda.memory._snapshot()), got a {kind}" + (f" with keys {keys}" if keys else ""))
-    traces = snapshot["device_traces"]
-    if not isinstance(traces, list):
-        raise TraceFormatError(f"{where}: 'device_traces' is a {type(traces).__name__}, expected a list")
-    return traces
+def load_snapshot(path: str | Path, *, frames: bool = False, max_bytes: int | None = None,
+                  max_objects: int | None = None) -> SnapshotData:
+    """Columns of every device's events, the segments' blocks and the allocator settings.
 
-
-def _event(entry: Any, where: str, i: int) -> TraceEvent:
-    try:
-        action = _ACTIONS.get(entry["action"], Action.OTHER)
-        return TraceEvent(action, int(entry.get("addr", 0) or 0), int(entry.get("size", 0) or 0),
-                          int(entry.get("stream", 0) or 0), int(entry.get("time_us", 0) or 0))
-    except (TypeError, KeyError, ValueError, AttributeError) as e:
-        raise TraceFormatError(f"{where}: trace entry {i} is malformed ({type(e).__name__}: {e}): {entry!r:.200}") from None
-
-
-def trace_from_snapshot(snapshot: dict, *, name: str = "snapshot", device: int | None = None, source: str = "") -> Trace:
-    """Typed :class:`Trace` of one device of a snapshot dict.
-
-    ``device=None`` picks the device with the most trace entries.
+    Without ``frames`` the compiled scanner answers alone (about 1 s and 100 MB per 500k
+    entries, see ``benchmarks/loader_bench.py``); with ``frames``, or when the scanner meets
+    something it does not expect, the restricted unpickler reads the file once more.
     """
-    where = source or name
-    traces = _device_traces(snapshot, where)
-    if not traces:
-        raise TraceFormatError(f"{where} holds no device traces (was memory history recorded?)")
-    if device is None:
-        device = max(range(len(traces)), key=lambda d: len(traces[d]) if isinstance(traces[d], list) else -1)
-    if not 0 <= device < len(traces):
-        raise TraceFormatError(f"{where} has traces for devices 0..{len(traces) - 1}, not device {device}")
-    entries = traces[device]
-    if not isinstance(entries, list):
-        raise TraceFormatError(f"{where}: the trace of device {device} is a {type(entries).__name__}, expected a list")
-    events = tuple(_event(e, where, i) for i, e in enumerate(entries))
+    from vmstoolkit.trace.reader import scan_file
+
+    path = Path(path)
+    limits = _limits(max_bytes, max_objects)
+    tables = scan_file(path, limits)
+    if not frames:
+        try:
+            return from_scan(tables)
+        except Fallback:
+            pass
+    del tables
+    return from_dict(_unpickle(path, limits), str(path), frames=frames)
+
+
+_make_event = functools.partial(tuple.__new__, TraceEvent)
+_ACTION_OBJ = np.array(ACTIONS, dtype=object)
+
+
+def _events(dev) -> tuple:
+    cols = (_ACTION_OBJ[dev.action.astype(np.intp)].tolist(), dev.addr.tolist(), dev.size.tolist(),
+            dev.stream.tolist(), dev.time_us.tolist())
+    return tuple(map(_make_event, zip(*cols)))
+
+
+def _trace(data: SnapshotData, d: int, *, name: str, source: str, where: str, lenient: bool) -> Trace:
+    dev = data.devices[d]
+    events = _events(dev)
     if not any(e.action is Action.ALLOC for e in events):
-        raise TraceFormatError(f"{where}: device {device} has no 'alloc' events to replay ({len(events)} entries)")
-    settings = snapshot.get("allocator_settings") or {}
-    return Trace(name=name, events=events, device=device, source=source,
-                 allocator_settings=settings if isinstance(settings, dict) else {})
+        raise TraceFormatError(f"{where}: device {d} has no 'alloc' events to replay ({len(events)} entries)")
+    b = data.blocks
+    live = (b["device"] == d) & (b["state"] == 0)  # active_allocated
+    blocks = list(zip(b["address"][live].tolist(), b["requested_size"][live].tolist(), b["stream"][live].tolist()))
+    checked = check_events(events, blocks, where=f"{where} (device {d})", lenient=lenient)
+    frames = None
+    if dev.frames is not None:
+        frames = tuple(dev.frames) if checked.kept is None else tuple(dev.frames[j] for j in checked.kept)
+    return Trace(name=name, events=checked.events, device=d, source=source, allocator_settings=data.settings,
+                 preexisting=checked.preexisting, skipped=checked.skipped, frames=frames)
+
+
+def devices_with_events(data: SnapshotData) -> list[int]:
+    """Devices whose trace has at least one entry, in device order."""
+    return [d for d, dev in enumerate(data.devices) if len(dev)]
+
+
+def traces_from_data(data: SnapshotData, *, name: str, source: str = "", device: int | None = None,
+                     all_devices: bool = False, lenient: bool = False) -> list[Trace]:
+    """The :class:`Trace` of ``device``; or, with ``device=None``, of every device with events
+    (``all_devices``) or of the busiest one."""
+    where = source or name
+    n = len(data.devices)
+    if n == 0:
+        raise TraceFormatError(f"{where} holds no device traces (was memory history recorded?)")
+    if device is not None:
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < n:
+            present = ", ".join(str(d) for d in devices_with_events(data)) or "none with events"
+            raise TraceFormatError(f"{where} has no device {device!r}: it holds traces of devices 0..{n - 1} "
+                                   f"(with events: {present})")
+        return [_trace(data, device, name=name, source=source, where=where, lenient=lenient)]
+    if all_devices:
+        chosen = [d for d in devices_with_events(data)
+                  if bool((data.devices[d].action == 0).any())]  # 0: alloc
+        if not chosen:
+            busiest = max(range(n), key=lambda d: len(data.devices[d]))
+            chosen = [busiest]  # raises "no 'alloc' events" naming it
+        return [_trace(data, d, name=name, source=source, where=where, lenient=lenient) for d in chosen]
+    busiest = max(range(n), key=lambda d: len(data.devices[d]))
+    return [_trace(data, busiest, name=name, source=source, where=where, lenient=lenient)]
+
+
+def trace_from_snapshot(snapshot: dict, *, name: str = "snapshot", device: int | None = None, source: str = "",
+                        lenient: bool = False, frames: bool = False) -> Trace:
+    """Typed :class:`Trace` of one device of a snapshot dict (``device=None``: the device with
+    the most trace entries)."""
+    data = from_dict(snapshot, source or name, frames=frames)
+    return traces_from_data(data, name=name, source=source, device=device, lenient=lenient)[0]
 
 
 def trace_name(path: str | Path) -> str:
@@ -111,10 +221,28 @@ def trace_name(path: str | Path) -> str:
     return name
 
 
-def load_trace(source: str | Path | dict, *, device: int | None = None, name: str | None = None) -> Trace:
-    """Load a :class:`Trace` from a snapshot file (``.pickle``/``.pickle.gz``) or dict."""
+def load_traces(source: str | Path | dict, *, device: int | None = None, name: str | None = None,
+                lenient: bool = False, frames: bool = False, max_bytes: int | None = None,
+                max_objects: int | None = None) -> list[Trace]:
+    """One :class:`Trace` per device with events (or only ``device``), from a file or dict."""
     if isinstance(source, dict):
-        return trace_from_snapshot(source, name=name or "snapshot", device=device)
+        data = from_dict(source, name or "snapshot", frames=frames)
+        return traces_from_data(data, name=name or "snapshot", device=device, all_devices=True, lenient=lenient)
     path = Path(source)
-    snap = load_snapshot_dict(path)
-    return trace_from_snapshot(snap, name=name or trace_name(path), device=device, source=str(path))
+    data = load_snapshot(path, frames=frames, max_bytes=max_bytes, max_objects=max_objects)
+    return traces_from_data(data, name=name or trace_name(path), source=str(path), device=device,
+                            all_devices=True, lenient=lenient)
+
+
+def load_trace(source: str | Path | dict, *, device: int | None = None, name: str | None = None,
+               lenient: bool = False, frames: bool = False, max_bytes: int | None = None,
+               max_objects: int | None = None) -> Trace:
+    """Load a :class:`Trace` from a snapshot file (``.pickle``/``.pickle.gz``) or dict:
+    ``device``, or the device with the most entries. See the module docstring for the limits;
+    ``lenient`` skips corrupt events (:mod:`.validate`) instead of raising."""
+    if isinstance(source, dict):
+        return trace_from_snapshot(source, name=name or "snapshot", device=device, lenient=lenient, frames=frames)
+    path = Path(source)
+    data = load_snapshot(path, frames=frames, max_bytes=max_bytes, max_objects=max_objects)
+    return traces_from_data(data, name=name or trace_name(path), source=str(path), device=device,
+                            lenient=lenient)[0]

@@ -32,6 +32,15 @@ class ReplayResult:
     oom_event: int | None = None
     oom_message: str = ""
     unmatched_frees: int = 0
+    """Frees of memory allocated before recording began (matched to :attr:`Trace.preexisting`,
+    or skipped when replay is told not to make it)."""
+    device: int = 0
+    preexisting_bytes: int = 0
+    """Bytes live before recording began, allocated when the replay started."""
+    settings_applied: str = ""
+    """The recorded allocator settings the simulation was configured with (``config=``), if any."""
+    skipped_events: int = 0
+    """Corrupt events a lenient load left out."""
     extra: dict = field(default_factory=dict)
     timeline: dict | None = field(default=None, repr=False)
 
@@ -64,6 +73,7 @@ def replay(
     check_every: int = 0,
     progress: Callable[[int], None] | None = None,
     progress_every: int = 2000,
+    preexisting: bool = True,
 ) -> ReplayResult:
     """Replay ``trace``'s allocs and completed frees through ``allocator``.
 
@@ -73,10 +83,14 @@ def replay(
     - ``check_every``: call ``allocator._check()`` every that many events (0: never);
     - ``progress``: called with the number of events done, every ``progress_every`` events.
 
-    The replay stops at the first out-of-memory and reports it (``oom``, ``oom_event``).
-    Frees of addresses the trace never allocated (live before recording began) are skipped
-    and counted in ``unmatched_frees``; a second free of an address the trace allocated and
-    already freed is a corrupt trace (:class:`~vmstoolkit.errors.TraceFormatError`).
+    - ``preexisting``: first allocate the memory live before recording began
+      (:attr:`Trace.preexisting`, from the loader), so its frees match and the peaks count it.
+
+    The replay stops at the first out-of-memory and reports it (``oom``, ``oom_event``; an OOM
+    while making the pre-existing memory is event 0). Frees of memory allocated before
+    recording are counted in ``unmatched_frees`` (skipped when it was not made); a second free
+    of an address the trace allocated and already freed is a corrupt trace
+    (:class:`~vmstoolkit.errors.TraceFormatError`).
     """
     events = trace.alloc_free_events()
     addr_map: dict[int, int] = {}
@@ -90,7 +104,19 @@ def replay(
     oom_message = ""
     done = 0
     alloc_action = Action.ALLOC
+    pre_addrs: set[int] = set()
+    pre_bytes = 0
     t0 = time.perf_counter()
+    if preexisting:
+        for e in trace.preexisting:
+            try:
+                addr_map[e.addr] = allocator.allocate(e.size, e.stream)
+            except OutOfMemoryError as err:
+                oom_event, oom_message = 0, f"while making the memory live before recording: {err}"
+                events = []
+                break
+            pre_addrs.add(e.addr)
+            pre_bytes += e.size
     for i, e in enumerate(events):
         if e.action is alloc_action:
             try:
@@ -111,8 +137,11 @@ def replay(
                         f"(already freed at event {freed_at[e.addr]})")
                 unmatched += 1  # allocated before recording began
             else:
-                allocator.free(ptr)
+                allocator.free(ptr, e.stream)  # the stream the block was allocated on, as PyTorch records it
                 freed_at[e.addr] = i
+                if pre_addrs and e.addr in pre_addrs:
+                    pre_addrs.discard(e.addr)
+                    unmatched += 1  # allocated before recording began, made at the start
         done = i + 1
         if timeline:
             allocated[i] = allocator.allocated_bytes
@@ -134,4 +163,5 @@ def replay(
         peak_allocated=stats.peak_allocated_bytes, peak_reserved=stats.peak_reserved_bytes,
         oom=oom_event is not None, oom_event=oom_event, oom_message=oom_message,
         driver_calls=stats.driver_calls, seconds=seconds, unmatched_frees=unmatched, timeline=tl,
+        device=trace.device, preexisting_bytes=pre_bytes, skipped_events=sum(trace.skipped.values()),
     )
