@@ -45,7 +45,7 @@ def fake_torch(tmp_path):
     (tmp_path / "train.py").write_text(textwrap.dedent("""
         import sys, torch
         for i in range(int(sys.argv[1])):
-            torch.cuda.memory.alloc(4096 * (i + 1), 3 << 20)
+            torch.cuda.memory.alloc((4 << 20) * (i + 1), 3 << 20)  # live blocks that do not overlap
         sys.exit(int(sys.argv[2]))
     """))
     return root

@@ -14,13 +14,6 @@ from vmstoolkit.pools.sim_driver import SimulatedDriver
 from vmstoolkit.units import GiB, MiB
 
 
-@pytest.fixture
-def hook():
-    h = NativeHook(lambda device: SimulatedDriver(capacity=4 * GiB))
-    yield h
-    h.close()
-
-
 def _points(h):
     return ALLOC_FN(h.alloc_ptr), FREE_FN(h.free_ptr)
 

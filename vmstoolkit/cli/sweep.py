@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from vmstoolkit.cli.common import OutputFormat, emit_rows, fail, parse_options, size_option
+from vmstoolkit.cli.common import OutputFormat, check_allocators, emit_rows, fail, parse_options, size_option
 from vmstoolkit.errors import VmsError
 from vmstoolkit.units import format_size
 
@@ -59,16 +59,11 @@ def sweep_command(
     options; print peak reserved, utilization and each run against the trace's best."""
     from vmstoolkit.analysis.runner import check_cluster_spec, run_jobs
     from vmstoolkit.analysis.sweep import plan_sweep, run_sweep_job, snapshot_paths, sweep_rows
-    from vmstoolkit.pools import allocator_names, make_allocator
+    from vmstoolkit.pools import make_allocator
     from vmstoolkit.trace import bundled_trace_paths
 
     names = list(allocator) if allocator else ["vms"]
-    known = allocator_names()
-    for n in names:
-        if n not in known:
-            fail(f"unknown allocator {n!r}; choose one of: {', '.join(known)}", code=2)
-    if len(set(names)) != len(names):
-        fail("an allocator is named twice", code=2)
+    check_allocators(names)
     if jobs is not None and jobs < 1:
         fail(f"--jobs must be at least 1, got {jobs}", code=2)
     cap = size_option(capacity, "--capacity")

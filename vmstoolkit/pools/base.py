@@ -66,7 +66,14 @@ class AllocatorStats:
 
 
 class Allocator(ABC):
-    """Base of every allocator. ``name`` is the registry name (``"vms"``, ``"pytorch-caching"``)."""
+    """Base of every allocator. ``name`` is the registry name (``"vms"``, ``"pytorch-caching"``).
+
+    Threads: an allocator is not safe to call from several threads at once (only ``paged``'s
+    slow path takes a lock of its own). What the integrations serve is: the PyTorch and Numba
+    bridges call it under one lock per device (:class:`~vmstoolkit.integrations.bridge.AllocatorBridge`),
+    and the compiled ``paged`` hook under the GIL. Direct users sharing one allocator between
+    threads must hold a lock around every call.
+    """
 
     name: str = "abstract"
     streams_apart: bool = False

@@ -527,3 +527,9 @@ class PagedAllocator(Allocator):
                                      f"and the books map {len(books - mapped)} the driver does not")
         for h, p in self._stuck:
             assert h.page_chunk[p] != H.NONE and h.page_used[p] == 0, "paged: a stuck page lost its chunk or is live"
+        for addr, size in self._live.items():  # every live request lies inside a live block of its own
+            heap, start = self._locate(addr)
+            assert heap is not None, f"paged: live allocation {addr:#x} is no block's start"
+            blk = heap.block_at[start]
+            assert blk != H.NONE and heap.b_free[blk] == 0, f"paged: live allocation {addr:#x} has no live block"
+            assert int(heap.b_len[blk]) << heap.unit_shift >= size, f"paged: block at {addr:#x} smaller than its request {size}"
