@@ -20,10 +20,15 @@
 #   snapshots: PyTorch's memory history of the training run's default mode, every variant, for
 #     replays of the exact run (about 3 min);
 #   offload (about 4 min); offload2 (two GPUs: nvidia-h200-x2, about 2 min); gemm (about 4 min);
-#   kernels (about 3 min).
+#   kernels (about 3 min);
+#   dropin: PyTorch's allocator contract per allocator (tests/gpu/test_dropin.py; first call builds
+#     the C++ shim, ~13 s; about 3 min);
+#   ddp (two GPUs: nvidia-h200-x2): DDP and FSDP2 under default, expandable and paged with aliases,
+#     3 interleaved repeats, then pooled step-time ratios (about 8 min);
+#   train-offload: the training runtime at 16 blocks 4096 wide, LoRA and full (about 8 min).
 # Give each a call of its own (10-minute limit).
 set -u
-step=${1:?step: tests|pools|train|train-paged|confirm-lora|hook-cost|gc-ckpt|snapshots|offload|offload2|gemm|kernels}
+step=${1:?step: tests|pools|train|train-paged|confirm-lora|hook-cost|gc-ckpt|snapshots|offload|offload2|gemm|kernels|dropin|ddp|train-offload}
 out=${2:?output folder}
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
@@ -41,5 +46,9 @@ case "$step" in
   offload2) OFFLOAD_REPEATS=2 OFFLOAD_NOTIFY=poll timeout 300 python3 experiments/offload_gpu.py --out "$out/offload-2gpu" --gpus 2 --skip-accelerate 2>&1 | tee "$out/offload-2gpu.log" ;;
   gemm)    timeout 400 python3 experiments/gemm_sweep.py --out "$out/gemm" 2>&1 | tee "$out/gemm.log" ;;
   kernels) timeout 400 python3 experiments/kernels_bench.py --out "$out/kernels" 2>&1 | tee "$out/kernels.log" ;;
+  dropin)  VMSTOOLKIT_REAL_GPU=1 VMSTOOLKIT_DROPIN_OUT="$out/dropin.jsonl" timeout 500 python3 -m pytest tests/gpu/test_dropin.py -q 2>&1 | tee "$out/dropin.log" ;;
+  ddp)     timeout 520 python3 experiments/ddp_fsdp_gpu.py --out "$out/ddp" --repeats 3 2>&1 | tee "$out/ddp.log"
+           for v in ddp fsdp2; do python3 experiments/pool_runs.py "$out/ddp/train.jsonl" --variant $v --mode paged:aliases=True+slack_pages=64 --steps-per-round 4 2>&1 | tee -a "$out/ddp.log"; done ;;
+  train-offload) timeout 560 python3 experiments/train_offload_gpu.py --out "$out/train-offload" 2>&1 | tee "$out/train-offload.log" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
