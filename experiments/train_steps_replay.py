@@ -51,9 +51,9 @@ class _Hook:
     behind the allocator interface the replay uses."""
 
     def __init__(self, driver, options: dict) -> None:
-        from vmstoolkit.integrations.native_torch import ALLOC_FN, FREE_FN, NativeHook
+        from vmstoolkit.integrations.torch import ALLOC_FN, FREE_FN, make_handle
 
-        self._hook = NativeHook(lambda device: driver, **options)
+        self._hook = make_handle("paged", driver_factory=lambda device: driver, **options)
         self._alloc, self._free = ALLOC_FN(self._hook.alloc_ptr), FREE_FN(self._hook.free_ptr)
         self._sizes: dict[int, int] = {}
 
@@ -64,8 +64,8 @@ class _Hook:
         self._sizes[ptr] = size
         return ptr
 
-    def free(self, ptr: int) -> None:
-        self._free(ptr, self._sizes.pop(ptr), 0, None)
+    def free(self, ptr: int, stream: int | None = None) -> None:
+        self._free(ptr, self._sizes.pop(ptr), 0, stream)
 
     def peak_reserved(self) -> int:
         return self._hook.bridge(0).allocator.driver.peak_physical_bytes
