@@ -55,7 +55,7 @@ def roundtrips_from_native_thread(alloc_ptr: int, free_ptr: int, size: int, n: i
     import numba
     from numba import cfunc, types
 
-    from vmstoolkit.integrations.torch import ALLOC_FN, FREE_FN
+    from vmstoolkit.integrations.abi import ALLOC_FN, FREE_FN
 
     alloc = ALLOC_FN(alloc_ptr)
     free = FREE_FN(free_ptr)

@@ -33,6 +33,7 @@ import numpy as np
 from numba import njit
 
 from vmstoolkit.errors import VmsError
+from vmstoolkit.integrations.abi import ALLOC_FN, FREE_FN  # noqa: F401 (re-exported for callers)
 from vmstoolkit.integrations.bridge import report_failed_malloc, torch_stats
 from vmstoolkit.integrations.torch import HookBase
 from vmstoolkit.pools.base import AllocatorStats
@@ -54,8 +55,6 @@ TABLE = np.zeros(MAX_DEVICES * ROW, np.int64)
 G_ALLOC_BYTES, G_PEAK_ALLOC, G_ALLOCS, G_FREES, G_BAD_FREES, G_LIVE, G_PEAK_LIVE = 6, 7, 8, 9, 10, 11, 12
 G_TOTAL_BYTES = 14  # bytes ever allocated (13 is the allocator's G_NSLOTS)
 
-ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
-FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 SLOW_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int64)  # (size, device, stream) -> ptr
 SLOW_MAP_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64,
                                ctypes.c_int64)  # (device, heap, start, n, size, stream) -> 1 on success

@@ -44,22 +44,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from vmstoolkit.errors import NoGPUError, VmsError
+from vmstoolkit.integrations.abi import ALLOC_FN, EMPTY_FN, ERROR_FN, FREE_FN, RECORD_FN, RESET_FN, STATS_FN
 from vmstoolkit.integrations.bridge import STAT_KEYS, AllocatorBridge, HandleStats, report_failed_malloc, torch_stats
 from vmstoolkit.integrations.callbacks import ThreadStatePins
 from vmstoolkit.pools import make_allocator, make_driver
 from vmstoolkit.pools.driver import VMMDriver
 from vmstoolkit.pools.registry import compiled_hook
-
-# void* alloc(size_t size, int device, cudaStream_t stream)
-ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
-# void free(void* ptr, size_t size, int device, cudaStream_t stream)
-FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
-# the shim's cold entry points (csrc/torch_shim.cpp)
-RECORD_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-STATS_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int)
-RESET_FN = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int)
-EMPTY_FN = ctypes.CFUNCTYPE(None)
-ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
 
 _INSTALLED: "HookBase | None" = None
 
