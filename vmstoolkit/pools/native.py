@@ -48,5 +48,7 @@ class NativeAllocator(Allocator):
         held = sum(n for n, _ in self._ranges.values()) + self.graveyard.held_bytes()
         assert held == self.driver.physical_bytes, f"native: holds {held} bytes, driver counts {self.driver.physical_bytes}"
         g = self.driver.granularity
+        core = self._held_by_core()
         for va, (nbytes, _) in self._ranges.items():
             assert va % g == 0 and nbytes % g == 0, f"native: range {va:#x}+{nbytes} not granule-aligned"
+            assert nbytes >= core[va], f"native: range {va:#x}+{nbytes} smaller than its request {core[va]}"

@@ -24,6 +24,13 @@ keeps it while free (a repeated pattern calls the driver no more) until chunks a
   chunk is then live through its other mapping is the only one remapped, after a synchronize);
 - only then new chunks beyond the peak (it is a new peak).
 
+Capacity limits, and what happens at them: a request larger than the large range (twice the
+device by default) is an out-of-memory error before any work; the small range (``small_va_bytes``,
+4 GiB) full sends small requests to pages of the large one; block records (``max_blocks`` to start)
+double whenever they run out (the PyTorch hook republishes the new arrays), so a program with
+millions of live small blocks keeps them 512 B apart; more than 62 streams share the last stream
+bit, which waits for the whole device.
+
 Peak reserved is therefore the peak number of pages live blocks touch: the largest blocks
 round up to 2 MiB, small ones share pages. The decisions are compiled Numba code shared with
 the PyTorch hook (:mod:`vmstoolkit.integrations.native_torch`); this class runs them from
