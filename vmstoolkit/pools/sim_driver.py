@@ -163,6 +163,9 @@ class SimulatedDriver(VMMDriver):
 
     def _overlapping(self, va: int, size: int) -> list[int]:
         """Start addresses of the mappings that overlap [va, va+size)."""
+        m = self._mappings.get(va)
+        if m is not None and m.size >= size:  # one mapping covers it: no other can overlap (the common case)
+            return [va]
         out = []
         starts = self._mapping_starts
         i = self._mappings.bisect_right(va)
