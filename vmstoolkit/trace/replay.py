@@ -131,14 +131,11 @@ def replay(
         run = allocator.compiled_replay(arrays) if arrays is not None else None
     if run is not None:
         if run.double_free is not None:
-            a, i, j = run.double_free
-            raise TraceFormatError(f"{trace.name}: double free of address {a:#x} at event {i} "
-                                   f"(already freed at event {j})")
+            raise _double_free(trace, *run.double_free)
         done, unmatched, oom_event, oom_message = run.done, run.unmatched, run.oom_event, run.oom_message
         if timeline:
             allocated, reserved = run.allocated, run.reserved
-        events = events[:done] if timeline else ()
-    for i, e in enumerate(events if run is None else ()):
+    for i, e in enumerate(events if run is None else ()):  # the protocol, event by event
         if e.action is alloc_action:
             try:
                 ptr = allocator.allocate(e.size, e.stream)
@@ -153,9 +150,7 @@ def replay(
             ptr = addr_map.pop(e.addr, None)
             if ptr is None:
                 if e.addr in freed_at:
-                    raise TraceFormatError(
-                        f"{trace.name}: double free of address {e.addr:#x} at event {i} "
-                        f"(already freed at event {freed_at[e.addr]})")
+                    raise _double_free(trace, e.addr, i, freed_at[e.addr])
                 unmatched += 1  # allocated before recording began
             else:
                 allocator.free(ptr, e.stream)  # the stream the block was allocated on, as PyTorch records it
@@ -186,6 +181,10 @@ def replay(
         driver_calls=stats.driver_calls, seconds=seconds, unmatched_frees=unmatched, timeline=tl,
         device=trace.device, preexisting_bytes=pre_bytes, skipped_events=sum(trace.skipped.values()),
     )
+
+
+def _double_free(trace: Trace, addr: int, i: int, first: int) -> TraceFormatError:
+    return TraceFormatError(f"{trace.name}: double free of address {addr:#x} at event {i} (already freed at event {first})")
 
 
 def event_arrays(events: list, pre: tuple = (), pre_ptrs: list = (), timeline: bool = False,
