@@ -144,6 +144,10 @@ class SimulatedDriver(VMMDriver):
         start, rsize = self._last_reservation
         if start <= va and va + size <= start + rsize:
             return start, rsize
+        rsize = self._reservations.get(va)  # a range's own start (one range per mapping: native)
+        if rsize is not None and size <= rsize:
+            self._last_reservation = va, rsize
+            return va, rsize
         i = self._reservations.bisect_right(va) - 1
         if i >= 0:
             start, rsize = self._reservations.peekitem(i)
