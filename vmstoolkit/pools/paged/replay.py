@@ -175,7 +175,13 @@ def run_events(is_alloc, addr, size, stream, rec_ptr, rec_size, rec_stream, rec_
 
 
 def replay_paged(a, ev: ReplayArrays) -> CompiledReplay:
-    """Replay ``ev`` through the ``paged`` allocator ``a`` (its ``compiled_replay``)."""
+    """Replay ``ev`` through the ``paged`` allocator ``a`` (its ``compiled_replay``), holding its
+    slow-path lock throughout (the heap changes outside its methods)."""
+    with a.slow_lock:
+        return _replay(a, ev)
+
+
+def _replay(a, ev: ReplayArrays) -> CompiledReplay:
     from vmstoolkit.pools.paged.allocator import OVERFLOW_BIT, SMALL_SIZE
 
     n = len(ev.is_alloc)
