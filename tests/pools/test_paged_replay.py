@@ -10,6 +10,7 @@ import pytest
 from vmstoolkit.errors import TraceFormatError
 from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.base import ReplayArrays
+from vmstoolkit.pools.paged.replay import match_frees
 from vmstoolkit.pools.sim_driver import SimulatedDriver
 from vmstoolkit.trace import load_trace, replay
 from vmstoolkit.trace.events import Action, Trace, TraceEvent
@@ -81,28 +82,37 @@ def _random_trace(seed, n=6000, streams=(0, 7, 9), pre=20):
     """Allocs and frees of random sizes on several streams (frees sometimes on another stream),
     with memory live before recording, frees of memory never seen, and leaked addresses."""
     rng = random.Random(seed)
-    ev, live, t = [], [], 0
+    ev, live, freed, t = [], [], [], 0
     addr = 1 << 40
     pre_ev = []
     for _ in range(pre):
         addr += 1 << 26
         pre_ev.append(TraceEvent(Action.ALLOC, addr, rng.choice([4096, 3 * MiB, 40 * MiB]), 0, 0))
     live += [(e.addr, e.stream) for e in pre_ev]
+    for e in pre_ev[: pre // 4]:  # allocated again before any free (the first leaks); its free counts as unmatched
+        live.remove((e.addr, e.stream))
+        freed.append(e.addr)
     for _ in range(n):
         t += 1
         if live and rng.random() < 0.48:
             a, s = live.pop(rng.randrange(len(live)))
             s = s if rng.random() < 0.9 else rng.choice(streams + (99,))  # 99: a stream that only frees
             ev.append(TraceEvent(Action.FREE_COMPLETED, a, 0, s, t))
+            freed.append(a)
         elif rng.random() < 0.01:
             ev.append(TraceEvent(Action.FREE_COMPLETED, 12345 * 512, 0, 0, t))  # allocated before recording
         else:
             addr += 1 << 27
+            a = addr
+            if freed and rng.random() < 0.3:
+                a = freed.pop(rng.randrange(len(freed)))  # an address used before (or before recording)
+            elif live and rng.random() < 0.005:
+                a = live.pop(rng.randrange(len(live)))[0]  # allocated again while live: the first one leaks
             size = rng.choice([512, 700, 8192, 1 * MiB, 1 * MiB + 1, 2 * MiB, 5 * MiB, 64 * MiB, rng.randrange(1, 200 * MiB)])
             s = rng.choice(streams)
-            ev.append(TraceEvent(Action.ALLOC, addr, size, s, t))
+            ev.append(TraceEvent(Action.ALLOC, a, size, s, t))
             if rng.random() < 0.97:
-                live.append((addr, s))
+                live.append((a, s))
     return Trace(name=f"random-{seed}", events=tuple(ev), preexisting=tuple(pre_ev))
 
 
@@ -165,3 +175,42 @@ def test_touch_and_check_every_replay_through_the_protocol():
 def test_other_allocators_have_no_compiled_path():
     a = make_allocator("vms")
     assert a.compiled_replay(event_arrays(synthetic_trace("lora", seed=1, steps=1).alloc_free_events())) is None
+
+
+def _reference(is_alloc, addr, pre_addr):
+    """The Python replay's address map, event by event (what match_frees computes at once)."""
+    amap = {a: k for k, a in enumerate(pre_addr)}
+    pre, freed_at, out, first = set(pre_addr), {}, [], []
+    for i, (al, a) in enumerate(zip(is_alloc, addr)):
+        first.append(0)
+        if al:
+            amap[a] = len(pre_addr) + i
+            freed_at.pop(a, None)
+            out.append(None)
+        elif a in amap:
+            out.append(amap.pop(a))
+            freed_at[a] = i
+            if a in pre:
+                pre.discard(a)
+                first[-1] = 1
+        elif a in freed_at:
+            out.append(-2 - freed_at[a])
+        else:
+            out.append(-1)
+    return out, first
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_match_frees_is_the_address_map(seed):
+    rng = random.Random(seed)
+    n = rng.randrange(1, 300)
+    is_alloc = np.array([rng.random() < 0.5 for _ in range(n)], np.int8)
+    addr = np.array([rng.randrange(12) for _ in range(n)], np.int64)  # few addresses: every collision
+    pre_addr = np.array(rng.sample(range(16), rng.randrange(5)), np.int64)
+    match, first = match_frees(is_alloc, addr, pre_addr)
+    want, want_first = _reference(is_alloc.tolist(), addr.tolist(), pre_addr.tolist())
+    upto = next((i for i, w in enumerate(want) if w is not None and w <= -2), n)  # the replay stops at a double free
+    for i in range(upto + 1 if upto < n else n):
+        if not is_alloc[i]:
+            assert match[i] == want[i], (i, match[i], want[i])
+            assert first[i] == want_first[i], i

@@ -27,8 +27,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from numba import njit, types
-from numba.typed import Dict
+from numba import njit
 
 from vmstoolkit.errors import OutOfMemoryError
 from vmstoolkit.pools.base import CompiledReplay, ReplayArrays
@@ -37,10 +36,11 @@ from vmstoolkit.pools.paged import heap as H
 # st[] slots: the base class's counters while the loop runs (written back at the end), and the
 # replay's own
 S_ALLOCATED, S_PEAK, S_COUNT, S_PEAK_COUNT, S_ALLOCS, S_FREES, S_BYTES = 0, 1, 2, 3, 4, 5, 6
-S_FAST, S_UNMATCHED, S_HOME, S_HAS_HOME, S_PRE_LEFT = 7, 8, 9, 10, 11
+S_FAST, S_UNMATCHED, S_HOME, S_HAS_HOME = 7, 8, 9, 10
 # why run_events returned
 DONE, FULL, PLACE, FINISH, SLOT, DOUBLE = 0, 1, 2, 3, 4, 5
-ABSENT = -1  # amap: an address the trace never allocated; >= 0: its live record; <= -2: freed at event -v - 2
+UNMATCHED = -1  # match[]: a free of memory allocated before recording; >= 0: the record it frees;
+# <= -2: a double free (the address was freed at event -v - 2 already)
 
 
 @njit(cache=True)
@@ -63,17 +63,47 @@ def _waiting(meta, page_chunk, chunk_tag, start, n, tbit):
     return w
 
 
-@njit(cache=True)
-def init_maps(pre_addr, amap, pre_left):
-    """The address map after the replay made the pre-existing memory (records 0..npre-1)."""
-    for k in range(pre_addr.shape[0]):
-        amap[pre_addr[k]] = k
-        pre_left[pre_addr[k]] = 1
+def match_frees(is_alloc: np.ndarray, addr: np.ndarray, pre_addr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What each free does, as the Python replay's address map decides it, computed for all
+    events at once: ``match`` (see ``UNMATCHED``; records are the pre-existing blocks, then the
+    events) and ``pre_first``: the first free of a pre-existing block's address, which the
+    Python replay counts as unmatched too. Cost: one stable sort of the addresses.
+
+    Per address, in time order, a free frees the latest allocation when no free came between;
+    after such a free, another one is a double free; with no allocation before, it is unmatched."""
+    npre, n = len(pre_addr), len(addr)
+    total = npre + n
+    keys = np.concatenate([pre_addr, addr]).astype(np.int64)
+    alloc = np.concatenate([np.ones(npre, bool), is_alloc.astype(bool)])
+    order = np.argsort(keys, kind="stable")  # by address, then time
+    k, a = keys[order], alloc[order]
+    new_group = np.ones(total, bool)
+    new_group[1:] = k[1:] != k[:-1]
+    gid = np.cumsum(new_group) - 1
+    # sorted position of the latest allocation so far in the group (-1: none)
+    idx = np.arange(total)
+    last = np.maximum.accumulate(np.where(a, gid * (total + 1) + idx + 1, gid * (total + 1))) - gid * (total + 1) - 1
+    frees = np.cumsum(~a)
+    between = frees - frees[np.maximum(last, 0)]  # frees since that allocation, this one included
+    m = np.full(total, UNMATCHED, np.int64)
+    matched = ~a & (last >= 0) & (between == 1)
+    m[matched] = order[last[matched]]
+    double = ~a & (last >= 0) & (between > 1)
+    m[double] = -2 - (order[last[double] + 1] - npre)  # the free right after the allocation
+    match = np.empty(total, np.int64)
+    match[order] = m
+    pre_first = np.zeros(n, np.int8)
+    if npre:
+        cand = np.flatnonzero(matched & np.isin(k, pre_addr))
+        if len(cand):
+            _, first = np.unique(gid[cand], return_index=True)
+            pre_first[order[cand[first]] - npre] = 1
+    return match[npre:], pre_first
 
 
 @njit(cache=True)
-def run_events(is_alloc, addr, size, stream, rec_ptr, rec_size, rec_stream, rec_live, rec_freed, npre, amap,
-               pre_left, i, end, resume_ptr, L, S, g, chunk_tag, st, slot_keys, slot_bits, nslots, bases,
+def run_events(is_alloc, size, stream, match, pre_first, rec_ptr, rec_size, rec_stream, rec_live, rec_freed, npre,
+               i, end, resume_ptr, L, S, g, chunk_tag, st, slot_keys, slot_bits, nslots, bases,
                shifts, capacity, small_size, overflow_bit, phys, timeline, tl_alloc, tl_res, out):
     """Replay events ``i`` to ``end`` (see the module docstring); ``resume_ptr`` >= 0 is event
     ``i``'s address, served by Python. ``bases``: (large, small) range starts (-1: not reserved)
@@ -130,7 +160,6 @@ def run_events(is_alloc, addr, size, stream, rec_ptr, rec_size, rec_stream, rec_
             r = npre + i
             rec_ptr[r] = ptr
             rec_live[r] = 1
-            amap[addr[i]] = r
             st[S_ALLOCATED] += size[i]
             st[S_ALLOCS] += 1
             st[S_BYTES] += size[i]
@@ -140,7 +169,7 @@ def run_events(is_alloc, addr, size, stream, rec_ptr, rec_size, rec_stream, rec_
             if st[S_COUNT] > st[S_PEAK_COUNT]:
                 st[S_PEAK_COUNT] = st[S_COUNT]
         else:
-            v = amap[addr[i]] if addr[i] in amap else ABSENT
+            v = match[i]
             if v >= 0:
                 own = _slot_bit(slot_keys, slot_bits, nslots, rec_stream[v])
                 other = _slot_bit(slot_keys, slot_bits, nslots, stream[i])
@@ -154,15 +183,12 @@ def run_events(is_alloc, addr, size, stream, rec_ptr, rec_size, rec_stream, rec_
                 assert freed > 0
                 rec_live[v] = 0
                 rec_freed[v] = i
-                amap[addr[i]] = -i - 2
                 st[S_ALLOCATED] -= rec_size[v]
                 st[S_FREES] += 1
                 st[S_COUNT] -= 1
-                if st[S_PRE_LEFT] > 0 and addr[i] in pre_left:
-                    pre_left.pop(addr[i])
-                    st[S_PRE_LEFT] -= 1
+                if pre_first[i]:
                     st[S_UNMATCHED] += 1  # allocated before recording began, made at the start
-            elif v == ABSENT:
+            elif v == UNMATCHED:
                 st[S_UNMATCHED] += 1  # allocated before recording began
             else:
                 out[0] = -v - 2
@@ -193,12 +219,10 @@ def _replay(a, ev: ReplayArrays) -> CompiledReplay:
     rec_live = np.zeros(npre + n, np.int8)
     rec_live[:npre] = 1
     rec_freed = np.full(npre + n, -1, np.int64)
-    amap = Dict.empty(types.int64, types.int64)
-    pre_left = Dict.empty(types.int64, types.int64)
-    init_maps(np.asarray(ev.pre_addr, np.int64), amap, pre_left)
+    match, pre_first = match_frees(ev.is_alloc, ev.addr, ev.pre_addr)
     home = a._streams.home
     st = np.array([a._allocated, a._peak_allocated, len(a._live), a._peak_count, a._total_allocs, a._total_frees,
-                   a._total_bytes, 0, 0, home or 0, home is not None, len(pre_left)], np.int64)
+                   a._total_bytes, 0, 0, home or 0, home is not None], np.int64)
     tl_alloc = np.zeros(n if ev.timeline else 0, np.int64)
     tl_res = np.zeros(n if ev.timeline else 0, np.int64)
     out = np.zeros(3, np.int64)
@@ -216,8 +240,8 @@ def _replay(a, ev: ReplayArrays) -> CompiledReplay:
                               a.large.nbytes, a.small.nbytes], np.int64)
             end = min(n, (i // every + 1) * every) if every else n
             t0 = time.perf_counter()
-            why, i = run_events(ev.is_alloc, ev.addr, ev.size, ev.stream, rec_ptr, rec_size, rec_stream, rec_live,
-                                rec_freed, npre, amap, pre_left, i, end, resume, a.large.arrays(), a.small.arrays(),
+            why, i = run_events(ev.is_alloc, ev.size, ev.stream, match, pre_first, rec_ptr, rec_size, rec_stream,
+                                rec_live, rec_freed, npre, i, end, resume, a.large.arrays(), a.small.arrays(),
                                 a.g, a.chunk_tag, st, keys, bits, nslots, bases, shifts, a.driver.capacity,
                                 SMALL_SIZE, OVERFLOW_BIT, a.driver.physical_bytes, ev.timeline, tl_alloc, tl_res, out)
             result.loop_seconds += time.perf_counter() - t0
@@ -232,7 +256,7 @@ def _replay(a, ev: ReplayArrays) -> CompiledReplay:
                 result.double_free = (int(ev.addr[i]), i, int(out[0]))
                 break
             if why == SLOT:
-                a.slot_bit(int(rec_stream[amap[ev.addr[i]]]))
+                a.slot_bit(int(rec_stream[match[i]]))
                 a.slot_bit(int(ev.stream[i]))
                 continue
             size, stream = int(ev.size[i]), int(ev.stream[i])
