@@ -1,7 +1,7 @@
 """Compiled replay of a trace through ``paged``: the heap runs in one ``njit`` loop, Python only
 for the driver's work.
 
-:func:`run_events` walks the events (trace address to live block through a typed dictionary),
+:func:`run_events` walks the events (each free's block found beforehand by :func:`match_frees`),
 commits and frees blocks with the compiled heap (:mod:`~vmstoolkit.pools.paged.heap`) and keeps
 the :class:`~vmstoolkit.pools.base.Allocator` counters (allocated bytes, peaks, totals). It
 returns to Python at the first event that needs more than the heap:
@@ -18,7 +18,7 @@ returns to Python at the first event that needs more than the heap:
 Then the loop resumes at that event with its address. The decisions are therefore the ones the
 Python replay makes (the same compiled heap, the same Python driver steps, in the same order),
 so the results are the same to the byte: ``tests/pools/test_paged_replay.py`` checks it on every
-bundled trace. Cost: 0.7-1.1 µs per event in the loop (0.9-1.5M events/s on the bundled traces),
+bundled trace. Cost: 0.7-1.0 µs per event in the loop (1.0-1.5M events/s on the bundled traces),
 about 5 µs per return to Python, plus the driver work itself (``experiments/results/replay_speed/``).
 """
 
