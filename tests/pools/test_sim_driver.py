@@ -31,7 +31,8 @@ def test_map_set_access_alias_and_teardown():
     assert d.calls["map"] == 2 and d.calls["create"] == 1
 
 
-@pytest.mark.parametrize("bad", ["outside", "overlap", "unaligned", "partial_unmap", "free_mapped", "released"])
+@pytest.mark.parametrize("bad", ["outside", "overlap", "unaligned", "partial_unmap", "free_mapped", "released",
+                                 "freed_reservation", "overlap_inside", "overlap_after", "unmap_two_pieces_and_hole"])
 def test_rules_are_enforced(bad):
     d = SimulatedDriver()
     h = d.create(2 * G)
@@ -53,6 +54,34 @@ def test_rules_are_enforced(bad):
         elif bad == "released":
             d.release(h)
             d.map(va, G, h)
+        elif bad == "freed_reservation":  # the range found last is forgotten when freed
+            d.map(va, G, h)
+            d.unmap(va, G)
+            d.free_address(va, 2 * G)
+            d.map(va, G, h)
+        elif bad == "overlap_inside":  # starts inside an existing mapping
+            d.map(va, 2 * G, h)
+            d.map(va + G, G, h)
+        elif bad == "overlap_after":  # covers the start of a later mapping
+            d.map(va + G, G, h)
+            d.map(va, 2 * G, h)
+        elif bad == "unmap_two_pieces_and_hole":
+            va2 = d.reserve(3 * G)
+            d.map(va2, G, h)
+            d.map(va2 + 2 * G, G, h)
+            d.unmap(va2, 3 * G)
+
+
+def test_plain_allocations_count_against_capacity():
+    d = SimulatedDriver(capacity=3 * G)
+    p = d.mem_alloc(2 * G)
+    with pytest.raises(DriverOutOfMemoryError):
+        d.create(2 * G)
+    d.mem_free(p)
+    h = d.create(2 * G)
+    assert d.mem_info() == (G, 3 * G)
+    d.release(h)
+    assert d.is_empty()
 
 
 def test_capacity_and_release_while_mapped():

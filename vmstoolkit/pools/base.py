@@ -21,6 +21,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
 
 from vmstoolkit.errors import DoubleFreeError, DriverError, InvalidFreeError, InvalidSizeError, OutOfMemoryError
 from vmstoolkit.pools.driver import VMMDriver
@@ -63,6 +66,43 @@ class AllocatorStats:
         d["utilization"] = self.utilization
         d["fragmentation"] = self.fragmentation
         return d
+
+
+@dataclass
+class ReplayArrays:
+    """A trace's allocs and frees as columns, for :meth:`Allocator.compiled_replay`.
+
+    ``is_alloc``, ``addr`` (the trace's address), ``size`` and ``stream`` per event (int8 and
+    int64); ``pre_addr`` and ``pre_ptr``: the memory live before recording that the replay has
+    already allocated (trace address and the allocator's address, in allocation order)."""
+
+    is_alloc: np.ndarray
+    addr: np.ndarray
+    size: np.ndarray
+    stream: np.ndarray
+    pre_addr: np.ndarray
+    pre_ptr: np.ndarray
+    pre_size: np.ndarray
+    pre_stream: np.ndarray
+    timeline: bool = False
+    progress: Callable[[int], None] | None = None
+    progress_every: int = 2000
+
+
+@dataclass
+class CompiledReplay:
+    """What a compiled replay did: the same figures the Python replay loop keeps."""
+
+    done: int
+    oom_event: int | None = None
+    oom_message: str = ""
+    unmatched: int = 0
+    double_free: tuple[int, int, int] | None = None
+    """``(trace address, event, event of its earlier free)``: the replay stopped on a double free."""
+    allocated: np.ndarray | None = None  # with ``timeline``: bytes allocated after each event
+    reserved: np.ndarray | None = None  # with ``timeline``: physical bytes after each event
+    loop_seconds: float = 0.0
+    """Time spent in compiled code (the rest went to the driver's work, in Python)."""
 
 
 class Allocator(ABC):
@@ -258,6 +298,12 @@ class Allocator(ABC):
         self.empty_cache()
         if first is not None:
             raise first
+
+    def compiled_replay(self, events: ReplayArrays) -> CompiledReplay | None:
+        """Replay ``events`` in compiled code, with exactly the state and figures that calling
+        :meth:`allocate` and :meth:`free` event by event gives; None when this allocator has no
+        compiled path (the replay then calls the protocol)."""
+        return None
 
     def _check(self) -> None:
         """Assert every invariant of the allocator; raises ``AssertionError`` naming the broken one."""

@@ -77,8 +77,9 @@ class VMMDriver(ABC):
 
     # -- the template ----------------------------------------------------------------------
     def _count(self, op: str) -> None:
-        self.calls[op] += 1
-        self._before(op, self.calls[op])
+        n = self.calls[op] + 1
+        self.calls[op] = n
+        self._before(op, n)
 
     def _before(self, op: str, n: int) -> None:
         """Hook run before the ``n``-th call of ``op`` (the simulated driver injects faults)."""

@@ -65,6 +65,9 @@ class SimulatedDriver(VMMDriver):
         self.races: list[str] = []  # unordered cross-stream uses found by enqueue_use
         self.syncs = 0  # synchronize() calls
         self._allocs: SortedDict = SortedDict()  # ptr -> size of plain allocations
+        self._alloc_bytes = 0  # their sum (kept, not summed: every create and mem_alloc reads it)
+        self._mapping_starts = self._mappings.keys()  # a live sorted view, indexable
+        self._last_reservation = (0, 0)  # the range _reservation_of found last (most calls hit it again)
         self._sizes: dict[Handle, int] = {}  # every handle not yet freed, released ones included
         self._live_handle_bytes = 0  # bytes of handles not yet freed (released handles count until unmapped)
 
@@ -94,14 +97,15 @@ class SimulatedDriver(VMMDriver):
         self._faults.clear()
 
     def _before(self, op: str, n: int) -> None:
-        result = self._faults.get(op, {}).get(n)
+        faults = self._faults.get(op)
+        result = faults.get(n) if faults else None
         if result is not None:
             cls = DriverOutOfMemoryError if result == "CUDA_ERROR_OUT_OF_MEMORY" else DriverError
             raise cls(result, f"injected fault on call {n} of {op}")
 
     # -- physical memory -------------------------------------------------------------------
     def _in_use(self) -> int:
-        return self._live_handle_bytes + sum(self._allocs.values())
+        return self._live_handle_bytes + self._alloc_bytes
 
     def _create(self, size: int) -> Handle:
         if self._in_use() + size > self._capacity:
@@ -137,10 +141,18 @@ class SimulatedDriver(VMMDriver):
         return va
 
     def _reservation_of(self, va: int, size: int) -> tuple[int, int]:
+        start, rsize = self._last_reservation
+        if start <= va and va + size <= start + rsize:
+            return start, rsize
+        rsize = self._reservations.get(va)  # a range's own start (one range per mapping: native)
+        if rsize is not None and size <= rsize:
+            self._last_reservation = va, rsize
+            return va, rsize
         i = self._reservations.bisect_right(va) - 1
         if i >= 0:
             start, rsize = self._reservations.peekitem(i)
             if start <= va and va + size <= start + rsize:
+                self._last_reservation = start, rsize
                 return start, rsize
         raise DriverError("CUDA_ERROR_INVALID_VALUE", f"range [{va:#x}, +{size}) is not inside one reserved range")
 
@@ -150,17 +162,23 @@ class SimulatedDriver(VMMDriver):
         if self._overlapping(va, size):
             raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemAddressFree({va:#x}, {size}) of a range that is still mapped")
         del self._reservations[va]
+        if self._last_reservation[0] == va:
+            self._last_reservation = (0, 0)
 
     def _overlapping(self, va: int, size: int) -> list[int]:
         """Start addresses of the mappings that overlap [va, va+size)."""
+        m = self._mappings.get(va)
+        if m is not None and m.size >= size:  # one mapping covers it: no other can overlap (the common case)
+            return [va]
         out = []
-        i = self._mappings.bisect_right(va) - 1
-        if i >= 0:
-            start, m = self._mappings.peekitem(i)
-            if start + m.size > va:
+        starts = self._mapping_starts
+        i = self._mappings.bisect_right(va)
+        if i:
+            start = starts[i - 1]
+            if start + self._mappings[start].size > va:
                 out.append(start)
-        for start in self._mappings.irange(va, va + size, inclusive=(False, False)):
-            out.append(start)
+        if i < len(starts) and starts[i] < va + size:  # the first start after va: any inside the range?
+            out.extend(self._mappings.irange(va, va + size, inclusive=(False, False)))
         return out
 
     def _map(self, va: int, size: int, handle: Handle, offset: int) -> None:
@@ -235,12 +253,13 @@ class SimulatedDriver(VMMDriver):
         va = -(-self._next_va // 512) * 512
         self._next_va = va + size
         self._allocs[va] = size
+        self._alloc_bytes += size
         return va
 
     def _mem_free(self, ptr: int) -> None:
         if ptr not in self._allocs:
             raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemFree of unknown pointer {ptr:#x}")
-        del self._allocs[ptr]
+        self._alloc_bytes -= self._allocs.pop(ptr)
 
     def _mem_info(self) -> tuple[int, int]:
         return self._capacity - self._in_use(), self._capacity

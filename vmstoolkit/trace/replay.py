@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 
 from vmstoolkit.errors import OutOfMemoryError, TraceFormatError
-from vmstoolkit.pools.base import Allocator
+from vmstoolkit.pools.base import Allocator, ReplayArrays
 from vmstoolkit.trace.events import Action, Trace
 
 
@@ -74,6 +74,7 @@ def replay(
     progress: Callable[[int], None] | None = None,
     progress_every: int = 2000,
     preexisting: bool = True,
+    compiled: bool = True,
 ) -> ReplayResult:
     """Replay ``trace``'s allocs and completed frees through ``allocator``.
 
@@ -91,6 +92,11 @@ def replay(
     recording are counted in ``unmatched_frees`` (skipped when it was not made); a second free
     of an address the trace allocated and already freed is a corrupt trace
     (:class:`~vmstoolkit.errors.TraceFormatError`).
+
+    - ``compiled``: let an allocator that has a compiled replay
+      (:meth:`~vmstoolkit.pools.base.Allocator.compiled_replay`: ``paged``) run the events, with
+      the same results to the byte, several times faster; ``touch`` and ``check_every`` need a
+      Python step per event, so they replay through the protocol.
     """
     events = trace.alloc_free_events()
     addr_map: dict[int, int] = {}
@@ -105,6 +111,7 @@ def replay(
     done = 0
     alloc_action = Action.ALLOC
     pre_addrs: set[int] = set()
+    pre_ptrs: list[int] = []
     pre_bytes = 0
     t0 = time.perf_counter()
     if preexisting:
@@ -116,8 +123,19 @@ def replay(
                 events = []
                 break
             pre_addrs.add(e.addr)
+            pre_ptrs.append(addr_map[e.addr])
             pre_bytes += e.size
-    for i, e in enumerate(events):
+    run = None
+    if compiled and events and not touch and not check_every:
+        arrays = event_arrays(events, trace.preexisting[:len(pre_ptrs)], pre_ptrs, timeline, progress, progress_every)
+        run = allocator.compiled_replay(arrays) if arrays is not None else None
+    if run is not None:
+        if run.double_free is not None:
+            raise _double_free(trace, *run.double_free)
+        done, unmatched, oom_event, oom_message = run.done, run.unmatched, run.oom_event, run.oom_message
+        if timeline:
+            allocated, reserved = run.allocated, run.reserved
+    for i, e in enumerate(events if run is None else ()):  # the protocol, event by event
         if e.action is alloc_action:
             try:
                 ptr = allocator.allocate(e.size, e.stream)
@@ -132,9 +150,7 @@ def replay(
             ptr = addr_map.pop(e.addr, None)
             if ptr is None:
                 if e.addr in freed_at:
-                    raise TraceFormatError(
-                        f"{trace.name}: double free of address {e.addr:#x} at event {i} "
-                        f"(already freed at event {freed_at[e.addr]})")
+                    raise _double_free(trace, e.addr, i, freed_at[e.addr])
                 unmatched += 1  # allocated before recording began
             else:
                 allocator.free(ptr, e.stream)  # the stream the block was allocated on, as PyTorch records it
@@ -165,3 +181,26 @@ def replay(
         driver_calls=stats.driver_calls, seconds=seconds, unmatched_frees=unmatched, timeline=tl,
         device=trace.device, preexisting_bytes=pre_bytes, skipped_events=sum(trace.skipped.values()),
     )
+
+
+def _double_free(trace: Trace, addr: int, i: int, first: int) -> TraceFormatError:
+    return TraceFormatError(f"{trace.name}: double free of address {addr:#x} at event {i} (already freed at event {first})")
+
+
+def event_arrays(events: list, pre: tuple = (), pre_ptrs: list = (), timeline: bool = False,
+                 progress: Callable[[int], None] | None = None, progress_every: int = 2000) -> ReplayArrays | None:
+    """``events`` (:meth:`Trace.alloc_free_events`) and the pre-existing memory already made
+    (``pre`` events at ``pre_ptrs``) as columns for
+    :meth:`~vmstoolkit.pools.base.Allocator.compiled_replay`; None when a value does not fit an
+    int64 (then the replay goes through the protocol). Cost: about 0.1 µs per event."""
+    alloc = Action.ALLOC
+    try:
+        return ReplayArrays(
+            is_alloc=np.array([e.action is alloc for e in events], np.int8),
+            addr=np.array([e.addr for e in events], np.int64), size=np.array([e.size for e in events], np.int64),
+            stream=np.array([e.stream for e in events], np.int64),
+            pre_addr=np.array([e.addr for e in pre], np.int64), pre_ptr=np.array(pre_ptrs, np.int64),
+            pre_size=np.array([e.size for e in pre], np.int64), pre_stream=np.array([e.stream for e in pre], np.int64),
+            timeline=timeline, progress=progress, progress_every=progress_every)
+    except OverflowError:
+        return None

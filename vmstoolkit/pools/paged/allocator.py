@@ -44,7 +44,7 @@ import threading
 import numpy as np
 
 from vmstoolkit.errors import ConfigError, DriverError, DriverOutOfMemoryError, InvalidFreeError, OutOfMemoryError
-from vmstoolkit.pools.base import Allocator
+from vmstoolkit.pools.base import Allocator, CompiledReplay, ReplayArrays
 from vmstoolkit.pools.driver import VMMDriver
 from vmstoolkit.pools.paged import heap as H
 from vmstoolkit.pools.registry import register_allocator
@@ -149,6 +149,13 @@ class PagedAllocator(Allocator):
         ordered after any other stream's queued work on its chunks; raises
         :class:`~vmstoolkit.errors.OutOfMemoryError` (nothing changed) when it cannot."""
         with self.slow_lock:
+            heap, start, missing = self.place_block(size)
+            return self.finish_block(heap, start, size, missing, stream)
+
+    def place_block(self, size: int) -> tuple[H.Heap, int, int]:
+        """Commit a block for ``size`` bytes in the heaps (no driver work but reserving the
+        ranges at first use): ``(heap, start unit, pages it still needs chunks for)``."""
+        with self.slow_lock:
             self._repair()
             if size > self.large.nbytes:  # sizes the heap cannot represent: an OOM, never a wrapped size
                 raise OutOfMemoryError(
@@ -166,12 +173,21 @@ class PagedAllocator(Allocator):
             if start < 0 and heap is self.small:  # the small range is full: a page of the large one
                 heap = self.large
                 start, missing = self._commit(heap, size)
-            n = -(-size // (1 << heap.unit_shift))
             if start < 0:
+                n = -(-size // (1 << heap.unit_shift))
                 raise OutOfMemoryError(
                     f"paged: no free range of {n << heap.unit_shift} bytes left in the {heap.nbytes}-byte virtual range "
                     f"(request {size}); raise va_bytes", requested=size, reserved=self.driver.physical_bytes,
                     capacity=self.driver.capacity)
+            return heap, start, missing
+
+    def finish_block(self, heap: H.Heap, start: int, size: int, missing: int, stream: int) -> int:
+        """The driver work of the block :meth:`place_block` committed at unit ``start`` (map the
+        ``missing`` pages, order ``stream`` after other streams' work on its chunks); its address.
+        Raises :class:`~vmstoolkit.errors.OutOfMemoryError` with the block freed again. Also the
+        slow step of the compiled replay (:mod:`vmstoolkit.pools.paged.replay`)."""
+        with self.slow_lock:
+            n = -(-size // (1 << heap.unit_shift))
             if missing:
                 self.map_block(heap, start, n, size)
             else:
@@ -224,6 +240,13 @@ class PagedAllocator(Allocator):
 
     def _allocate(self, size: int, stream: int) -> int:
         return self.alloc_block(size, stream)
+
+    def compiled_replay(self, events: ReplayArrays) -> CompiledReplay:
+        """The heap's decisions in one compiled loop, the driver work through this class's own
+        methods: :mod:`vmstoolkit.pools.paged.replay`."""
+        from vmstoolkit.pools.paged.replay import replay_paged
+
+        return replay_paged(self, events)
 
     def _free(self, addr: int) -> None:
         freed = self.free_block(addr)
