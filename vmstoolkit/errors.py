@@ -58,3 +58,7 @@ class ConfigError(VmsError, ValueError):
 
 class NoGPUError(VmsError, RuntimeError):
     """A real GPU path was asked for on a machine without a usable CUDA GPU."""
+
+
+class ClusterError(VmsError, RuntimeError):
+    """A ``--cluster`` value that names no usable cluster: malformed, unreachable, no Dask."""

@@ -24,7 +24,7 @@ import re
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any, Callable, TypeVar
 
-from vmstoolkit.errors import VmsError
+from vmstoolkit.errors import ClusterError, VmsError  # noqa: F401 (ClusterError re-exported)
 
 J = TypeVar("J")
 R = TypeVar("R")
@@ -32,10 +32,6 @@ R = TypeVar("R")
 # How long joining a running scheduler may take before it is reported as unreachable.
 CONNECT_TIMEOUT_S = 20
 _LOCAL = re.compile(r"local:(\d+)")
-
-
-class ClusterError(VmsError, RuntimeError):
-    """A ``--cluster`` value that names no usable cluster: malformed, unreachable, no Dask."""
 
 
 def check_cluster_spec(spec: str) -> str:
