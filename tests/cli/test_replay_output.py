@@ -129,3 +129,18 @@ def test_paged_with_an_impossible_capacity_is_one_line(small_trace):
     r = _cli("replay", str(small_trace), "-a", "paged", "--capacity", "1024TiB")
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert "1024TiB" in r.stderr and "paged" in r.stderr
+
+
+@pytest.mark.parametrize("command", [["replay", "/dev/zero", "-a", "vms"], ["compare", "/dev/zero", "/dev/zero"],
+                                     ["experiment", "fragmentation", "/dev/zero", "-a", "vms"]])
+def test_a_special_file_is_a_one_line_error_not_an_endless_read(command, tmp_path):
+    """Issue 15 item 9: /dev/zero read without limit. The loader refused it, but the rows'
+    SHA-256 of the source was computed first, and read /dev/zero forever."""
+    import subprocess
+    import sys
+
+    if command[0] == "experiment":
+        command = command + ["--out", str(tmp_path / "out")]
+    r = subprocess.run([sys.executable, "-m", "vmstoolkit", *command], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "character device" in r.stderr and "Traceback" not in r.stderr

@@ -48,7 +48,12 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def file_sha256(path: str | Path) -> str:
-    """Hex SHA-256 of a file's bytes (as stored: of the gzip file for ``.gz``). Cost: one read."""
+    """Hex SHA-256 of a file's bytes (as stored: of the gzip file for ``.gz``). Cost: one read.
+    Anything but a regular file (``/dev/zero``, a FIFO) is the loader's one-line error, before
+    a single byte is read."""
+    from vmstoolkit.trace.source import regular_file
+
+    regular_file(Path(path))
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(_HASH_BLOCK):

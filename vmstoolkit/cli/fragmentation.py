@@ -110,9 +110,13 @@ def fragmentation_command(
     if synthetic:
         specs += [f"synthetic:{k}" for k in KINDS if f"synthetic:{k}" not in specs]
     try:
+        from vmstoolkit.trace.source import regular_file
+
         for s in specs:
-            if not is_synthetic_spec(s) and not Path(s).is_file():
-                fail(f"no such trace file: {s}")
+            if not is_synthetic_spec(s):
+                if not Path(s).exists():
+                    fail(f"no such trace file: {s}")
+                regular_file(Path(s))  # a folder, /dev/zero, a FIFO: one line naming what it is
         workloads = [spec_workload(s) for s in specs]
     except VmsError as e:
         fail(str(e), code=2)
