@@ -22,46 +22,7 @@ import json
 import statistics
 from pathlib import Path
 
-import numpy as np
-
-
-def load(path: Path, variant: str, modes: tuple[str, ...], steps_per_round: int) -> dict[str, list[list[float]]]:
-    """``{mode: [steady steps of each process]}`` of one call (failed processes left out)."""
-    out: dict[str, list[list[float]]] = {m: [] for m in modes}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        r = json.loads(line)
-        if r.get("variant") == variant and r.get("mode") in out and "error" not in r:
-            steady = r["step_times"][steps_per_round:]
-            out[r["mode"]].append(steady or r["step_times"])
-    return out
-
-
-def ratio(base: list[list[float]], mode: list[list[float]]) -> float:
-    return statistics.median(t for p in mode for t in p) / statistics.median(t for p in base for t in p)
-
-
-def pooled(calls: list[dict[str, list[list[float]]]], base: str, mode: str, resamples: int = 10000,
-           seed: int = 0) -> dict:
-    """The pooled ratio over ``calls`` and its 95% interval (processes resampled within each call)."""
-    use = [c for c in calls if c[base] and c[mode]]
-    if not use:
-        raise ValueError(f"no call ran both {base!r} and {mode!r}")
-    all_base = [p for c in use for p in c[base]]
-    all_mode = [p for c in use for p in c[mode]]
-    rng = np.random.default_rng(seed)
-    draws = []
-    for _ in range(resamples):
-        b, m = [], []
-        for c in use:
-            b += [c[base][i] for i in rng.integers(0, len(c[base]), len(c[base]))]
-            m += [c[mode][i] for i in rng.integers(0, len(c[mode]), len(c[mode]))]
-        draws.append(ratio(b, m))
-    lo, hi = np.percentile(draws, [2.5, 97.5])
-    return {"calls": len(use), "processes": {base: len(all_base), mode: len(all_mode)},
-            "ratio": ratio(all_base, all_mode), "interval_95": [float(lo), float(hi)],
-            "per_call": [ratio(c[base], c[mode]) for c in use]}
+from vmstoolkit.analysis.pooling import load, pooled, ratio
 
 
 def main() -> int:

@@ -1,13 +1,11 @@
 """Pooling training calls' step times (made-up calls; the runs themselves need a GPU)."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
-import pool_runs  # noqa: E402
+from vmstoolkit.analysis import pooling as pool_runs
+from vmstoolkit.errors import VmsError
 
 
 def _call(path, rows):
@@ -45,5 +43,5 @@ def test_resampling_processes_widens_the_interval_when_processes_disagree(tmp_pa
 
 def test_no_common_call_is_an_error_naming_the_modes(tmp_path):
     calls = [pool_runs.load(_call(tmp_path / "d.jsonl", [_row("default", [1.0])]), "lora", ("default", "paged"), 2)]
-    with pytest.raises(ValueError, match="'default' and 'paged'"):
+    with pytest.raises(VmsError, match="'default' and 'paged'"):
         pool_runs.pooled(calls, "default", "paged")
