@@ -474,8 +474,14 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
             preloaded.append(bid)
 
     # -- simulate ------------------------------------------------------------------------------
+    def reload(t: int, pinned: set[int], where: str) -> None:
+        bid = new_buffer(t, True, pinned, where)
+        emit("reload", "reload", f"reload {tensors[t].name}", tgpu[t], "h2d", -1, t, [], [bid],
+             nb=tensors[t].nbytes, extra_preds=[host_copy[t]])
+
     def place(v) -> list[int]:
-        """Make ``v``'s inputs resident (reloading them) and allocate its outputs."""
+        """Make ``v``'s inputs resident (reloading them, or rerunning the producer of a dropped
+        recomputable one) and allocate its outputs."""
         ins = list(dict.fromkeys(v.inputs))
         pinned = set(ins) | set(v.outputs)
         for t in ins:  # a rerun's inputs stay put until v runs: no hole opens under v's tensors
@@ -486,19 +492,15 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
                 pv = tverts[graph.producer[t]]
                 for i in dict.fromkeys(pv.inputs):
                     if i not in resident:
-                        bid = new_buffer(i, True, pinned, v.name)
-                        emit("reload", "reload", f"reload {tensors[i].name}", tgpu[i], "h2d", -1, i, [], [bid],
-                             nb=tensors[i].nbytes, extra_preds=[host_copy[i]])
+                        reload(i, pinned, v.name)
                 bid = new_buffer(t, True, pinned, v.name)
                 rid = emit("compute", pv.op, f"recompute {pv.name}", pv.gpu, "compute", pv.id, -1,
-                     [resident[i] for i in pv.inputs], [bid], flops=pv.flops)
+                           [resident[i] for i in pv.inputs], [bid], flops=pv.flops)
                 vertices[rid].recompute = True
             elif t not in resident:
                 if t not in host_copy:
                     raise AssertionError(f"{tensors[t].name} is neither resident nor on the host")
-                bid = new_buffer(t, True, pinned, v.name)
-                emit("reload", "reload", f"reload {tensors[t].name}", tgpu[t], "h2d", -1, t, [], [bid],
-                     nb=tensors[t].nbytes, extra_preds=[host_copy[t]])
+                reload(t, pinned, v.name)
         return [new_buffer(t, True, pinned, v.name) for t in v.outputs]
 
     for v in tverts:
