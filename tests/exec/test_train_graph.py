@@ -9,7 +9,7 @@ import pytest
 
 from vmstoolkit.exec.backends.sim import SimBackend
 from vmstoolkit.exec.checker import check_race_free
-from vmstoolkit.exec.compiler import MemoryGraph, compile_memory_graph, working_set
+from vmstoolkit.exec.compiler import MemoryGraph, compile_memory_graph, recomputable_tensors, working_set
 from vmstoolkit.exec.errors import RaceError
 from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.graph import LlamaConfig, reference_forward
@@ -160,6 +160,23 @@ def test_recompute_replaces_round_trips_at_a_tight_budget(case):
     assert rc.offloaded_bytes + rc.reloaded_bytes < base.offloaded_bytes + base.reloaded_bytes
     span = [execute(m, SimBackend(), "event-driven").makespan_s for m in (base, rc)]
     assert span[1] <= span[0]
+
+
+def test_recomputable_are_the_normed_inputs_and_swiglu_outputs(case):
+    """Per block: both RMSNorm outputs (x and h are read again by the norms' backward) and
+    silu(gate) * up (gate and up are read again by SwiGLU's backward); never a RoPE output."""
+    tg, _, _, _, ws = case
+    g = tg.graph
+    uses = [[] for _ in g.tensors]
+    for v in g.vertices:
+        for t in dict.fromkeys(v.inputs):
+            uses[t].append(v.id)
+    for t in g.outputs:
+        uses[t].append(len(g.vertices))
+    got = recomputable_tensors(g, uses, [t.nbytes for t in g.tensors], ws)
+    assert sorted(g.tensors[t].name for t in got) == sorted(
+        f"b{i}.{n}" for i in range(CFG.n_blocks) for n in ("attn_n", "ffn_n", "s"))
+    assert recomputable_tensors(g, uses, [t.nbytes for t in g.tensors], 1) == set()  # nothing fits
 
 
 def test_recompute_changes_nothing_without_memory_pressure(case):
