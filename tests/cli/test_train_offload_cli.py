@@ -35,6 +35,16 @@ def test_json_rows_have_exactly_the_issue_keys():
         assert rows[2]["budget"] == 300 * 1024
 
 
+def test_recompute_flag_reports_rerun_flops():
+    res = run("--variant", "full", "--seq", "8", "--steps", "2", "--budget", "0.25", "--recompute",
+              "--format", "json")
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["recomputed_flops"] > 0 and r["max_abs_grad_err"] < 1e-3
+
+
 def test_changing_lengths_and_csv():
     res = run("--seq-range", "8:40", "--steps", "6", "--budget", "0.5", "--format", "csv", "--no-check-grads")
     assert res.exit_code == 0, res.output

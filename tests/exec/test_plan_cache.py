@@ -86,3 +86,17 @@ def test_hundred_changing_steps_spend_under_5_percent_planning():
     share = planning / (planning + simulated)
     print(f"planning {planning:.2f} s, simulated {simulated:.2f} s, share {share:.2%}, {cache.misses} plans")
     assert share < 0.05
+
+
+def test_recompute_reaches_the_experiment_rows():
+    """``recompute=True`` flows through the plan cache into the rows: FLOPs are rerun, fewer
+    bytes are offloaded, and the gradients still match the numpy reference."""
+    from vmstoolkit.exec.train_experiment import run_train_experiment
+
+    cfg = LlamaConfig(n_blocks=2, seq=8, hidden=32, heads=4, kv_heads=2, ffn=48)
+    rows = {rc: run_train_experiment("sim", "full", ("0.25",), config=cfg, seq=8, steps=2, rank=4,
+                                     executors=("event-driven",), check_grads=True, recompute=rc)[0]
+            for rc in (False, True)}
+    assert rows[False]["recomputed_flops"] == 0 and rows[True]["recomputed_flops"] > 0
+    assert rows[True]["offloaded_bytes"] < rows[False]["offloaded_bytes"]
+    assert rows[True]["max_abs_grad_err"] < 1e-4

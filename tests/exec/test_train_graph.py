@@ -9,7 +9,7 @@ import pytest
 
 from vmstoolkit.exec.backends.sim import SimBackend
 from vmstoolkit.exec.checker import check_race_free
-from vmstoolkit.exec.compiler import MemoryGraph, compile_memory_graph, working_set
+from vmstoolkit.exec.compiler import MemoryGraph, compile_memory_graph, recomputable_tensors, working_set
 from vmstoolkit.exec.errors import RaceError
 from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.graph import LlamaConfig, reference_forward
@@ -82,12 +82,14 @@ def live_intervals(mg: MemoryGraph, spans) -> list[tuple[float, float, int, int,
     return out
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("fraction", [0.5, 0.25])
-def test_random_completion_orders_stay_in_budget_and_give_the_same_gradients(case, fraction):
+def test_random_completion_orders_stay_in_budget_and_give_the_same_gradients(case, fraction, recompute):
     tg, values, grads, updates, ws = case
     budget = int(ws * fraction)
-    mg = compile_memory_graph(tg.graph, budget)
+    mg = compile_memory_graph(tg.graph, budget, recompute=recompute)
     assert mg.offloaded_bytes + mg.reloaded_bytes > 0  # the budget does force traffic
+    assert (mg.recomputed_flops > 0) == recompute  # and, when allowed, some rerun
     assert max(mg.peak_bytes) <= budget
     check_race_free(mg)
     first = None
@@ -122,19 +124,65 @@ def test_random_completion_orders_stay_in_budget_and_give_the_same_gradients(cas
             assert np.array_equal(flat, first)  # bit for bit the same, in every order
 
 
-def test_checker_rejects_the_graph_without_any_one_reuse_edge(case):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_checker_rejects_the_graph_without_any_one_reuse_edge(case, recompute):
     tg, _, _, _, ws = case
-    mg = compile_memory_graph(tg.graph, int(ws * 0.25))
+    mg = compile_memory_graph(tg.graph, int(ws * 0.25), recompute=recompute)
     check_race_free(mg)
     reuse = sorted(e for e, k in mg.kinds.items() if "reuse" in k)
     assert len(reuse) >= 20
-    for u, v in random.Random(0).sample(reuse, 20):
+    # a sample, plus every reuse edge into or out of a rerun
+    rerun = [e for e in reuse if mg.vertices[e[0]].recompute or mg.vertices[e[1]].recompute]
+    assert bool(rerun) == recompute
+    for u, v in sorted(set(random.Random(0).sample(reuse, 20)) | set(rerun)):
         preds = [list(p) for p in mg.preds]
         preds[v].remove(u)
         broken = MemoryGraph(mg.graph, mg.budget, mg.n_gpus, mg.vertices, mg.buffers, preds, mg.preloaded,
                              mg.output_location, mg.peak_bytes)
         with pytest.raises(RaceError):
             check_race_free(broken)
+
+
+def test_recompute_replaces_round_trips_at_a_tight_budget(case):
+    """At a quarter of the working set, rerunning RMSNorm and SwiGLU instead of offloading them
+    moves fewer bytes over PCIe and does not lengthen the simulated step."""
+    tg, _, _, _, ws = case
+    budget = int(ws * 0.25)
+    base = compile_memory_graph(tg.graph, budget)
+    rc = compile_memory_graph(tg.graph, budget, recompute=True)
+    assert base.recomputed_flops == 0 and rc.recomputed_flops > 0
+    assert max(rc.peak_bytes) <= budget
+    reruns = [v for v in rc.vertices if v.recompute]
+    assert {v.op for v in reruns} <= {"rmsnorm", "swiglu"}
+    assert rc.recomputed_flops == sum(tg.graph.vertices[v.task].flops for v in reruns)
+    dropped = {tg.graph.vertices[v.task].outputs[0] for v in reruns}
+    assert not any(v.kind == "offload" and v.tensor in dropped for v in rc.vertices)  # dropped, never copied out
+    assert rc.offloaded_bytes + rc.reloaded_bytes < base.offloaded_bytes + base.reloaded_bytes
+    span = [execute(m, SimBackend(), "event-driven").makespan_s for m in (base, rc)]
+    assert span[1] <= span[0]
+
+
+def test_recomputable_are_the_normed_inputs_and_swiglu_outputs(case):
+    """Per block: both RMSNorm outputs (x and h are read again by the norms' backward) and
+    silu(gate) * up (gate and up are read again by SwiGLU's backward); never a RoPE output."""
+    tg, _, _, _, ws = case
+    g = tg.graph
+    uses = [[] for _ in g.tensors]
+    for v in g.vertices:
+        for t in dict.fromkeys(v.inputs):
+            uses[t].append(v.id)
+    for t in g.outputs:
+        uses[t].append(len(g.vertices))
+    got = recomputable_tensors(g, uses, [t.nbytes for t in g.tensors], ws)
+    assert sorted(g.tensors[t].name for t in got) == sorted(
+        f"b{i}.{n}" for i in range(CFG.n_blocks) for n in ("attn_n", "ffn_n", "s"))
+    assert recomputable_tensors(g, uses, [t.nbytes for t in g.tensors], 1) == set()  # nothing fits
+
+
+def test_recompute_changes_nothing_without_memory_pressure(case):
+    tg, _, _, _, ws = case
+    mg = compile_memory_graph(tg.graph, ws, recompute=True)
+    assert mg.recomputed_flops == 0 and mg.offloaded_bytes == 0
 
 
 def test_bad_variant_and_rank():

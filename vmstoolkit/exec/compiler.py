@@ -13,6 +13,11 @@ GPU, and emits a *memory graph*:
   accesses (its readers, or its writer if nobody read it) to the new writer, and only those;
 - finally the transitive reduction drops every edge implied by the others.
 
+With ``recompute=True``, an activation that is cheap to rerun from tensors live anyway (see
+:data:`RECOMPUTE_OPS` and :func:`recomputable_tensors`) is not offloaded when evicted: it is
+dropped, and a compute vertex running its producer again (``MVertex.recompute``) rewrites it
+right before its next use. ``MemoryGraph.recomputed_flops`` sums the FLOPs so added.
+
 Vertex ids are the compile-time order, which is a topological order of the memory graph.
 
 Runtime complexity: O((V + E) log V) for the simulation, plus O(E * V / 64) word operations for
@@ -36,6 +41,18 @@ from vmstoolkit.exec.graph import TaskGraph, TensorKind
 ALIGN = 256
 
 STREAMS = ("compute", "h2d", "d2h")
+
+# Producers worth rerunning instead of a round trip over PCIe. RMSNorm (4 FLOPs per element)
+# and SwiGLU's activation (5 per element) are memory-bound elementwise kernels: rerunning one
+# reads its inputs once from HBM (~4.8 TB/s on the H200), while offloading and reloading its
+# output moves it twice over PCIe (~50 GB/s): two orders of magnitude cheaper per byte. In a
+# LLaMA training step their inputs are live anyway when the output's backward use comes: the
+# block input x and the residual h are read again by the norms' own backward, gate and up by
+# SwiGLU's backward, right after the projections' weight gradients read the normed inputs and
+# silu(gate) * up. RoPE is left out: its input (q, k before rotation) is not saved, so
+# rerunning it would keep alive a tensor as large as the one dropped; residual adds likewise
+# (the projection output they read is dead). Attention's outputs are far too costly to rerun.
+RECOMPUTE_OPS = ("rmsnorm", "swiglu")
 
 
 def align(n: int) -> int:
@@ -160,6 +177,7 @@ class MVertex:
     writes: tuple[int, ...]  # buffer ids
     flops: float = 0.0
     nbytes: int = 0  # bytes copied (offload, reload, copy)
+    recompute: bool = False  # a compute vertex rerunning ``task`` to rewrite a dropped tensor
 
 
 @dataclass
@@ -198,6 +216,11 @@ class MemoryGraph:
     def reloaded_bytes(self) -> int:
         return self.bytes_moved("reload")
 
+    @property
+    def recomputed_flops(self) -> float:
+        """FLOPs added by recomputation (0 unless compiled with ``recompute=True``)."""
+        return sum(v.flops for v in self.vertices if v.recompute)
+
     def summary(self) -> dict:
         n = {k: sum(1 for v in self.vertices if v.kind == k) for k in ("compute", "offload", "reload")}
         return {
@@ -209,6 +232,8 @@ class MemoryGraph:
             "peak_bytes": self.peak_bytes,
             "offloaded_bytes": self.offloaded_bytes,
             "reloaded_bytes": self.reloaded_bytes,
+            "recompute_vertices": sum(1 for v in self.vertices if v.recompute),
+            "recomputed_flops": self.recomputed_flops,
             "preloaded_bytes": sum(self.buffers[b].size for b in self.preloaded),
         }
 
@@ -239,13 +264,45 @@ def working_set(graph: TaskGraph) -> int:
         b = align(int(b * 1.01) + 1)
 
 
+def recomputable_tensors(graph: TaskGraph, uses: list[list[int]], nbytes: list[int], budget: int) -> set[int]:
+    """Activations the compiler may drop and recompute instead of offloading: outputs of a
+    :data:`RECOMPUTE_OPS` vertex that are not graph outputs, whose producer reads no activation
+    that dies before the output's last use (so its inputs are resident or have a host copy
+    whenever a rerun is needed) and no recomputable tensor (reruns never nest). A use vertex must
+    also fit with the inputs of every rerun it may need on top of its own tensors, so that a
+    placement in an emptied region still succeeds. O(V + E)."""
+    tensors, tverts, n = graph.tensors, graph.vertices, len(graph.vertices)
+    out: set[int] = set()
+    for v in tverts:
+        if v.op not in RECOMPUTE_OPS or len(v.outputs) != 1:  # a rerun rewrites one tensor
+            continue
+        for t in v.outputs:
+            if not uses[t] or uses[t][-1] >= n:
+                continue
+            if any(i in out or (tensors[i].kind is TensorKind.ACTIVATION and uses[i][-1] < uses[t][-1])
+                   for i in v.inputs):
+                continue
+            out.add(t)
+    for u in tverts:
+        cand = [t for t in dict.fromkeys(u.inputs) if t in out]
+        if not cand:
+            continue
+        need = sum(nbytes[t] for t in {*u.inputs, *u.outputs} if tensors[t].gpu == u.gpu)
+        need += sum(nbytes[i] for t in cand for i in set(tverts[graph.producer[t]].inputs))
+        if need > budget:
+            out.difference_update(cand)
+    return out
+
+
 def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = None, *,
-                         preload: bool = True, check_budget: bool = True) -> MemoryGraph:
+                         preload: bool = True, check_budget: bool = True, recompute: bool = False) -> MemoryGraph:
     """Compile ``graph`` for ``n_gpus`` GPUs (default: the graph's own) of ``budget`` bytes each.
 
     With ``preload``, weights and inputs are placed on the GPU before the run, in order of first
     use, while they fit; the rest start on the host. Preloaded tensors are clean (a host copy
     exists), so when the simulation needs their room, Belady drops the furthest-used ones for free.
+    With ``recompute``, evicted :func:`recomputable_tensors` are dropped instead of offloaded and
+    their producer rerun before the next use (module docstring).
     Raises :class:`BudgetTooSmallError` when one vertex alone does not fit, and
     :class:`InvalidBudgetError` for a budget that is not a positive whole number of bytes.
     """
@@ -280,6 +337,7 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
     for t in graph.outputs:
         uses[t].append(n)
     use_ptr = [0] * len(tensors)  # index into uses[t] of the next use
+    recomputable = recomputable_tensors(graph, uses, nbytes, budget) if recompute else set()
 
     def next_use(t: int) -> int:
         u = uses[t]
@@ -390,7 +448,7 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
     def evict(t: int) -> None:
         bid = resident.pop(t)
         b = buffers[bid]
-        if t not in host_copy:
+        if t not in host_copy and t not in recomputable:
             host_copy[t] = emit("offload", "offload", f"offload {tensors[t].name}", b.gpu, "d2h", -1, t,
                                 [bid], [], nb=tensors[t].nbytes)
         alloc[b.gpu].free(b.offset, len(vertices))
@@ -416,17 +474,33 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
             preloaded.append(bid)
 
     # -- simulate ------------------------------------------------------------------------------
+    def reload(t: int, pinned: set[int], where: str) -> None:
+        bid = new_buffer(t, True, pinned, where)
+        emit("reload", "reload", f"reload {tensors[t].name}", tgpu[t], "h2d", -1, t, [], [bid],
+             nb=tensors[t].nbytes, extra_preds=[host_copy[t]])
+
     def place(v) -> list[int]:
-        """Make ``v``'s inputs resident (reloading them) and allocate its outputs."""
+        """Make ``v``'s inputs resident (reloading them, or rerunning the producer of a dropped
+        recomputable one) and allocate its outputs."""
         ins = list(dict.fromkeys(v.inputs))
         pinned = set(ins) | set(v.outputs)
+        for t in ins:  # a rerun's inputs stay put until v runs: no hole opens under v's tensors
+            if t not in resident and t in recomputable:
+                pinned.update(tverts[graph.producer[t]].inputs)
         for t in ins:
-            if t not in resident:
+            if t not in resident and t in recomputable:
+                pv = tverts[graph.producer[t]]
+                for i in dict.fromkeys(pv.inputs):
+                    if i not in resident:
+                        reload(i, pinned, v.name)
+                bid = new_buffer(t, True, pinned, v.name)
+                rid = emit("compute", pv.op, f"recompute {pv.name}", pv.gpu, "compute", pv.id, -1,
+                           [resident[i] for i in pv.inputs], [bid], flops=pv.flops)
+                vertices[rid].recompute = True
+            elif t not in resident:
                 if t not in host_copy:
                     raise AssertionError(f"{tensors[t].name} is neither resident nor on the host")
-                bid = new_buffer(t, True, pinned, v.name)
-                emit("reload", "reload", f"reload {tensors[t].name}", tgpu[t], "h2d", -1, t, [], [bid],
-                     nb=tensors[t].nbytes, extra_preds=[host_copy[t]])
+                reload(t, pinned, v.name)
         return [new_buffer(t, True, pinned, v.name) for t in v.outputs]
 
     for v in tverts:

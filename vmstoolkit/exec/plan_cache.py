@@ -97,13 +97,14 @@ class PlanCache:
     def __init__(self, config: LlamaConfig, variant: str, budget: int, *, rank: int = 16,
                  adamw: AdamWConfig | None = None, granule: int = DEFAULT_GRANULE,
                  ratio: float = DEFAULT_RATIO, max_seq: int | None = None, check: bool = True,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, recompute: bool = False):
         """``clock`` times planning: wall time by default; ``time.thread_time`` (CPU time of
-        this thread) where other processes share the cores and would inflate wall time."""
+        this thread) where other processes share the cores and would inflate wall time.
+        ``recompute`` compiles every plan with ``compile_memory_graph(..., recompute=True)``."""
         self.config, self.variant, self.budget = config, variant, budget
         self.rank, self.adamw = rank, adamw
         self.granule, self.ratio, self.max_seq, self.check = granule, ratio, max_seq, check
-        self.clock = clock
+        self.clock, self.recompute = clock, recompute
         self.plans: dict[int, Plan] = {}
         self.hits = self.misses = 0
         self.plan_s = 0.0  # every second spent planning, lookups included
@@ -119,7 +120,7 @@ class PlanCache:
         if plan is None:
             self.misses += 1
             tg = build_train_step(replace(self.config, seq=edge), self.variant, rank=self.rank, adamw=self.adamw)
-            mg = compile_memory_graph(tg.graph, self.budget)
+            mg = compile_memory_graph(tg.graph, self.budget, recompute=self.recompute)
             if self.check:
                 check_race_free(mg)
             plan = Plan(edge, tg, mg, self.clock() - t0)

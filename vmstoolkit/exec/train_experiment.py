@@ -4,8 +4,8 @@ or a changing sequence length (pure functions; printing happens in ``vmstoolkit.
 ``run_train_experiment`` returns one row per (budget, executor) with exactly the keys of issue
 17: ``budget``, ``executor``, ``variant``, ``step_s`` (mean over steady steps: every step but
 the first of each bucket), ``lower_bound_s`` (same steps), ``offloaded_bytes`` and
-``reloaded_bytes`` (per steady step), ``recomputed_flops`` (0: no activation is recomputed, the
-compiler only keeps or offloads), ``plan_s`` (planning seconds per step, compiles and cache
+``reloaded_bytes`` (per steady step), ``recomputed_flops`` (per steady step; 0 unless
+``recompute``, see ``vmstoolkit.exec.compiler.RECOMPUTE_OPS``), ``plan_s`` (planning seconds per step, compiles and cache
 lookups included) and ``max_abs_grad_err`` (largest gradient difference against the numpy
 reference on the sim backend, or the direct all-on-GPU computation with the same kernels on
 cuda; ``None`` when not checked).
@@ -62,6 +62,7 @@ class StepRecord:
     lower_bound_s: float
     offloaded_bytes: int
     reloaded_bytes: int
+    recomputed_flops: float
     plan_s: float  # planning seconds spent for this step
     max_abs_grad_err: float | None
 
@@ -143,7 +144,7 @@ def run_steps(cache: PlanCache, seqs, runner, executor: str, seed: int = 0) -> l
         span, lb, err = runner.run(plan, executor, values, i)
         mg = plan.memory
         out.append(StepRecord(int(seq), plan.seq, cache.misses > misses, span, lb, mg.offloaded_bytes,
-                              mg.reloaded_bytes, plan_s, err))
+                              mg.reloaded_bytes, mg.recomputed_flops, plan_s, err))
     return out
 
 
@@ -158,7 +159,7 @@ def summarize(budget: int, executor: str, variant: str, steps: list[StepRecord])
         "lower_bound_s": float(np.mean([s.lower_bound_s for s in steady])),
         "offloaded_bytes": int(np.mean([s.offloaded_bytes for s in steady])),
         "reloaded_bytes": int(np.mean([s.reloaded_bytes for s in steady])),
-        "recomputed_flops": 0.0,
+        "recomputed_flops": float(np.mean([s.recomputed_flops for s in steady])),
         "plan_s": sum(s.plan_s for s in steps) / len(steps),
         "max_abs_grad_err": max(errs) if errs else None,
     }
@@ -185,10 +186,12 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
                          seq_range: tuple[int, int] | None = None, steps: int | None = None, rank: int = 16,
                          executors=EXECUTORS, seed: int = 0, jitter: float = 0.05,
                          check_grads: bool | None = None, adamw: AdamWConfig | None = None,
-                         granule: int = DEFAULT_GRANULE, ratio: float = DEFAULT_RATIO) -> list[dict]:
+                         granule: int = DEFAULT_GRANULE, ratio: float = DEFAULT_RATIO,
+                         recompute: bool = False) -> list[dict]:
     """Rows of :data:`ROW_KEYS`, one per (budget, executor). Budget fractions are of the
     no-offload working set at the longest bucket of the run. Raises BudgetTooSmallError (naming
-    the vertex, its bytes and the budget) when a budget cannot hold one vertex."""
+    the vertex, its bytes and the budget) when a budget cannot hold one vertex. ``recompute``
+    lets the compiler rerun cheap producers instead of offloading their outputs."""
     cfg = config or LlamaConfig()
     seqs = step_lengths(seq, seq_range, steps, seed)
     buckets = {"granule": granule, "ratio": ratio, "max_seq": max(seqs)}
@@ -221,7 +224,7 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
     rows = []
     for budget in resolved:
         for ex in executors:
-            cache = PlanCache(cfg, variant, budget, rank=rank, adamw=adamw, **buckets)
+            cache = PlanCache(cfg, variant, budget, rank=rank, adamw=adamw, recompute=recompute, **buckets)
             recs = run_steps(cache, seqs, runner, ex, seed)
             rows.append(summarize(budget, ex, variant, recs))
     return rows
