@@ -33,7 +33,9 @@ def make_memory_manager(allocator: str = "vms", **options):
         from numba.cuda.cudadrv.driver import CudaAPIError
     except ImportError as e:
         raise VmsError(f"numba-cuda is not usable here ({e})") from None
-    make_allocator(allocator, make_driver("sim"), **options)  # validate name and options early
+    from vmstoolkit.pools.registry import check_allocator
+
+    check_allocator(allocator, options)  # name and options, before anything is built
 
     class VmsNumbaMemoryManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         """Numba EMM plugin over a vmstoolkit allocator (one per context/device)."""

@@ -250,7 +250,9 @@ def make_handle(allocator: str = "vms", driver_factory=None, **options) -> HookB
     """The handle without installing it (``driver_factory(device) -> VMMDriver``): compiled
     entry points where the allocator's class names a hook, ``ctypes`` callbacks otherwise."""
     driver_factory = driver_factory or _cuda_driver
-    make_allocator(allocator, make_driver("sim"), **options).close()  # validate name and options early
+    from vmstoolkit.pools.registry import check_allocator
+
+    check_allocator(allocator, options)  # name and options, before anything is built
     hook = compiled_hook(allocator)
     if hook:
         module, name = hook.split(":")

@@ -45,6 +45,19 @@ def describe_allocators() -> dict[str, str]:
     return dict(_DESCRIPTIONS)
 
 
+def check_allocator(name: str, options: dict, *, capacity: int | None = None, granularity: int | None = None) -> dict:
+    """``options`` of allocator ``name`` converted and checked, without building anything
+    (:func:`vmstoolkit.pools.options.check_options`); an unknown name or a bad option raises
+    :class:`~vmstoolkit.errors.ConfigError` naming it."""
+    from vmstoolkit.pools.options import check_options
+
+    if name not in _FACTORIES:
+        raise ConfigError(f"unknown allocator {name!r}; choose one of: {', '.join(_FACTORIES)}")
+    if capacity is None:
+        return check_options(name, options)
+    return check_options(name, options, capacity=capacity, granularity=granularity)
+
+
 def make_allocator(name: str, driver: VMMDriver | None = None, *, capacity: int | str | None = None, **options) -> Allocator:
     """A new allocator ``name`` over ``driver`` (default: a fresh simulated driver of ``capacity``).
 
@@ -55,13 +68,8 @@ def make_allocator(name: str, driver: VMMDriver | None = None, *, capacity: int 
 
     >>> a = make_allocator("native"); p = a.allocate(1000); a.free(p)
     """
-    from vmstoolkit.pools.options import check_options
-
-    factory = _FACTORIES.get(name)
-    if factory is None:
-        raise ConfigError(f"unknown allocator {name!r}; choose one of: {', '.join(_FACTORIES)}")
-    options = check_options(name, options)
+    options = check_allocator(name, options)
     if driver is None:
         driver = make_driver("sim", capacity=capacity)
-    options = check_options(name, options, capacity=driver.capacity, granularity=driver.granularity)
-    return factory(driver, **options)
+    options = check_allocator(name, options, capacity=driver.capacity, granularity=driver.granularity)
+    return _FACTORIES[name](driver, **options)
