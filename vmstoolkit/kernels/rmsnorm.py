@@ -24,9 +24,32 @@ THREADS_SIM = 8
 
 
 @lru_cache(maxsize=None)
-def make_rmsnorm_kernel(threads: int):
+def make_block_sum(threads: int):
+    """A device function: the sum over a block of ``threads`` threads of each thread's ``v``, by a
+    shared-memory tree reduction in ``part`` (``threads`` floats), which is free again on return."""
     if threads & (threads - 1):
         raise ValueError(f"rmsnorm threads per block must be a power of two, got {threads}")
+
+    @cuda.jit(device=True)
+    def block_sum(part, tid, v):
+        part[tid] = v
+        cuda.syncthreads()
+        stride = threads // 2
+        while stride > 0:
+            if tid < stride:
+                part[tid] += part[tid + stride]
+            cuda.syncthreads()
+            stride //= 2
+        total = part[0]
+        cuda.syncthreads()  # part is reused by the next reduction
+        return total
+
+    return block_sum
+
+
+@lru_cache(maxsize=None)
+def make_rmsnorm_kernel(threads: int):
+    block_sum = make_block_sum(threads)
 
     @cuda.jit
     def rmsnorm_kernel(x, w, y, eps):
@@ -38,15 +61,7 @@ def make_rmsnorm_kernel(threads: int):
         for c in range(tid, h, threads):
             v = x[row, c]
             s += v * v
-        part[tid] = s
-        cuda.syncthreads()
-        stride = threads // 2
-        while stride > 0:
-            if tid < stride:
-                part[tid] += part[tid + stride]
-            cuda.syncthreads()
-            stride //= 2
-        inv = float32(1.0) / math.sqrt(part[0] / float32(h) + eps)
+        inv = float32(1.0) / math.sqrt(block_sum(part, tid, s) / float32(h) + eps)
         for c in range(tid, h, threads):
             y[row, c] = (x[row, c] * inv) * w[c]
 
@@ -101,22 +116,7 @@ def validate(shapes=((1, 8), (3, 5), (4, 33), (2, 7)), eps: float = 1e-6, rtol: 
 
 @lru_cache(maxsize=None)
 def make_rmsnorm_backward_kernels(threads: int):
-    if threads & (threads - 1):
-        raise ValueError(f"rmsnorm threads per block must be a power of two, got {threads}")
-
-    @cuda.jit(device=True)
-    def block_sum(part, tid, v):
-        part[tid] = v
-        cuda.syncthreads()
-        stride = threads // 2
-        while stride > 0:
-            if tid < stride:
-                part[tid] += part[tid + stride]
-            cuda.syncthreads()
-            stride //= 2
-        total = part[0]
-        cuda.syncthreads()  # part is reused by the next reduction
-        return total
+    block_sum = make_block_sum(threads)
 
     @cuda.jit
     def rmsnorm_dx_kernel(x, w, dy, dx, eps):
