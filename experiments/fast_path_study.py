@@ -40,8 +40,8 @@ from sweep import grid, sweep, write  # noqa: E402
 from vms_policy import COST_US, SET_ACCESS_US_PER_CHUNK, _AccessMeter  # noqa: E402
 
 from vmstoolkit.pools import make_allocator, make_driver  # noqa: E402
-from vmstoolkit.pools.pytorch_caching import Block, PyTorchCachingAllocator, allocation_size  # noqa: E402
-from vmstoolkit.pools.vmm_allocator import VMMAllocator  # noqa: E402
+from vmstoolkit.pools.baselines.pytorch_caching import Block, PyTorchCachingAllocator, allocation_size  # noqa: E402
+from vmstoolkit.pools.vmm.allocator import VMMAllocator  # noqa: E402
 
 WARM_PASSES = 2
 

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vmstoolkit.pools.cuda_driver import CudaDriver  # noqa: E402
+from vmstoolkit.pools.drivers.cuda import CudaDriver  # noqa: E402
 from vmstoolkit.units import GiB  # noqa: E402
 
 

@@ -25,7 +25,7 @@ for i in range(16):  # distinct kernels: more pending unloads than numba's flush
     exec(f"@cuda.jit\ndef k{i}(x):\n    j = cuda.grid(1)\n    if j < x.size:\n        x[j] += {i}\n")
     kernels.append(eval(f"k{i}"))
 if "vmm" in v:
-    from vmstoolkit.pools.driver import make_driver
+    from vmstoolkit.pools.drivers import make_driver
 
     ds = [make_driver("cuda", device=g, peers=gpus) for g in gpus]
 for g in gpus:

@@ -22,7 +22,7 @@ import argparse
 from pathlib import Path
 
 from vmstoolkit.pools import make_allocator
-from vmstoolkit.pools.vmm_allocator import VMMAllocator
+from vmstoolkit.pools.vmm.allocator import VMMAllocator
 from vmstoolkit.units import MiB
 
 from sweep import grid, sweep, write

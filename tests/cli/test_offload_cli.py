@@ -63,7 +63,7 @@ def test_figure_is_written_where_asked(tmp_path):
 
 def test_cuda_backend_without_gpu():
     from vmstoolkit.errors import NoGPUError
-    from vmstoolkit.pools.cuda_driver import cuda_init
+    from vmstoolkit.pools.drivers.cuda import cuda_init
 
     try:
         cuda_init(0)

@@ -3,7 +3,7 @@
 import pytest
 
 from vmstoolkit.integrations.native_torch import NativeHook
-from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.units import GiB
 
 

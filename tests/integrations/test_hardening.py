@@ -10,7 +10,7 @@ from vmstoolkit.errors import ConfigError
 from vmstoolkit.integrations.native_torch import ALLOC_FN, FREE_FN, G_BAD_FREES, NativeHook
 from vmstoolkit.integrations.torch import TorchAllocatorHandle
 from vmstoolkit.pools import make_allocator
-from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.units import GiB, MiB
 
 

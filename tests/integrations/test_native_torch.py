@@ -7,7 +7,7 @@ from vmstoolkit.integrations.callbacks import roundtrips_from_native_thread
 from vmstoolkit.integrations.native_torch import ALLOC_FN, FREE_FN, G_BAD_FREES, NativeHook
 from vmstoolkit.pools import make_allocator, make_driver
 from vmstoolkit.pools.paged import heap as H
-from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.units import GiB, MiB
 
 

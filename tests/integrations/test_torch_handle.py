@@ -11,7 +11,7 @@ import pytest
 from vmstoolkit.integrations.bridge import STAT_KEYS, torch_stats
 from vmstoolkit.integrations.native_torch import NativeHook
 from vmstoolkit.integrations.torch import TorchAllocatorHandle, nested_stats
-from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.units import GiB, MiB
 
 

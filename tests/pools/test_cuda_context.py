@@ -1,5 +1,5 @@
 """The real driver binds its context on threads that have none (PyTorch's autograd threads):
-:class:`~vmstoolkit.pools.cuda_driver.ContextBinding` against a fake ``cu`` that keeps a
+:class:`~vmstoolkit.pools.drivers.cuda.ContextBinding` against a fake ``cu`` that keeps a
 per-thread context stack the way the CUDA driver does."""
 
 import threading
@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from vmstoolkit.errors import DriverError
-from vmstoolkit.pools.cuda_driver import ContextBinding
+from vmstoolkit.pools.drivers.cuda import ContextBinding
 
 
 class FakeCu:

@@ -9,8 +9,8 @@ import pytest
 
 from vmstoolkit.errors import DriverError, OutOfMemoryError
 from vmstoolkit.pools import make_allocator
-from vmstoolkit.pools.driver import OPERATIONS
-from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.pools.drivers.base import OPERATIONS
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.trace import load_trace
 
 PREFIX = 160  # alloc/free events of a real trace: enough to reach every path of each allocator

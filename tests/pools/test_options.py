@@ -117,7 +117,7 @@ def test_a_type_error_inside_a_factory_surfaces_as_itself(monkeypatch):
 
 def _defaults_of(name):
     from vmstoolkit.pools.paged import PagedAllocator
-    from vmstoolkit.pools.vmm_allocator import GMLAKE_POLICY, VMS_POLICY
+    from vmstoolkit.pools.vmm.allocator import GMLAKE_POLICY, VMS_POLICY
 
     if name in ("gmlake", "vms"):
         policy = GMLAKE_POLICY if name == "gmlake" else VMS_POLICY

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from vmstoolkit.errors import ConfigError, DoubleFreeError, DriverError, OutOfMemoryError
 from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.paged import heap as H
-from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.trace import load_trace
 from vmstoolkit.units import MiB
 

@@ -11,7 +11,7 @@ from vmstoolkit.errors import TraceFormatError
 from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.base import ReplayArrays
 from vmstoolkit.pools.paged.replay import match_frees
-from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.trace import load_trace, replay
 from vmstoolkit.trace.events import Action, Trace, TraceEvent
 from vmstoolkit.trace.replay import event_arrays

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from vmstoolkit.errors import OutOfMemoryError
 from vmstoolkit.pools import make_allocator
-from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.units import MiB
 
 G = 2 * MiB

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from vmstoolkit.errors import ConfigError, OutOfMemoryError
 from vmstoolkit.pools import make_allocator
-from vmstoolkit.pools.pytorch_caching import PyTorchCachingAllocator, allocation_size, round_size
-from vmstoolkit.pools.pytorch_config import parse_alloc_conf
-from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.pools.baselines.pytorch_caching import PyTorchCachingAllocator, allocation_size, round_size
+from vmstoolkit.pools.baselines.pytorch_config import parse_alloc_conf
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.trace import bundled_trace_paths, load_trace, replay
 
 MiB = 1 << 20

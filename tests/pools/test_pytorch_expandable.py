@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from vmstoolkit.errors import ConfigError, OutOfMemoryError
 from vmstoolkit.pools import make_allocator
-from vmstoolkit.pools.pytorch_expandable import PyTorchExpandableAllocator
-from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.pools.baselines.pytorch_expandable import PyTorchExpandableAllocator
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.trace import bundled_trace_paths, load_trace, recorded_stats, replay
 
 MiB = 1 << 20
@@ -208,7 +208,7 @@ def test_one_failed_unmap_in_empty_cache_does_not_break_later_allocations():
     pages failed with "overlaps an existing mapping" until empty_cache ran again."""
     from vmstoolkit.errors import DriverError
     from vmstoolkit.pools import make_allocator
-    from vmstoolkit.pools.sim_driver import SimulatedDriver
+    from vmstoolkit.pools.drivers.sim import SimulatedDriver
     from vmstoolkit.units import GiB, MiB
 
     d = SimulatedDriver(capacity=4 * GiB)

@@ -3,7 +3,7 @@
 import pytest
 
 from vmstoolkit.errors import DriverError, DriverOutOfMemoryError
-from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.units import MiB
 
 G = 2 * MiB

@@ -4,7 +4,7 @@ import pytest
 
 from vmstoolkit.errors import ConfigError, DoubleFreeError, InvalidFreeError, InvalidSizeError, OutOfMemoryError
 from vmstoolkit.pools import make_allocator
-from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.units import MiB
 
 G = 2 * MiB

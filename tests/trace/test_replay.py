@@ -3,7 +3,7 @@
 import pytest
 
 from vmstoolkit.pools import make_allocator
-from vmstoolkit.pools.sim_driver import SimulatedDriver
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.trace import bundled_trace_paths, load_trace, recorded_stats, replay
 from vmstoolkit.units import GiB
 

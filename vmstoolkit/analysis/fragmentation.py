@@ -172,7 +172,7 @@ def fragmentation_rows(specs: list[str], allocators: list[str], results: Iterabl
     toolkit's version), each allocator's options, peak reserved, utilization and out-of-memory
     event, and the savings of :func:`savings_pairs` (``None`` where either side ran out of memory)."""
     from vmstoolkit import __version__
-    from vmstoolkit.pools.sim_driver import DEFAULT_CAPACITY
+    from vmstoolkit.pools.drivers.sim import DEFAULT_CAPACITY
 
     options = options or {}
     by_key = {}
@@ -210,7 +210,7 @@ def fragmentation_rows(specs: list[str], allocators: list[str], results: Iterabl
 def replay_rows(results: list[ReplayResult], jobs: list[Job]) -> list[dict]:
     """Every replay's flat row (:func:`vmstoolkit.analysis.rows.replay_row`), jobs in the same order,
     all with the same columns."""
-    from vmstoolkit.pools.sim_driver import DEFAULT_CAPACITY
+    from vmstoolkit.pools.drivers.sim import DEFAULT_CAPACITY
 
     sources = {s: spec_source(s) for s in dict.fromkeys(j.spec for j in jobs)}
     return uniform([replay_row(r, source=sources[j.spec][0], source_sha256=sources[j.spec][1],

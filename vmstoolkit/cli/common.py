@@ -71,7 +71,7 @@ def allocator_options(items: list[str] | None, names: list[str], capacity: int |
     """Per allocator, its checked ``-o`` options (``KEY=VALUE``: where taken; ``ALLOC:KEY=VALUE``:
     that one), checked against the capacity too; a bad one exits with one line (status 2)."""
     from vmstoolkit.pools.options import resolve_option_items
-    from vmstoolkit.pools.sim_driver import DEFAULT_CAPACITY
+    from vmstoolkit.pools.drivers.sim import DEFAULT_CAPACITY
 
     try:
         return resolve_option_items(items, names, capacity=capacity or DEFAULT_CAPACITY)

@@ -18,7 +18,7 @@ def info_command(
 ) -> None:
     """Describe the GPU (driver, VMM support, granularity, free memory), or say there is none."""
     from vmstoolkit import __version__
-    from vmstoolkit.pools.cuda_driver import device_info
+    from vmstoolkit.pools.drivers.cuda import device_info
 
     try:
         info = {"gpu": True, **device_info(device)}

@@ -58,7 +58,7 @@ def replay_command(
     the toolkit's version; JSON and CSV carry the same flat columns (driver_calls.create, ...).
     """
     from vmstoolkit.analysis.rows import file_sha256
-    from vmstoolkit.pools.sim_driver import DEFAULT_CAPACITY
+    from vmstoolkit.pools.drivers.sim import DEFAULT_CAPACITY
     from vmstoolkit.trace import bundled_trace_paths
     from vmstoolkit.trace.loader import load_traces
     from vmstoolkit.trace.run import replay_trace

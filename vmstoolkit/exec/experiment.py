@@ -161,7 +161,7 @@ def require_gpus(n: int) -> None:
     """Raise :class:`~vmstoolkit.errors.NoGPUError` (one line) unless this machine has ``n``
     usable CUDA GPUs for the cuda backend."""
     from vmstoolkit.errors import NoGPUError
-    from vmstoolkit.pools.cuda_driver import cuda_init
+    from vmstoolkit.pools.drivers.cuda import cuda_init
 
     try:
         cuda_init(n - 1)

@@ -48,7 +48,7 @@ from vmstoolkit.integrations.abi import ALLOC_FN, EMPTY_FN, ERROR_FN, FREE_FN, R
 from vmstoolkit.integrations.bridge import STAT_KEYS, AllocatorBridge, HandleStats, report_failed_malloc, torch_stats
 from vmstoolkit.integrations.callbacks import ThreadStatePins
 from vmstoolkit.pools import make_allocator, make_driver
-from vmstoolkit.pools.driver import VMMDriver
+from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.registry import compiled_hook
 
 _INSTALLED: "HookBase | None" = None

@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from vmstoolkit.errors import DoubleFreeError, DriverError, InvalidFreeError, InvalidSizeError, OutOfMemoryError
-from vmstoolkit.pools.driver import VMMDriver
+from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.streams import DeferredFrees
 
 _FREED_MEMORY = 4096  # how many recently freed addresses are remembered to name a double free

@@ -197,7 +197,7 @@ class NoOptions(AllocatorOptions):
 
 @dataclass(frozen=True)
 class StitchOptions(AllocatorOptions):
-    """The stitching allocators' policy (:class:`~vmstoolkit.pools.vmm_allocator.StitchPolicy`).
+    """The stitching allocators' policy (:class:`~vmstoolkit.pools.vmm.allocator.StitchPolicy`).
     Defaults here are ``gmlake``'s (GMLake's published ones); ``vms`` has its own (:class:`VmsOptions`)."""
 
     noun: ClassVar[str] = "stitch policy option"
@@ -252,7 +252,7 @@ class PyTorchCachingOptions(AllocatorOptions):
                                 optional=True)
 
     def _check_together(self) -> None:
-        from vmstoolkit.pools.pytorch_config import parse_alloc_conf
+        from vmstoolkit.pools.baselines.pytorch_config import parse_alloc_conf
 
         if self.config is None:
             return

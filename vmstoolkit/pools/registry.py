@@ -6,7 +6,7 @@ from typing import Callable
 
 from vmstoolkit.errors import ConfigError
 from vmstoolkit.pools.base import Allocator
-from vmstoolkit.pools.driver import VMMDriver, make_driver
+from vmstoolkit.pools.drivers import VMMDriver, make_driver
 
 _FACTORIES: dict[str, Callable[..., Allocator]] = {}
 _DESCRIPTIONS: dict[str, str] = {}

@@ -12,7 +12,7 @@ fields win; the string adds only what they do not carry (``max_non_split_roundin
 from __future__ import annotations
 
 from vmstoolkit.errors import ConfigError
-from vmstoolkit.pools.pytorch_config import K_LARGE_BUFFER, MiB, ROUNDUP_INTERVALS, parse_alloc_conf
+from vmstoolkit.pools.baselines.pytorch_config import K_LARGE_BUFFER, MiB, ROUNDUP_INTERVALS, parse_alloc_conf
 
 PYTORCH_SIMULATIONS = ("pytorch-caching", "pytorch-expandable")
 

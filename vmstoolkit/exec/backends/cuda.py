@@ -39,7 +39,7 @@ def take_region(gpu: int, nbytes: int, peers: tuple[int, ...] = ()):
     region from the other's side). Returns ``(address, release)``; ``release`` gives the
     physical memory back (every run takes a new region)."""
     from vmstoolkit.pools import make_allocator
-    from vmstoolkit.pools.driver import make_driver
+    from vmstoolkit.pools.drivers import make_driver
 
     driver = make_driver("cuda", device=gpu, peers=peers)
     alloc = make_allocator("vms", driver=driver)

@@ -45,10 +45,10 @@ import numpy as np
 
 from vmstoolkit.errors import ConfigError, DriverError, DriverOutOfMemoryError, InvalidFreeError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator, CompiledReplay, ReplayArrays
-from vmstoolkit.pools.driver import VMMDriver
+from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.paged import heap as H
 from vmstoolkit.pools.registry import register_allocator
-from vmstoolkit.pools.teardown import Graveyard
+from vmstoolkit.pools.drivers.teardown import Graveyard
 from vmstoolkit.units import GiB, MiB
 
 SMALL_SIZE = 1 * MiB

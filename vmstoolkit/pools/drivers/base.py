@@ -1,8 +1,8 @@
 """The VMM driver interface: the CUDA virtual-memory calls every pool is written against.
 
-Two implementations speak it: :class:`~vmstoolkit.pools.sim_driver.SimulatedDriver` (pure
+Two implementations speak it: :class:`~vmstoolkit.pools.drivers.sim.SimulatedDriver` (pure
 Python, tracks every physical chunk, mapping and alias, injects faults) and
-:class:`~vmstoolkit.pools.cuda_driver.CudaDriver` (``cuda.bindings.driver``). Pools receive a
+:class:`~vmstoolkit.pools.drivers.cuda.CudaDriver` (``cuda.bindings.driver``). Pools receive a
 driver object and never import the real one; :func:`make_driver` is the one place that picks.
 
 The public methods are a template: each counts the call in :attr:`VMMDriver.calls`, keeps the
@@ -218,24 +218,3 @@ class VMMDriver(ABC):
     @abstractmethod
     def _mem_info(self) -> tuple[int, int]: ...
 
-
-def make_driver(kind: str = "sim", *, capacity: int | str | None = None, device: int = 0,
-                peers: tuple[int, ...] = ()) -> VMMDriver:
-    """The one place that picks a driver: ``"sim"`` (default) or ``"cuda"``.
-
-    ``capacity`` bounds the simulated device (default 141 GiB, an H200); the real driver
-    ignores it, and grants ``peers`` (other devices) access to its mappings. A missing GPU
-    raises :class:`~vmstoolkit.errors.NoGPUError`.
-    """
-    from vmstoolkit.errors import ConfigError
-    from vmstoolkit.units import parse_size
-
-    if kind == "sim":
-        from vmstoolkit.pools.sim_driver import SimulatedDriver
-
-        return SimulatedDriver(capacity=parse_size(capacity) if capacity is not None else None)
-    if kind == "cuda":
-        from vmstoolkit.pools.cuda_driver import CudaDriver
-
-        return CudaDriver(device=device, peers=tuple(peers))
-    raise ConfigError(f"unknown driver {kind!r} (choose 'sim' or 'cuda')")

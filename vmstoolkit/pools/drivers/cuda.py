@@ -1,6 +1,6 @@
 """The real VMM driver on ``cuda.bindings.driver``.
 
-Imported only by :func:`~vmstoolkit.pools.driver.make_driver` (pools never import it). Every
+Imported only by :func:`~vmstoolkit.pools.drivers.make_driver` (pools never import it). Every
 failing call raises :class:`~vmstoolkit.errors.DriverError` naming the CUresult and the values
 involved; a machine without a usable GPU raises :class:`~vmstoolkit.errors.NoGPUError`.
 Handles cross the interface as ints; the driver objects stay here.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from vmstoolkit.errors import DriverError, DriverOutOfMemoryError, NoGPUError
-from vmstoolkit.pools.driver import Handle, VMMDriver
+from vmstoolkit.pools.drivers.base import Handle, VMMDriver
 
 
 def _load():

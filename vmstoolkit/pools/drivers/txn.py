@@ -4,7 +4,7 @@ Each step registers its undo right after it succeeds; leaving the ``with`` block
 ``commit()`` (an exception) runs the undos in reverse order, so a failure in the middle leaves
 nothing created, reserved or mapped. An undo that itself fails is reported on the original
 error as a note, never hidden; undos given as teardown steps (``tx.undo("release", h, size)``)
-to a transaction that has a :class:`~vmstoolkit.pools.teardown.Graveyard` are run through it,
+to a transaction that has a :class:`~vmstoolkit.pools.drivers.teardown.Graveyard` are run through it,
 so a failing undo leaves its resource owned by the graveyard, to be retried, not leaked.
 
 >>> log = []

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from sortedcontainers import SortedKeyList
 
-from vmstoolkit.pools.driver import VMMDriver
-from vmstoolkit.pools.teardown import Graveyard, unmap_range_steps
-from vmstoolkit.pools.txn import map_new_range
+from vmstoolkit.pools.drivers.base import VMMDriver
+from vmstoolkit.pools.drivers.teardown import Graveyard, unmap_range_steps
+from vmstoolkit.pools.drivers.txn import map_new_range
 from vmstoolkit.units import MiB, round_up
 
 SMALL_SIZE = 1 * MiB  # requests up to this size are small (PyTorch's kSmallSize)

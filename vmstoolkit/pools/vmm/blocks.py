@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vmstoolkit.pools.driver import Handle
+from vmstoolkit.pools.drivers.base import Handle
 
 
 class Reservation:

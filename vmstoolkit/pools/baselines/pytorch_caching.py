@@ -9,7 +9,7 @@ that decides reserved memory, written from its rules:
   its free blocks ordered by (stream, size, address) and serves the first block at least as
   large as the request (best fit, lowest address on ties);
 - a request no cached block serves gets a new segment from ``cudaMalloc``
-  (:meth:`~vmstoolkit.pools.driver.VMMDriver.mem_alloc`): 2 MiB for small requests, 20 MiB for
+  (:meth:`~vmstoolkit.pools.drivers.base.VMMDriver.mem_alloc`): 2 MiB for small requests, 20 MiB for
   requests under 10 MiB, otherwise the request rounded up to 2 MiB (:func:`allocation_size`);
 - a block larger than the request is split when the rest is worth keeping: at least 512 bytes in
   the small pool, more than 1 MiB in the large pool, and never for requests of
@@ -42,10 +42,10 @@ from sortedcontainers import SortedList
 
 from vmstoolkit.errors import ConfigError, DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
-from vmstoolkit.pools.driver import VMMDriver, make_driver  # noqa: F401  (make_driver: doctest)
-from vmstoolkit.pools.pytorch_config import UNLIMITED, PyTorchAllocConfig, as_config
+from vmstoolkit.pools.drivers import VMMDriver, make_driver  # noqa: F401  (make_driver: doctest)
+from vmstoolkit.pools.baselines.pytorch_config import UNLIMITED, PyTorchAllocConfig, as_config
 from vmstoolkit.pools.registry import register_allocator
-from vmstoolkit.pools.teardown import Graveyard
+from vmstoolkit.pools.drivers.teardown import Graveyard
 
 # The constants of CUDACachingAllocator.cpp, with its names.
 kMinBlockSize = 512  # every size is rounded to a multiple of 512 bytes
@@ -173,7 +173,7 @@ class BlockPool:
 @register_allocator("pytorch-caching", "simulation of PyTorch's CUDA caching allocator (cudaMalloc segments, best fit, splitting)")
 class PyTorchCachingAllocator(Allocator):
     """See the module docstring. ``config`` is a ``PYTORCH_CUDA_ALLOC_CONF``-style string or a
-    :class:`~vmstoolkit.pools.pytorch_config.PyTorchAllocConfig`."""
+    :class:`~vmstoolkit.pools.baselines.pytorch_config.PyTorchAllocConfig`."""
 
     streams_apart = True  # a pool per stream, as in PyTorch
 

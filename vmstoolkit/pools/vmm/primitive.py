@@ -6,10 +6,10 @@ from typing import Callable
 
 from sortedcontainers import SortedList
 
-from vmstoolkit.pools.blocks import PrimitiveBlock, Reservation
-from vmstoolkit.pools.driver import VMMDriver
-from vmstoolkit.pools.teardown import Graveyard
-from vmstoolkit.pools.txn import Transaction
+from vmstoolkit.pools.vmm.blocks import PrimitiveBlock, Reservation
+from vmstoolkit.pools.drivers.base import VMMDriver
+from vmstoolkit.pools.drivers.teardown import Graveyard
+from vmstoolkit.pools.drivers.txn import Transaction
 
 
 class PrimitivePool:

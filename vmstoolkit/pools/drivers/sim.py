@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from sortedcontainers import SortedDict
 
 from vmstoolkit.errors import DriverError, DriverOutOfMemoryError
-from vmstoolkit.pools.driver import OPERATIONS, Handle, VMMDriver
+from vmstoolkit.pools.drivers.base import OPERATIONS, Handle, VMMDriver
 from vmstoolkit.units import GiB, MiB, parse_size
 
 DEFAULT_CAPACITY = 141 * GiB  # an H200

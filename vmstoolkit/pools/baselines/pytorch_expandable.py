@@ -4,7 +4,7 @@ Written from the rules of ``ExpandableSegment`` and the expandable paths of
 ``c10/cuda/CUDACachingAllocator.cpp``:
 
 - instead of one ``cudaMalloc`` per segment, each (stream, pool) grows one huge virtual range
-  (1 1/8 of the device memory, :meth:`~vmstoolkit.pools.driver.VMMDriver.reserve`), mapped
+  (1 1/8 of the device memory, :meth:`~vmstoolkit.pools.drivers.base.VMMDriver.reserve`), mapped
   page by page: 20 MiB pages for the large pool, 2 MiB pages for the small pool;
 - a request no cached block serves maps just the pages it needs, at the lowest address where
   free and unmapped space together fit it (usually the end of the segment, extending the free
@@ -31,14 +31,14 @@ Reserved memory is the mapped pages (``segment_map``/``segment_unmap`` in a snap
 from __future__ import annotations
 
 from vmstoolkit.errors import DriverOutOfMemoryError
-from vmstoolkit.pools.driver import VMMDriver, make_driver  # noqa: F401  (make_driver: doctest)
-from vmstoolkit.pools.pytorch_caching import (
+from vmstoolkit.pools.drivers import VMMDriver, make_driver  # noqa: F401  (make_driver: doctest)
+from vmstoolkit.pools.baselines.pytorch_caching import (
     Block, BlockPool, PyTorchCachingAllocator, allocation_size, kLargeBuffer, kMinBlockSize, kSmallBuffer,
 )
-from vmstoolkit.pools.pytorch_config import PyTorchAllocConfig
+from vmstoolkit.pools.baselines.pytorch_config import PyTorchAllocConfig
 from vmstoolkit.pools.registry import register_allocator
-from vmstoolkit.pools.teardown import Graveyard
-from vmstoolkit.pools.txn import Transaction
+from vmstoolkit.pools.drivers.teardown import Graveyard
+from vmstoolkit.pools.drivers.txn import Transaction
 
 
 class ExpandableSegment:

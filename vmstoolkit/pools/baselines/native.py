@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from vmstoolkit.errors import DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
-from vmstoolkit.pools.driver import VMMDriver
+from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.registry import register_allocator
-from vmstoolkit.pools.teardown import Graveyard, unmap_range_steps
-from vmstoolkit.pools.txn import map_new_range
+from vmstoolkit.pools.drivers.teardown import Graveyard, unmap_range_steps
+from vmstoolkit.pools.drivers.txn import map_new_range
 from vmstoolkit.units import round_up
 
 

@@ -16,7 +16,7 @@ and is served by the first of these that works:
 
 Below ``stitch_min_bytes`` steps 3 and 4 are skipped (a whole new block is created instead)
 unless the device is full, when stitching is the last resort before OOM. Requests of 1 MiB or
-less go to :class:`~vmstoolkit.pools.small.SmallPool`.
+less go to :class:`~vmstoolkit.pools.vmm.small.SmallPool`.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from dataclasses import dataclass, replace
 
 from vmstoolkit.errors import ConfigError, DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
-from vmstoolkit.pools.blocks import BlockInfo, PrimitiveBlock, StitchedBlock, StitchedPrefix
-from vmstoolkit.pools.driver import VMMDriver
-from vmstoolkit.pools.primitive import PrimitivePool
+from vmstoolkit.pools.vmm.blocks import BlockInfo, PrimitiveBlock, StitchedBlock, StitchedPrefix
+from vmstoolkit.pools.drivers.base import VMMDriver
+from vmstoolkit.pools.vmm.primitive import PrimitivePool
 from vmstoolkit.pools.registry import register_allocator
-from vmstoolkit.pools.sim_driver import SimulatedDriver
-from vmstoolkit.pools.small import SMALL_SIZE, SmallPool
-from vmstoolkit.pools.stitched import StitchedPool
-from vmstoolkit.pools.teardown import Graveyard
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
+from vmstoolkit.pools.vmm.small import SMALL_SIZE, SmallPool
+from vmstoolkit.pools.vmm.stitched import StitchedPool
+from vmstoolkit.pools.drivers.teardown import Graveyard
 from vmstoolkit.units import MiB, parse_size
 
 SELECTIONS = ("largest-first", "best-fit")
@@ -243,7 +243,7 @@ class VMMAllocator(Allocator):
             self.primitives.give_back(b)
 
     def block_at(self, addr: int) -> BlockInfo:
-        """What backs the live allocation at ``addr`` (see :class:`~vmstoolkit.pools.blocks.BlockInfo`)."""
+        """What backs the live allocation at ``addr`` (see :class:`~vmstoolkit.pools.vmm.blocks.BlockInfo`)."""
         self.size_of(addr)  # raises InvalidFreeError naming the address if nothing lives there
         if self.small.owns(addr):
             b = self.small.used[addr]

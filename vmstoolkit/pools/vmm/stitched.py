@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from sortedcontainers import SortedList
 
-from vmstoolkit.pools.blocks import PrimitiveBlock, StitchedBlock, StitchedPrefix
-from vmstoolkit.pools.driver import VMMDriver
-from vmstoolkit.pools.primitive import PrimitivePool
-from vmstoolkit.pools.txn import Transaction
+from vmstoolkit.pools.vmm.blocks import PrimitiveBlock, StitchedBlock, StitchedPrefix
+from vmstoolkit.pools.drivers.base import VMMDriver
+from vmstoolkit.pools.vmm.primitive import PrimitivePool
+from vmstoolkit.pools.drivers.txn import Transaction
 
 
 class StitchedPool:
