@@ -11,6 +11,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -92,8 +93,9 @@ def oom_in_backward() -> str:
         return "nothing"
     except torch.OutOfMemoryError:
         return "OutOfMemoryError"
-    except Exception as e:  # noqa: BLE001
-        return type(e).__name__
+    except Exception as e:  # noqa: BLE001 - the type is the verdict; the message and stack say why
+        traceback.print_exc()
+        return f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def statistics(handle) -> dict:

@@ -41,23 +41,25 @@ from .attention import STATIC_SHARED_LIMIT, check_args
 @dataclass(frozen=True)
 class BackwardTiles:
     """Rows per block of each kernel. Defaults (hd = 128): dq stages 2 x 32 keys x 128 floats
-    (32 KiB), dkv 2 x 32 queries (32 KiB + 256 B); 64 / 32 threads per block."""
+    (32 KiB), dkv 2 x 32 queries (32 KiB + 256 B); 64 / 32 threads per block. Both stay under the
+    48 KiB of static shared memory a block may have."""
 
-    bq: int = 64  # query rows per dq block (threads), queries staged per dkv step
+    bq: int = 64  # query rows per dq block (threads)
     bkv: int = 32  # keys staged per dq step, key rows per dkv block (threads)
+    bq_dkv: int = 32  # queries staged per dkv step
 
     def shared_bytes(self, hd: int) -> int:
-        return 4 * max(2 * self.bkv * hd, 2 * self.bq * hd + 2 * self.bq)
+        return 4 * max(2 * self.bkv * hd, 2 * self.bq_dkv * hd + 2 * self.bq_dkv)
 
     def check(self, hd: int) -> None:
-        if self.bq <= 0 or self.bkv <= 0:
+        if min(self.bq, self.bkv, self.bq_dkv) <= 0:
             raise ValueError(f"attention backward tiles {self} must be positive")
         if self.shared_bytes(hd) > STATIC_SHARED_LIMIT:
             raise ValueError(f"attention backward tiles {self} with head_dim={hd} need "
                              f"{self.shared_bytes(hd)} bytes of shared memory (> {STATIC_SHARED_LIMIT})")
 
 
-SIM_TILES = BackwardTiles(bq=4, bkv=4)
+SIM_TILES = BackwardTiles(bq=4, bkv=4, bq_dkv=4)
 NEG_INF = float32(-np.inf)
 
 
@@ -65,7 +67,7 @@ NEG_INF = float32(-np.inf)
 def make_backward_kernels(hd: int, tiles: BackwardTiles):
     tiles.check(hd)
     HD, BQ, BKV = hd, tiles.bq, tiles.bkv
-    BQ_DKV = tiles.bq  # queries staged per dkv step
+    BQ_DKV = tiles.bq_dkv  # queries staged per dkv step
 
     @cuda.jit
     def attention_dq_kernel(q, k, v, o, lse, do, dq, scale):
