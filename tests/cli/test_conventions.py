@@ -35,3 +35,18 @@ def test_help_names_no_python_type(path):
     assert r.exit_code == 0, r.output
     for typed in ("<list[", "<int>", "<str>", "<bool>", "<Path>", "<float>", "[[", "list[Path]"):
         assert typed not in r.stdout, f"{typed} in `vmstoolkit {' '.join(path)} --help`"
+
+
+def test_commands_parse_under_a_typer_without_the_rich_type_hook(monkeypatch):
+    """The H200 image's Typer has no ``display_type_rich`` on its parameters; every command
+    crashed there with AttributeError before parsing its arguments."""
+    from typer.core import TyperArgument, TyperOption
+
+    for cls in (TyperOption, TyperArgument):
+        for owner in cls.__mro__:
+            if "display_type_rich" in vars(owner):
+                monkeypatch.delattr(owner, "display_type_rich")
+    assert not hasattr(TyperOption, "display_type_rich")
+    r = runner.invoke(app, ["replay", "/no/such/run.pickle"])
+    assert not isinstance(r.exception, AttributeError), r.exception
+    assert r.exit_code != 0 and "/no/such/run.pickle" in r.output

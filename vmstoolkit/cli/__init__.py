@@ -45,10 +45,13 @@ class _PlainTypes:
             if getattr(p, "_plain_types", False):
                 continue
             p._plain_types = True
+            label = getattr(p, "display_type_rich", None)
+            if label is None:  # a Typer without this hook (the H200 image's): its own labels stay
+                continue
             if isinstance(p, TyperArgument) or getattr(p, "is_flag", False):
                 p.display_type_rich = lambda ctx: None
             elif getattr(p, "metavar", None) is None:
-                p.display_type_rich = lambda ctx, p=p, f=p.display_type_rich: _label(f(ctx))
+                p.display_type_rich = lambda ctx, f=label: _label(f(ctx))
         return params
 
 
