@@ -98,6 +98,23 @@ def oom_in_backward() -> str:
         return f"{type(e).__name__}: {str(e)[:300]}"
 
 
+def exception_through_temporaries() -> str:
+    """A Python exception raised while a CUDA temporary sits on the evaluation stack (it is freed
+    as the exception unwinds the frame) reaches the caller as itself."""
+
+    def fail():
+        raise KeyError("raised by the user's code")
+
+    try:
+        _ = torch.ones(1 << 20, device="cuda") * 2 + fail()
+        return "nothing"
+    except KeyError:
+        return "KeyError"
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def statistics(handle) -> dict:
     """Every torch.cuda memory function works and equals the allocator's own figures."""
     out: dict = {}
@@ -173,7 +190,8 @@ def main() -> None:
     result = {"allocator": name, "options": opts, "install_s": time.perf_counter() - t0,
               "shim": bool(getattr(handle, "raises", False)), "shim_reason": getattr(handle, "shim_reason", "")}
     for key, fn in (("side_stream_wrong", side_stream_reuse), ("record_stream_wrong", record_stream_reuse),
-                    ("oom", out_of_memory), ("oom_in_backward", oom_in_backward), ("cuda_graph", cuda_graph)):
+                    ("oom", out_of_memory), ("oom_in_backward", oom_in_backward), ("exception_through_temporaries", exception_through_temporaries),
+                    ("cuda_graph", cuda_graph)):
         try:
             result[key] = fn()
         except Exception as e:  # noqa: BLE001 - reported, not hidden

@@ -55,6 +55,13 @@ def test_out_of_memory_is_catchable_and_work_goes_on(name, opts):
 
 
 @pytest.mark.parametrize("name,opts", CASES)
+def test_an_exception_unwinding_past_cuda_temporaries_stays_itself(name, opts):
+    """Found on the H200: under the Python allocators, a tensor freed while an exception unwound
+    a frame ran Python, which cleared the exception: ``SystemError`` instead of the user's error."""
+    assert run(name, opts)["exception_through_temporaries"] == "KeyError"
+
+
+@pytest.mark.parametrize("name,opts", CASES)
 def test_torch_cuda_statistics_are_the_allocators(name, opts):
     r = run(name, opts)
     s = r["stats"]

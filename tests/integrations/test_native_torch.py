@@ -184,8 +184,10 @@ def test_install_paged_hands_pytorch_the_compiled_pointers(monkeypatch):
 
 @pytest.mark.parametrize("name", ["paged", "vms"])
 def test_install_with_the_shim_hands_it_every_entry_point(monkeypatch, name):
-    """With the shim built (a stand-in here), it receives the seven entry points, and the handle
-    leaves failed allocations to it (no report on stderr: the shim raises torch.OutOfMemoryError)."""
+    """With the shim built (a stand-in here), it receives the seven entry points and whether they
+    run Python (the Python allocators' do: the shim keeps a Python exception in flight out of their
+    way), and the handle leaves failed allocations to it (no report on stderr: the shim raises
+    torch.OutOfMemoryError)."""
     import sys
     import types
 
@@ -194,13 +196,14 @@ def test_install_with_the_shim_hands_it_every_entry_point(monkeypatch, name):
     seen = {}
     fake = types.ModuleType("torch")
     fake.cuda = types.SimpleNamespace(is_available=lambda: True)
-    shim = types.SimpleNamespace(install=lambda *ptrs: seen.setdefault("pointers", ptrs))
+    shim = types.SimpleNamespace(install=lambda *args: seen.update(pointers=args[:-1], python=args[-1]))
     monkeypatch.setitem(sys.modules, "torch", fake)
     monkeypatch.setattr(vt, "_INSTALLED", None)
     monkeypatch.setattr(vt, "_load_shim", lambda: (shim, ""))
     h = vt.install(name)
     try:
         assert seen["pointers"] == h.shim_pointers and len(set(h.shim_pointers)) == 7
+        assert seen["python"] is (name != "paged")
         assert h.raises
     finally:
         if name == "paged":

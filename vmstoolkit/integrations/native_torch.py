@@ -179,6 +179,7 @@ class NativeHook(HookBase):
     each device's driver (the real one by default; the simulated one in tests)."""
 
     _active: "NativeHook | None" = None  # the table serves one hook per process
+    runs_python = False  # compiled entry points; their rare slow paths call Python (see module doc)
 
     def __init__(self, driver_factory, **options) -> None:
         if NativeHook._active is not None:

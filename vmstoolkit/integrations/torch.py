@@ -63,6 +63,9 @@ class HookBase(HandleStats):
     ``devices_in_use()``, and ``alloc_ptr``/``free_ptr``."""
 
     allocator_name = "abstract"
+    runs_python = True
+    """Whether ``alloc_ptr``/``free_ptr`` are Python callbacks: the shim then keeps a Python
+    exception in flight out of their way (see ``csrc/torch_shim.cpp``, ``KeepPythonError``)."""
 
     def __init__(self) -> None:
         self.threads = ThreadStatePins()  # autograd's device threads call in: keep their states
@@ -277,7 +280,7 @@ def install(allocator: str = "vms", *, shim: bool = True, **options) -> HookBase
     module, reason = (None, "shim=False") if not shim else _load_shim()
     try:
         if module is not None:
-            module.install(*handle.shim_pointers)
+            module.install(*handle.shim_pointers, handle.runs_python)
             handle.raises = True
         else:
             handle.shim_reason = reason

@@ -9,7 +9,8 @@
 //   never reaches a kernel;
 // - recordStream reaches the allocator with the block's device and allocation stream;
 // - getDeviceStats / resetPeakStats / resetAccumulatedStats / emptyCache / cacheInfo answer
-//   from the allocator, so every torch.cuda memory function works unchanged.
+//   from the allocator, so every torch.cuda memory function works unchanged;
+// - a Python exception in flight survives a callback into Python (KeepPythonError).
 #include <pybind11/pybind11.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -51,21 +52,73 @@ enum Stat {
   COUNT_ALLOC, COUNT_FREED, OOMS, DEV_ALLOC, DEV_FREE, RETRIES, N_STATS
 };
 
+// Whether the entry points are Python callbacks (ctypes: the Python allocators) rather than
+// compiled functions (the paged hook); set once by install().
+bool g_python_callbacks = false;
+
+// A Python callback must not run while the calling thread's Python exception is in flight.
+// PyTorch frees tensors as an exception unwinds a frame (a temporary on the evaluation stack),
+// and releases the GIL while it does: the thread state keeps the exception, ctypes takes the GIL
+// back for the callback, the callback's Python code sees the exception and clears it, and the
+// frame goes on unwinding with none: "SystemError: error return without exception set", or a
+// crash where an except clause reads the missing exception (both seen on the H200). So around a
+// Python callback the shim takes the GIL itself (ctypes would take it anyway), sets a pending
+// exception aside, and puts it back after. Compiled entry points run no Python: no guard.
+class KeepPythonError {
+ public:
+  KeepPythonError() {
+    if (!g_python_callbacks || !Py_IsInitialized()) return;
+    gil_ = PyGILState_Ensure();
+    taken_ = true;
+    if (PyErr_Occurred() != nullptr) {
+      PyErr_Fetch(&type_, &value_, &tb_);
+      held_ = true;
+      if (std::getenv("VMSTOOLKIT_SHIM_TRACE") != nullptr)
+        std::fprintf(stderr, "shim: a Python exception is in flight; kept across the callback\n"), std::fflush(stderr);
+    }
+  }
+  ~KeepPythonError() {
+    if (held_) PyErr_Restore(type_, value_, tb_);
+    if (taken_) PyGILState_Release(gil_);
+  }
+  KeepPythonError(const KeepPythonError&) = delete;
+  KeepPythonError& operator=(const KeepPythonError&) = delete;
+
+ private:
+  PyGILState_STATE gil_{};
+  PyObject* type_ = nullptr;
+  PyObject* value_ = nullptr;
+  PyObject* tb_ = nullptr;
+  bool taken_ = false;
+  bool held_ = false;
+};
+
 struct VmsAllocator : public Base {
   VmsAllocator(AllocFn a, FreeFn f, RecordFn r, StatsFn s, ResetFn rs, EmptyFn e, ErrorFn er)
       : Base(a, f), record_(r), stats_(s), reset_(rs), error_(er) {
-    reset_fn_ = [e]() { e(); };  // what the base's emptyCache calls
+    reset_fn_ = [e]() {
+      KeepPythonError keep;
+      e();
+    };  // what the base's emptyCache calls
     record_stream_fn_ = [this](void* ptr, cudaStream_t stream) { this->record(ptr, stream); };
   }
 
   void* checked(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
-    void* p = alloc_fn_(size, device, stream);
+    void* p;
+    {
+      KeepPythonError keep;
+      p = alloc_fn_(size, device, stream);
+    }
     if (p == nullptr) {
       if (size == 0) return nullptr;
       const bool trace = std::getenv("VMSTOOLKIT_SHIM_TRACE") != nullptr;
       if (trace) std::fprintf(stderr, "shim: null for %zu bytes on %d; asking why\n", size, (int)device), std::fflush(stderr);
       std::string why(2048, '\0');
-      int n = error_(device, &why[0], why.size() - 1);
+      int n;
+      {
+        KeepPythonError keep;
+        n = error_(device, &why[0], why.size() - 1);
+      }
       why.resize(n > 0 ? static_cast<size_t>(n) : 0);
       if (trace) std::fprintf(stderr, "shim: %s; throwing\n", why.c_str()), std::fflush(stderr);
       throw c10::OutOfMemoryError(
@@ -89,6 +142,7 @@ struct VmsAllocator : public Base {
       m = it->second;
       blocks_.erase(it);
     }
+    KeepPythonError keep;
     free_fn_(ptr, m.size, m.device, m.stream);
   }
 
@@ -123,12 +177,16 @@ struct VmsAllocator : public Base {
       device = it->second.device;
       own = it->second.stream;
     }
+    KeepPythonError keep;
     record_(ptr, device, own, stream);
   }
 
   c10::cuda::CUDACachingAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     int64_t v[N_STATS] = {0};
-    stats_(device, v, N_STATS);
+    {
+      KeepPythonError keep;
+      stats_(device, v, N_STATS);
+    }
     c10::cuda::CUDACachingAllocator::DeviceStats s;
     const size_t all = 0;  // StatType::AGGREGATE
     auto bytes = [&](auto& stat) {
@@ -157,8 +215,14 @@ struct VmsAllocator : public Base {
     return s;
   }
 
-  void resetAccumulatedStats(c10::DeviceIndex device) override { reset_(device, 1); }
-  void resetPeakStats(c10::DeviceIndex device) override { reset_(device, 0); }
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    KeepPythonError keep;
+    reset_(device, 1);
+  }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    KeepPythonError keep;
+    reset_(device, 0);
+  }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
     // cuDNN sizes its workspace by the largest block the allocator could hand out: the device's
@@ -180,7 +244,8 @@ struct VmsAllocator : public Base {
   ErrorFn error_;
 };
 
-void install(uint64_t a, uint64_t f, uint64_t r, uint64_t s, uint64_t rs, uint64_t e, uint64_t er) {
+void install(uint64_t a, uint64_t f, uint64_t r, uint64_t s, uint64_t rs, uint64_t e, uint64_t er, bool python) {
+  g_python_callbacks = python;
   auto alloc = std::make_shared<VmsAllocator>(
       reinterpret_cast<AllocFn>(a), reinterpret_cast<FreeFn>(f), reinterpret_cast<RecordFn>(r),
       reinterpret_cast<StatsFn>(s), reinterpret_cast<ResetFn>(rs), reinterpret_cast<EmptyFn>(e),
@@ -192,9 +257,10 @@ void install(uint64_t a, uint64_t f, uint64_t r, uint64_t s, uint64_t rs, uint64
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("install", [](uint64_t a, uint64_t f, uint64_t r, uint64_t s, uint64_t rs, uint64_t e, uint64_t er) {
+  m.def("install", [](uint64_t a, uint64_t f, uint64_t r, uint64_t s, uint64_t rs, uint64_t e, uint64_t er,
+                      bool python) {
     try {
-      install(a, f, r, s, rs, e, er);
+      install(a, f, r, s, rs, e, er, python);
     } catch (const c10::Error& err) {
       throw std::runtime_error(err.what_without_backtrace());
     }
