@@ -37,9 +37,9 @@ import gc
 import threading
 
 from vmstoolkit.errors import DriverOutOfMemoryError, NoGPUError, OutOfMemoryError, VmsError
-from vmstoolkit.integrations.bridge import AllocatorBridge, HandleStats
+from vmstoolkit.integrations import IntegrationHandle
+from vmstoolkit.integrations.bridge import AllocatorBridge
 from vmstoolkit.pools import make_allocator, make_driver
-from vmstoolkit.pools.base import Allocator
 from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.registry import check_allocator
 
@@ -86,7 +86,7 @@ class _Owner:
             self.bridge.free(self.ptr, self.stream)  # never raises: a bad free is recorded
 
 
-class CupyHandle(HandleStats):
+class CupyHandle(IntegrationHandle):
     """CuPy's allocator function over one vmstoolkit allocator per device.
 
     ``bridge(device)``, ``allocator(device)`` and ``stats(device)`` take the device CuPy
@@ -116,14 +116,6 @@ class CupyHandle(HandleStats):
                     allocator = make_allocator(self.allocator_name, self._driver_factory(device), **self._options)
                     b = self.bridges[device] = AllocatorBridge(allocator)
         return b
-
-    def allocator(self, device: int | None = None) -> Allocator:
-        return self.bridge(device).allocator
-
-    def stats(self, device: int | None = None) -> dict:
-        """The device's statistics in ``torch.cuda.memory_stats()`` names
-        (:func:`~vmstoolkit.integrations.bridge.torch_stats`)."""
-        return self.bridge(device).stats()
 
     def empty_cache(self) -> None:
         """Give every device's cached memory back to the driver."""
