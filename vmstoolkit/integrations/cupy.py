@@ -58,8 +58,8 @@ def _import_cupy():
     try:
         import cupy
     except ImportError as e:
-        raise NoGPUError(f"CuPy is not installed ({e}): `pip install cupy-cuda12x` to use vmstoolkit "
-                         "allocators inside CuPy") from None
+        raise NoGPUError(f"CuPy is not installed ({e}): `pip install cupy-cuda13x` (or the wheel of your CUDA "
+                         "version) to use vmstoolkit allocators inside CuPy") from None
     if not cupy.cuda.is_available():
         raise NoGPUError("CuPy sees no CUDA GPU: the CuPy integration needs one (replay works without: "
                          "`vmstoolkit replay`)")
