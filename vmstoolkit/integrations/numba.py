@@ -1,8 +1,13 @@
 """vmstoolkit allocators behind Numba's device arrays: an External Memory Management plugin.
 
-    from vmstoolkit.integrations.numba import use_with_numba
-    use_with_numba("vms")        # before Numba's first CUDA allocation
+    import vmstoolkit.integrations.numba as vn
+    handle = vn.install("vms")   # before Numba's first CUDA allocation
     d = numba.cuda.to_device(x)  # served by the vms pools
+    handle.stats()               # the current device's statistics
+
+(:func:`use_with_numba` is the same without the handle: it returns the plugin class.) Numba makes
+a context's memory manager when it makes the context, so the plugin serves the contexts made
+after :func:`install`, and there is no uninstall.
 
 Numba's CUDA simulator has no EMM machinery (no contexts, no ``HostOnlyCUDAMemoryManager``):
 there the plugin cannot exist and :func:`use_with_numba` says so.
@@ -15,6 +20,7 @@ import os
 import weakref
 
 from vmstoolkit.errors import VmsError
+from vmstoolkit.integrations import IntegrationHandle
 from vmstoolkit.integrations.bridge import AllocatorBridge
 from vmstoolkit.pools import make_allocator, make_driver
 
@@ -99,3 +105,30 @@ def use_with_numba(allocator: str = "vms", **options):
 
     cuda.set_memory_manager(mm)
     return mm
+
+
+class NumbaHandle(IntegrationHandle):
+    """What :func:`install` returns: the plugin class and, per device, the allocator its
+    context's memory manager made (``device=None``: Numba's current device). ``memory_stats``,
+    ``max_memory_reserved`` and ``max_memory_allocated`` answer as for the PyTorch handle."""
+
+    def __init__(self, name: str, manager) -> None:
+        self.allocator_name = name
+        self.manager = manager
+
+    def bridge(self, device: int | None = None) -> AllocatorBridge:
+        from numba import cuda
+
+        ctx = cuda.current_context(device)
+        mm = ctx.memory_manager
+        if not isinstance(mm, self.manager):
+            raise VmsError(f"device {ctx.device.id}'s Numba context was made before vmstoolkit {self.allocator_name!r} was "
+                           "installed: Numba keeps the memory manager a context was made with")
+        mm.initialize()
+        return mm.bridge
+
+
+def install(name: str = "vms", **options) -> NumbaHandle:
+    """Make Numba allocate device memory through vmstoolkit's allocator ``name`` (before
+    Numba's first CUDA allocation) and return the handle."""
+    return NumbaHandle(name, use_with_numba(name, **options))
