@@ -13,8 +13,7 @@ from vmstoolkit.pools.baselines.pytorch_caching import PyTorchCachingAllocator, 
 from vmstoolkit.pools.baselines.pytorch_config import parse_alloc_conf
 from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.trace import bundled_trace_paths, load_trace, replay
-
-MiB = 1 << 20
+from vmstoolkit.units import MiB
 
 
 def make(capacity=None, config=None) -> PyTorchCachingAllocator:

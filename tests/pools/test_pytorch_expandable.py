@@ -12,8 +12,7 @@ from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.baselines.pytorch_expandable import PyTorchExpandableAllocator
 from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.trace import bundled_trace_paths, load_trace, recorded_stats, replay
-
-MiB = 1 << 20
+from vmstoolkit.units import MiB
 
 
 def make(capacity=None, config=None) -> PyTorchExpandableAllocator:
