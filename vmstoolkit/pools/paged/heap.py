@@ -516,6 +516,21 @@ def conflicts(meta, page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, st
     return k
 
 
+def shared_with_live_neighbours(meta, page_chunk, page_used, chunk_live, start: int, n: int) -> list[int]:
+    """Diagnostics, on no allocation path: the pages of units ``[start, start + n)`` that a live
+    neighbour also holds (more live units than the block's own) and whose chunk is live through
+    another mapping too. :func:`conflicts` must leave each such page its chunk (the neighbour's
+    data is there) and remap the block's other page instead. Plain Python, O(pages of the window)."""
+    q = int(meta[M_Q])
+    pages = []
+    for p in range(start // q, (start + n + q - 1) // q):
+        mine = min(start + n, (p + 1) * q) - max(start, p * q)
+        c = page_chunk[p]
+        if c != NONE and page_used[p] > mine and chunk_live[c] > 1:
+            pages.append(p)
+    return pages
+
+
 @njit(cache=True)
 def lend_idle(chunk_live, nmaps, nchunks, chunk_stack, g, hand, want):
     """Push up to ``want`` chunks that are mapped only where no live block is (no page of theirs
