@@ -465,7 +465,7 @@ def reclaim(meta, page_chunk, page_used, nmaps, chunk_stack, g, want, out_pages,
     ones least likely to be needed again soon. ``meta[M_CLOCK_ORDER] = 1`` sweeps like a clock
     instead (from where the last sweep stopped), for comparison: on the traces it remapped
     1.4-9.9x more in steady state under best-fit placement, up to 1.3x more under mapped
-    placement, which avoids most reclaims (``experiments/results/paged/``)."""
+    placement, which avoids most reclaims (``docs/results.md#paged-policy``)."""
     got = 0
     npages = page_chunk.shape[0]
     if meta[M_CLOCK_ORDER] == 1:
