@@ -1,6 +1,6 @@
 """DDP and FSDP2 on two GPUs under each allocator mode: peak reserved per rank, step time, losses.
 
-    python experiments/ddp_fsdp_gpu.py --out DIR [--modes default,expandable,paged:aliases=True+slack_pages=64]
+    python experiments/ddp_fsdp_gpu.py --out DIR [--modes default,expandable,paged:aliases=true,slack_pages=64]
         [--repeats 4] [--gpus 2] [--steps 16] [--warmup 4]
 
 Each repeat runs every mode once, interleaved, each as its own ``torchrun`` (an allocator is
@@ -11,7 +11,7 @@ layer and on the whole model). Batch and sequence length change every step, from
 the same in every mode. Rows go to ``DIR/train.jsonl``, one per (process, strategy), in the
 format ``experiments/pool_runs.py`` pools (``variant`` = ddp | fsdp2, ``mode``, ``step_times``):
 
-    python experiments/pool_runs.py DIR/train.jsonl --variant fsdp2 --mode paged:aliases=True+slack_pages=64 --steps-per-round 4
+    python experiments/pool_runs.py DIR/train.jsonl --variant fsdp2 --mode paged:aliases=true,slack_pages=64 --steps-per-round 4
 """
 
 from __future__ import annotations
@@ -25,15 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+from common import allocator_mode, split_modes
+from vmstoolkit.errors import ConfigError
 
-def parse_mode(mode: str) -> tuple[str, dict]:
-    """``paged:aliases=True+slack_pages=64`` -> ("paged", {"aliases": True, "slack_pages": 64})."""
-    name, _, rest = mode.partition(":")
-    opts = {}
-    for kv in filter(None, rest.split("+")):
-        k, v = kv.split("=", 1)
-        opts[k] = {"True": True, "False": False}.get(v, int(v) if v.lstrip("-").isdigit() else v)
-    return name, opts
+NATIVE_MODES = ("default", "expandable")  # the PyTorch modes this script runs; the others name vmstoolkit allocators
 
 
 def shapes(steps: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -43,16 +38,16 @@ def shapes(steps: int, seed: int = 0) -> list[tuple[int, int]]:
 
 def worker(args) -> None:
     mode = args.mode
-    name, opts = parse_mode(mode)
-    if name == "expandable":
+    spec = allocator_mode(mode, NATIVE_MODES)
+    if mode == "expandable":
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     import torch
 
     handle = None
-    if name not in ("default", "expandable"):
+    if spec is not None:
         import vmstoolkit.integrations.torch as vt
 
-        handle = vt.install(name, **opts)
+        handle = vt.install(spec.name, **spec.options)
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -111,7 +106,8 @@ def worker(args) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--modes", default="default,expandable,paged:aliases=True+slack_pages=64")
+    ap.add_argument("--modes", default="default,expandable,paged:aliases=true,slack_pages=64",
+                    help="PyTorch's default and expandable modes, or vmstoolkit allocators as NAME:KEY=VALUE,...")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
@@ -123,8 +119,14 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    modes = split_modes(args.modes)
+    for mode in modes:
+        try:
+            allocator_mode(mode, NATIVE_MODES)
+        except ConfigError as e:
+            ap.error(str(e))
     for rep in range(args.repeats):
-        for mode in args.modes.split(","):
+        for mode in modes:
             t0 = time.perf_counter()
             cmd = ["torchrun", "--standalone", f"--nproc_per_node={args.gpus}", __file__, "--worker", "--mode", mode,
                    "--out", str(args.out), "--steps", str(args.steps), "--warmup", str(args.warmup)]

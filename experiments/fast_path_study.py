@@ -1,6 +1,6 @@
 """Can a cheap fast path in front of ``vms`` bring PyTorch's step time within 5%? A study on the traces.
 
-    python experiments/fast_path_study.py [--out experiments/results/fast_path_study] [--passes 5]
+    python experiments/fast_path_study.py [--out experiments/results/fast_path_study] [--passes 5] [--traces SNAPSHOT ...]
 
 On the H200 (``experiments/results/train-h200/``) ``vms`` costs 3.6-5.5 us of Python per
 allocation or free, 8-16k of them per training step: 1.43x (full) and 1.75x (LoRA) PyTorch's
@@ -10,7 +10,7 @@ matters for each: how many calls still reach Python, what the driver work of ste
 becomes, and what peak reserved memory becomes.
 
 Rows, each trace replayed ``--passes`` times in a row (steady state: passes 3 and later, as in
-``experiments/vms_policy.py``, whose driver cost model this reuses):
+``experiments/vms_policy.py``; the driver cost model is ``common.COST_US``):
 
 - ``vms``: every allocation and free goes to Python (today's integration).
 - ``vms + exact-size front``: a front of freed blocks by exact (size, stream), as native code
@@ -32,23 +32,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
 from pathlib import Path
+from typing import Callable, NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep import grid, sweep, write  # noqa: E402
-from vms_policy import COST_US, SET_ACCESS_US_PER_CHUNK, _AccessMeter  # noqa: E402
-
-from vmstoolkit.pools import make_allocator, make_driver  # noqa: E402
-from vmstoolkit.pools.baselines.pytorch_caching import Block, PyTorchCachingAllocator, allocation_size  # noqa: E402
-from vmstoolkit.pools.vmm.allocator import VMMAllocator  # noqa: E402
-
-WARM_PASSES = 2
-
-
-def _driver_us(driver, meter, before) -> float:
-    calls = {k: v - before[0].get(k, 0) for k, v in driver.calls.items()}
-    return sum(COST_US.get(k, 0.0) * v for k, v in calls.items()) + SET_ACCESS_US_PER_CHUNK * (meter.chunks - before[1])
+from common import grid, priced, replay_passes, sweep, write
+from vmstoolkit.pools import make_allocator
+from vmstoolkit.pools.baselines.pytorch_caching import Block, PyTorchCachingAllocator, allocation_size
 
 
 class ExactFront:
@@ -58,6 +47,7 @@ class ExactFront:
         self.vms = vms
         self.by_key: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
         self.cached: dict[int, tuple[int, int]] = {}
+        self.live: dict[int, tuple[int, int]] = {}
         self.python_calls = 0
 
     def _cheap(self, n: int) -> bool:
@@ -80,16 +70,25 @@ class ExactFront:
         if blocks:
             addr = blocks.pop()
             del self.cached[addr]
-            return addr
-        n = -(-size // self.vms.g)
-        if self.cached and size > self.vms.policy.small_size and not self._cheap(n):
-            self.drain()
-        self.python_calls += 1
-        return self.vms.allocate(size, stream)
+        else:
+            n = -(-size // self.vms.g)
+            if self.cached and size > self.vms.policy.small_size and not self._cheap(n):
+                self.drain()
+            self.python_calls += 1
+            addr = self.vms.allocate(size, stream)
+        self.live[addr] = (size, stream)
+        return addr
 
-    def free(self, addr: int, size: int, stream: int) -> None:
-        self.by_key[(size, stream)].append(addr)
-        self.cached[addr] = (size, stream)
+    def free(self, addr: int) -> None:
+        key = self.live.pop(addr)
+        self.by_key[key].append(addr)
+        self.cached[addr] = key
+
+    def stats(self):
+        return self.vms.stats()
+
+    def close(self) -> None:
+        self.vms.close()
 
 
 class CachingOverVMS(PyTorchCachingAllocator):
@@ -128,59 +127,28 @@ class CachingOverVMS(PyTorchCachingAllocator):
         return True  # a private pool in use keeps its cached blocks (PyTorch's release_cached_blocks)
 
 
-def replay_passes(trace, make, passes: int) -> dict:
-    """Replay ``trace`` ``passes`` times through ``make(driver)``: Python calls per request and
-    modelled driver time per pass in steady state, peak reserved and utilization. Steady state
-    is the passes after the first ``WARM_PASSES`` (the last pass when there are no more)."""
-    if passes < 1:
-        raise ValueError(f"passes must be at least 1, got {passes}")
-    driver = make_driver("sim")
-    meter = _AccessMeter(driver)
-    target = make(driver)
-    front = target if isinstance(target, ExactFront) else None
-    alloc = front.vms if front else target
-    events = trace.alloc_free_events()
-    per_pass = []
-    for i in range(passes):
-        before = (dict(driver.calls), meter.chunks, getattr(target, "python_calls", 0), driver.syncs)
-        live: dict[int, tuple[int, int, int]] = {}
-        requests = 0
-        for e in events:
-            if e.action.value == "alloc":
-                live[e.addr] = (target.allocate(e.size, e.stream), e.size, e.stream)
-                requests += 1
-            else:
-                got = live.pop(e.addr, None)
-                if got is not None:
-                    target.free(*got) if front else target.free(got[0])
-                    requests += 1
-        for got in live.values():
-            target.free(*got) if front else target.free(got[0])
-            requests += 1
-        if front:
-            front.drain()
-        python = getattr(target, "python_calls", None)
-        per_pass.append({"driver_ms": _driver_us(driver, meter, before) / 1000, "syncs": driver.syncs - before[3],
-                         "python_per_request": (python - before[2]) / requests if python is not None
-                         else float(isinstance(alloc, VMMAllocator))})  # vms: every request; PyTorch's: none
-    s = alloc.stats() if front else target.stats()
-    steady = per_pass[min(WARM_PASSES, passes - 1):]
-    out = {"peak_reserved": s.peak_reserved_bytes, "utilization": s.utilization,
-           "steady_driver_ms": sum(p["driver_ms"] for p in steady) / len(steady),
-           "python_per_request": sum(p["python_per_request"] for p in steady) / len(steady),
-           "steady_syncs": sum(p["syncs"] for p in steady) / len(steady),
-           "per_pass": per_pass}
-    target.close() if not front else alloc.close()
-    return out
+class Design(NamedTuple):
+    make: Callable  # driver -> the allocator the replay calls
+    python: float | None = None  # Python calls per request when fixed; None: the design counts its own
+    end_pass: Callable | None = None
+
+
+def replay(trace, design: Design, passes: int) -> dict:
+    """Replay ``trace`` ``passes`` times through the design: Python calls per request and modelled
+    driver time per pass in steady state (:func:`common.steady`), peak reserved and utilization."""
+    counters = (lambda t: {"python_calls": t.python_calls}) if design.python is None else None
+    r = replay_passes(trace, design.make, passes, counters=counters, end_pass=design.end_pass)
+    return priced(r, python_per_request=lambda p: design.python if design.python is not None
+                  else p["counters"]["python_calls"] / p["requests"])
 
 
 ROWS = {
-    "vms": lambda d: make_allocator("vms", d),
-    "vms + exact-size front": lambda d: ExactFront(make_allocator("vms", d)),
-    "caching over vms (max_split 21)": lambda d: CachingOverVMS(d, "max_split_size_mb:21"),
-    "caching over vms (max_split 64)": lambda d: CachingOverVMS(d, "max_split_size_mb:64"),
-    "pytorch-caching": lambda d: make_allocator("pytorch-caching", d),
-    "pytorch-expandable": lambda d: make_allocator("pytorch-expandable", d),
+    "vms": Design(lambda d: make_allocator("vms", d), python=1.0),  # every request reaches Python
+    "vms + exact-size front": Design(lambda d: ExactFront(make_allocator("vms", d)), end_pass=ExactFront.drain),
+    "caching over vms (max_split 21)": Design(lambda d: CachingOverVMS(d, "max_split_size_mb:21")),
+    "caching over vms (max_split 64)": Design(lambda d: CachingOverVMS(d, "max_split_size_mb:64")),
+    "pytorch-caching": Design(lambda d: make_allocator("pytorch-caching", d), python=0.0),  # native
+    "pytorch-expandable": Design(lambda d: make_allocator("pytorch-expandable", d), python=0.0),
 }
 
 
@@ -188,10 +156,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--traces", type=Path, nargs="+", default=None, help="snapshots instead of the bundled traces")
     args = ap.parse_args()
-    rows = sweep(ROWS, lambda trace, label: replay_passes(trace, ROWS[label], args.passes), "design",
+    rows = sweep(ROWS, lambda trace, label: replay(trace, ROWS[label], args.passes), "design",
                  lambda r: f"peak {r['peak_reserved'] / 2**30:6.2f} GiB  util {r['utilization']:.3f}  "
-                 f"python/request {r['python_per_request']:.3f}  steady driver {r['steady_driver_ms']:7.1f} ms/pass")
+                 f"python/request {r['python_per_request']:.3f}  steady driver {r['steady_driver_ms']:7.1f} ms/pass",
+                 args.traces)
     write(args.out, "fast_path_study", rows, grid(
         rows, "design", lambda r: f"{r['peak_reserved'] / 2**30:.2f} GiB / {r['python_per_request']:.2f} / "
         f"{r['steady_driver_ms']:.0f} ms", "design"))

@@ -20,20 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from numba import cuda
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kernels_bench import run_env, say, tf32_off  # noqa: E402
-
-from vmstoolkit.kernels import gemm as G  # noqa: E402
+from common import run_env, say, tf32_off, time_events
+from vmstoolkit.kernels import gemm as G
 
 SHAPES = [  # (name, (M, N, K)): y (M, N) = x (M, K) @ w (N, K).T
     ("4096^3", (4096, 4096, 4096)),
@@ -70,40 +64,9 @@ def label(v, t, splits=None) -> str:
     return f"v{v} {t.bm}x{t.bn}x{t.bk}/{t.tm}x{t.tn}" + (f" split{splits}" if splits else "")
 
 
-def time_batched(launch, synchronize, event_pair) -> float:
-    """Median milliseconds per call of ``launch()``, by events around REPS calls."""
-    for _ in range(3):
-        launch()
-    synchronize()
-    times = []
-    for _ in range(SAMPLES):
-        record0, record1, elapsed = event_pair()
-        record0()
-        for _ in range(REPS):
-            launch()
-        record1()
-        times.append(elapsed() / REPS)
-    return float(np.median(times))
-
-
-def torch_events():
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def elapsed():
-        e1.synchronize()
-        return e0.elapsed_time(e1)
-
-    return e0.record, e1.record, elapsed
-
-
-def numba_events():
-    e0, e1 = cuda.event(), cuda.event()
-
-    def elapsed():
-        e1.synchronize()
-        return cuda.event_elapsed_time(e0, e1)
-
-    return e0.record, e1.record, elapsed
+def time_batched(launch, events: str) -> float:
+    """Median milliseconds per call of ``launch()``, by CUDA events around REPS calls, SAMPLES times."""
+    return time_events(launch, SAMPLES, warmup=3, per_event=REPS, events=events)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -130,8 +93,7 @@ def run_shape(name: str, m: int, n: int, k: int, candidates, time_it: bool = Tru
     y = torch.empty(m, n, device="cuda")  # (M, N)
     want = torch.matmul(x, w.T)  # (M, N), cuBLAS fp32
     flops = 2.0 * m * n * k
-    t_cublas = (time_batched(lambda: torch.matmul(x, w.T, out=y), torch.cuda.synchronize,
-                             torch_events) if time_it else float("nan"))
+    t_cublas = time_batched(lambda: torch.matmul(x, w.T, out=y), "torch") if time_it else float("nan")
     if time_it:
         say(f"  {name:<28} {'cuBLAS fp32':<22} {flops / t_cublas / 1e9:6.2f} TFLOP/s"
             f"  {t_cublas:8.4f} ms")
@@ -149,8 +111,8 @@ def run_shape(name: str, m: int, n: int, k: int, candidates, time_it: bool = Tru
             G.gemm(dx, dw, dy, tiles=t, variant=v, splits=splits)
             cuda.synchronize()
             err = rel_err(y, want)
-            ms = (time_batched(lambda: G.gemm(dx, dw, dy, tiles=t, variant=v, splits=splits), cuda.synchronize,
-                               numba_events) if time_it else float("nan"))
+            ms = (time_batched(lambda: G.gemm(dx, dw, dy, tiles=t, variant=v, splits=splits), "numba")
+                  if time_it else float("nan"))
         except Exception as e:  # noqa: BLE001 - keep the sweep going, record the failure
             say(f"  {name:<28} {lab:<22} FAILED: {type(e).__name__}: {e}")
             rows.append({"shape": name, "M": m, "N": n, "K": k, "config": lab, "variant": v,

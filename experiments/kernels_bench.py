@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
 import time
 from pathlib import Path
 
@@ -27,74 +25,28 @@ import numpy as np
 import torch
 from numba import cuda
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from vmstoolkit.kernels import LlamaBlock, LlamaBlockConfig, llama_block_forward  # noqa: E402
-from vmstoolkit.kernels import attention as A  # noqa: E402
-from vmstoolkit.kernels import gemm as G  # noqa: E402
-from vmstoolkit.kernels import reference as R  # noqa: E402
-from vmstoolkit.kernels.residual import residual_add  # noqa: E402
-from vmstoolkit.kernels.rmsnorm import rmsnorm  # noqa: E402
-from vmstoolkit.kernels.rope import rope  # noqa: E402
-from vmstoolkit.kernels.swiglu import swiglu  # noqa: E402
+from common import run_env, say, tf32_off, time_events
+from vmstoolkit.kernels import LlamaBlock, LlamaBlockConfig, llama_block_forward
+from vmstoolkit.kernels import attention as A
+from vmstoolkit.kernels import gemm as G
+from vmstoolkit.kernels import reference as R
+from vmstoolkit.kernels.residual import residual_add
+from vmstoolkit.kernels.rmsnorm import rmsnorm
+from vmstoolkit.kernels.rope import rope
+from vmstoolkit.kernels.swiglu import swiglu
 
 RESULTS: dict = {}
 
 
-def say(*a):
-    print(*a, flush=True)
-
-
-def run_env(**extra) -> dict:
-    """What a benchmark ran on and how it was called, for its JSON (``extra``: more versions)."""
-    import numba
-
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "numba": numba.__version__,
-            "numpy": np.__version__, "python": platform.python_version(),
-            "tf32": torch.backends.cuda.matmul.allow_tf32, **extra, "command": " ".join(sys.argv)}
-
-
-def tf32_off():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
+def time_numba(fn, iters: int) -> float:
+    """Median milliseconds of ``fn()`` by Numba's CUDA events (:func:`common.time_events`)."""
+    return time_events(fn, iters, events="numba")
 
 
 def rel(a, b) -> float:
     a = a.detach().double().cpu().numpy() if torch.is_tensor(a) else np.asarray(a, np.float64)
     b = b.detach().double().cpu().numpy() if torch.is_tensor(b) else np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def time_numba(fn, iters: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn()`` (enqueues on the default stream), by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        e0, e1 = cuda.event(), cuda.event()
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        times.append(cuda.event_elapsed_time(e0, e1))
-    return float(np.median(times))
-
-
-def time_torch(fn, iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
-    return float(np.median(times))
 
 
 # ---- HF layer ---------------------------------------------------------------------------------
@@ -178,7 +130,7 @@ def bench_gemm(shapes, sweep: bool) -> list[dict]:
         y = torch.empty(m, n, device="cuda")  # (M, N)
         flops = 2.0 * m * n * k
         iters = 10 if flops > 1e11 else 30
-        t_cublas = time_torch(lambda: torch.matmul(x, w.T, out=y), iters)
+        t_cublas = time_events(lambda: torch.matmul(x, w.T, out=y), iters)
         want = y.clone()
         dx, dw, dy = cuda.as_cuda_array(x), cuda.as_cuda_array(w), cuda.as_cuda_array(y)
         configs = [("auto", None, None)]  # the launcher's choice (gemm.choose)
@@ -233,7 +185,7 @@ def bench_attention(cases, sweep: bool) -> list[dict]:
         def sdpa():
             return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
 
-        t_sdpa = time_torch(sdpa, 10)
+        t_sdpa = time_events(sdpa, 10)
         want = sdpa().transpose(1, 2)  # (B, T, nh, hd)
         flops = 4.0 * b * nh * hd * t * (t + 1) / 2
         dq, dk, dv, do = (cuda.as_cuda_array(a) for a in (q, k, v, o))
@@ -273,7 +225,7 @@ def bench_block(c: LlamaBlockConfig, b: int, t: int) -> dict:
         with torch.no_grad():
             return hf_forward(layer, rot, x)
 
-    t_hf = time_torch(hf, 10)
+    t_hf = time_events(hf, 10)
     t_ours = time_numba(lambda: blk.forward_device(dx, dout), 10)
     err = rel(out, hf())
     m, h, f, hd = b * t, c.hidden_size, c.ffn_size, c.head_dim

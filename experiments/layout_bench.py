@@ -21,9 +21,9 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vmstoolkit.pools.drivers.cuda import CudaDriver  # noqa: E402
-from vmstoolkit.units import GiB  # noqa: E402
+from common import time_events
+from vmstoolkit.pools.drivers.cuda import CudaDriver
+from vmstoolkit.units import GiB
 
 
 class _Cai:
@@ -41,9 +41,7 @@ def time_kernels(torch, x) -> dict:
     narrow = torch.randint(0, min(n, GiB // 4), (1 << 24,), device="cuda", generator=g)
     kernels = {"gather_anywhere": lambda: x[wide].sum(), "sum_stream": lambda: x.sum(),
                "gather_1gib_window": lambda: x[narrow].sum()}
-    from kernels_bench import time_torch  # CUDA-event timing, median (needs numba-cuda, as there)
-
-    return {name + "_ms": time_torch(fn, iters=20, warmup=1) for name, fn in kernels.items()}
+    return {name + "_ms": time_events(fn, 20, warmup=1) for name, fn in kernels.items()}
 
 
 def vmm_layout(torch, d: CudaDriver, nbytes: int, how: str) -> dict:

@@ -13,6 +13,12 @@ Writes ``<out>/offload.jsonl`` (one JSON object per measurement), ``<out>/summar
   polling) and fixed-order; each checked equal to ``direct``;
 - ``accelerate``: ``infer_auto_device_map`` with GPU ``max_memory`` = the same budgets, then
   ``dispatch_model``, forward of ``inputs_embeds`` (skipped, and said so, without torch).
+
+The ``runtime`` rows are the product's experiment
+(:func:`vmstoolkit.exec.experiment.run_offload_experiment`, ``vmstoolkit offload``) plus what it
+does not do yet: checking every run's outputs against ``direct``, both ways of learning of
+completions (``OFFLOAD_NOTIFY``), pinned host copies shared between runs, and budgets named by
+weights rather than working set; the loop here runs until it does.
 """
 
 from __future__ import annotations
@@ -28,12 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from vmstoolkit.exec.compiler import compile_memory_graph, working_set  # noqa: E402
-from vmstoolkit.exec.executor import execute  # noqa: E402
-from vmstoolkit.exec.graph import LlamaConfig, build_llama, random_weights, reference_forward  # noqa: E402
+from common import best_of
+from vmstoolkit.exec.compiler import compile_memory_graph, working_set
+from vmstoolkit.exec.graph import LlamaConfig, build_llama, random_weights, reference_forward
 
 
 REPEATS = int(os.environ.get("OFFLOAD_REPEATS", "3"))  # makespan = best of this many runs
@@ -83,16 +86,7 @@ def run_ours(graph, values, ref, out, emit, dry: bool, parts: int):
                    "offloaded_bytes": mg.offloaded_bytes, "reloaded_bytes": mg.reloaded_bytes,
                    "fits_without_offload": budget >= ws, "vertices": len(mg.vertices)}
             try:
-                spans = []
-                for rep in range(1 if dry else REPEATS):
-                    be = backend(notify)
-                    try:
-                        r = execute(mg, be, ex)
-                        spans.append(r.makespan_s)
-                        res = be.result()
-                    finally:  # give the region back even when a run fails
-                        if hasattr(be, "close"):
-                            be.close()
+                spans, res = best_of(mg, lambda rep: backend(notify), ex, 1 if dry else REPEATS, lambda be: be.result())
                 err = max(float(np.max(np.abs(res[t] - ref[t]))) for t in graph.outputs)
                 scale = max(float(np.max(np.abs(ref[t]))) for t in graph.outputs)
                 row.update(makespan_s=min(spans), makespans_s=spans, max_abs_err=err, ref_max_abs=scale,

@@ -5,7 +5,7 @@ PyTorch's modes, and what its two knobs (reclaim order, slack) trade.
 
 Each trace is replayed ``--passes`` times in a row on the simulated driver; steady state is
 passes 3 and later. Per row: peak reserved, utilization, the modelled driver time per replay in
-steady state (the H200 per-call costs of ``experiments/vms_policy.py``), and the device
+steady state (the H200 per-call costs, ``common.COST_US``), and the device
 synchronizations per replay (``paged`` waits for queued work before it unmaps a page; ``vms``
 before it destroys a range).
 """
@@ -13,14 +13,10 @@ before it destroys a range).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fast_path_study import replay_passes  # noqa: E402
-from sweep import grid, sweep, write  # noqa: E402
-
-from vmstoolkit.pools import make_allocator  # noqa: E402
+from common import grid, priced, replay_passes, sweep, write
+from vmstoolkit.pools import make_allocator
 
 ROWS = {
     "paged": ("paged", {}),
@@ -53,9 +49,7 @@ def main() -> int:
 
     def run(trace, label):
         name, options = ROWS[label]
-        r = replay_passes(trace, lambda d: make_allocator(name, d, **options), args.passes)
-        r.pop("python_per_request")
-        return r
+        return priced(replay_passes(trace, lambda d: make_allocator(name, d, **options), args.passes))
 
     rows = sweep(ROWS, run, "row", lambda r: f"peak {r['peak_reserved'] / 2**30:6.2f} GiB  util {r['utilization']:.3f}  "
                  f"driver {r['steady_driver_ms']:6.1f} ms  syncs {r['steady_syncs']:5.0f} per replay", args.traces)

@@ -1,13 +1,14 @@
 """Pool the step times of several training calls, for a claim no single call can carry.
 
-    python experiments/pool_runs.py TRAIN_JSONL... --variant lora --mode paged:aliases=True+slack_pages=64
+    python experiments/pool_runs.py TRAIN_JSONL... --variant lora --mode paged:aliases=true,slack_pages=64
         [--base default] [--steps-per-round 6] [--resamples 10000]
 
 Each ``train.jsonl`` is one call of ``train_llama_gpu.py``, its modes interleaved; every row is
 one process. A host-bound step (LoRA: ``enqueue_times`` ~ ``step_times``) moves by ±10% from
 one process to the next, so one call's few processes decide a 5% question badly. This pools the
 steady-state steps (each process's rounds after the first) of every process of ``--mode`` and
-of ``--base`` over all the calls, and prints:
+of ``--base`` over all the calls (a mode matches however a call spelled it: the old ``+`` between
+options is ``,``), and prints:
 
 - per call, the ratio of the two pooled medians (the paired view: same machine, same hour);
 - over all calls, the ratio of the pooled medians, with a 95% interval from resampling whole
@@ -22,7 +23,23 @@ import json
 import statistics
 from pathlib import Path
 
+from common import same_mode
 from vmstoolkit.analysis.pooling import load, pooled, ratio
+
+
+def spelled(path: Path, mode: str) -> str:
+    """``mode`` as the call in ``path`` spelled it (the first row whose mode is the same)."""
+    for line in path.read_text().splitlines():
+        if line.strip() and same_mode(json.loads(line).get("mode", ""), mode):
+            return json.loads(line)["mode"]
+    return mode
+
+
+def load_call(path: Path, variant: str, base: str, mode: str, steps_per_round: int) -> dict[str, list[list[float]]]:
+    """``{base: [steady steps of each process], mode: [...]}`` of one call, whatever its spelling."""
+    b, m = spelled(path, base), spelled(path, mode)
+    got = load(path, variant, (b, m), steps_per_round)
+    return {base: got[b], mode: got[m]}
 
 
 def main() -> int:
@@ -34,7 +51,7 @@ def main() -> int:
     ap.add_argument("--steps-per-round", type=int, default=6)
     ap.add_argument("--resamples", type=int, default=10000)
     args = ap.parse_args()
-    calls = [load(p, args.variant, (args.base, args.mode), args.steps_per_round) for p in args.train_jsonl]
+    calls = [load_call(p, args.variant, args.base, args.mode, args.steps_per_round) for p in args.train_jsonl]
     for p, c in zip(args.train_jsonl, calls):
         meds = {m: [round(statistics.median(x), 4) for x in ps] for m, ps in c.items()}
         r = f"{ratio(c[args.base], c[args.mode]):.3f}x" if c[args.base] and c[args.mode] else "-"

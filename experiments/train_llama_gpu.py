@@ -3,6 +3,7 @@
     python experiments/train_llama_gpu.py --out DIR [--variants full,ckpt,lora,offload]
         [--modes default,expandable,vms] [--rounds 3] [--steps-per-round 6] [--repeats 1] [--cpus N]
         [--snapshots DIR] [--gc-between-steps]
+    python experiments/train_llama_gpu.py --out DIR --summary-of DIR/train.jsonl [--variants ...] [--modes ...]
 
 The model and workloads are those of ``vmstoolkit/data/traces``: a LLaMA-architecture causal LM
 (hidden 2048, 12 layers, 16 heads, FFN 5504, vocab 32000), random weights (seed 0), AdamW,
@@ -10,19 +11,22 @@ bf16 autocast, SDPA attention; each step draws batch from {4, 6, 8} and sequence
 256..2048 (seeded), the same shapes in every mode. Variants: ``full``; ``ckpt`` (gradient
 checkpointing); ``lora`` (peft r=16 on every projection + checkpointing); ``offload``
 (activations saved to pinned CPU memory). Each (mode, variant) runs in its own process, since
-allocator settings are fixed at a process's first CUDA allocation. A mode ``vms:KEY=VALUE+...``
-runs ``vms`` with those allocator options (``vms:max_cached_stitched=1024``); ``paged`` runs the
-``paged`` allocator through its compiled hook (options the same way). Reference modes, to see
-where a hooked allocator's time goes: ``async`` (PyTorch's ``backend:cudaMallocAsync``, the
-driver's stream-ordered pool, no hook) and ``hook-async`` / ``hook-async-gil`` (that pool behind
-PyTorch's hook, without and with the GIL the ``paged`` hook takes: ``null_hooks.py``).
+allocator settings are fixed at a process's first CUDA allocation. A mode naming a vmstoolkit
+allocator runs it with its options, in the library's one syntax (``vms:max_cached_stitched=1024``,
+``paged:aliases=true,slack_pages=64``; commas inside a mode do not split ``--modes``, and the old
+``+`` between options is still read): ``paged`` through its compiled hook, ``vms`` through Python
+callbacks. Reference modes, to see where a hooked allocator's time goes: ``async`` (PyTorch's
+``backend:cudaMallocAsync``, the driver's stream-ordered pool, no hook) and ``hook-async`` /
+``hook-async-gil`` (that pool behind PyTorch's hook, without and with the GIL the ``paged`` hook
+takes: "Reference hooks" below).
 
 Per run: losses of every step, step times (median of the rounds after the first: steady
 state), the host's share of each step (``enqueue_times``: until the host has queued the whole
 step, before it waits for the GPU; ``cpu_times``: CPU seconds of the process, every thread),
 peak allocated and peak reserved (PyTorch's counters; for vmstoolkit the allocator's, which are
 what its driver holds; for the reference hooks the driver pool's high-water marks), and
-utilization. Output: ``DIR/train.jsonl`` and a summary.
+utilization. Output: ``DIR/train.jsonl`` and a summary (``DIR/summary.json``; ``--summary-of``
+makes it again from a ``train.jsonl``, on any machine).
 ``--repeats N`` runs the modes N times, interleaved, and the summary compares the medians of
 all the repeats' steady steps together: LoRA's step time moves by up to ±10% from one process
 to the next (``experiments/results/train-h200/`` runs 15-20; ``pool_runs.py`` pools several
@@ -32,6 +36,7 @@ calls, with an interval).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -41,14 +46,204 @@ import time
 import traceback
 from pathlib import Path
 
+from common import PYTORCH_MODES, allocator_mode, same_mode, split_modes, train_shapes
+from vmstoolkit.errors import ConfigError
+
 HIDDEN, LAYERS, HEADS, FFN, VOCAB = 2048, 12, 16, 5504, 32000
+ALLOC_CONF = {"expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}  # PYTORCH_CUDA_ALLOC_CONF
 
 
-def shapes(n: int, seed: int = 0) -> list[tuple[int, int]]:
-    import random
+# -- Reference hooks: allocators behind PyTorch's pluggable hook, to split a hooked allocator's cost --
+#
+# PyTorch's hook (``torch._C._cuda_customAllocator``) adds its own work to every allocation and
+# free (a mutex and a hash map), and vmstoolkit's ``paged`` hook
+# (:mod:`vmstoolkit.integrations.native_torch`) takes the GIL around its heap. To see which costs
+# what inside a training step, these hooks serve every request from the CUDA driver's own
+# stream-ordered pool (``cuMemAllocAsync`` / ``cuMemFreeAsync``, the pool that PyTorch's
+# ``backend:cudaMallocAsync`` uses natively), through the same hook:
+#
+# - ``hook-async``: the driver's pool through the hook, nothing else;
+# - ``hook-async-gil``: the same, taking and releasing the GIL around each call exactly as the
+#   ``paged`` hook does (a thread's first call pins its Python thread state).
+#
+# Against ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` (the same pool, no hook),
+# ``hook-async`` costs the hook; ``hook-async-gil`` against ``hook-async`` costs the GIL; ``paged``
+# against ``hook-async-gil`` costs the heap (and anything the GPU minds about its mappings), as
+# far as the GIL's cost does not depend on how long it is held (it does: see
+# ``experiments/results/train-h200/`` run 19).
+# The modes ``hook-async`` and ``hook-async-gil`` run them.
+#
+# The entry points are Numba ``cfunc``s that call the driver through its function addresses,
+# compiled in. Every row of these modes records ``hook_errors`` and ``hook_last_error``: a failing
+# hook shows in its own results (run 18 found the missing-context case that way).
 
-    rng = random.Random(seed)
-    return [(rng.choice([4, 6, 8]), rng.choice(range(256, 2049, 128))) for _ in range(n)]
+RELEASE_THRESHOLD = 2**64 - 1  # keep freed memory in the pool across synchronizations, as PyTorch does
+CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+def _compile(alloc_addr: int, free_addr: int, take_gil: bool, set_ctx_addr: int, ctx: int, errors):
+    """``alloc(size, device, stream)`` and ``free(ptr, size, device, stream)`` cfuncs calling
+    ``int alloc_fn(uint64_t *out, size_t size, void *stream)`` and ``int free_fn(uint64_t ptr,
+    void *stream)`` at the given addresses (``cuMemAllocAsync`` and ``cuMemFreeAsync``).
+
+    PyTorch calls in from threads that may have no current context (its autograd threads: the
+    runtime binds one lazily, the driver does not): on ``CUDA_ERROR_INVALID_CONTEXT`` a call makes
+    ``ctx`` current with the function at ``set_ctx_addr`` (``cuCtxSetCurrent``) and retries once.
+    Any other failure is counted in ``errors`` ([failures, last error code]) and gives the null pointer."""
+    import numpy as np
+    from llvmlite import ir
+    from numba import carray, cfunc, njit, types
+    from numba.core import cgutils
+    from numba.core.extending import intrinsic
+
+    from vmstoolkit.integrations.native_torch import _gil_release, pointer_to
+    from vmstoolkit.integrations.native_torch import take_gil as enter_gil  # the paged hook's own
+
+    gil = take_gil  # a compile-time constant in the cfuncs
+    i8p, i32, i64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
+
+    def call_retrying(builder, addr, fnty, args):
+        """``rc = fn(*args)``; on an invalid context, ``set_ctx(ctx)`` and ``rc = fn(*args)``."""
+        fn = builder.inttoptr(ir.Constant(i64, addr), fnty.as_pointer())
+        rc = cgutils.alloca_once(builder, i32)
+        builder.store(builder.call(fn, args), rc)
+        with builder.if_then(builder.icmp_signed("==", builder.load(rc), ir.Constant(i32, CUDA_ERROR_INVALID_CONTEXT)),
+                             likely=False):
+            set_ctx = builder.inttoptr(ir.Constant(i64, set_ctx_addr), ir.FunctionType(i32, [i8p]).as_pointer())
+            builder.call(set_ctx, [builder.inttoptr(ir.Constant(i64, ctx), i8p)])
+            builder.store(builder.call(fn, args), rc)
+        return builder.load(rc)
+
+    @intrinsic
+    def call_alloc(typingctx, size, stream):
+        """The new pointer, or minus the error code (device pointers are below 2**63)."""
+        sig = types.int64(types.uint64, types.voidptr)
+
+        def codegen(context, builder, signature, args):
+            out = cgutils.alloca_once(builder, i64)
+            builder.store(ir.Constant(i64, 0), out)
+            rc = call_retrying(builder, alloc_addr, ir.FunctionType(i32, [i64.as_pointer(), i64, i8p]),
+                               [out, args[0], args[1]])
+            return builder.select(builder.icmp_signed("==", rc, ir.Constant(i32, 0)), builder.load(out),
+                                  builder.neg(builder.sext(rc, i64)))
+
+        return sig, codegen
+
+    @intrinsic
+    def call_free(typingctx, ptr, stream):
+        sig = types.int32(types.uint64, types.voidptr)
+
+        def codegen(context, builder, signature, args):
+            return call_retrying(builder, free_addr, ir.FunctionType(i32, [i64, i8p]), [args[0], args[1]])
+
+        return sig, codegen
+
+    pointer = pointer_to(types.uint64)
+    release = _gil_release
+    errors_addr = errors.ctypes.data
+
+    @njit(inline="always")
+    def failed(rc):
+        e = carray(pointer(errors_addr), 2)
+        e[0] += 1
+        e[1] = rc
+
+    @njit(inline="always")
+    def serve(size, stream):
+        r = call_alloc(size, stream)
+        if r < 0:
+            failed(-r)
+            return np.uint64(0)
+        return np.uint64(r)
+
+    @njit(inline="always")
+    def give_back(ptr, stream):
+        rc = call_free(ptr, stream)
+        if rc != 0:
+            failed(rc)
+
+    @cfunc(types.uint64(types.uint64, types.int32, types.voidptr))
+    def alloc(size, device, stream):
+        if size == 0:
+            return 0
+        if gil:
+            st = enter_gil()
+            ptr = serve(size, stream)
+            release(st)
+            return ptr
+        return serve(size, stream)
+
+    @cfunc(types.void(types.uint64, types.uint64, types.int32, types.voidptr))
+    def free(ptr, size, device, stream):
+        if ptr == 0:
+            return
+        if gil:
+            st = enter_gil()
+            give_back(ptr, stream)
+            release(st)
+            return
+        give_back(ptr, stream)
+
+    return alloc, free
+
+
+class DriverPool:
+    """The driver's default memory pool of ``device``: its high-water marks; with ``keep``, it
+    keeps freed memory across synchronizations (as PyTorch's ``cudaMallocAsync`` backend sets it)."""
+
+    def __init__(self, device: int = 0, keep: bool = False) -> None:
+        from cuda.bindings import driver as cu
+
+        self._cu = cu
+        (err,) = cu.cuInit(0)
+        self._check(err, "cuInit")
+        err, self.dev = cu.cuDeviceGet(device)
+        self._check(err, "cuDeviceGet")
+        err, self.pool = cu.cuDeviceGetDefaultMemPool(self.dev)
+        self._check(err, "cuDeviceGetDefaultMemPool")
+        if keep:
+            (err,) = cu.cuMemPoolSetAttribute(self.pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                              cu.cuuint64_t(RELEASE_THRESHOLD))
+            self._check(err, "cuMemPoolSetAttribute")
+
+    def _check(self, err, what: str) -> None:
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{what} failed: {err}")
+
+    def _attr(self, name: str) -> int:
+        err, v = self._cu.cuMemPoolGetAttribute(self.pool, getattr(self._cu.CUmemPool_attribute, name))
+        self._check(err, "cuMemPoolGetAttribute")
+        return int(v)
+
+    def max_memory_allocated(self) -> int:
+        return self._attr("CU_MEMPOOL_ATTR_USED_MEM_HIGH")
+
+    def max_memory_reserved(self) -> int:
+        return self._attr("CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH")
+
+
+class AsyncPoolHook(DriverPool):
+    """The driver's default pool of ``device`` behind PyTorch's hook (:meth:`install` before the
+    first CUDA allocation)."""
+
+    def __init__(self, take_gil: bool, device: int = 0) -> None:
+        super().__init__(device, keep=True)
+        err, self.ctx = self._cu.cuDevicePrimaryCtxRetain(self.dev)  # PyTorch's context; held for the process
+        self._check(err, "cuDevicePrimaryCtxRetain")
+        import numpy as np
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        addr = lambda name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value  # noqa: E731
+        self.errors = np.zeros(2, np.uint64)  # [failed calls, last error code]
+        self.alloc_cfunc, self.free_cfunc = _compile(addr("cuMemAllocAsync"), addr("cuMemFreeAsync"), take_gil,
+                                                     addr("cuCtxSetCurrent"), int(self.ctx), self.errors)
+
+    def install(self) -> "AsyncPoolHook":
+        import torch
+
+        self._torch_allocator = torch._C._cuda_customAllocator(self.alloc_cfunc.address, self.free_cfunc.address)
+        torch._C._cuda_changeCurrentAllocator(self._torch_allocator)
+        return self
 
 
 def pick_cpus(n: int, allowed: set[int], core_of: dict[int, tuple[int, int]], local: set[int]) -> list[int]:
@@ -88,25 +283,15 @@ def this_machines_cpus(n: int) -> list[int]:
     return pick_cpus(n, allowed, core_of, local)
 
 
-def vms_options(mode: str) -> dict:
-    """``vms:max_cached_stitched=1024+coalesce=False`` -> the allocator options (``vms``: none),
-    converted as ``vmstoolkit replay --option`` converts them."""
-    from vmstoolkit.cli.common import parse_options
-
-    _, _, spec = mode.partition(":")
-    return parse_options([item for item in spec.split("+") if item])
-
-
 def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot: Path | None = None,
            gc_between_steps: bool = False) -> dict:
     handle = pool_hook = None
-    if mode.split(":")[0] in ("vms", "paged"):
+    spec = allocator_mode(mode, PYTORCH_MODES)
+    if spec is not None:
         from vmstoolkit.integrations.torch import install
 
-        handle = install(mode.split(":")[0], **vms_options(mode))
+        handle = install(spec.name, **spec.options)
     elif mode in ("hook-async", "hook-async-gil"):  # reference hooks: where a hooked allocator's time goes
-        from null_hooks import AsyncPoolHook
-
         pool_hook = AsyncPoolHook(take_gil=mode == "hook-async-gil").install()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -131,7 +316,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator(device="cpu").manual_seed(1)
-    plan = shapes(steps_per_round)
+    plan = train_shapes(steps_per_round)
     losses, times, enqueue, cpu, alloc_s, calls, searched = [], [], [], [], [], [], []
     if gc_between_steps:
         import gc
@@ -187,8 +372,6 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
         peak_alloc, peak_res = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         extra = {"num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)}
         if mode == "async":  # PyTorch's counters for this backend are its own; the pool's are what the driver holds
-            from null_hooks import DriverPool
-
             pool = DriverPool()
             extra["pool_peak_allocated"], extra["pool_peak_reserved"] = pool.max_memory_allocated(), pool.max_memory_reserved()
     steady = times[steps_per_round:] if rounds > 1 else times
@@ -230,7 +413,8 @@ def summarize(rows: list[dict], variants: list[str], modes: list[str], rounds: i
 
     summary = []
     for variant in variants:
-        runs = {m: [r for r in rows if r["variant"] == variant and r["mode"] == m and "error" not in r] for m in modes}
+        runs = {m: [r for r in rows if r.get("variant") == variant and "error" not in r
+                    and same_mode(r["mode"], m, PYTORCH_MODES)] for m in modes}
         median = {m: statistics.median([t for r in rs for t in steady(r)]) for m, rs in runs.items() if rs}
         base = runs.get("default")
         for mode, rs in runs.items():
@@ -252,8 +436,8 @@ def summarize(rows: list[dict], variants: list[str], modes: list[str], rounds: i
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="folder for train.jsonl and summary.json")
     ap.add_argument("--variants", default="full,ckpt,lora,offload")
     ap.add_argument("--modes", default="default,expandable,vms")
     ap.add_argument("--rounds", type=int, default=3)
@@ -273,6 +457,8 @@ def main() -> int:
                     help="Python's cyclic garbage collector off inside steps, run between them, in every mode: "
                          "tensors it frees then go at the same points whatever the allocator (for exact replays)")
     ap.add_argument("--snapshot-file", type=Path, default=None, help=argparse.SUPPRESS)  # the worker's
+    ap.add_argument("--summary-of", type=Path, default=None, metavar="TRAIN_JSONL",
+                    help="run nothing: make DIR/summary.json again from the rows of a train.jsonl")
     args = ap.parse_args()
     if args.worker:
         try:
@@ -283,49 +469,63 @@ def main() -> int:
             return 1
         print("RESULT " + json.dumps(result), flush=True)
         return 0
+    if args.out is None:
+        ap.error("--out DIR is required")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    variants, modes = args.variants.split(","), split_modes(args.modes)
+    try:
+        for mode in modes:
+            allocator_mode(mode, PYTORCH_MODES)
+        cpus = this_machines_cpus(args.cpus) if args.cpus and args.summary_of is None else None
+    except (ConfigError, ValueError) as e:
+        ap.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
-    cpus = this_machines_cpus(args.cpus) if args.cpus else None
-    if cpus:
-        print(f"every run on CPUs {cpus}", flush=True)
-    rows = []
-    for variant, repeat, mode in ((v, k, m) for v in args.variants.split(",") for k in range(args.repeats)
-                                  for m in args.modes.split(",")):
-            env = dict(os.environ)
-            env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-            if mode == "expandable":
-                env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-            elif mode == "async":
-                env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
-            cmd = [sys.executable, __file__, "--worker", mode, variant, "--rounds", str(args.rounds),
-                   "--steps-per-round", str(args.steps_per_round)]
-            if args.gc_between_steps:
-                cmd.append("--gc-between-steps")
-            if args.snapshots is not None and mode == "default" and repeat == 0:
-                cmd += ["--snapshot-file", str(args.snapshots / f"train-{variant}.pickle.gz")]
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                               preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if p.returncode != 0 or line is None:
-                row = {"mode": mode, "variant": variant, "error": (p.stderr or p.stdout)[-6000:]}
-            else:
-                row = json.loads(line[len("RESULT "):])
-            row["repeat"] = repeat
-            if cpus:
-                row["cpus"] = cpus
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_times", "allocator_stats")}), flush=True)
-    with open(args.out / "train.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    summary = summarize(rows, args.variants.split(","), args.modes.split(","), args.rounds, args.steps_per_round)
+    if args.summary_of is not None:
+        rows = [json.loads(x) for x in args.summary_of.read_text().splitlines() if x.strip()]
+        cpus = next((r["cpus"] for r in rows if "cpus" in r), None)
+    else:
+        rows = run_all(args, variants, modes, cpus)
+        with open(args.out / "train.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    summary = summarize(rows, variants, modes, args.rounds, args.steps_per_round)
     (args.out / "summary.json").write_text(json.dumps({"command": " ".join(sys.argv), "cpus": cpus, "rows": summary},
                                                       indent=1))
     for s in summary:
         print(json.dumps(s))
     return 0
 
+
+def run_all(args, variants: list[str], modes: list[str], cpus: list[int] | None) -> list[dict]:
+    """Every (variant, repeat, mode) in its own worker process, modes interleaved; one row each."""
+    if cpus:
+        print(f"every run on CPUs {cpus}", flush=True)
+    rows = []
+    for variant, repeat, mode in ((v, k, m) for v in variants for k in range(args.repeats) for m in modes):
+        env = dict(os.environ)
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if mode in ALLOC_CONF:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF[mode]
+        cmd = [sys.executable, __file__, "--worker", mode, variant, "--rounds", str(args.rounds),
+               "--steps-per-round", str(args.steps_per_round)]
+        if args.gc_between_steps:
+            cmd.append("--gc-between-steps")
+        if args.snapshots is not None and mode == "default" and repeat == 0:
+            cmd += ["--snapshot-file", str(args.snapshots / f"train-{variant}.pickle.gz")]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                           preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if p.returncode != 0 or line is None:
+            row = {"mode": mode, "variant": variant, "error": (p.stderr or p.stdout)[-6000:]}
+        else:
+            row = json.loads(line[len("RESULT "):])
+        row["repeat"] = repeat
+        if cpus:
+            row["cpus"] = cpus
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_times", "allocator_stats")}), flush=True)
+    return rows
 
 if __name__ == "__main__":
     raise SystemExit(main())

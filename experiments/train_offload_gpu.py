@@ -32,7 +32,6 @@ import argparse
 import faulthandler
 import gc
 import json
-import os
 import subprocess
 import sys
 import time
@@ -42,13 +41,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from vmstoolkit.exec.compiler import compile_memory_graph, working_set  # noqa: E402
-from vmstoolkit.exec.executor import execute  # noqa: E402
-from vmstoolkit.exec.graph import LlamaConfig, reference_forward  # noqa: E402
-from vmstoolkit.exec.train_graph import build_train_step, grads_from_updates, random_train_values  # noqa: E402
+from common import best_of
+from vmstoolkit.exec.compiler import compile_memory_graph, working_set
+from vmstoolkit.exec.graph import LlamaConfig, reference_forward
+from vmstoolkit.exec.train_graph import build_train_step, grads_from_updates, random_train_values
 
 FRACTIONS = {"half": 0.5, "quarter": 0.25}
 
@@ -89,6 +85,13 @@ def run_ours(tg, values, emit, a, variant):
         emit({"kind": "direct", "variant": variant, "compute_s": compute_s, **bw})
     want = grads_from_updates(tg, values, ref)
     host: dict = {}  # pinned host copies shared by every run of this graph
+
+    def make_backend(rep: int):
+        if a.dry_run:
+            return SimBackend(seed=rep, jitter=0.05, numerics=True, values=values)
+        from vmstoolkit.exec.backends.cuda import CudaBackend
+
+        return CudaBackend(values, host=host)
     for name, budget in budgets.items():
         t0 = time.perf_counter()
         try:
@@ -110,20 +113,8 @@ def run_ours(tg, values, emit, a, variant):
                    "offloaded_bytes": mg.offloaded_bytes, "reloaded_bytes": mg.reloaded_bytes,
                    "vertices": len(mg.vertices), "peak_bytes": max(mg.peak_bytes)}
             try:
-                spans = []
-                for rep in range(1 if a.dry_run else a.repeats):
-                    if a.dry_run:
-                        be = SimBackend(seed=rep, jitter=0.05, numerics=True, values=values)
-                    else:
-                        from vmstoolkit.exec.backends.cuda import CudaBackend
-
-                        be = CudaBackend(values, host=host)
-                    try:
-                        spans.append(execute(mg, be, ex).makespan_s)
-                        got = grads_from_updates(tg, values, be.result())
-                    finally:
-                        if hasattr(be, "close"):
-                            be.close()
+                spans, got = best_of(mg, make_backend, ex, 1 if a.dry_run else a.repeats,
+                                     lambda be: grads_from_updates(tg, values, be.result()))
                 err = max_grad_err(got, want)
                 scale = max(float(np.max(np.abs(w))) for w in want.values())
                 row.update(step_s=min(spans), steps_s=spans, max_abs_grad_err=err, grad_max_abs=scale,

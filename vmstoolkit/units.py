@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -27,12 +28,21 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(value: int | str) -> int:
+def parse_size(value: int | str, *, whole: bool = False) -> int:
     """Bytes from an ``int`` or a string such as ``"80GiB"``, ``"512 MiB"``, ``"1.5GB"``.
 
     Binary units (KiB, MiB, GiB, TiB, and the bare K/M/G/T) are powers of 1024, decimal
-    units (kB, MB, GB, TB) powers of 1000. Raises ``ValueError`` naming the value when it is
-    not a size; zero is allowed here (callers that need a positive size check it).
+    units (kB, MB, GB, TB) powers of 1000. The number is read exactly (no float rounding) and
+    rounded to a byte; with ``whole=True`` a size that is not a whole number of bytes
+    (``"1.5"``, ``"0.3KiB"``) is refused instead. Raises ``ValueError`` naming the value when it
+    is not a size; zero is allowed here (callers that need a positive size check it).
+
+    >>> parse_size("1.5GiB") == 3 * 2**29
+    True
+    >>> parse_size("1.5", whole=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: not a whole number of bytes: '1.5'
     """
     if isinstance(value, bool):
         raise ValueError(f"not a size: {value!r}")
@@ -49,7 +59,10 @@ def parse_size(value: int | str) -> int:
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(f"unknown size unit {unit!r} in {value!r} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)")
-    return int(round(float(number) * factor))
+    exact = Fraction(number) * factor
+    if whole and exact.denominator != 1:
+        raise ValueError(f"not a whole number of bytes: {value!r}")
+    return round(exact)
 
 
 def format_size(nbytes: int | float) -> str:

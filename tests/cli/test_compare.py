@@ -8,9 +8,9 @@ from typer.testing import CliRunner
 
 from vmstoolkit.analysis.compare import peak_sites, site_of
 from vmstoolkit.cli import app
+from vmstoolkit.units import MiB
 
 runner = CliRunner(env={"COLUMNS": "200"})
-MiB = 1 << 20
 TORCH = {"filename": "/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"}
 
 

@@ -10,10 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from vmstoolkit.cli import app
+from vmstoolkit.units import MiB
 
 pytest.importorskip("plotly", reason="the [view] extra (plotly) is not installed")
 runner = CliRunner()
-MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")

@@ -1,65 +1,65 @@
-"""The simulated driver against the H200: replaying a training run's own memory history through
-``paged`` gives the driver calls the GPU run made, step by step, and its peak."""
+"""``experiments/train_steps_replay.py`` on a bundled trace, run as a script: the steps are found,
+the compiled hook replays as the Python allocator does, and a GPU run's figures are compared
+whatever the spelling of its mode. (That the simulated driver gives the H200 runs' own driver
+calls is the script's claim on ``experiments/data/``, made by its command in the results README.)"""
 
-import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "experiments" / "results" / "train-h200"
+SCRIPT = ROOT / "experiments" / "train_steps_replay.py"
+TRACE = ROOT / "vmstoolkit" / "data" / "traces" / "llama-full.caching.pickle.gz"
+SHAPES = "8x384,4x2048,4x512,6x768,8x768,4x768"  # the trace's steps (its .json)
+
+
+def _run(*args, trace=TRACE):
+    return subprocess.run([sys.executable, str(SCRIPT), str(trace), "--rounds", "1", *args],
+                          capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
-def steps():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "experiments"))
-    spec = importlib.util.spec_from_file_location("train_steps_replay", ROOT / "experiments" / "train_steps_replay.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def python_replay():
+    p = _run("--shapes", SHAPES, "--option", "aliases=true,slack_pages=64", "--json")
+    assert p.returncode == 0, p.stderr
+    return p.stdout
 
 
-def _gpu_run(name, variant, mode):
-    for line in (RESULTS / name).read_text().splitlines():
-        r = json.loads(line)
-        if r["variant"] == variant and r["mode"] == mode:
-            return r
-    raise LookupError(f"{variant} {mode} in {name}")
+def test_every_step_is_found_and_priced(python_replay):
+    r = json.loads(python_replay.splitlines()[-1])
+    assert len(r["driver_calls_per_step"]) == len(r["driver_ms_per_step"]) == 6
+    assert sum(r["driver_calls_per_step"]) > 0 and r["peak_reserved"] > 0
+    assert "step  5:" in python_replay
 
 
-@pytest.mark.parametrize("run, mode, options", [
-    ("run11-paged-slack256-train.jsonl", "paged:slack_pages=256", {"placement": "best-fit", "slack_pages": 256}),
-    ("run16-aliases-lora-train.jsonl", "paged:aliases=True+slack_pages=64", {"aliases": True, "slack_pages": 64}),
+def test_the_compiled_hook_decides_as_the_python_allocator(python_replay):
+    p = _run("--shapes", SHAPES, "--option", "aliases=true", "--option", "slack_pages=64", "--json", "--native")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[1:] == python_replay.splitlines()[1:]  # every step, and the figures
+    assert "(compiled hook)" in p.stdout
+
+
+def test_a_gpu_run_is_compared_whatever_the_spelling_of_its_mode(python_replay, tmp_path):
+    r = json.loads(python_replay.splitlines()[-1])
+    gpu = {"variant": "llama-full", "mode": "paged:aliases=True+slack_pages=64", **r}
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text(json.dumps({"variant": "llama-full", "mode": "default"}) + "\n" + json.dumps(gpu) + "\n")
+    p = _run("--shapes", SHAPES, "--train-jsonl", str(jsonl), "--mode", "paged:aliases=true,slack_pages=64")
+    assert p.returncode == 0 and "the same" in p.stdout and "DIFFER" not in p.stdout, p.stdout + p.stderr
+    gpu["driver_calls_per_step"] = [c + 1 for c in r["driver_calls_per_step"]]
+    jsonl.write_text(json.dumps(gpu) + "\n")
+    p = _run("--shapes", SHAPES, "--train-jsonl", str(jsonl), "--mode", "paged:aliases=true,slack_pages=64")
+    assert p.returncode == 1 and "DIFFER" in p.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "steps' input ids"),  # train_llama_gpu.py's plan is not this trace's
+    (("--shapes", SHAPES, "--option", "slack_pages=lots"), "slack_pages must be an integer"),
+    (("--shapes", SHAPES, "--mode", "vms"), "this replay is of the paged allocator"),
 ])
-def test_lora_replay_makes_the_gpu_runs_driver_calls(steps, run, mode, options):
-    from vmstoolkit.trace import load_trace
-
-    gpu = _gpu_run(run, "lora", mode)
-    r = steps.replay_steps(load_trace(RESULTS / "run13-snapshots" / "train-lora.pickle.gz"), options)
-    assert r["peak_reserved"] == gpu["peak_reserved"]
-    # from step 1 on (the replay's step 0 also loads the model)
-    assert r["driver_calls_per_step"][1:] == gpu["driver_calls_per_step"][1:18]
-    assert sum(r["driver_calls_per_step"][1:]) > 0  # the comparison has something to compare
-
-
-def test_a_history_of_other_shapes_is_refused_by_name(steps):
-    from vmstoolkit.trace import load_trace
-
-    with pytest.raises(ValueError, match="steps' input ids"):
-        steps.replay_steps(load_trace(ROOT / "vmstoolkit" / "data" / "traces" / "llama-lora.caching.pickle.gz"), {})
-
-
-@pytest.mark.parametrize("options", [{}, {"aliases": True, "slack_pages": 64}], ids=["defaults", "aliases-slack64"])
-def test_the_compiled_hook_decides_as_the_python_allocator(steps, options):
-    # ckpt: the variant whose GPU runs the replay does not match exactly; the two implementations
-    # (the cfuncs PyTorch calls, and the Python allocator the replays use) agree call for call
-    from vmstoolkit.trace import load_trace
-
-    trace = load_trace(RESULTS / "run13-snapshots" / "train-ckpt.pickle.gz")
-    python = steps.replay_steps(trace, options)
-    native = steps.replay_steps(trace, options, native=True)
-    assert native == python
-    assert sum(python["driver_calls_per_step"][1:]) > 0 and python["peak_reserved"] > 0
+def test_what_cannot_be_replayed_is_one_error_line(args, message):
+    p = _run(*args)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr

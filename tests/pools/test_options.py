@@ -9,7 +9,8 @@ import pytest
 from vmstoolkit.errors import ConfigError
 from vmstoolkit.pools import make_allocator, registry
 from vmstoolkit.pools.options import (
-    OPTIONS, check_options, format_options, parse_options, resolve_option_items, split_option_item,
+    OPTIONS, AllocatorSpec, check_options, format_options, parse_allocator_spec, parse_options, resolve_option_items,
+    split_option_item,
 )
 
 
@@ -104,6 +105,52 @@ def test_legacy_parse_options_and_formatting():
     with pytest.raises(ConfigError, match="names an allocator"):
         parse_options(["vms:a=1"])
     assert format_options({"reuse_max_ratio": 2.0, "coalesce": False}) == "reuse_max_ratio=2.0 coalesce=false"
+
+
+def test_one_item_carries_several_pairs_and_values_keep_their_commas():
+    got = resolve_option_items(["vms:reuse_max_ratio=2,coalesce=false",
+                                "config=max_split_size_mb:128,garbage_collection_threshold:0.6"],
+                               ["pytorch-caching", "vms"])
+    assert got == {"vms": {"reuse_max_ratio": 2.0, "coalesce": False},
+                   "pytorch-caching": {"config": "max_split_size_mb:128,garbage_collection_threshold:0.6"}}
+    with pytest.raises(ConfigError, match="expected one KEY=VALUE, got 2"):
+        split_option_item("vms:a=1,b=2")
+
+
+def test_an_allocator_spec_is_checked_and_typed_like_make_allocator_options():
+    assert parse_allocator_spec("vms") == AllocatorSpec("vms", {})
+    spec = parse_allocator_spec("paged:aliases=true,slack_pages=64,large_unit=64KiB")
+    assert spec == ("paged", {"aliases": True, "slack_pages": 64, "large_unit": 64 << 10})
+    assert str(spec) == "paged:aliases=true,slack_pages=64,large_unit=65536"
+    assert parse_allocator_spec(str(spec)) == spec  # what str() writes reads back
+    got = parse_allocator_spec("pytorch-caching:config=max_split_size_mb:128,garbage_collection_threshold:0.6")
+    assert got.options == {"config": "max_split_size_mb:128,garbage_collection_threshold:0.6"}
+
+
+def test_the_old_plus_separator_reads_as_a_comma():
+    """The commands of old results wrote ``paged:aliases=True+slack_pages=64``."""
+    assert parse_allocator_spec("paged:aliases=True+slack_pages=64") == parse_allocator_spec(
+        "paged:aliases=true,slack_pages=64")
+    assert parse_allocator_spec("vms:reuse_max_ratio=1e+1").options == {"reuse_max_ratio": 10.0}
+
+
+@pytest.mark.parametrize("text, match", [
+    ("", "expected NAME or NAME:KEY=VALUE"),
+    ("paged:", "expected NAME or NAME:KEY=VALUE"),
+    (":slack_pages=1", "ALLOCATOR:KEY=VALUE"),
+    ("slack_pages=1", "expected NAME or NAME:KEY=VALUE"),
+    ("paged:slack_pages", "expected NAME or NAME:KEY=VALUE"),
+    ("paged:slack_pages=1,junk", None),
+    ("paged:slack_pages=1,=2", "expected KEY=VALUE, got '=2'"),
+    ("nope:a=1", "unknown allocator 'nope'"),
+    ("nope", "unknown allocator 'nope'"),
+    ("paged:reuse_max_ratio=2", "unknown option 'reuse_max_ratio'; it is an option of gmlake, vms"),
+    ("paged:slack_pages=many", "slack_pages must be an integer, got 'many'"),
+])
+def test_a_bad_allocator_spec_is_one_config_error_naming_it(text, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        parse_allocator_spec(text)
+    assert "\n" not in str(e.value)
 
 
 def test_a_type_error_inside_a_factory_surfaces_as_itself(monkeypatch):

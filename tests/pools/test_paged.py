@@ -383,14 +383,14 @@ def test_with_aliases_a_live_page_keeps_its_chunk_through_a_real_trace(traces_di
     live by a neighbour while the second maps the same chunk. After every request, each page that
     was live and still is has the chunk it had (before the fix, the neighbour's page lost its
     chunk there)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
-    from alias_shared_pages import counting_conflicts
-
     shared = []
-    monkeypatch.setattr(H, "conflicts", counting_conflicts(shared))
+    conflicts = H.conflicts
+
+    def counting(meta, page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, start, n, *out):
+        shared.extend(H.shared_with_live_neighbours(meta, page_chunk, page_used, chunk_live, start, n))
+        return conflicts(meta, page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, start, n, *out)
+
+    monkeypatch.setattr(H, "conflicts", counting)
     trace = load_trace(traces_dir / "llama-lora.caching.pickle.gz")
     events = trace.alloc_free_events()
     a = make_allocator("paged", SimulatedDriver(capacity=64 << 30), aliases=True, slack_pages=64)

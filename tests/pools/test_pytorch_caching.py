@@ -13,8 +13,9 @@ from vmstoolkit.pools.baselines.pytorch_caching import PyTorchCachingAllocator, 
 from vmstoolkit.pools.baselines.pytorch_config import parse_alloc_conf
 from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.trace import bundled_trace_paths, load_trace, replay
+from vmstoolkit.units import MiB
 
-MiB = 1 << 20
+from tests.pools.programs import replay_at_recorded_addresses, run_random_program
 
 
 def make(capacity=None, config=None) -> PyTorchCachingAllocator:
@@ -258,26 +259,14 @@ def test_configuration_parses_as_pytorch_does():
 
 # -- random sequences against the invariants --------------------------------------------------
 SIZES = st.one_of(st.integers(1, 4096), st.integers(4097, 2 * MiB), st.integers(2 * MiB, 40 * MiB))
-OPS = st.lists(st.tuples(st.booleans(), SIZES, st.integers(0, 1), st.integers(0, 10**6)), max_size=60)
+OPS = st.lists(st.tuples(st.sampled_from("af"), SIZES, st.integers(0, 1), st.integers(0, 10**6)), max_size=60)
 
 
 @settings(max_examples=60, deadline=None)
 @given(ops=OPS, conf=st.sampled_from(["", "max_split_size_mb:24", "roundup_power2_divisions:4",
                                      "per_process_memory_fraction:0.9,garbage_collection_threshold:0.5"]))
 def test_random_sequences_keep_invariants(ops, conf):
-    a = make(capacity=128 * MiB, config=conf)
-    live = []
-    for is_alloc, size, stream, pick in ops:
-        if is_alloc or not live:
-            try:
-                live.append(a.allocate(size, stream))
-            except OutOfMemoryError:
-                pass
-        else:
-            a.free(live.pop(pick % len(live)))
-        a._check()
-    a.close()
-    assert a.driver.is_empty(), a.driver.leak_report()
+    run_random_program(make(capacity=128 * MiB, config=conf), ops)
 
 
 # -- fidelity on the real traces --------------------------------------------------------------
@@ -316,11 +305,7 @@ def test_every_allocation_lands_where_pytorch_put_it(path):
     recorded = [e for e in trace.events if e.action.value == "segment_alloc"]
     d = RecordedAddressDriver(e.addr for e in recorded)
     a = PyTorchCachingAllocator(d)
-    for e in trace.alloc_free_events():
-        if e.action.value == "alloc":
-            assert a.allocate(e.size, e.stream) == e.addr, f"request of {e.size} at t={e.time_us}"
-        else:
-            a.free(e.addr)
+    replay_at_recorded_addresses(a, trace)
     assert sorted(a.segments.items()) == sorted((e.addr, e.size) for e in recorded)
     assert d.peak_physical_bytes == trace.recorded_peak_reserved()
     a._check()

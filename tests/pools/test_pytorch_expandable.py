@@ -12,8 +12,9 @@ from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.baselines.pytorch_expandable import PyTorchExpandableAllocator
 from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.trace import bundled_trace_paths, load_trace, recorded_stats, replay
+from vmstoolkit.units import MiB
 
-MiB = 1 << 20
+from tests.pools.programs import replay_at_recorded_addresses, run_random_program
 
 
 def make(capacity=None, config=None) -> PyTorchExpandableAllocator:
@@ -138,21 +139,7 @@ OPS = st.lists(st.tuples(st.sampled_from("aaf e"), SIZES, st.integers(0, 1), st.
 @settings(max_examples=60, deadline=None)
 @given(ops=OPS)
 def test_random_sequences_keep_invariants(ops):
-    a = make(capacity=160 * MiB)
-    live = []
-    for op, size, stream, pick in ops:
-        if op == "e":
-            a.empty_cache()
-        elif op == "a" or not live:
-            try:
-                live.append(a.allocate(size, stream))
-            except OutOfMemoryError:
-                pass
-        else:
-            a.free(live.pop(pick % len(live)))
-        a._check()
-    a.close()
-    assert a.driver.is_empty(), a.driver.leak_report()
+    run_random_program(make(capacity=160 * MiB), ops)
 
 
 EXPANDABLE = bundled_trace_paths("expandable")
@@ -194,11 +181,7 @@ def test_every_allocation_lands_where_pytorch_put_it(path):
             bases.append(e.addr)
         ends.add(e.addr + e.size)
     a = PyTorchExpandableAllocator(RecordedBaseDriver(bases))
-    for e in trace.alloc_free_events():
-        if e.action.value == "alloc":
-            assert a.allocate(e.size, e.stream) == e.addr, f"request of {e.size} at t={e.time_us}"
-        else:
-            a.free(e.addr)
+    replay_at_recorded_addresses(a, trace)
     assert a.driver.peak_physical_bytes == trace.recorded_peak_reserved()
     a._check()
 

@@ -7,8 +7,8 @@ import pytest
 from vmstoolkit.errors import TraceFormatError
 from vmstoolkit.trace.run import replay_devices, replay_one
 from vmstoolkit.trace.settings import recorded_alloc_conf
+from vmstoolkit.units import MiB
 
-MiB = 1 << 20
 SETTINGS = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,max_non_split_rounding_mb:64",
             "max_split_size": 128 * MiB, "garbage_collection_threshold": 0.0, "expandable_segments": False,
             "roundup_power2_divisions": {str(1 << i): 0 for i in range(16)}}

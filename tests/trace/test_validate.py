@@ -5,8 +5,7 @@ import pytest
 from vmstoolkit.errors import TraceFormatError
 from vmstoolkit.pools import make_allocator
 from vmstoolkit.trace import load_trace, replay
-
-MiB = 1 << 20
+from vmstoolkit.units import MiB
 
 
 def _snap(entries, segments=()):

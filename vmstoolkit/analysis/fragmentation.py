@@ -18,8 +18,8 @@ from vmstoolkit.analysis.rows import file_sha256, replay_row, rows_to_csv, unifo
 from vmstoolkit.pools.options import format_options
 from vmstoolkit.trace.replay import ReplayResult
 from vmstoolkit.trace.synthetic import KINDS, SYNTHETIC_NOTE, is_synthetic_spec, parse_synthetic_spec
+from vmstoolkit.units import GiB
 
-GiB = 1 << 30
 DEFAULT_ALLOCATORS = ("pytorch-caching", "pytorch-expandable", "gmlake", "vms")
 OURS = "vms"
 

@@ -17,7 +17,8 @@ from vmstoolkit.errors import VmsError
 from vmstoolkit.units import format_size
 
 OPTION_HELP = ("Allocator option KEY=VALUE (every chosen allocator that takes KEY) or ALLOC:KEY=VALUE "
-               "(that one), repeatable: e.g. vms:reuse_max_ratio=2, stitch_min_bytes=64MiB (vms, gmlake), "
+               "(that one), pairs joined by commas, repeatable: e.g. vms:reuse_max_ratio=2,coalesce=false, "
+               "stitch_min_bytes=64MiB (vms, gmlake), "
                "slack_pages=128 (paged), config=max_split_size_mb:128 (pytorch-*).")
 OOM_HELP = ("Exit status when a replay runs out of memory (the output is complete either way); 0: exit 0. "
             "Errors exit 1, bad arguments 2.")

@@ -4,9 +4,9 @@ A framework calls our ``ctypes`` callbacks from its own native threads: PyTorch'
 engine runs the backward pass (and so about half of all allocations and frees) on a device
 thread of its own. For such a thread ``ctypes`` calls ``PyGILState_Ensure`` on entry, which
 finds no Python thread state, *creates* one, and destroys it again on exit: every callback pays
-for a thread state's birth and death. ``benchmarks/callback_overhead.py`` measures it: 12-13 us
-per call against 0.3 us from a Python thread on the 2-core CPU machine
-(``experiments/results/callback_overhead/``).
+for a thread state's birth and death, many times what the call itself costs from a Python
+thread. ``benchmarks/callback_overhead.py`` measures it, and what the pins below save
+(``docs/results.md#callback-overhead``).
 
 :class:`ThreadStatePins` keeps one extra ``PyGILState_Ensure`` per native thread that calls in
 (never released), so the thread keeps its state for its lifetime and later entries only take

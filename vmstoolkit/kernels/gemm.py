@@ -413,10 +413,10 @@ def make_gemm_v4(t: GemmTiles):
 
 VARIANTS = {1: make_gemm_v1, 2: make_gemm_v2, 3: make_gemm_v3, 4: make_gemm_v4}
 SPLIT_K_VARIANTS = (3, 4)  # kernels that take the split-K argument
-# Measured on the H200 (experiments/results/kernels_bench_h200_sweep.txt): v1 beat v2 on every
+# Measured on the H200 (docs/results.md#kernels-h200, first sweep): v1 beat v2 on every
 # tile shape (18.6 vs 16.1 TFLOP/s best at 4096^3). v2's extra buffer index and prefetch
 # registers cost more than the barrier it saves, at these occupancies. v3 / v4 beat both at
-# every shape (experiments/results/gemm-h200/, below).
+# every shape (docs/results.md#kernels-h200, below).
 DEFAULT_VARIANT = 3
 
 
@@ -429,7 +429,7 @@ class GemmLaunch:
     splits: int = 1
 
 
-# The launch rule, from experiments/gemm_sweep.py on the H200 (experiments/results/gemm-h200/;
+# The launch rule, from experiments/gemm_sweep.py on the H200 (docs/results.md#kernels-h200;
 # % of cuBLAS fp32 with TF32 off; blocks of 128 x 128 tiles in brackets):
 #                      4096^3 [1024]  1024x2048x2048 [128]  1024x5632x2048 [352]  1024x2048x5632 [128]  1024x512x2048 [32]
 #   v3 128x128x8/8x8       61.4             55.6                 44.0                  53.2                 18.4

@@ -8,10 +8,15 @@ option is refused before any replay starts and without building an allocator.
 :func:`~vmstoolkit.pools.make_allocator` runs the same check, so the CLI, Python callers, the
 integrations and the experiments share it.
 
-Command-line syntax, one for every command (:func:`resolve_option_items`)::
+One syntax for the CLI, Python callers and the experiments: ``ALLOC:KEY=VALUE,KEY=VALUE``
+names an allocator and its options (:func:`parse_allocator_spec`, e.g. an experiment's mode
+``paged:aliases=true,slack_pages=64``); on the command line (:func:`resolve_option_items`)::
 
-    -o KEY=VALUE          every chosen allocator that takes KEY
-    -o ALLOC:KEY=VALUE    allocator ALLOC only
+    -o KEY=VALUE[,KEY=VALUE...]          every chosen allocator that takes KEY
+    -o ALLOC:KEY=VALUE[,KEY=VALUE...]    allocator ALLOC only
+
+``+`` between pairs (``paged:aliases=True+slack_pages=64``) is read as ``,``: an alias kept so
+that the commands recorded with older results still run (:func:`split_pairs`).
 
 >>> check_options("vms", {"reuse_max_ratio": "2", "stitched_prefix": "false"})
 {'reuse_max_ratio': 2.0, 'stitched_prefix': False}
@@ -29,14 +34,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import MISSING, dataclass, field, fields
-from fractions import Fraction
-from typing import Any, ClassVar, Iterable, Mapping
+from typing import Any, ClassVar, Iterable, Mapping, NamedTuple
 
 from vmstoolkit.errors import ConfigError
-
-MiB = 1 << 20
-GiB = 1 << 30
-TiB = 1 << 40
+from vmstoolkit.units import GiB, KiB, MiB, TiB, parse_size
 
 SMALL_SIZE = 1 * MiB  # PyTorch's kSmallSize: requests up to this size are small (pools/small.py)
 PAGE = 2 * MiB  # cuMemGetAllocationGranularity on every GPU we target, and the simulated driver's
@@ -59,11 +60,6 @@ PAGED_MAX_BLOCKS = 1 << 27
 # -- values ------------------------------------------------------------------------------------
 _TRUE = ("true", "yes", "on", "1")
 _FALSE = ("false", "no", "off", "0")
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
-_SIZE_UNITS = {
-    "": 1, "b": 1, "kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": TiB, "ki": 1 << 10, "mi": MiB, "gi": GiB,
-    "ti": TiB, "k": 1 << 10, "m": MiB, "g": GiB, "t": TiB, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
 
 
 def _bool(v: Any) -> bool:
@@ -98,23 +94,16 @@ def _float(v: Any) -> float:
 
 
 def _size(v: Any) -> int:
-    """Bytes from an int or ``"64MiB"``; a size must come to a whole number of bytes (``1.5`` is not)."""
+    """Bytes from an int or ``"64MiB"`` (:func:`vmstoolkit.units.parse_size`); a size must come to a
+    whole number of bytes (``1.5`` is not)."""
     if isinstance(v, bool) or not isinstance(v, (int, str)):
         raise ValueError(f"must be a size in bytes (e.g. 4096, 64MiB), got {v!r}")
-    if isinstance(v, int):
-        n = v
-    else:
-        m = _SIZE_RE.match(v)
-        factor = _SIZE_UNITS.get(m.group(2).lower()) if m else None
-        if factor is None:
-            raise ValueError(f"must be a size in bytes (e.g. 4096, 64MiB), got {v!r}")
-        exact = Fraction(m.group(1)) * factor
-        if exact.denominator != 1:
-            raise ValueError(f"must be a whole number of bytes, got {v!r}")
-        n = int(exact)
-    if n < 0:
+    if isinstance(v, int) and v < 0:
         raise ValueError(f"must be a size of at least 0, got {v!r}")
-    return n
+    try:
+        return parse_size(v, whole=True)
+    except ValueError as e:
+        raise ValueError(f"must be a size in bytes (e.g. 4096, 64MiB): {e}") from None
 
 
 _CONVERT = {"bool": _bool, "int": _int, "float": _float, "size": _size, "str": str, "choice": str}
@@ -149,7 +138,7 @@ def _check_field(f, value: Any) -> Any:
 
 def _show(x: float, kind: str) -> str:
     if kind == "size":
-        for unit, factor in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        for unit, factor in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
             if x >= factor and x % factor == 0:
                 return f"{x // factor}{unit}"
     return f"{x:g}" if isinstance(x, float) else str(x)
@@ -378,25 +367,105 @@ def check_options(name: str, options: Mapping[str, Any], *, capacity: int | None
     return {k: getattr(obj, k) for k in options}
 
 
-# -- the -o syntax -----------------------------------------------------------------------------------
-def split_option_item(item: str) -> tuple[str | None, str, str]:
-    """``"vms:reuse_max_ratio=2"`` -> ``("vms", "reuse_max_ratio", "2")``; no prefix -> ``None``.
+# -- the one syntax: [ALLOC:]KEY=VALUE[,KEY=VALUE...] ------------------------------------------------
+_SEPARATOR = re.compile(r"([,+])")
+_ITEM_USAGE = "KEY=VALUE[,KEY=VALUE...] or ALLOCATOR:KEY=VALUE[,KEY=VALUE...]"
 
-    The prefix is what stands before the first ``:`` of the key part (values may hold ``:``,
+
+def split_pairs(text: str, where: str = "options") -> list[tuple[str, str]]:
+    """``"aliases=true,slack_pages=64"`` -> ``[("aliases", "true"), ("slack_pages", "64")]``.
+
+    Pairs are separated by ``,``. ``+`` separates them too: an alias kept for the commands of
+    old results (``paged:aliases=True+slack_pages=64``); new commands use ``,``. A piece without
+    ``=`` belongs to the value before it, so values keep their own commas and pluses (PyTorch's
+    ``config=max_split_size_mb:128,garbage_collection_threshold:0.6``, a float's ``1e+3``).
+    Raises :class:`~vmstoolkit.errors.ConfigError` naming ``where`` and the piece otherwise.
+
+    >>> split_pairs("config=max_split_size_mb:128,garbage_collection_threshold:0.6+x=1e+3")
+    [('config', 'max_split_size_mb:128,garbage_collection_threshold:0.6'), ('x', '1e+3')]
+    """
+    parts = _SEPARATOR.split(text)
+    pieces = [parts[0]]
+    for sep, piece in zip(parts[1::2], parts[2::2]):
+        if "=" in piece:
+            pieces.append(piece)
+        else:
+            pieces[-1] += sep + piece
+    pairs = []
+    for piece in pieces:
+        key, eq, value = piece.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"{where}: expected KEY=VALUE, got {piece!r}")
+        pairs.append((key.strip(), value.strip()))
+    return pairs
+
+
+def parse_option_item(item: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """One ``-o`` item: ``"vms:reuse_max_ratio=2,coalesce=false"`` -> ``("vms", [("reuse_max_ratio",
+    "2"), ("coalesce", "false")])``; no prefix -> ``None``.
+
+    The prefix is what stands before the last ``:`` of the first key (values may hold ``:``,
     as PyTorch's ``config=max_split_size_mb:128`` does)."""
-    key, sep, value = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"--option takes KEY=VALUE or ALLOCATOR:KEY=VALUE, got {item!r}")
-    alloc, colon, bare = key.rpartition(":")
-    if colon and (not alloc.strip() or not bare.strip()):
-        raise ConfigError(f"--option takes KEY=VALUE or ALLOCATOR:KEY=VALUE, got {item!r}")
-    return (alloc.strip() or None), bare.strip(), value.strip()
+    head, eq, rest = item.partition("=")
+    alloc, colon, key = head.rpartition(":")
+    if not eq or not key.strip() or (colon and not alloc.strip()):
+        raise ConfigError(f"--option takes {_ITEM_USAGE}, got {item!r}")
+    return (alloc.strip() or None), split_pairs(key + eq + rest, f"option {item!r}")
+
+
+def split_option_item(item: str) -> tuple[str | None, str, str]:
+    """``"vms:reuse_max_ratio=2"`` -> ``("vms", "reuse_max_ratio", "2")``: an item of one pair
+    (:func:`parse_option_item` takes several)."""
+    alloc, pairs = parse_option_item(item)
+    if len(pairs) != 1:
+        raise ConfigError(f"expected one KEY=VALUE, got {len(pairs)} in {item!r}")
+    return (alloc, *pairs[0])
+
+
+class AllocatorSpec(NamedTuple):
+    """An allocator and its checked options, as :func:`parse_allocator_spec` reads them; ``str()``
+    writes them back in the one syntax."""
+
+    name: str
+    options: dict
+
+    def __str__(self) -> str:
+        return self.name + (":" + format_options(self.options, sep=",") if self.options else "")
+
+
+def parse_allocator_spec(text: str) -> AllocatorSpec:
+    """``"paged:aliases=true,slack_pages=64"`` -> ``AllocatorSpec("paged", {"aliases": True,
+    "slack_pages": 64})``; ``"vms"``: its defaults. The syntax of a prefixed ``-o`` item (and
+    ``+`` between pairs, the old experiments' separator, as an alias: :func:`split_pairs`).
+
+    The name must be a registered allocator and the options are converted and checked as
+    :func:`~vmstoolkit.pools.make_allocator` checks them, without building anything; anything
+    else raises :class:`~vmstoolkit.errors.ConfigError` naming it. Cost: O(length of ``text``).
+
+    >>> parse_allocator_spec("paged:aliases=True+slack_pages=64") == parse_allocator_spec("paged:aliases=true,slack_pages=64")
+    True
+    >>> str(parse_allocator_spec("vms:reuse_max_ratio=2"))
+    'vms:reuse_max_ratio=2.0'
+    """
+    import vmstoolkit.pools  # noqa: F401 - registers every allocator
+    from vmstoolkit.pools.registry import check_allocator
+
+    t = text.strip()
+    if "=" in t:
+        name, pairs = parse_option_item(t)
+    elif t and ":" not in t:
+        name, pairs = t, []
+    else:
+        name, pairs = None, []
+    if name is None:
+        raise ConfigError(f"allocator spec {text!r}: expected NAME or NAME:KEY=VALUE[,KEY=VALUE...]")
+    return AllocatorSpec(name, check_allocator(name, dict(pairs)))
 
 
 def resolve_option_items(items: Iterable[str] | None, allocators: list[str], *,
                          capacity: int | None = None, granularity: int = PAGE) -> dict[str, dict]:
-    """Per allocator of ``allocators``, its checked options from ``-o`` items.
+    """Per allocator of ``allocators``, its checked options from ``-o`` items (each one or more
+    pairs separated by ``,``: :func:`parse_option_item`).
 
     ``KEY=VALUE`` goes to every chosen allocator that takes ``KEY`` (an error when none does,
     naming those that take it); ``ALLOC:KEY=VALUE`` to ``ALLOC`` only (an error when it is not
@@ -404,20 +473,18 @@ def resolve_option_items(items: Iterable[str] | None, allocators: list[str], *,
     """
     raw: dict[str, dict] = {a: {} for a in allocators}
     for item in items or []:
-        alloc, key, value = split_option_item(item)
-        if alloc is not None:
-            if alloc not in raw:
-                raise ConfigError(f"option {item!r} is for allocator {alloc!r}, which is not among the chosen "
-                                  f"allocators ({', '.join(allocators)})")
-            raw[alloc][key] = value
-            continue
-        chosen = [a for a in allocators if a not in OPTIONS or key in OPTIONS[a].keys()]
-        if not chosen:
-            others = takers(key)
-            raise ConfigError(f"unknown option {key!r} for {', '.join(allocators)}"
-                              + (f"; it is an option of {', '.join(others)}" if others else "; no allocator takes it"))
-        for a in chosen:
-            raw[a][key] = value
+        alloc, pairs = parse_option_item(item)
+        if alloc is not None and alloc not in raw:
+            raise ConfigError(f"option {item!r} is for allocator {alloc!r}, which is not among the chosen "
+                              f"allocators ({', '.join(allocators)})")
+        for key, value in pairs:
+            chosen = [alloc] if alloc is not None else [a for a in allocators if a not in OPTIONS or key in OPTIONS[a].keys()]
+            if not chosen:
+                others = takers(key)
+                raise ConfigError(f"unknown option {key!r} for {', '.join(allocators)}"
+                                  + (f"; it is an option of {', '.join(others)}" if others else "; no allocator takes it"))
+            for a in chosen:
+                raw[a][key] = value
     return {a: check_options(a, opts, capacity=capacity, granularity=granularity) for a, opts in raw.items()}
 
 
@@ -448,18 +515,18 @@ def parse_options(items: Iterable[str] | None) -> dict:
     return out
 
 
-def format_options(options: Mapping[str, Any]) -> str:
+def format_options(options: Mapping[str, Any], sep: str = " ") -> str:
     """``{"reuse_max_ratio": 2.0, "coalesce": False}`` -> ``"reuse_max_ratio=2.0 coalesce=false"``
-    (re-usable as ``-o`` items; empty for an allocator's defaults)."""
+    (re-usable as ``-o`` items; ``sep=","``: as one item; empty for an allocator's defaults)."""
     def show(v: Any) -> str:
         return str(v).lower() if isinstance(v, bool) else str(v)
 
-    return " ".join(f"{k}={show(v)}" for k, v in options.items())
+    return sep.join(f"{k}={show(v)}" for k, v in options.items())
 
 
 __all__ = [
     "AllocatorOptions", "NoOptions", "StitchOptions", "GMLakeOptions", "VmsOptions", "PyTorchCachingOptions",
     "PyTorchExpandableOptions", "PagedOptions", "OPTIONS", "register_options", "options_for", "check_options",
-    "takers", "split_option_item", "resolve_option_items", "parse_options", "guess_value", "format_options",
-    "paged_host_bytes",
+    "takers", "split_pairs", "parse_option_item", "split_option_item", "resolve_option_items", "parse_options",
+    "guess_value", "format_options", "paged_host_bytes", "AllocatorSpec", "parse_allocator_spec",
 ]

@@ -2,7 +2,7 @@
 buffers, completions delivered to the asyncio loop by a host callback or by polling events.
 
 Importable without a GPU: numba.cuda, cuda-bindings and the kernels are imported when a backend
-is set up. Measured on the H200 by ``experiments/offload_gpu.py`` (``experiments/results/offload-h200/``).
+is set up. Measured on the H200 by ``experiments/offload_gpu.py`` (``docs/results.md#offload-h200``).
 
 Memory: the compiler placed every buffer at an offset of one region of ``budget`` bytes per GPU,
 so the backend takes exactly one allocation per GPU (:func:`take_region`) and makes device
@@ -133,7 +133,7 @@ class CudaBackend:
     def __init__(self, values: dict[int, np.ndarray], *, notify: str = "poll", host: dict | None = None):
         """``notify``: ``"poll"`` (default: 7-13% shorter makespans than ``"callback"`` on the
         H200, where each host function holds its stream for a GIL hand-off;
-        ``experiments/results/offload-h200/``). ``host``: pinned host arrays by tensor id, kept
+        ``docs/results.md#offload-h200``). ``host``: pinned host arrays by tensor id, kept
         by the caller to share between runs of the same graph (pinning 13 GiB of weights takes
         seconds); filled on first use."""
         if notify not in ("callback", "poll"):

@@ -7,7 +7,7 @@ them calls ``cuLibraryUnload`` on the same library handle. At interpreter exit t
 unload of a handle crashes the process (a segmentation fault, or glibc's "double free or
 corruption"), after all the work is done. Measured on ``nvidia-h200-x2`` with numba-cuda 0.30.4
 and nothing of vmstoolkit loaded: 16 kernels launched on both GPUs, then exit, crashes every
-time; one GPU exits cleanly (``experiments/results/offload-h200/README.md``, run 6).
+time; one GPU exits cleanly (``docs/results.md#offload-h200``, run 6).
 ``numba.cuda.close()`` crashes the same way while it resets the contexts. The crash of
 ``cuLibraryUnload`` under numba-cuda is reported upstream (NVIDIA/cuda-python issue 1670).
 

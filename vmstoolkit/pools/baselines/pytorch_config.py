@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vmstoolkit.errors import ConfigError
+from vmstoolkit.units import MiB
 
-MiB = 1 << 20
 UNLIMITED = (1 << 64) - 1
 """``std::numeric_limits<size_t>::max()``: PyTorch's "no max_split_size" value."""
 

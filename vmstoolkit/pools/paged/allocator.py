@@ -5,12 +5,12 @@ less in 512 B units, larger ones in whole 2 MiB pages (or, with ``large_unit``, 
 that let neighbouring large blocks share a page: 0.1 GiB less on the traces' peaks, but a shared
 page cannot be reclaimed while either block lives; on the H200's training run 512 KiB units
 remapped more and reserved more than whole pages, so whole pages stay the default:
-``experiments/results/paged/``, ``experiments/results/train-h200/`` run 12). A block's address never changes and a
+``docs/results.md#paged-policy``, ``#train-h200`` run 12). A block's address never changes and a
 freed block merges with its neighbours, as in a classic heap. Large blocks go first to free
 pages that still have chunks (``placement="mapped"``, the default: when the best fit would need
 new chunks, the lowest free window whose pages all have theirs, if any; ``"best-fit"`` ignores
 mappings). On the H200 training run's own allocation sequence this leaves the driver almost no
-work after each round's first, largest step, at the same peak (``experiments/results/train-h200/``
+work after each round's first, largest step, at the same peak (``docs/results.md#train-h200``,
 run 14). What makes the heap cheap in physical memory is that a page gets a physical chunk only when a live block first needs it, and
 keeps it while free (a repeated pattern calls the driver no more) until chunks are short:
 
@@ -371,7 +371,7 @@ class PagedAllocator(Allocator):
         if short > 0 and not self.aliases:
             # at least reclaim_batch pages per synchronize: the spare chunks serve the next
             # requests without another one (16: 2-4x fewer syncs on the traces for 0-6% more
-            # driver time, experiments/results/paged/)
+            # driver time, docs/results.md#paged-policy)
             short -= self._reclaim(max(short, self.reclaim_batch))
         if short > 0:
             self._create(short, must=True)  # a new peak

@@ -465,7 +465,7 @@ def reclaim(meta, page_chunk, page_used, nmaps, chunk_stack, g, want, out_pages,
     ones least likely to be needed again soon. ``meta[M_CLOCK_ORDER] = 1`` sweeps like a clock
     instead (from where the last sweep stopped), for comparison: on the traces it remapped
     1.4-9.9x more in steady state under best-fit placement, up to 1.3x more under mapped
-    placement, which avoids most reclaims (``experiments/results/paged/``)."""
+    placement, which avoids most reclaims (``docs/results.md#paged-policy``)."""
     got = 0
     npages = page_chunk.shape[0]
     if meta[M_CLOCK_ORDER] == 1:
@@ -514,6 +514,21 @@ def conflicts(meta, page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, st
             k += 1
         u = nxt
     return k
+
+
+def shared_with_live_neighbours(meta, page_chunk, page_used, chunk_live, start: int, n: int) -> list[int]:
+    """Diagnostics, on no allocation path: the pages of units ``[start, start + n)`` that a live
+    neighbour also holds (more live units than the block's own) and whose chunk is live through
+    another mapping too. :func:`conflicts` must leave each such page its chunk (the neighbour's
+    data is there) and remap the block's other page instead. Plain Python, O(pages of the window)."""
+    q = int(meta[M_Q])
+    pages = []
+    for p in range(start // q, (start + n + q - 1) // q):
+        mine = min(start + n, (p + 1) * q) - max(start, p * q)
+        c = page_chunk[p]
+        if c != NONE and page_used[p] > mine and chunk_live[c] > 1:
+            pages.append(p)
+    return pages
 
 
 @njit(cache=True)

@@ -69,7 +69,7 @@ GMLAKE_POLICY = StitchPolicy()
 
 VMS_POLICY = StitchPolicy(stitch_min_bytes=0, reuse_max_ratio=1.0, selection="best-fit", max_cached_stitched=256,
                           stitched_prefix=True, coalesce=True)
-"""Our policy, from the sweep in ``experiments/results/vms_policy/`` (``experiments/vms_policy.py``).
+"""Our policy, from the sweep of ``experiments/vms_policy.py`` (``docs/results.md#vms-policy``).
 Figures: utilization on the four H200 traces ckpt/full/lora/offload, and the driver time of
 steady state (each trace's six steps replayed eight times in a row; mean per replay over the
 third to eighth) modelled with the H200's measured call costs.

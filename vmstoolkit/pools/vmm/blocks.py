@@ -125,8 +125,3 @@ class BlockInfo:
     nbytes: int
     handles: tuple
     parts: tuple = ()
-
-
-def block_key(b: PrimitiveBlock | StitchedBlock) -> tuple[int, int]:
-    """Best-fit order: smallest first, then lowest address (as PyTorch's BlockComparator)."""
-    return (b.nchunks, b.va)
