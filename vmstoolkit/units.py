@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from vmstoolkit.errors import InvalidSizeError
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -31,24 +33,25 @@ def parse_size(value: int | str) -> int:
     """Bytes from an ``int`` or a string such as ``"80GiB"``, ``"512 MiB"``, ``"1.5GB"``.
 
     Binary units (KiB, MiB, GiB, TiB, and the bare K/M/G/T) are powers of 1024, decimal
-    units (kB, MB, GB, TB) powers of 1000. Raises ``ValueError`` naming the value when it is
-    not a size; zero is allowed here (callers that need a positive size check it).
+    units (kB, MB, GB, TB) powers of 1000. Raises :class:`~vmstoolkit.errors.InvalidSizeError` (a
+    ``ValueError``) naming the value when it is not a size; zero is allowed here (callers that
+    need a positive size check it).
     """
     if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
+        raise InvalidSizeError(f"not a size: {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"size must not be negative: {value}")
+            raise InvalidSizeError(f"size must not be negative: {value}")
         return value
     if not isinstance(value, str):
-        raise ValueError(f"not a size: {value!r}")
+        raise InvalidSizeError(f"not a size: {value!r}")
     m = _SIZE_RE.match(value)
     if not m:
-        raise ValueError(f"not a size: {value!r} (expected e.g. 4096, '512MiB', '80GiB')")
+        raise InvalidSizeError(f"not a size: {value!r} (expected e.g. 4096, '512MiB', '80GiB')")
     number, unit = m.groups()
     factor = _UNITS.get(unit.lower())
     if factor is None:
-        raise ValueError(f"unknown size unit {unit!r} in {value!r} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)")
+        raise InvalidSizeError(f"unknown size unit {unit!r} in {value!r} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)")
     return int(round(float(number) * factor))
 
 
