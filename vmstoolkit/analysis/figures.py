@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-GiB = 1 << 30
+from vmstoolkit.units import GiB
+
 _MAX_POINTS = 4000  # timelines are thinned to this many points: the figure looks the same, 10x smaller PNG
 
 

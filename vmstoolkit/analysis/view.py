@@ -14,13 +14,12 @@ from pathlib import Path
 import numpy as np
 
 from vmstoolkit.errors import VmsError
+from vmstoolkit.units import GiB, MiB
 
 MAX_POINTS = 3000
 """Points per line: buckets of events keep their highest value, so peaks survive; 3000 points
 per allocator keep a page of four allocators under ~5 MB beside plotly's 4.6 MB of JavaScript."""
 MAX_SEGMENT_ROWS = 48  # the largest segments drawn in the layout; the rest are summed in the title
-MiB = 1 << 20
-GiB = 1 << 30
 
 
 class ViewError(VmsError):

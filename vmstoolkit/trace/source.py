@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vmstoolkit.errors import TraceFormatError
-from vmstoolkit.units import format_size
+from vmstoolkit.units import GiB, format_size
 
-GiB = 1 << 30
 DEFAULT_MAX_BYTES = 32 * GiB
 """Decompressed bytes read from one snapshot at most, by default. PyTorch's default
 ``max_entries`` (1M) with Python frames dumps a few hundred MB; 32 GiB is room for users who
