@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vmstoolkit.errors import ConfigError, InvalidFreeError, OutOfMemoryError
+from vmstoolkit.errors import ConfigError, DriverError, InvalidFreeError, OutOfMemoryError
 from vmstoolkit.integrations.bridge import torch_stats
 from vmstoolkit.pools import allocator_names, make_allocator, make_driver
 from vmstoolkit.pools.adaptors import (
@@ -188,6 +188,20 @@ def test_unwrap_takes_one_adaptor_out_of_a_chain():
     assert unwrap(lim, lim) is base
     with pytest.raises(ConfigError):
         unwrap(base, s)
+
+
+def test_a_free_that_fails_in_the_driver_is_gone_for_every_adaptor_too():
+    d = make_driver("sim")
+    logged = SnapshotLoggingAdaptor(make_allocator("native", d))
+    a = LimitingAdaptor(StatisticsAdaptor(logged), GiB)
+    p = a.allocate(3 * MiB)
+    d.fail_on("unmap", d.calls["unmap"] + 1)
+    with pytest.raises(DriverError):
+        a.free(p)
+    assert a.allocated_through == 0 and a.upstream.statistics().current_bytes == 0 and a.allocated_bytes == 0
+    assert [e["action"] for e in logged.log.device_traces[0]] == ["alloc", "free_completed"]
+    a._check()
+    a.close()
 
 
 @pytest.mark.parametrize("name", allocator_names())

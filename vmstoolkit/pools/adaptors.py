@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from vmstoolkit.errors import ConfigError, DriverError, OutOfMemoryError
+from vmstoolkit.errors import ConfigError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator, AllocatorStats
 from vmstoolkit.units import MiB, format_size, parse_size
 
@@ -49,7 +49,8 @@ PyTorch's caching allocator's boundary (``kSmallSize``), so ``memory_stats()`` r
 class AllocatorAdaptor(Allocator):
     """Base of every adaptor: an allocator that serves every call from ``upstream``.
 
-    Each protocol method forwards to the upstream; subclasses override the ones they add to.
+    Each protocol method forwards to the upstream; subclasses override the ones they add to, and
+    see every completed free through :meth:`_freed`.
     ``name``, ``driver``, ``counts`` and ``streams_apart`` are the upstream's, so results read the
     same wrapped or not. :meth:`compiled_replay` is None (an adaptor sees every call) and
     ``compiled_hook`` is None (PyTorch reaches it through callbacks).
@@ -82,7 +83,14 @@ class AllocatorAdaptor(Allocator):
         return self.upstream.allocate(size, stream)
 
     def free(self, addr: int, stream: int | None = None) -> None:
-        self.upstream.free(addr, stream)
+        size = self.upstream.size_of(addr)  # raises for an address nothing lives at, as free would
+        try:
+            self.upstream.free(addr, stream)  # a live address: gone afterwards, even on a DriverError
+        finally:
+            self._freed(addr, size, stream)
+
+    def _freed(self, addr: int, size: int, stream: int | None) -> None:
+        """The live allocation at ``addr`` of ``size`` bytes was freed upstream (subclasses)."""
 
     def record_stream(self, addr: int, stream: int) -> None:
         self.upstream.record_stream(addr, stream)
@@ -187,12 +195,8 @@ class LimitingAdaptor(AllocatorAdaptor):
         self._allocated += size
         return addr
 
-    def free(self, addr: int, stream: int | None = None) -> None:
-        size = self.upstream.size_of(addr)  # raises for an address nothing lives at, as free would
-        try:
-            self.upstream.free(addr, stream)  # a live address: gone afterwards, even on a DriverError
-        finally:
-            self._allocated -= size
+    def _freed(self, addr: int, size: int, stream: int | None) -> None:
+        self._allocated -= size
 
     def stats(self) -> AllocatorStats:
         s = self.upstream.stats()
@@ -297,15 +301,7 @@ class StatisticsAdaptor(AllocatorAdaptor):
         st.add(size)
         return addr
 
-    def free(self, addr: int, stream: int | None = None) -> None:
-        try:
-            self.upstream.free(addr, stream)
-        except DriverError:  # the allocation is gone all the same (Allocator.free)
-            self._forget(addr)
-            raise
-        self._forget(addr)
-
-    def _forget(self, addr: int) -> None:
+    def _freed(self, addr: int, size: int, stream: int | None) -> None:
         seen = self._allocs.pop(addr, None)
         if seen is None:  # allocated before this adaptor wrapped the allocator: never counted
             return
@@ -456,13 +452,9 @@ class SnapshotLoggingAdaptor(AllocatorAdaptor):
         self.log.record("alloc", self.device, addr, size, stream)
         return addr
 
-    def free(self, addr: int, stream: int | None = None) -> None:
-        size = self.upstream.size_of(addr)  # raises for an address nothing lives at, as free would
-        try:
-            self.upstream.free(addr, stream)  # a live address: gone afterwards, even on a DriverError
-        finally:
-            own = self._streams.pop(addr, None)
-            self.log.record("free_completed", self.device, addr, size, own if own is not None else (stream or 0))
+    def _freed(self, addr: int, size: int, stream: int | None) -> None:
+        own = self._streams.pop(addr, None)
+        self.log.record("free_completed", self.device, addr, size, own if own is not None else (stream or 0))
 
     def snapshot(self) -> dict:
         return self.log.snapshot()
