@@ -27,7 +27,7 @@ import platform
 import time
 from pathlib import Path
 
-from vmstoolkit.integrations.callbacks import roundtrips_from_native_thread
+from vmstoolkit.integrations.testing import roundtrips_from_native_thread
 from vmstoolkit.integrations.torch import ALLOC_FN, FREE_FN, make_handle
 from vmstoolkit.pools import make_driver
 from vmstoolkit.units import MiB

@@ -1,6 +1,11 @@
 """The exceptions of vmstoolkit: one base class, one type per kind of failure.
 
-Every message names the problem and the values involved, so the CLI can print it as one line.
+Every error vmstoolkit raises on purpose is a :class:`VmsError` (the runtime's
+:class:`~vmstoolkit.exec.errors.ExecError` family included), so ``except VmsError`` catches them
+all and the CLI's one handler prints any of them as one line. Where a built-in exception type
+says the same thing, it is a second base (``ConfigError`` is a ``ValueError``,
+``OutOfMemoryError`` a ``MemoryError``), so code that catches the built-in keeps working.
+Every message names the problem and the values involved.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ class VmsError(Exception):
 
 
 class InvalidSizeError(VmsError, ValueError):
-    """A requested size of zero or below, or not an integer."""
+    """A size that is not one: zero or below where a positive one is needed, not an integer, not a
+    multiple of the granularity, or a string that does not parse (``"12 parsecs"``)."""
 
 
 class InvalidFreeError(VmsError, KeyError):
@@ -28,11 +34,13 @@ class DoubleFreeError(InvalidFreeError):
 class OutOfMemoryError(VmsError, MemoryError):
     """The physical memory cannot serve a request, even after releasing every cached block."""
 
-    def __init__(self, message: str, *, requested: int = 0, reserved: int = 0, capacity: int | None = None):
+    def __init__(self, message: str, *, requested: int = 0, reserved: int = 0, capacity: int | None = None,
+                 limit: int | None = None):
         super().__init__(message)
         self.requested = requested
         self.reserved = reserved
         self.capacity = capacity
+        self.limit = limit  # the byte limit that refused the request (pools.adaptors.LimitingAdaptor), if any
 
 
 class DriverError(VmsError, RuntimeError):
@@ -53,11 +61,17 @@ class TraceFormatError(VmsError, ValueError):
 
 
 class ConfigError(VmsError, ValueError):
-    """An unknown allocator name, option, or a malformed configuration string."""
+    """An unknown name (allocator, option, driver, driver operation), a bad option value, or a
+    malformed configuration string."""
 
 
 class NoGPUError(VmsError, RuntimeError):
     """A real GPU path was asked for on a machine without a usable CUDA GPU."""
+
+
+class IntegrationError(VmsError, RuntimeError):
+    """A framework integration that cannot be set up or used as asked: the framework is missing,
+    refuses the hook, or already runs another vmstoolkit allocator."""
 
 
 class ClusterError(VmsError, RuntimeError):

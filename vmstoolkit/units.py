@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from vmstoolkit.errors import InvalidSizeError
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -34,34 +36,34 @@ def parse_size(value: int | str, *, whole: bool = False) -> int:
     Binary units (KiB, MiB, GiB, TiB, and the bare K/M/G/T) are powers of 1024, decimal
     units (kB, MB, GB, TB) powers of 1000. The number is read exactly (no float rounding) and
     rounded to a byte; with ``whole=True`` a size that is not a whole number of bytes
-    (``"1.5"``, ``"0.3KiB"``) is refused instead. Raises ``ValueError`` naming the value when it
-    is not a size; zero is allowed here (callers that need a positive size check it).
+    (``"1.5"``, ``"0.3KiB"``) is refused instead. Raises :class:`~vmstoolkit.errors.InvalidSizeError`
+    (a ``ValueError``) naming the value when it is not a size; zero is allowed here (callers that need a positive size check it).
 
     >>> parse_size("1.5GiB") == 3 * 2**29
     True
     >>> parse_size("1.5", whole=True)
     Traceback (most recent call last):
     ...
-    ValueError: not a whole number of bytes: '1.5'
+    vmstoolkit.errors.InvalidSizeError: not a whole number of bytes: '1.5'
     """
     if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
+        raise InvalidSizeError(f"not a size: {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"size must not be negative: {value}")
+            raise InvalidSizeError(f"size must not be negative: {value}")
         return value
     if not isinstance(value, str):
-        raise ValueError(f"not a size: {value!r}")
+        raise InvalidSizeError(f"not a size: {value!r}")
     m = _SIZE_RE.match(value)
     if not m:
-        raise ValueError(f"not a size: {value!r} (expected e.g. 4096, '512MiB', '80GiB')")
+        raise InvalidSizeError(f"not a size: {value!r} (expected e.g. 4096, '512MiB', '80GiB')")
     number, unit = m.groups()
     factor = _UNITS.get(unit.lower())
     if factor is None:
-        raise ValueError(f"unknown size unit {unit!r} in {value!r} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)")
+        raise InvalidSizeError(f"unknown size unit {unit!r} in {value!r} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)")
     exact = Fraction(number) * factor
     if whole and exact.denominator != 1:
-        raise ValueError(f"not a whole number of bytes: {value!r}")
+        raise InvalidSizeError(f"not a whole number of bytes: {value!r}")
     return round(exact)
 
 

@@ -74,3 +74,15 @@ def test_jobs_in_worker_processes_match_in_process():
     assert [r.peak_reserved for r in parallel[:2]] == [r.peak_reserved for r in serial]
     assert parallel[2].timeline is not None and parallel[0].timeline is None
     assert isinstance(jobs[0], Job)
+
+
+def test_a_synthetic_job_is_trace_runs_one_replay_job():
+    from vmstoolkit.analysis.fragmentation import run_job
+    from vmstoolkit.trace.run import replay_trace
+    from vmstoolkit.trace.synthetic import synthetic_trace
+
+    job = Job("synthetic:lora:3", "vms", options=(("reuse_max_ratio", 2),), capacity=64 * GiB)
+    r = run_job(job)
+    direct = replay_trace(synthetic_trace("lora", 3), "vms", capacity=64 * GiB, options={"reuse_max_ratio": 2})
+    assert r.extra == {**direct.extra, "synthetic": True} and r.extra["paths"]  # the paths, as every replay job reports
+    assert (r.peak_reserved, r.driver_calls, r.events) == (direct.peak_reserved, direct.driver_calls, direct.events)

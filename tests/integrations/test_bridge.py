@@ -148,3 +148,37 @@ def test_numba_plugin_logic_on_the_simulated_driver():
     env = {k: v for k, v in __import__("os").environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_an_adaptor_goes_around_the_allocator_between_calls_and_comes_off_again():
+    from vmstoolkit.pools.adaptors import StatisticsAdaptor
+
+    vms = make_allocator("vms")
+    b = AllocatorBridge(vms)
+    p = b.malloc(3 * MiB)
+    stats = b.wrap(StatisticsAdaptor)
+    q = b.malloc(5 * MiB)
+    assert stats.statistics().current_bytes == 5 * MiB and b.stats()["allocated_bytes.large_pool.current"] == 5 * MiB
+    b.unwrap(stats)
+    assert b.allocator is vms
+    b.free(p)
+    b.free(q)
+    assert b.failed_frees == 0 and vms.allocated_bytes == 0
+
+
+def test_a_free_that_reenters_while_an_adaptor_is_put_on_is_queued_not_deadlocked():
+    """The garbage collector may drop a tensor (whose deleter frees) inside any locked call."""
+    from vmstoolkit.pools.adaptors import StatisticsAdaptor
+
+    b = AllocatorBridge(make_allocator("vms"))
+    p = b.malloc(3 * MiB)
+
+    def make(a):
+        b.free(p)  # as a deleter run by the garbage collector would, on this thread
+        return StatisticsAdaptor(a)
+
+    t = threading.Thread(target=b.wrap, args=(make,), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "wrap deadlocked on a re-entrant free"
+    assert b.allocator.allocated_bytes == 0 and b.failed_frees == 0

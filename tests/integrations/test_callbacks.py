@@ -1,6 +1,7 @@
 import threading
 
-from vmstoolkit.integrations.callbacks import ThreadStatePins, roundtrips_from_native_thread
+from vmstoolkit.integrations.callbacks import ThreadStatePins
+from vmstoolkit.integrations.testing import roundtrips_from_native_thread
 from vmstoolkit.integrations.torch import make_handle
 from vmstoolkit.pools import make_driver
 from vmstoolkit.units import MiB

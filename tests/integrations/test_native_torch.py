@@ -3,7 +3,7 @@ the simulated driver, from a Python thread and from a native thread as PyTorch w
 
 import pytest
 
-from vmstoolkit.integrations.callbacks import roundtrips_from_native_thread
+from vmstoolkit.integrations.testing import roundtrips_from_native_thread
 from vmstoolkit.integrations.native_torch import ALLOC_FN, FREE_FN, G_BAD_FREES, NativeHook
 from vmstoolkit.pools import make_allocator, make_driver
 from vmstoolkit.pools.paged import heap as H

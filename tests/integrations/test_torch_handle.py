@@ -131,3 +131,22 @@ def test_history_recorded_under_the_handle_replays(handle, tmp_path):
         ("alloc", 512), ("alloc", 3 * MiB), ("alloc", 20 * MiB), ("free_completed", 512), ("free_completed", 3 * MiB)]
     r = replay(t, make_allocator("vms"))
     assert r.peak_allocated == 512 + 23 * MiB
+
+
+def test_recording_puts_a_logging_adaptor_on_every_device_and_takes_it_off():
+    from vmstoolkit.pools.adaptors import SnapshotLoggingAdaptor
+
+    h = make("vms")
+    a, f = _calls(h)
+    f(a(MiB, 0, None), MiB, 0, None)  # device 0 made before recording
+    bare = h.bridge(0).allocator
+    h.record_history(max_entries=100)
+    assert isinstance(h.bridge(0).allocator, SnapshotLoggingAdaptor) and h.bridge(0).allocator.upstream is bare
+    assert isinstance(h.bridge(1).allocator, SnapshotLoggingAdaptor)  # made while recording
+    a(2 * MiB, 1, None)
+    h.record_history(False)
+    assert h.bridge(0).allocator is bare and not isinstance(h.bridge(1).allocator, SnapshotLoggingAdaptor)
+    snap = h.snapshot()
+    assert [len(t) for t in snap["device_traces"]] == [0, 1] and snap["device_traces"][1][0]["size"] == 2 * MiB
+    h.record_history(clear=True)
+    assert h.snapshot()["device_traces"] == []

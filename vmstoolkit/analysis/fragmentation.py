@@ -68,23 +68,17 @@ def spec_workload(spec: str) -> str:
 
 
 def run_job(job: Job) -> ReplayResult:
-    """Replay one (trace spec, allocator) on a fresh simulated driver. Runs in worker processes."""
+    """Replay one (trace spec, allocator) on a fresh simulated driver
+    (:func:`vmstoolkit.trace.run.replay_trace`, the one job assembly). Runs in worker processes."""
+    from vmstoolkit.trace.run import replay_one, replay_trace
+
     if is_synthetic_spec(job.spec):
-        from vmstoolkit.pools import make_allocator, make_driver
-        from vmstoolkit.trace.replay import replay
         from vmstoolkit.trace.synthetic import synthetic_trace
 
-        kind, seed = parse_synthetic_spec(job.spec)
-        trace = synthetic_trace(kind, seed)
-        driver = make_driver("sim", capacity=job.capacity)
-        alloc = make_allocator(job.allocator, driver, **dict(job.options))
-        try:
-            result = replay(trace, alloc, timeline=job.timeline)
-        finally:
-            alloc.close()
+        result = replay_trace(synthetic_trace(*parse_synthetic_spec(job.spec)), job.allocator, capacity=job.capacity,
+                              timeline=job.timeline, options=dict(job.options))
         result.extra["synthetic"] = True
         return result
-    from vmstoolkit.trace.run import replay_one
 
     if not Path(job.spec).is_file():  # checked by the CLI, but a cluster's worker may be elsewhere
         import platform

@@ -2,12 +2,13 @@
 
 Every command module defines plain functions with ``Annotated`` options; this module registers
 them. User errors (bad files, names, sizes) print one line and exit with code 1 or 2, never a
-traceback: :func:`main` turns every :class:`~vmstoolkit.errors.VmsError` into that line.
+traceback: the one handler, :meth:`Group.invoke`, turns every :class:`~vmstoolkit.errors.VmsError`
+(the runtime's :class:`~vmstoolkit.exec.errors.ExecError` included) that a command lets through
+into that line (:func:`error_line`) and exit status 1.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated
 
 import typer
@@ -60,7 +61,19 @@ class Command(_PlainTypes, TyperCommand):
 
 
 class Group(_PlainTypes, TyperGroup):
-    """A command group with :class:`_PlainTypes` help."""
+    """A command group with :class:`_PlainTypes` help, and the CLI's one error handler."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except VmsError as e:
+            typer.secho(error_line(e), err=True, fg="red")
+            raise typer.Exit(code=1) from None
+
+
+def error_line(e: BaseException) -> str:
+    """``error: MESSAGE``, on one line whatever the message holds."""
+    return "error: " + " ".join(str(e).split("\n"))
 
 
 def _version(value: bool) -> None:
@@ -129,8 +142,5 @@ _register()
 
 
 def main() -> None:
-    try:
-        app()
-    except VmsError as e:
-        typer.secho(f"error: {e}", err=True, fg="red")
-        sys.exit(1)
+    """The ``vmstoolkit`` command (errors: :meth:`Group.invoke`)."""
+    app()

@@ -19,8 +19,11 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from typing import Callable
 
 from vmstoolkit.errors import OutOfMemoryError, VmsError
+from vmstoolkit.pools.adaptors import AllocatorAdaptor, unwrap
 from vmstoolkit.pools.base import Allocator, AllocatorStats
 
 
@@ -89,30 +92,51 @@ class AllocatorBridge:
             self._free_one(*self._reentrant_frees.pop(0))
         self._owner = None
 
-    def record_stream(self, ptr: int, stream: int) -> None:
+    def wrap(self, make: Callable[[Allocator], AllocatorAdaptor]) -> AllocatorAdaptor:
+        """Put the adaptor ``make(allocator)`` around the allocator, between two calls; returns it."""
+        with self._inside():
+            self.allocator = make(self.allocator)
+            return self.allocator
+
+    def unwrap(self, adaptor: AllocatorAdaptor) -> None:
+        """Take ``adaptor`` out of the allocator's chain of adaptors, between two calls."""
+        with self._inside():
+            self.allocator = unwrap(self.allocator, adaptor)
+
+    @contextmanager
+    def _inside(self):
+        """The lock, for the cold calls: a free that re-enters meanwhile is queued, as in malloc."""
         with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._leave()
+
+    def record_stream(self, ptr: int, stream: int) -> None:
+        with self._inside():
             try:
                 self.allocator.record_stream(int(ptr), int(stream))
             except VmsError as e:
                 self.last_error = e
 
     def allocator_stats(self) -> AllocatorStats:
-        with self._lock:
+        with self._inside():
             return self.allocator.stats()
 
     def stats(self) -> dict:
         return torch_stats(self.allocator_stats())
 
     def reset_peak(self) -> None:
-        with self._lock:
+        with self._inside():
             self.allocator.reset_peak_stats()
 
     def reset_accumulated(self) -> None:
-        with self._lock:
+        with self._inside():
             self.allocator.reset_accumulated_stats()
 
     def empty_cache(self) -> None:
-        with self._lock:
+        with self._inside():
             self.allocator.empty_cache()
 
 
@@ -142,6 +166,8 @@ def torch_stats(s: AllocatorStats) -> dict:
     ``allocated``, ``requested`` and ``active`` bytes are the bytes requested by live
     allocations (PyTorch counts its rounded blocks for the first and third); ``reserved`` bytes
     the physical bytes mapped for the allocator (``cuMemCreate`` chunks or plain allocations).
+    Per size class (``small_pool``, ``large_pool``) where the allocator keeps them
+    (:attr:`AllocatorStats.pools`: a :class:`~vmstoolkit.pools.adaptors.StatisticsAdaptor`).
     """
     freed = s.total_allocated_bytes - s.allocated_bytes
     out = {
@@ -162,6 +188,13 @@ def torch_stats(s: AllocatorStats) -> dict:
     }
     out["requested_bytes.all.current"] = out["active_bytes.all.current"] = s.allocated_bytes
     out["requested_bytes.all.peak"] = out["active_bytes.all.peak"] = s.peak_allocated_bytes
+    for pool, p in s.pools.items():
+        for metric in ("allocated_bytes", "requested_bytes", "active_bytes"):
+            out.update({f"{metric}.{pool}.current": p["current_bytes"], f"{metric}.{pool}.peak": p["peak_bytes"],
+                        f"{metric}.{pool}.allocated": p["total_bytes"], f"{metric}.{pool}.freed": p["freed_bytes"]})
+        for metric in ("allocation", "active"):
+            out.update({f"{metric}.{pool}.current": p["current_count"], f"{metric}.{pool}.peak": p["peak_count"],
+                        f"{metric}.{pool}.allocated": p["total_count"], f"{metric}.{pool}.freed": p["freed_count"]})
     return out
 
 

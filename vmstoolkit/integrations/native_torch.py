@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import numpy as np
 from numba import njit
 
-from vmstoolkit.errors import VmsError
+from vmstoolkit.errors import IntegrationError
 from vmstoolkit.integrations.abi import ALLOC_FN, FREE_FN  # noqa: F401 (re-exported for callers)
 from vmstoolkit.integrations.bridge import report_failed_malloc, torch_stats
 from vmstoolkit.integrations.torch import HookBase
@@ -183,7 +183,7 @@ class NativeHook(HookBase):
 
     def __init__(self, driver_factory, **options) -> None:
         if NativeHook._active is not None:
-            raise RuntimeError("a native vmstoolkit hook already owns this process's device table")
+            raise IntegrationError("a native vmstoolkit hook already owns this process's device table; close() it first")
         super().__init__()
         self._driver_factory = driver_factory
         self._options = options
@@ -197,7 +197,7 @@ class NativeHook(HookBase):
                                                      self.slow_wait_fn)
         NativeHook._active = self
 
-    allocator_name = "paged"
+    allocator_name = PagedAllocator.name
 
     @property
     def alloc_ptr(self) -> int:
@@ -238,7 +238,7 @@ class NativeHook(HookBase):
                 nd = self.devices.get(dev)
                 if nd is None:
                     if not 0 <= dev < MAX_DEVICES:
-                        raise VmsError(f"device {dev} is outside 0..{MAX_DEVICES - 1}, the devices the compiled hook serves")
+                        raise IntegrationError(f"device {dev} is outside 0..{MAX_DEVICES - 1}, the devices the compiled hook serves")
                     pa = PagedAllocator(self._driver_factory(dev), **self._options)
                     pa.reserve_ranges()
                     pa.on_arrays_changed = lambda: _publish(dev, pa)  # block records grown: new addresses
@@ -282,7 +282,8 @@ class NativeHook(HookBase):
         with self._working(nd, size, dev):
             addr = nd.allocator.alloc_block(size, stream)
             count_alloc(nd.g, size)
-            self._log("alloc", dev, addr, size, stream)
+            if self._recording:
+                self.history.record("alloc", dev, addr, size, stream)
             return addr
         return 0
 
@@ -310,7 +311,8 @@ class NativeHook(HookBase):
             pa = nd.allocator
             if pa.free_block(ptr, pa.slot_bit(stream)):
                 count_free(nd.g, size)
-                self._log("free_completed", dev, ptr, size, stream)
+                if self._recording:
+                    self.history.record("free_completed", dev, ptr, size, stream)
             else:
                 nd.g[G_BAD_FREES] += 1
         except Exception as e:

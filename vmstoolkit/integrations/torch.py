@@ -34,20 +34,18 @@ first CUDA allocation and cannot be swapped back afterwards: PyTorch's rule, enf
 from __future__ import annotations
 
 import ctypes
-import gzip
 import importlib
-import pickle
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from vmstoolkit.errors import NoGPUError, VmsError
+from vmstoolkit.errors import IntegrationError, NoGPUError
 from vmstoolkit.integrations.abi import ALLOC_FN, EMPTY_FN, ERROR_FN, FREE_FN, RECORD_FN, RESET_FN, STATS_FN
 from vmstoolkit.integrations.bridge import STAT_KEYS, AllocatorBridge, HandleStats, report_failed_malloc, torch_stats
 from vmstoolkit.integrations.callbacks import ThreadStatePins
 from vmstoolkit.pools import make_allocator, make_driver
+from vmstoolkit.pools.adaptors import SnapshotLog, SnapshotLoggingAdaptor
 from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.registry import compiled_hook
 
@@ -72,9 +70,8 @@ class HookBase(HandleStats):
         self.raises = False  # the shim raises torch.OutOfMemoryError: no report on stderr then
         self.shim_reason = ""  # why the shim is not in use, if it is not
         self.last_error: BaseException | None = None
-        self._history: dict[int, list] | None = None  # device -> events, once recorded
+        self.history: SnapshotLog | None = None  # the recorded events, once record_history was called
         self._recording = False
-        self._history_max = 0
         self.record_fn = RECORD_FN(self._record)
         self.stats_fn = STATS_FN(self._stats)
         self.reset_fn = RESET_FN(self._reset)
@@ -141,39 +138,30 @@ class HookBase(HandleStats):
     def record_history(self, enabled: bool = True, max_entries: int = 1_000_000, clear: bool = False) -> None:
         """Record every allocation and free from now on (``enabled=False`` stops and keeps what was
         recorded; ``clear=True`` forgets it), as ``torch.cuda.memory._record_memory_history``
-        would; :meth:`dump_snapshot` writes them."""
-        self._history_max = max_entries
-        if clear or self._history is None:
-            self._history = {}
+        would, into :attr:`history` (a :class:`~vmstoolkit.pools.adaptors.SnapshotLog`);
+        :meth:`dump_snapshot` writes it. While recording, every device's allocator is wrapped in a
+        :class:`~vmstoolkit.pools.adaptors.SnapshotLoggingAdaptor` writing to that log; nothing
+        is wrapped otherwise."""
+        if self.history is None:
+            self.history = SnapshotLog(max_entries, settings={"vmstoolkit": self.allocator_name})
+        elif clear:
+            self.history.clear()
+        self.history.max_entries = max_entries
         was, self._recording = self._recording, enabled
         if was != enabled:
             self._history_changed(enabled)
 
     def _history_changed(self, enabled: bool) -> None:
-        """Subclasses whose fast path bypasses Python route it through Python while recording."""
-
-    def _log(self, action: str, device: int, addr: int, size: int, stream: int) -> None:
-        h = self._history
-        if self._recording:
-            events = h.setdefault(device, [])
-            if len(events) < self._history_max:
-                events.append({"action": action, "addr": addr, "size": size, "stream": stream,
-                               "time_us": int(time.time() * 1e6), "frames": []})
+        """Start or stop logging every device in use (subclasses)."""
 
     def snapshot(self) -> dict:
         """The recorded history in PyTorch's snapshot format (``device_traces``; no segments)."""
-        h = self._history or {}
-        n = max(h, default=-1) + 1
-        return {"segments": [], "device_traces": [list(h.get(d, [])) for d in range(n)],
-                "allocator_settings": {"vmstoolkit": self.allocator_name}}
+        return (self.history or SnapshotLog(settings={"vmstoolkit": self.allocator_name})).snapshot()
 
     def dump_snapshot(self, path: str | Path) -> Path:
         """Write :meth:`snapshot` to ``path`` (gzip when it ends in ``.gz``); replay it with
         ``vmstoolkit replay PATH``."""
-        path = Path(path)
-        data = pickle.dumps(self.snapshot(), protocol=4)
-        path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
-        return path
+        return (self.history or SnapshotLog(settings={"vmstoolkit": self.allocator_name})).dump(path)
 
 
 class TorchAllocatorHandle(HookBase):
@@ -185,6 +173,7 @@ class TorchAllocatorHandle(HookBase):
         self._driver_factory = driver_factory
         self._options = options
         self.bridges: dict[int, AllocatorBridge] = {}
+        self._loggers: dict[int, SnapshotLoggingAdaptor] = {}  # device -> its logging adaptor while recording
         self._make_lock = threading.Lock()
         self.alloc_fn = ALLOC_FN(self._alloc)
         self.free_fn = FREE_FN(self._free)
@@ -198,8 +187,21 @@ class TorchAllocatorHandle(HookBase):
                 if b is None:
                     driver = self._driver_factory(device)
                     b = AllocatorBridge(make_allocator(self.allocator_name, driver, **self._options))
+                    if self._recording:
+                        self._log_device(device, b)
                     self.bridges[device] = b
         return b
+
+    def _history_changed(self, enabled: bool) -> None:
+        with self._make_lock:
+            for dev, b in self.bridges.items():
+                if enabled:
+                    self._log_device(dev, b)
+                else:
+                    b.unwrap(self._loggers.pop(dev))
+
+    def _log_device(self, device: int, b: AllocatorBridge) -> None:
+        self._loggers[device] = b.wrap(lambda a: SnapshotLoggingAdaptor(a, self.history, device=device))
 
     def devices_in_use(self) -> list[int]:
         return list(self.bridges)
@@ -208,8 +210,6 @@ class TorchAllocatorHandle(HookBase):
         try:
             self.threads.pin()
             ptr = self.bridge(device).malloc(size, stream or 0, report=not self.raises)
-            if ptr and self._recording:
-                self._log("alloc", device, ptr, size, stream or 0)
             return ptr or None
         except Exception as e:  # never let an exception cross into C++
             self.last_error = e
@@ -220,8 +220,6 @@ class TorchAllocatorHandle(HookBase):
     def _free(self, ptr, size, device, stream):
         try:
             self.threads.pin()
-            if ptr and self._recording:
-                self._log("free_completed", device, ptr, size, stream or 0)
             self.bridge(device).free(ptr or 0, stream or 0)
         except Exception as e:
             self.last_error = e
@@ -239,7 +237,7 @@ def _import_torch():
     try:
         import torch
     except ImportError:
-        raise VmsError("PyTorch is not installed: `pip install torch` to use vmstoolkit allocators inside PyTorch") from None
+        raise IntegrationError("PyTorch is not installed: `pip install torch` to use vmstoolkit allocators inside PyTorch") from None
     if not torch.cuda.is_available():
         raise NoGPUError("PyTorch sees no CUDA GPU: the PyTorch integration needs one (replay works without: `vmstoolkit replay`)")
     return torch
@@ -273,7 +271,7 @@ def install(allocator: str = "vms", *, shim: bool = True, **options) -> HookBase
     global _INSTALLED
     if _INSTALLED is not None:
         if _INSTALLED.allocator_name != allocator:
-            raise VmsError(f"vmstoolkit allocator {_INSTALLED.allocator_name!r} is already installed in PyTorch; it cannot be changed to {allocator!r}")
+            raise IntegrationError(f"vmstoolkit allocator {_INSTALLED.allocator_name!r} is already installed in PyTorch; it cannot be changed to {allocator!r}")
         return _INSTALLED
     torch = _import_torch()
     handle = make_handle(allocator, **options)
@@ -292,7 +290,7 @@ def install(allocator: str = "vms", *, shim: bool = True, **options) -> HookBase
                              "allocation returns a null pointer instead of raising torch.OutOfMemoryError, and statistics "
                              "and record_stream are patched in Python only (C++ callers do not see them)\n")
     except RuntimeError as e:
-        raise VmsError(f"PyTorch refused the allocator ({e}); install it before the first CUDA allocation") from None
+        raise IntegrationError(f"PyTorch refused the allocator ({e}); install it before the first CUDA allocation") from None
     _INSTALLED = handle
     return handle
 

@@ -2,7 +2,10 @@
 
 The replay engine, the experiments and the Numba and PyTorch integrations only ever call
 ``allocate(size, stream)``, ``free(addr, stream)``, ``record_stream``, ``stats``,
-``empty_cache``, ``close`` and ``_check``: they never special-case an allocator.
+``empty_cache``, ``close`` and ``_check`` (and read ``counts``, ``path_counts()``): they never
+special-case an allocator, and never probe one for attributes it may lack. Limits, statistics
+and logging are adaptors that wrap any allocator and speak the same protocol
+(:mod:`vmstoolkit.pools.adaptors`).
 
 Streams follow PyTorch's contract (:mod:`vmstoolkit.pools.streams`): a block freed by one stream
 is reused at once by that stream only; another stream gets it once the work queued before the
@@ -21,7 +24,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -51,6 +55,10 @@ class AllocatorStats:
     total_allocated_bytes: int = 0  # bytes ever requested (PyTorch's ``allocated_bytes.all.allocated``)
     num_ooms: int = 0
     driver_calls: dict = field(default_factory=dict)
+    pools: dict = field(default_factory=dict)
+    """Per size class, where an allocator keeps them (:class:`~vmstoolkit.pools.adaptors.StatisticsAdaptor`):
+    ``{"small_pool" | "large_pool": {"current_bytes", "peak_bytes", "total_bytes", "freed_bytes",
+    "current_count", "peak_count", "total_count", "freed_count"}}``; empty otherwise."""
 
     @property
     def utilization(self) -> float:
@@ -123,6 +131,10 @@ class Allocator(ABC):
     compiled_hook: str | None = None
     """``"module:Class"`` of compiled entry points that serve PyTorch (see
     :func:`vmstoolkit.integrations.torch.make_handle`); None: Python callbacks serve it."""
+
+    counts: Mapping[str, int] = MappingProxyType({})
+    """How many requests each of the allocator's paths served (``{"exact": 3, "split": 1, ...}``
+    for ``vms``); empty for an allocator with one path. Replay reports it as ``extra["paths"]``."""
 
     def __init__(self, driver: VMMDriver) -> None:
         self.driver = driver
@@ -298,6 +310,11 @@ class Allocator(ABC):
         self.empty_cache()
         if first is not None:
             raise first
+
+    def path_counts(self) -> dict:
+        """:attr:`counts` and any further counters the allocator keeps about its decisions (a copy;
+        ``paged`` adds its placement searches); empty for an allocator with one path."""
+        return dict(self.counts)
 
     def compiled_replay(self, events: ReplayArrays) -> CompiledReplay | None:
         """Replay ``events`` in compiled code, with exactly the state and figures that calling

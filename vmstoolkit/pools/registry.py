@@ -20,7 +20,7 @@ def register_allocator(name: str, description: str):
 
     def deco(factory):
         if name in _FACTORIES:
-            raise ValueError(f"allocator {name!r} registered twice")
+            raise ConfigError(f"allocator {name!r} registered twice")
         _FACTORIES[name] = factory
         _DESCRIPTIONS[name] = description
         return factory

@@ -44,12 +44,9 @@ def replay_trace(
         alloc.close()
         driver.close()
     result.settings_applied = applied
-    extra = getattr(driver, "replay_extra", None)
-    if callable(extra):
-        result.extra.update(extra())
-    paths = getattr(alloc, "counts", None)  # how the VMM allocators served each request
-    if isinstance(paths, dict):
-        result.extra["paths"] = dict(paths)
+    result.extra.update(driver.replay_extra())
+    if alloc.counts:  # how the allocator's paths served the requests (allocators with several)
+        result.extra["paths"] = dict(alloc.counts)
     return result
 
 

@@ -40,6 +40,8 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from contextlib import nullcontext
 
+from vmstoolkit.errors import InvalidSizeError
+
 Handle = int
 """An opaque physical-allocation handle (``CUmemGenericAllocationHandle`` as an int)."""
 
@@ -56,6 +58,10 @@ class VMMDriver(ABC):
     """Abstract CUDA VMM driver. See the module docstring for the call table."""
 
     name: str = "abstract"
+    lists_resources: bool = False
+    """True when the driver can list every live handle, mapping and reservation
+    (:meth:`live_handles`, :meth:`live_mappings`, :meth:`live_reservations`): the simulated
+    driver. Allocators' ``_check`` then also proves they own exactly what the driver holds."""
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
@@ -92,7 +98,7 @@ class VMMDriver(ABC):
     def create(self, size: int) -> Handle:
         """Allocate ``size`` bytes of physical memory (a multiple of :attr:`granularity`)."""
         if size <= 0 or size % self.granularity:
-            raise ValueError(f"physical allocation size {size} is not a positive multiple of the granularity {self.granularity}")
+            raise InvalidSizeError(f"physical allocation size {size} is not a positive multiple of the granularity {self.granularity}")
         self._count("create")
         handle = self._create(size)
         self._handle_sizes[handle] = size
@@ -106,7 +112,7 @@ class VMMDriver(ABC):
 
     def reserve(self, size: int, alignment: int = 0) -> int:
         if size <= 0 or size % self.granularity:
-            raise ValueError(f"virtual range size {size} is not a positive multiple of the granularity {self.granularity}")
+            raise InvalidSizeError(f"virtual range size {size} is not a positive multiple of the granularity {self.granularity}")
         self._count("reserve")
         return self._reserve(size, alignment)
 
@@ -128,7 +134,7 @@ class VMMDriver(ABC):
 
     def mem_alloc(self, size: int) -> int:
         if size <= 0:
-            raise ValueError(f"allocation size must be positive, got {size}")
+            raise InvalidSizeError(f"allocation size must be positive, got {size}")
         self._count("mem_alloc")
         ptr = self._mem_alloc(size)
         self._alloc_sizes[ptr] = size
@@ -150,6 +156,23 @@ class VMMDriver(ABC):
 
     def reset_peak(self) -> None:
         self.peak_physical_bytes = self.physical_bytes
+
+    def replay_extra(self) -> dict:
+        """What the device itself says about a replay run on it, for ``ReplayResult.extra``
+        (the real driver: memory in use at the peak and the device's name); nothing by default."""
+        return {}
+
+    def live_handles(self) -> set[Handle]:
+        """Every physical handle alive now (only where :attr:`lists_resources`)."""
+        raise NotImplementedError(f"the {self.name} driver cannot list its handles (lists_resources is False)")
+
+    def live_mappings(self) -> dict[int, tuple[int, Handle]]:
+        """Every mapping alive now, ``va -> (size, handle)`` (only where :attr:`lists_resources`)."""
+        raise NotImplementedError(f"the {self.name} driver cannot list its mappings (lists_resources is False)")
+
+    def live_reservations(self) -> dict[int, int]:
+        """Every reserved virtual range alive now, ``va -> size`` (only where :attr:`lists_resources`)."""
+        raise NotImplementedError(f"the {self.name} driver cannot list its reservations (lists_resources is False)")
 
     def synchronize(self) -> None:
         """Wait for outstanding device work (no-op where there is none)."""

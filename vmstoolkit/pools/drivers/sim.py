@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from sortedcontainers import SortedDict
 
-from vmstoolkit.errors import DriverError, DriverOutOfMemoryError
+from vmstoolkit.errors import ConfigError, DriverError, DriverOutOfMemoryError
 from vmstoolkit.pools.drivers.base import OPERATIONS, Handle, VMMDriver
 from vmstoolkit.units import GiB, MiB, parse_size
 
@@ -44,6 +44,7 @@ class SimulatedDriver(VMMDriver):
     """See the module docstring. ``capacity`` (bytes or ``"80GiB"``) bounds physical memory."""
 
     name = "sim"
+    lists_resources = True
 
     def __init__(self, capacity: int | str | None = None, granularity: int = GRANULARITY) -> None:
         super().__init__()
@@ -88,7 +89,7 @@ class SimulatedDriver(VMMDriver):
         ``create``/``mem_alloc``/``reserve`` and ``CUDA_ERROR_UNKNOWN`` otherwise.
         """
         if op not in OPERATIONS:
-            raise ValueError(f"unknown driver operation {op!r}; one of {', '.join(OPERATIONS)}")
+            raise ConfigError(f"unknown driver operation {op!r}; one of {', '.join(OPERATIONS)}")
         if result is None:
             result = "CUDA_ERROR_OUT_OF_MEMORY" if op in ("create", "mem_alloc", "reserve") else "CUDA_ERROR_UNKNOWN"
         self._faults.setdefault(op, {})[n] = result

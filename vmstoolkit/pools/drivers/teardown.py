@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from vmstoolkit.errors import ConfigError
+
 
 def unmap_range_steps(va: int, size: int, handle: int) -> list[tuple[str, int, int]]:
     """The teardown of :func:`map_new_range`, as :class:`Graveyard` steps."""
@@ -60,7 +62,7 @@ class Graveyard:
         elif op == "mem_free":
             self.driver.mem_free(a)
         else:
-            raise ValueError(f"unknown teardown step {op!r}")
+            raise ConfigError(f"unknown teardown step {op!r} (unmap, release, free_address or mem_free)")
 
     def defer(self, steps: list[tuple[str, int, int]]) -> None:
         """Keep a teardown for the next :meth:`flush` (run at once past ``DEFER_LIMIT``)."""

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from vmstoolkit.errors import ConfigError
+
 
 class Transaction:
     def __init__(self, graveyard=None) -> None:
@@ -36,7 +38,7 @@ class Transaction:
     def undo(self, op: str, a: int, b: int) -> None:
         """Register a teardown step (``unmap``, ``release``, ``free_address``) as an undo."""
         if self._graveyard is None:
-            raise ValueError("teardown-step undos need a transaction with a graveyard")
+            raise ConfigError(f"teardown-step undo {op!r} needs a transaction made with a graveyard")
         self._undo.append((op, a, b))
 
     def commit(self) -> None:

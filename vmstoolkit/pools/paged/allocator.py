@@ -547,9 +547,8 @@ class PagedAllocator(Allocator):
         assert live_pages == g[H.G_LIVE_PAGES], "paged: live page count"
         for h in (self.large, self.small):
             assert not np.any((h.page_used > 0) & (h.page_chunk == H.NONE)), "paged: a live page has no chunk"
-        truth = getattr(self.driver, "live_mappings", None)  # the simulated driver's own record
-        if truth is not None:
-            mapped = {va for va in truth() for h in (self.large, self.small)
+        if self.driver.lists_resources:  # the simulated driver's own record
+            mapped = {va for va in self.driver.live_mappings() for h in (self.large, self.small)
                       if h.base is not None and h.base <= va < h.base + h.nbytes}
             books = {h.base + (int(p) << self.page_shift) for h in (self.large, self.small) if h.base is not None
                      for p in np.flatnonzero(h.page_chunk != H.NONE)}

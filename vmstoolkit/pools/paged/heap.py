@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from vmstoolkit.errors import ConfigError
+
 # meta[] slots of a heap
 M_UNITS, M_Q, M_NB, M_REC_TOP, M_TOP, M_LIVE_UNITS, M_CLOCK_ORDER, M_CLOCK, M_PLACE_MAPPED = 0, 1, 2, 3, 4, 5, 6, 7, 8
 M_SCANS, M_SCANNED = 9, 10  # mapped placement's searches, and the blocks they visited
@@ -41,7 +43,7 @@ class Heap:
                  chunk_live: np.ndarray, chunk_tag: np.ndarray) -> None:
         q = 1 << (page_shift - unit_shift)
         if units % q:
-            raise ValueError(f"a heap of {units} units does not hold whole pages of {q} units")
+            raise ConfigError(f"a heap of {units} units does not hold whole pages of {q} units")
         self.unit_shift = unit_shift
         self.meta = np.zeros(12, np.int64)
         self.meta[M_UNITS], self.meta[M_Q], self.meta[M_NB] = units, q, buckets

@@ -29,7 +29,6 @@ from vmstoolkit.pools.vmm.blocks import BlockInfo, PrimitiveBlock, StitchedBlock
 from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.vmm.primitive import PrimitivePool
 from vmstoolkit.pools.registry import register_allocator
-from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.pools.vmm.small import SMALL_SIZE, SmallPool
 from vmstoolkit.pools.vmm.stitched import StitchedPool
 from vmstoolkit.pools.drivers.teardown import Graveyard
@@ -285,7 +284,7 @@ class VMMAllocator(Allocator):
         gy = self.graveyard
         reserved = (self.primitives.total_chunks + len(self.small.segments)) * g + gy.held_bytes()
         assert reserved == self.driver.physical_bytes, f"pools hold {reserved} bytes, driver counts {self.driver.physical_bytes}"
-        if isinstance(self.driver, SimulatedDriver):
+        if self.driver.lists_resources:
             d = self.driver
             assert d.live_handles() == owned | small_handles | gy.handles(), "driver handles that no block owns (leak) or blocks with dead handles"
             n_maps = self.primitives.total_chunks + sum(s.nchunks for s in self.stitched.blocks.values()) + len(self.small.segments) + gy.mappings()

@@ -1,0 +1,64 @@
+"""The protocol answers what callers used to probe for: path counts, a driver's replay figures,
+whether a driver can list its resources."""
+
+import pytest
+
+from vmstoolkit.pools import allocator_names, make_allocator
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
+from vmstoolkit.trace.run import replay_trace
+from vmstoolkit.trace.synthetic import synthetic_trace
+from vmstoolkit.units import GiB, MiB
+
+
+@pytest.mark.parametrize("name", allocator_names())
+def test_every_allocator_answers_its_path_counts(name):
+    a = make_allocator(name)
+    a.free(a.allocate(3 * MiB))
+    counts, paths = dict(a.counts), a.path_counts()
+    assert all(isinstance(v, int) for v in counts.values())
+    assert paths.items() >= counts.items()  # path_counts adds to counts, never changes them
+    a.close()
+
+
+def test_allocators_with_one_path_have_no_counts():
+    assert make_allocator("native").path_counts() == {} and not make_allocator("pytorch-caching").counts
+    assert make_allocator("vms").counts["new"] == 0
+
+
+def test_a_driver_without_replay_figures_adds_none():
+    assert SimulatedDriver().replay_extra() == {}
+
+
+def test_replay_reports_what_the_driver_and_the_allocators_paths_say(monkeypatch):
+    class Reporting(SimulatedDriver):
+        def replay_extra(self):
+            return {"device_used_at_peak": self.peak_physical_bytes, "device": "reporting"}
+
+    import vmstoolkit.trace.run as run
+
+    monkeypatch.setattr(run, "make_driver", lambda kind, capacity=None: Reporting(capacity=capacity))
+    trace = synthetic_trace("lora", 0)
+    r = replay_trace(trace, "vms")
+    assert r.extra["device"] == "reporting" and r.extra["device_used_at_peak"] == r.peak_reserved
+    assert r.extra["paths"]["small"] > 0
+    assert "paths" not in replay_trace(trace, "native").extra
+
+
+class Unlisted(SimulatedDriver):
+    """A driver that, like the real one, cannot list its handles, mappings and reservations."""
+
+    lists_resources = False
+
+    def live_handles(self):
+        raise NotImplementedError("unlisted")
+
+    live_mappings = live_reservations = live_handles
+
+
+@pytest.mark.parametrize("name", ["vms", "gmlake", "paged"])
+def test_check_asks_the_driver_for_its_resources_only_where_it_can_list_them(name):
+    a = make_allocator(name, Unlisted(capacity=GiB))
+    p = a.allocate(5 * MiB)
+    a._check()  # would call live_handles / live_mappings and fail
+    a.free(p)
+    a.close()

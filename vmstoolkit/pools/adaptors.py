@@ -1,0 +1,467 @@
+"""Adaptors: wrappers that take any allocator and speak the same protocol.
+
+As RMM's resource adaptors (``LimitingResourceAdaptor``, ``StatisticsResourceAdaptor``,
+``LoggingResourceAdaptor``) wrap any memory resource, these wrap any
+:class:`~vmstoolkit.pools.base.Allocator`, the upstream, given first, and are allocators
+themselves, so they compose and go wherever an allocator goes (replay, the bridges)::
+
+    vms = make_allocator("vms")
+    a = LimitingAdaptor(StatisticsAdaptor(vms), "8GiB")
+    p = a.allocate(3 << 20, stream=0)
+    a.upstream.statistics().peak_bytes    # 3145728
+
+- :class:`LimitingAdaptor`: at most ``limit`` bytes allocated through it; a request beyond
+  raises :class:`~vmstoolkit.errors.OutOfMemoryError` with the figures;
+- :class:`StatisticsAdaptor`: current, peak and total bytes and counts, per size class (PyTorch's
+  small and large pools) and per stream, with a push/pop stack of counters;
+- :class:`SnapshotLoggingAdaptor`: every allocation and free written to a :class:`SnapshotLog`
+  in PyTorch's memory-snapshot format, which :func:`vmstoolkit.trace.loader.load_trace` reads
+  back (the PyTorch handle's ``record_history()`` / ``dump_snapshot()``).
+
+Opt-in, never a default layer: nothing is wrapped unless asked, and each adaptor costs one more
+Python call per allocation and free. What the adaptors must see, they see only through the
+protocol: a wrapped allocator replays event by event (:meth:`AllocatorAdaptor.compiled_replay`
+is None) and is served to PyTorch through callbacks (no compiled hook).
+
+The bookkeeping (live allocations, peaks, held frees) stays the upstream's: an adaptor keeps only
+what it adds.
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Mapping
+
+from vmstoolkit.errors import ConfigError, OutOfMemoryError
+from vmstoolkit.pools.base import Allocator, AllocatorStats
+from vmstoolkit.units import MiB, format_size, parse_size
+
+SMALL_POOL_MAX = 1 * MiB
+"""Requests up to this size count in the ``small_pool`` statistics, larger ones in ``large_pool``:
+PyTorch's caching allocator's boundary (``kSmallSize``), so ``memory_stats()`` reads alike."""
+
+
+class AllocatorAdaptor(Allocator):
+    """Base of every adaptor: an allocator that serves every call from ``upstream``.
+
+    Each protocol method forwards to the upstream; subclasses override the ones they add to, and
+    see every completed free through :meth:`_freed`.
+    ``name``, ``driver``, ``counts`` and ``streams_apart`` are the upstream's, so results read the
+    same wrapped or not. :meth:`compiled_replay` is None (an adaptor sees every call) and
+    ``compiled_hook`` is None (PyTorch reaches it through callbacks).
+    """
+
+    compiled_hook = None
+
+    def __init__(self, upstream: Allocator) -> None:
+        # Not Allocator.__init__: the bookkeeping (live allocations, peaks, held frees) is the upstream's.
+        self.upstream = upstream
+        self.driver = upstream.driver
+
+    @property
+    def name(self) -> str:
+        return self.upstream.name
+
+    @property
+    def streams_apart(self) -> bool:
+        return self.upstream.streams_apart
+
+    @property
+    def counts(self) -> Mapping[str, int]:
+        return self.upstream.counts
+
+    def path_counts(self) -> dict:
+        return self.upstream.path_counts()
+
+    # -- the protocol, forwarded --------------------------------------------------------------
+    def allocate(self, size: int, stream: int = 0) -> int:
+        return self.upstream.allocate(size, stream)
+
+    def free(self, addr: int, stream: int | None = None) -> None:
+        size = self.upstream.size_of(addr)  # raises for an address nothing lives at, as free would
+        try:
+            self.upstream.free(addr, stream)  # a live address: gone afterwards, even on a DriverError
+        finally:
+            self._freed(addr, size, stream)
+
+    def _freed(self, addr: int, size: int, stream: int | None) -> None:
+        """The live allocation at ``addr`` of ``size`` bytes was freed upstream (subclasses)."""
+
+    def record_stream(self, addr: int, stream: int) -> None:
+        self.upstream.record_stream(addr, stream)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.upstream.allocated_bytes
+
+    def size_of(self, addr: int) -> int:
+        return self.upstream.size_of(addr)
+
+    def stats(self) -> AllocatorStats:
+        return self.upstream.stats()
+
+    def reset_peak_stats(self) -> None:
+        self.upstream.reset_peak_stats()
+
+    def reset_accumulated_stats(self) -> None:
+        self.upstream.reset_accumulated_stats()
+
+    def live_allocations(self) -> dict[int, int]:
+        return self.upstream.live_allocations()
+
+    def _held_by_core(self) -> dict[int, int]:
+        return self.upstream._held_by_core()
+
+    def empty_cache(self) -> None:
+        self.upstream.empty_cache()
+
+    def close(self) -> None:
+        self.upstream.close()
+
+    def compiled_replay(self, events) -> None:
+        return None
+
+    def _check(self) -> None:
+        self.upstream._check()
+
+    # Allocator's abstract steps: never reached through an adaptor (allocate and free forward).
+    def _allocate(self, size: int, stream: int) -> int:
+        return self.upstream.allocate(size, stream)
+
+    def _free(self, addr: int) -> None:
+        self.upstream.free(addr)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} over {self.upstream!r}>"
+
+
+def unwrap(allocator: Allocator, adaptor: AllocatorAdaptor) -> Allocator:
+    """``allocator`` with ``adaptor`` taken out of its chain of adaptors (the chain's outermost
+    allocator, which is ``adaptor.upstream`` when ``adaptor`` was outermost). Cost: the chain's length.
+
+    >>> from vmstoolkit.pools import make_allocator
+    >>> a = make_allocator("native"); s = StatisticsAdaptor(a); lim = LimitingAdaptor(s, 1 << 30)
+    >>> unwrap(lim, s).upstream is a
+    True
+    """
+    if allocator is adaptor:
+        return adaptor.upstream
+    outer = allocator
+    while isinstance(outer, AllocatorAdaptor):
+        if outer.upstream is adaptor:
+            outer.upstream = adaptor.upstream
+            return allocator
+        outer = outer.upstream
+    raise ConfigError(f"{adaptor!r} is not in the chain of {allocator!r}")
+
+
+# -- limits ---------------------------------------------------------------------------------
+class LimitingAdaptor(AllocatorAdaptor):
+    """At most ``limit`` bytes (an int or ``"8GiB"``) of live requests through this adaptor.
+
+    A request that would pass it raises :class:`~vmstoolkit.errors.OutOfMemoryError` (``requested``,
+    ``limit``, ``reserved``: the upstream's physical bytes) before the upstream is asked, and counts
+    in ``stats().num_ooms``; the frees that follow make room again. RMM's
+    ``LimitingResourceAdaptor``, counting requested bytes (no alignment). Cost: one dict lookup
+    per free (the size, from the upstream).
+    """
+
+    def __init__(self, upstream: Allocator, limit: int | str) -> None:
+        super().__init__(upstream)
+        self.limit = parse_size(limit)
+        if self.limit <= 0:
+            raise ConfigError(f"limit must be a positive size, got {limit!r}")
+        self._allocated = 0
+        self._refused = 0
+
+    @property
+    def allocated_through(self) -> int:
+        """Bytes of live requests made through this adaptor (RMM's ``get_allocated_bytes``)."""
+        return self._allocated
+
+    def allocate(self, size: int, stream: int = 0) -> int:
+        if isinstance(size, int) and self._allocated + size > self.limit:
+            self._refused += 1
+            raise OutOfMemoryError(
+                f"{self.name}: out of memory: a request of {size} bytes ({format_size(size)}) with "
+                f"{self._allocated} bytes allocated would pass the limit of {self.limit} bytes ({format_size(self.limit)})",
+                requested=size, reserved=self.driver.physical_bytes, capacity=self.driver.capacity, limit=self.limit)
+        addr = self.upstream.allocate(size, stream)
+        self._allocated += size
+        return addr
+
+    def _freed(self, addr: int, size: int, stream: int | None) -> None:
+        self._allocated -= size
+
+    def stats(self) -> AllocatorStats:
+        s = self.upstream.stats()
+        s.num_ooms += self._refused
+        return s
+
+    def reset_accumulated_stats(self) -> None:
+        self.upstream.reset_accumulated_stats()
+        self._refused = 0
+
+    def _check(self) -> None:
+        super()._check()
+        assert 0 <= self._allocated <= self.limit, f"{self._allocated} bytes allocated through a limit of {self.limit}"
+
+
+# -- statistics -------------------------------------------------------------------------------
+@dataclass
+class Statistics:
+    """Counters of allocations, RMM's ``Statistics``: bytes and counts now, at their peak, in total."""
+
+    current_bytes: int = 0
+    current_count: int = 0
+    peak_bytes: int = 0
+    peak_count: int = 0
+    total_bytes: int = 0
+    total_count: int = 0
+
+    def add(self, size: int) -> None:
+        self.current_bytes += size
+        self.current_count += 1
+        self.total_bytes += size
+        self.total_count += 1
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+        if self.current_count > self.peak_count:
+            self.peak_count = self.current_count
+
+    def sub(self, size: int) -> None:
+        self.current_bytes -= size
+        self.current_count -= 1
+
+    def merged(self, inner: "Statistics") -> "Statistics":
+        """These counters with those of a nested scope added (RMM's ``pop_counters``): its
+        peak counts on top of what was current when it began."""
+        return Statistics(
+            current_bytes=self.current_bytes + inner.current_bytes, current_count=self.current_count + inner.current_count,
+            peak_bytes=max(self.peak_bytes, self.current_bytes + inner.peak_bytes),
+            peak_count=max(self.peak_count, self.current_count + inner.peak_count),
+            total_bytes=self.total_bytes + inner.total_bytes, total_count=self.total_count + inner.total_count)
+
+    def as_pool(self) -> dict:
+        """The figures under the names of :attr:`AllocatorStats.pools`."""
+        d = asdict(self)
+        d["freed_bytes"] = self.total_bytes - self.current_bytes
+        d["freed_count"] = self.total_count - self.current_count
+        return d
+
+
+@dataclass
+class _Frame:
+    """One level of the counter stack: everything, per size class, per stream."""
+
+    all: Statistics = field(default_factory=Statistics)
+    pools: dict[str, Statistics] = field(default_factory=lambda: {"small_pool": Statistics(), "large_pool": Statistics()})
+    streams: dict[int, Statistics] = field(default_factory=dict)
+
+    def merged(self, inner: "_Frame") -> "_Frame":
+        streams = dict(self.streams)
+        for s, st in inner.streams.items():
+            streams[s] = streams.get(s, Statistics()).merged(st)
+        return _Frame(self.all.merged(inner.all), {k: v.merged(inner.pools[k]) for k, v in self.pools.items()}, streams)
+
+
+class StatisticsAdaptor(AllocatorAdaptor):
+    """Counts every allocation and free through it: all of them, per size class (``small_pool``:
+    requests up to :data:`SMALL_POOL_MAX`, ``large_pool``), and per stream (a free counts against
+    the stream its allocation was made on). Allocations made before it wrapped the allocator are
+    not counted, nor are their frees.
+
+    :meth:`push_counters` starts a nested scope with zeroed counters, :meth:`pop_counters` ends it
+    and adds its figures to the scope around it, as RMM's statistics stack does (``with
+    a.counting() as scope:``). :meth:`stats` reports the per-size-class figures of the whole run in
+    :attr:`AllocatorStats.pools`, which :func:`vmstoolkit.integrations.bridge.torch_stats` turns into
+    PyTorch's ``small_pool``/``large_pool`` statistics. Cost: a dict insert and a few counter
+    updates per call.
+    """
+
+    def __init__(self, upstream: Allocator) -> None:
+        super().__init__(upstream)
+        self._stack: list[_Frame] = [_Frame()]
+        self._allocs: dict[int, tuple[int, int]] = {}  # address -> (size, stream)
+
+    def allocate(self, size: int, stream: int = 0) -> int:
+        addr = self.upstream.allocate(size, stream)
+        self._allocs[addr] = (size, stream)
+        top = self._stack[-1]
+        top.all.add(size)
+        top.pools["small_pool" if size <= SMALL_POOL_MAX else "large_pool"].add(size)
+        st = top.streams.get(stream)
+        if st is None:
+            st = top.streams[stream] = Statistics()
+        st.add(size)
+        return addr
+
+    def _freed(self, addr: int, size: int, stream: int | None) -> None:
+        seen = self._allocs.pop(addr, None)
+        if seen is None:  # allocated before this adaptor wrapped the allocator: never counted
+            return
+        size, own = seen
+        top = self._stack[-1]
+        top.all.sub(size)
+        top.pools["small_pool" if size <= SMALL_POOL_MAX else "large_pool"].sub(size)
+        top.streams.setdefault(own, Statistics()).sub(size)
+
+    # -- the counters -------------------------------------------------------------------------
+    def statistics(self) -> Statistics:
+        """The innermost scope's counters (RMM's ``allocation_counts``): a copy."""
+        return Statistics(**asdict(self._stack[-1].all))
+
+    def pool_statistics(self) -> dict[str, Statistics]:
+        """The innermost scope's counters per size class (``small_pool``, ``large_pool``)."""
+        return {k: Statistics(**asdict(v)) for k, v in self._stack[-1].pools.items()}
+
+    def stream_statistics(self) -> dict[int, Statistics]:
+        """The innermost scope's counters per stream."""
+        return {k: Statistics(**asdict(v)) for k, v in self._stack[-1].streams.items()}
+
+    def push_counters(self) -> Statistics:
+        """Start a nested scope with zeroed counters; returns the counters of the scope it nests in."""
+        outer = self.statistics()
+        self._stack.append(_Frame())
+        return outer
+
+    def pop_counters(self) -> Statistics:
+        """End the innermost scope, add its figures to the one around it, and return its counters."""
+        if len(self._stack) == 1:
+            raise ConfigError("pop_counters without a push_counters: the outermost counters cannot be popped")
+        inner = self._stack.pop()
+        self._stack[-1] = self._stack[-1].merged(inner)
+        return inner.all
+
+    @contextmanager
+    def counting(self) -> Iterator[Statistics]:
+        """``with a.counting() as scope:`` counts the block's allocations on their own; ``scope``
+        holds its counters once the block ends."""
+        self.push_counters()
+        scope = Statistics()
+        try:
+            yield scope
+        finally:
+            for k, v in asdict(self.pop_counters()).items():
+                setattr(scope, k, v)
+
+    def _whole_run(self) -> _Frame:
+        frame = self._stack[0]
+        for inner in self._stack[1:]:
+            frame = frame.merged(inner)
+        return frame
+
+    def stats(self) -> AllocatorStats:
+        s = self.upstream.stats()
+        s.pools = {k: v.as_pool() for k, v in self._whole_run().pools.items()}
+        return s
+
+    def reset_peak_stats(self) -> None:
+        self.upstream.reset_peak_stats()
+        for frame in self._stack:
+            for st in (frame.all, *frame.pools.values(), *frame.streams.values()):
+                st.peak_bytes, st.peak_count = st.current_bytes, st.current_count
+
+    def reset_accumulated_stats(self) -> None:
+        self.upstream.reset_accumulated_stats()
+        for frame in self._stack:
+            for st in (frame.all, *frame.pools.values(), *frame.streams.values()):
+                st.total_bytes, st.total_count = st.current_bytes, st.current_count
+
+    def _check(self) -> None:
+        super()._check()
+        run = self._whole_run()
+        assert run.all.current_bytes == sum(s for s, _ in self._allocs.values()), "counted bytes differ from live ones"
+        assert run.all.current_count == len(self._allocs), "counted allocations differ from live ones"
+        assert sum(p.current_bytes for p in run.pools.values()) == run.all.current_bytes, "size classes do not add up"
+        assert sum(p.current_bytes for p in run.streams.values()) == run.all.current_bytes, "streams do not add up"
+
+
+# -- snapshot-format logging ----------------------------------------------------------------------
+class SnapshotLog:
+    """Allocation events in PyTorch's memory-snapshot format, per device: what
+    ``torch.cuda.memory._snapshot()`` returns (``device_traces`` of ``alloc`` /
+    ``free_completed`` / ``oom`` entries with ``addr``, ``size``, ``stream``, ``time_us``,
+    ``frames``; no ``segments``), so the loader reads it back and replay replays it.
+
+    Keeps at most ``max_entries`` events per device (later ones are counted in ``dropped``), as
+    ``_record_memory_history(max_entries=)`` bounds its ring, but keeps the first ones: a replay
+    needs a run's beginning. ``settings`` becomes the snapshot's ``allocator_settings``.
+    """
+
+    def __init__(self, max_entries: int = 1_000_000, settings: dict | None = None) -> None:
+        self.max_entries = max_entries
+        self.settings = dict(settings or {})
+        self.device_traces: dict[int, list[dict]] = {}
+        self.dropped = 0
+
+    def record(self, action: str, device: int, addr: int, size: int, stream: int, **more) -> None:
+        """Append one entry (``more``: further keys, e.g. ``device_free`` of an ``oom``). Cost: one dict."""
+        events = self.device_traces.setdefault(device, [])
+        if len(events) < self.max_entries:
+            events.append({"action": action, "addr": addr, "size": size, "stream": stream,
+                           "time_us": int(time.time() * 1e6), "frames": [], **more})
+        else:
+            self.dropped += 1
+
+    def clear(self) -> None:
+        self.device_traces.clear()
+        self.dropped = 0
+
+    def snapshot(self) -> dict:
+        """The log as a snapshot dict (devices without events get an empty trace)."""
+        n = max(self.device_traces, default=-1) + 1
+        return {"segments": [], "device_traces": [list(self.device_traces.get(d, [])) for d in range(n)],
+                "allocator_settings": dict(self.settings)}
+
+    def dump(self, path: str | Path) -> Path:
+        """Write :meth:`snapshot` to ``path`` as a pickle (gzipped when the name ends in ``.gz``),
+        as ``torch.cuda.memory._dump_snapshot`` does; ``vmstoolkit replay PATH`` replays it."""
+        path = Path(path)
+        data = pickle.dumps(self.snapshot(), protocol=4)
+        path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+        return path
+
+
+class SnapshotLoggingAdaptor(AllocatorAdaptor):
+    """Writes every allocation, free and refused request through it to ``log`` (a fresh
+    :class:`SnapshotLog` when None) as device ``device``'s events, in PyTorch's snapshot format:
+    RMM's ``LoggingResourceAdaptor``, in the format vmstoolkit replays. A free is logged on the
+    stream its allocation was made on, as PyTorch logs it. Cost: one dict per event.
+    """
+
+    def __init__(self, upstream: Allocator, log: SnapshotLog | None = None, *, device: int = 0) -> None:
+        super().__init__(upstream)
+        self.log = log if log is not None else SnapshotLog(settings={"vmstoolkit": upstream.name})
+        self.device = device
+        self._streams: dict[int, int] = {}  # address -> the stream it was allocated on
+
+    def allocate(self, size: int, stream: int = 0) -> int:
+        try:
+            addr = self.upstream.allocate(size, stream)
+        except OutOfMemoryError:
+            free, _ = self.driver.mem_info()
+            self.log.record("oom", self.device, free, size, stream, device_free=free)
+            raise
+        self._streams[addr] = stream
+        self.log.record("alloc", self.device, addr, size, stream)
+        return addr
+
+    def _freed(self, addr: int, size: int, stream: int | None) -> None:
+        own = self._streams.pop(addr, None)
+        self.log.record("free_completed", self.device, addr, size, own if own is not None else (stream or 0))
+
+    def snapshot(self) -> dict:
+        return self.log.snapshot()
+
+    def dump_snapshot(self, path: str | Path) -> Path:
+        return self.log.dump(path)
+
+
+__all__ = ["AllocatorAdaptor", "LimitingAdaptor", "SMALL_POOL_MAX", "SnapshotLog", "SnapshotLoggingAdaptor",
+           "Statistics", "StatisticsAdaptor", "unwrap"]
