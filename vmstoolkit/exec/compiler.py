@@ -23,18 +23,38 @@ Vertex ids are the compile-time order, which is a topological order of the memor
 Runtime complexity: O((V + E) log V) for the simulation, plus O(E * V / 64) word operations for
 the transitive reduction with bitsets (ancestor sets are freed once their last successor is
 processed, so memory stays near the width of the graph).
+
+Note [Compile time per vertex]
+------------------------------
+Rationale. A training step of 64 LLaMA-7B-wide blocks has 10^4 memory-graph vertices; compile
+time per vertex used to triple from 1 to 64 blocks (``benchmarks/compile_time.py``). Two causes,
+found with cProfile and the collector's callbacks at 16 and 64 blocks:
+
+- placement scanned every free range large enough for the oldest one, and free ranges grow with
+  the region (12 scanned per allocation at 4 blocks, 146 at 64): now an O(log n) search
+  (:mod:`vmstoolkit.exec.region`);
+- CPython's cyclic garbage collector ran full collections while the compile created its
+  ~10^5 long-lived objects (vertices, buffers, edge sets), each pass over the whole heap: 0.1 to
+  0.2 s of a 0.5 s compile at 64 blocks, none at 4.
+
+Approach. The compile creates no reference cycles (every object it builds is freed by reference
+counting or kept in the result), so :func:`compile_memory_graph` pauses the cyclic collector
+while it runs (``_cyclic_gc_paused``) and restores it after; objects are still freed as usual.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import math
 from dataclasses import dataclass, field
 
-from sortedcontainers import SortedDict, SortedList
+from sortedcontainers import SortedDict
 
 from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError
 from vmstoolkit.exec.graph import TaskGraph, TensorKind
+from vmstoolkit.exec.region import OffsetAllocator
 
 # Every buffer starts on a 256-byte boundary: what cudaMalloc guarantees and what vectorised
 # kernels assume.
@@ -57,85 +77,6 @@ RECOMPUTE_OPS = ("rmsnorm", "swiglu")
 
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-class OffsetAllocator:
-    """Allocator of offsets inside one region ``[0, size)`` that prefers the *oldest* hole.
-
-    Every free range remembers when it was freed (a compile-time position; coalesced ranges keep
-    the latest). ``allocate`` takes, among the ranges large enough, the one freed earliest (ties:
-    the smallest), from its low end. For the runtime this is what matters: a new buffer must
-    wait for the last accesses of what occupied its bytes, so the oldest hole lets a reload
-    start earliest (prefetch). Best fit instead put reloads in the hole just freed by the
-    previous block, and the event-driven executor on the sim backend lost 40% of its compute
-    utilisation at half budget (0.47 s against a 0.31 s bound on the 16-block LLaMA).
-
-    Free ranges are kept by (size, offset) for the search and by offset for coalescing.
-    Runtime complexity: O(h + log(n)) per allocate (h: ranges large enough), O(log(n)) per free.
-    """
-
-    def __init__(self, size: int):
-        self.size = size
-        self._by_size = SortedList([(size, 0)]) if size > 0 else SortedList()
-        self._by_off = SortedDict({0: (size, -1)}) if size > 0 else SortedDict()  # off -> (size, freed at)
-        self._used: dict[int, int] = {}
-        self.used = 0
-        self.peak = 0
-
-    def allocate(self, size: int) -> int | None:
-        i = self._by_size.bisect_left((size, -1))
-        if i == len(self._by_size):
-            return None
-        best = None
-        for sz, off in self._by_size.islice(i):
-            key = (self._by_off[off][1], sz)
-            if best is None or key < best[0]:
-                best = (key, sz, off)
-        _, sz, off = best
-        t = self._by_off.pop(off)[1]
-        self._by_size.remove((sz, off))
-        if sz > size:
-            self._by_size.add((sz - size, off + size))
-            self._by_off[off + size] = (sz - size, t)
-        self._used[off] = size
-        self.used += size
-        self.peak = max(self.peak, self.used)
-        return off
-
-    def free(self, off: int, when: int = 0) -> None:
-        size = self._used.pop(off)
-        self.used -= size
-        start, end = off, off + size
-        i = self._by_off.bisect_left(off)
-        if i < len(self._by_off):  # right neighbour
-            roff, (rsz, rt) = self._by_off.peekitem(i)
-            if roff == end:
-                del self._by_off[roff]
-                self._by_size.remove((rsz, roff))
-                end += rsz
-                when = max(when, rt)
-        if i > 0:  # left neighbour
-            loff, (lsz, lt) = self._by_off.peekitem(i - 1)
-            if loff + lsz == start:
-                del self._by_off[loff]
-                self._by_size.remove((lsz, loff))
-                start = loff
-                when = max(when, lt)
-        self._by_off[start] = (end - start, when)
-        self._by_size.add((end - start, start))
-
-    def _check(self) -> None:
-        spans = sorted([(o, s) for o, (s, _) in self._by_off.items()] + list(self._used.items()))
-        pos = 0
-        for o, s in spans:
-            assert o == pos, f"gap or overlap at {pos} / {o}"
-            pos = o + s
-        assert pos == self.size
-        assert sum(self._used.values()) == self.used
-        assert len(self._by_size) == len(self._by_off)
-        for o, (s, _) in self._by_off.items():  # coalesced: no two free ranges touch
-            assert (s, o) in self._by_size
-            assert o + s not in self._by_off
 
 
 @dataclass(slots=True)
@@ -320,14 +261,28 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
     reserve, (worst, worst_name, worst_gpu) = vertex_needs(graph, nbytes, n_gpus)
     if check_budget and worst > budget:  # name the hungriest vertex, not merely the first
         raise BudgetTooSmallError(worst_name, worst_gpu, worst, budget)
-    uses = tensor_uses(graph)
-    recomputable = recomputable_tensors(graph, uses, nbytes, budget) if recompute else set()
-    sim = _Simulation(graph, budget, n_gpus, nbytes, uses, recomputable, reserve)
-    if preload:
-        sim.preload()
-    for v in graph.vertices:
-        sim.step(v)
-    return sim.memory_graph()
+    with _cyclic_gc_paused():
+        uses = tensor_uses(graph)
+        recomputable = recomputable_tensors(graph, uses, nbytes, budget) if recompute else set()
+        sim = _Simulation(graph, budget, n_gpus, nbytes, uses, recomputable, reserve)
+        if preload:
+            sim.preload()
+        for v in graph.vertices:
+            sim.step(v)
+        return sim.memory_graph()
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """Pause CPython's cyclic garbage collector for the block when it is on (module Note
+    [Compile time per vertex]); reference counting still frees everything as usual."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def vertex_needs(graph: TaskGraph, nbytes: list[int], n_gpus: int) -> tuple[list[int], tuple[int, str, int]]:

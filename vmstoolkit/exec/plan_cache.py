@@ -3,9 +3,11 @@
 Note [Shape buckets]
 --------------------
 Rationale. A memory plan (compiled memory graph) is tied to every tensor's size, so a new
-sequence length needs a new plan, and compiling one costs a sixth of a simulated step (16
-LLaMA-7B-wide blocks, LoRA, seq 2048: 0.11 s to compile, ``benchmarks/train_compile.py``,
-against a 0.69 s simulated step). Planning every step would spend a sixth of the run planning.
+sequence length needs a new plan, and compiling one costs a tenth of a simulated step (16
+LLaMA-7B-wide blocks, LoRA, seq 2048: 0.07 s to compile, ``benchmarks/compile_time.py``,
+against a 0.69 s simulated step; 0.11 s when the figures below were measured, before the
+compiler's placement search was made logarithmic). Planning every step would spend a tenth to a
+sixth of the run planning.
 
 Approach. Round each length up to a bucket edge and pad: the graph of the bucket is compiled
 once and reused. Edges sit on a ``granule`` grid (256 rows) and may grow geometrically
