@@ -4,7 +4,7 @@
 once everything before it in the stream is done. Here that function is one ``ctypes`` callback
 shared by every completion: ``userData`` carries a key, the callback resolves the key's future
 on the asyncio loop with ``loop.call_soon_threadsafe``. The driver's thread is not a Python
-thread, so its Python thread state is pinned once (:mod:`vmstoolkit.integrations.callbacks`)
+thread, so its Python thread state is pinned once (:mod:`vmstoolkit._thread_states`)
 instead of being created and destroyed on every completion.
 
 The host function also holds back the work queued behind it in the same stream until it has
@@ -19,7 +19,7 @@ import ctypes
 import itertools
 import threading
 
-from vmstoolkit.integrations.callbacks import ThreadStatePins
+from vmstoolkit._thread_states import ThreadStatePins
 
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # void CUDA_CB fn(void* userData)
 
