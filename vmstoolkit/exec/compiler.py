@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 from sortedcontainers import SortedDict
 
-from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError
+from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError, InvalidGraphError
 from vmstoolkit.exec.graph import TaskGraph, TensorKind
 from vmstoolkit.exec.region import OffsetAllocator
 
@@ -263,7 +263,7 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
     budget = check_budget_value(budget)
     n_gpus = graph.n_gpus if n_gpus is None else n_gpus
     if graph.n_gpus > n_gpus:
-        raise ValueError(f"graph uses {graph.n_gpus} GPUs, compiling for {n_gpus}")
+        raise InvalidGraphError(f"graph uses {graph.n_gpus} GPUs, compiling for {n_gpus}")
     nbytes = [align(t.nbytes) for t in graph.tensors]
     reserve, (worst, worst_name, worst_gpu) = vertex_needs(graph, nbytes, n_gpus)
     if check_budget and worst > budget:  # name the hungriest vertex, not merely the first

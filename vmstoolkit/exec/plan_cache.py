@@ -58,6 +58,7 @@ import numpy as np
 
 from vmstoolkit.exec.checker import check_race_free
 from vmstoolkit.exec.compiler import MemoryGraph, compile_memory_graph
+from vmstoolkit.exec.errors import InvalidOptionError, InvalidShapeError
 from vmstoolkit.exec.graph import LlamaConfig
 from vmstoolkit.exec.train_graph import AdamWConfig, TrainGraph, build_train_step
 
@@ -72,15 +73,15 @@ def bucket_edge(seq: int, granule: int = DEFAULT_GRANULE, ratio: float = DEFAULT
     one capped at ``max_seq`` rounded up to the granule. ``ratio`` 1.0 gives every multiple of
     the granule."""
     if seq <= 0:
-        raise ValueError(f"sequence length must be positive, got {seq}")
+        raise InvalidShapeError(f"sequence length must be positive, got {seq}")
     if granule <= 0 or ratio < 1.0:
-        raise ValueError(f"granule={granule} must be positive and ratio={ratio} >= 1")
+        raise InvalidOptionError(f"granule={granule} must be positive and ratio={ratio} >= 1")
     e = granule
     while e < seq:
         e = max(e + granule, -(-int(np.ceil(e * ratio)) // granule) * granule)
     if max_seq is not None:
         if seq > max_seq:
-            raise ValueError(f"sequence length {seq} exceeds max_seq={max_seq}")
+            raise InvalidShapeError(f"sequence length {seq} exceeds max_seq={max_seq}")
         e = min(e, -(-max_seq // granule) * granule)
     return e
 

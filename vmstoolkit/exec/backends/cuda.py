@@ -28,6 +28,7 @@ import numpy as np
 
 from vmstoolkit.exec.backends.host_callbacks import HostCallbacks, raw_stream
 from vmstoolkit.exec.backends.numba_exit import guard_library_unload
+from vmstoolkit.exec.errors import CudaCallError, InvalidOptionError
 from vmstoolkit.exec.graph import TaskGraph, TensorKind, random_weights
 
 SPIN_POLLS = 2000  # sleep(0) rounds before backing off; asyncio timers are 1 ms granular
@@ -122,7 +123,7 @@ def run_kernel(v, stream, ins, outs) -> None:
         (err,) = cu.cuMemcpyAsync(outs[0].device_ctypes_pointer.value, ins[0].device_ctypes_pointer.value,
                                   outs[0].nbytes, raw_stream(stream))
         if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"{err.name}: cuMemcpyAsync of {outs[0].nbytes} bytes for vertex {v.name}")
+            raise CudaCallError(err.name, f"cuMemcpyAsync of {outs[0].nbytes} bytes for vertex {v.name}")
     else:
         from vmstoolkit.kernels.tasks import KERNEL_TASKS
 
@@ -137,7 +138,7 @@ class CudaBackend:
         by the caller to share between runs of the same graph (pinning 13 GiB of weights takes
         seconds); filled on first use."""
         if notify not in ("callback", "poll"):
-            raise ValueError(f"notify must be 'callback' or 'poll', not {notify!r}")
+            raise InvalidOptionError(f"notify must be 'callback' or 'poll', not {notify!r}")
         self.values = values
         self.notify = notify
         self._host: dict[int, np.ndarray] = {} if host is None else host

@@ -20,6 +20,7 @@ import itertools
 import threading
 
 from vmstoolkit._thread_states import ThreadStatePins
+from vmstoolkit.exec.errors import CudaCallError
 
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # void CUDA_CB fn(void* userData)
 
@@ -87,4 +88,4 @@ def _cu_launch_host_func(stream, fn_address: int, key: int) -> None:
 
     (err,) = cu.cuLaunchHostFunc(raw_stream(stream), cu.CUhostFn(fn_address), key)
     if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{err.name}: cuLaunchHostFunc on stream {raw_stream(stream):#x}")
+        raise CudaCallError(err.name, f"cuLaunchHostFunc on stream {raw_stream(stream):#x}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vmstoolkit.exec.errors import ExecutionError, InvalidOptionError
 from vmstoolkit.exec.ops import run_op
 
 
@@ -96,7 +97,7 @@ class SimBackend:
         if self.numerics:
             missing = [t.name for t in mg.graph.tensors if t.kind.value != "activation" and t.id not in self.values]
             if missing:
-                raise ValueError(f"numerics need host values of {missing[:5]}")
+                raise InvalidOptionError(f"numerics need host values of {missing[:5]}")
             self.regions = [np.zeros(mg.budget, dtype=np.uint8) for _ in range(mg.n_gpus)]
             self.host = {t: np.array(a) for t, a in self.values.items()}
             for b in mg.preloaded:
@@ -132,7 +133,7 @@ class SimBackend:
             if done.done():
                 break
             if not self.events:
-                raise RuntimeError("simulation deadlock: nothing in flight and the run is not done")
+                raise ExecutionError("simulation deadlock: nothing in flight and the run is not done")
             t, _, kind, payload = heapq.heappop(self.events)
             self.now = max(self.now, t)
             if kind == "notify":
