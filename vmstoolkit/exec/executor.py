@@ -1,6 +1,7 @@
 """Executors of a memory graph over a backend, on one asyncio event loop.
 
-A backend (``backends.sim.SimBackend``, ``backends.cuda.CudaBackend``) offers:
+A backend (``backends.sim.SimBackend``, ``backends.cuda.CudaBackend``) speaks
+:class:`~vmstoolkit.exec.backends.base.Backend`; the executors use:
 
 - ``setup(mg)``: take one region of ``mg.budget`` bytes per GPU, fill the preloaded buffers;
 - ``launch(v) -> token``: enqueue vertex ``v`` on the stream ``(v.gpu, v.stream)`` of a small

@@ -148,8 +148,9 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
             spans = []
             for i in range(repeats):
                 be = make_backend(i)
-                spans.append(execute(mg, be, ex).makespan_s)
-                if hasattr(be, "close"):
+                try:
+                    spans.append(execute(mg, be, ex).makespan_s)
+                finally:
                     be.close()  # give the GPU region back
             rows.append({**base, "executor": ex, "makespan_s": min(spans), **lb,
                          "offloaded_bytes": mg.offloaded_bytes, "reloaded_bytes": mg.reloaded_bytes,

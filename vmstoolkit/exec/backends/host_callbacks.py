@@ -29,7 +29,7 @@ def raw_stream(stream) -> int:
     """The CUstream address of a numba stream, whichever binding numba runs on (ctypes
     ``c_void_p`` or cuda-bindings ``CUstream``, which has no ``.value``)."""
     h = stream.handle
-    return h.value if hasattr(h, "value") else int(h)
+    return (h.value or 0) if isinstance(h, ctypes.c_void_p) else int(h)  # c_void_p(0).value is None
 
 
 class HostCallbacks:

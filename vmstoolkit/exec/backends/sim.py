@@ -74,6 +74,10 @@ class CostModel:
 
 
 class SimBackend:
+    """The :class:`~vmstoolkit.exec.backends.base.Backend` of a discrete-event simulation: costs
+    from a :class:`CostModel` with ``jitter``, and with ``numerics`` the numpy values of every
+    tensor through the placed regions (``values``: host arrays of weights and inputs)."""
+
     def __init__(self, cost: CostModel | None = None, *, seed: int = 0, jitter: float = 0.2,
                  numerics: bool = False, values: dict | None = None):
         self.cost = cost or CostModel()
@@ -176,6 +180,9 @@ class SimBackend:
         for t, bid in self.mg.output_location.items():
             out[t] = self._view(bid).copy() if bid >= 0 else self.host[t].copy()
         return out
+
+    def close(self) -> None:
+        """Nothing to give back: the simulation holds no device memory."""
 
     def utilization(self, makespan: float) -> dict[str, float]:
         return {f"gpu{g}.{s}": busy / makespan for (g, s), busy in sorted(self.busy.items()) if makespan > 0}
