@@ -341,12 +341,15 @@ class _Simulation:
     the vertex that made its host copy (-1: on the host from the start). Emitted: buffers,
     vertices, the predecessors of every vertex and the kind of every edge.
 
-    The methods are the compiler's steps: :meth:`preload`; per vertex :meth:`step`, which
-    :meth:`place`\\ s the vertex (making its inputs resident by :meth:`reload` or recompute, and
-    allocating its outputs with :meth:`new_buffer`, which evicts by :meth:`pop_victim` and
-    :meth:`evict`, offloading when no clean host copy exists), :meth:`emit`\\ s it with its data
-    edges and the reuse edges :meth:`occupy` found, and advances liveness (:meth:`retire_uses`);
-    finally :meth:`memory_graph` minimizes the dependencies.
+    The methods are the compiler's steps:
+
+    - :meth:`preload`: weights and inputs placed before the run;
+    - per vertex, :meth:`step`: :meth:`place_or_repack` makes its inputs resident (:meth:`reload`,
+      or a recompute vertex) and allocates its outputs with :meth:`new_buffer`, which evicts by
+      Belady (:meth:`pop_victim`, :meth:`evict`: an offload when no clean host copy exists);
+      :meth:`emit` appends the vertex with its data edges and the reuse edges :meth:`occupy`
+      found; :meth:`retire_uses` advances liveness and releases dead tensors;
+    - :meth:`memory_graph`: dependency minimization (transitive reduction) and the result.
     """
 
     def __init__(self, graph: TaskGraph, budget: int, n_gpus: int, nbytes: list[int], uses: list[list[int]],
