@@ -18,9 +18,9 @@ large enough), and within that time's group, kept sorted by (size, offset), the 
 bisection.
 
 Implementation. ``_OldestFit``: the tree is a flat list (node ``i`` has children ``2i`` and
-``2i + 1``, leaf of time ``t`` at ``cap + t + 1``); adding a hole raises maxima on the way up and
-stops at the first ancestor already large enough, removing one recomputes them and stops at the
-first unchanged one. The leaves double when a later time arrives (O(cap), amortized). Groups are
+``2i + 1``, leaf of time ``t`` at ``cap + t + 1``); after the groups change (an allocation's
+split, or a free's merge, is one update), the maxima above each time touched are recomputed up
+to the first unchanged one. The leaves double when a later time arrives (O(cap), amortized). Groups are
 plain sorted lists: most times free one or two holes.
 
 Cost: O(log T + g) per operation, T the latest time seen, g the holes of one group. The choice is
@@ -54,28 +54,47 @@ class _OldestFit:
 
     def add(self, t: int, size: int, off: int) -> None:
         """Insert a free range freed at ``t``. O(log T + g)."""
-        if t + 1 >= self._cap:
-            self._grow(t + 1)
-        insort(self._groups.setdefault(t, []), (size, off))
-        i, m = self._cap + t + 1, self._max
-        while i and m[i] < size:
-            m[i] = size
-            i >>= 1
+        self.update((), (t, size, off))
 
     def remove(self, t: int, size: int, off: int) -> None:
         """Delete a free range that :meth:`add` inserted. O(log T + g)."""
-        g = self._groups[t]
-        del g[bisect_left(g, (size, off))]
+        self.update(((t, size, off),))
+
+    def update(self, removed, added: tuple[int, int, int] | None = None) -> None:
+        """Delete the ``removed`` ranges ``(t, size, offset)`` and insert ``added``, then bring the
+        tree up to date once per time touched (an allocation's split or a free's merge is one
+        call, not one per range). O((log T + g) per range)."""
+        groups = self._groups
+        touched = []
+        for t, size, off in removed:
+            g = groups[t]
+            del g[bisect_left(g, (size, off))]
+            if not g:
+                del groups[t]
+            touched.append(t)
+        if added is not None:
+            t, size, off = added
+            if t + 1 >= self._cap:
+                self._grow(t + 1)
+            insort(groups.setdefault(t, []), (size, off))
+            touched.append(t)
+        for t in touched:
+            self._fix(t)
+
+    def _fix(self, t: int) -> None:
+        """Set the leaf of ``t`` to its group's largest range and recompute the maxima above it
+        until one is unchanged (above that, nothing changed)."""
+        g = self._groups.get(t)
         top = g[-1][0] if g else 0
-        if not g:
-            del self._groups[t]
-        i, m = self._cap + t + 1, self._max
+        m = self._max
+        i = self._cap + t + 1
         if m[i] == top:
             return
         m[i] = top
         i >>= 1
         while i:
-            new = max(m[2 * i], m[2 * i + 1])
+            a, b = m[2 * i], m[2 * i + 1]
+            new = a if a > b else b
             if m[i] == new:
                 break
             m[i] = new
@@ -89,8 +108,10 @@ class _OldestFit:
         if m[1] < size:
             return None
         i, cap = 1, self._cap
-        while i < cap:
-            i = 2 * i if m[2 * i] >= size else 2 * i + 1
+        while i < cap:  # to the left child when its span holds a range large enough
+            i <<= 1
+            if m[i] < size:
+                i += 1
         t = i - cap - 1
         g = self._groups[t]
         sz, off = g[bisect_left(g, (size, -1))]
@@ -151,11 +172,12 @@ class OffsetAllocator:
         if found is None:
             return None
         t, sz, off = found
-        self._fit.remove(t, sz, off)
         del self._by_off[off]
         if sz > size:
-            self._fit.add(t, sz - size, off + size)
+            self._fit.update(((t, sz, off),), (t, sz - size, off + size))
             self._by_off[off + size] = (sz - size, t)
+        else:
+            self._fit.update(((t, sz, off),))
         self._used[off] = size
         self.used += size
         self.peak = max(self.peak, self.used)
@@ -168,23 +190,24 @@ class OffsetAllocator:
         size = self._used.pop(off)
         self.used -= size
         start, end = off, off + size
+        merged = []
         i = self._by_off.bisect_left(off)
         if i < len(self._by_off):  # right neighbour
             roff, (rsz, rt) = self._by_off.peekitem(i)
             if roff == end:
                 del self._by_off[roff]
-                self._fit.remove(rt, rsz, roff)
+                merged.append((rt, rsz, roff))
                 end += rsz
                 when = max(when, rt)
         if i > 0:  # left neighbour
             loff, (lsz, lt) = self._by_off.peekitem(i - 1)
             if loff + lsz == start:
                 del self._by_off[loff]
-                self._fit.remove(lt, lsz, loff)
+                merged.append((lt, lsz, loff))
                 start = loff
                 when = max(when, lt)
         self._by_off[start] = (end - start, when)
-        self._fit.add(when, end - start, start)
+        self._fit.update(merged, (when, end - start, start))
 
     def _check(self) -> None:
         spans = sorted([(o, s) for o, (s, _) in self._by_off.items()] + list(self._used.items()))
