@@ -37,15 +37,18 @@ found with cProfile and the collector's callbacks at 16 and 64 blocks:
   ~10^5 long-lived objects (vertices, buffers, edge sets), each pass over the whole heap: 0.1 to
   0.2 s of a 0.5 s compile at 64 blocks, none at 4.
 
-Approach. The compile creates no reference cycles (every object it builds is freed by reference
+Approach. Placement keeps the free ranges in a segment tree over the times they were freed
+(:mod:`vmstoolkit.exec.region`'s Note), choosing exactly what the scan chose. The compile
+creates no reference cycles (every object it builds is freed by reference
 counting or kept in the result), so :func:`compile_memory_graph` pauses the cyclic collector
 while it runs (``_cyclic_gc_paused``) and restores it after; objects are still freed as usual.
 
 Figures (``benchmarks/compile_time.py``, half the working set, CPU seconds per memory-graph
-vertex, best of 5, a shared 2-core AMD EPYC): LoRA training from 4 to 64 blocks 2.8e-5 to 6.7e-5
-before, 2.4e-5 to 3.7e-5 after; full 2.3e-5 to 4.1e-5 before, 2.4e-5 to 3.1e-5 after; prefill
-flat at 2.1 to 2.7e-5 both. What growth remains comes from the logarithmic searches (heaps,
-sorted containers, the segment tree: 10 to 14 levels) and from state that outgrows the caches
+vertex, best of 5, a shared and busy 2-core AMD EPYC): LoRA training from 4 to 64 blocks 2.8e-5
+to 6.7e-5 before, 2.6e-5 to 3.9e-5 after; full 2.3e-5 to 4.1e-5 before, 2.9e-5 to 3.4e-5 after;
+prefill 2.1e-5 to 2.3e-5 before, 2.4e-5 to 2.9e-5 after (with few holes the tree costs ~0.7 us
+more per placement than the scan did). What growth remains comes from the logarithmic searches
+(heaps, sorted containers, the tree: 10 to 14 levels) and from state that outgrows the caches
 (every constant-work step, ``emit`` for one, costs ~20% more per call at 64 blocks).
 """
 
