@@ -6,42 +6,8 @@ from hypothesis import strategies as st
 
 from tests.exec.helpers import random_graph, tiny_llama
 from vmstoolkit.exec.checker import check_race_free
-from vmstoolkit.exec.compiler import ALIGN, OffsetAllocator, compile_memory_graph, working_set
+from vmstoolkit.exec.compiler import ALIGN, compile_memory_graph, working_set
 from vmstoolkit.exec.errors import BudgetTooSmallError, RaceError
-
-
-@settings(max_examples=40, deadline=None, derandomize=True)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), max_size=80))
-def test_offset_allocator_invariants(ops):
-    a = OffsetAllocator(400)
-    live = []
-    for i, (do_alloc, size) in enumerate(ops):
-        if do_alloc or not live:
-            off = a.allocate(size)
-            if off is not None:
-                assert 0 <= off and off + size <= 400
-                for o, s in live:
-                    assert off + size <= o or o + s <= off
-                live.append((off, size))
-        else:
-            o, _ = live.pop(i % len(live))
-            a.free(o, i)
-        a._check()
-        assert a.used == sum(s for _, s in live)
-
-
-def test_allocator_prefers_oldest_hole():
-    a = OffsetAllocator(300)
-    x, y, z = a.allocate(100), a.allocate(100), a.allocate(100)
-    a.free(y, when=5)
-    a.free(x, when=1)  # does not touch y's range... it does: x and y coalesce, freed at max = 5
-    a.free(z, when=3)  # everything coalesces
-    a._check()
-    a = OffsetAllocator(500)
-    p = [a.allocate(100) for _ in range(5)]
-    a.free(p[3], when=2)
-    a.free(p[1], when=7)
-    assert a.allocate(100) == p[3]  # the older hole, although both fit exactly
 
 
 def graphs():

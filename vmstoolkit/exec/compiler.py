@@ -23,18 +23,48 @@ Vertex ids are the compile-time order, which is a topological order of the memor
 Runtime complexity: O((V + E) log V) for the simulation, plus O(E * V / 64) word operations for
 the transitive reduction with bitsets (ancestor sets are freed once their last successor is
 processed, so memory stays near the width of the graph).
+
+Note [Compile time per vertex]
+------------------------------
+Rationale. A training step of 64 LLaMA-7B-wide blocks has 10^4 memory-graph vertices; compile
+time per vertex used to triple from 1 to 64 blocks (``benchmarks/compile_time.py``). Two causes,
+found with cProfile and the collector's callbacks at 16 and 64 blocks:
+
+- placement scanned every free range large enough for the oldest one, and free ranges grow with
+  the region (12 scanned per allocation at 4 blocks, 146 at 64): now an O(log n) search
+  (:mod:`vmstoolkit.exec.region`);
+- CPython's cyclic garbage collector ran full collections while the compile created its
+  ~10^5 long-lived objects (vertices, buffers, edge sets), each pass over the whole heap: 0.1 to
+  0.2 s of a 0.5 s compile at 64 blocks, none at 4.
+
+Approach. Placement keeps the free ranges in a segment tree over the times they were freed
+(:mod:`vmstoolkit.exec.region`'s Note), choosing exactly what the scan chose. The compile
+creates no reference cycles (every object it builds is freed by reference
+counting or kept in the result), so :func:`compile_memory_graph` pauses the cyclic collector
+while it runs (``_cyclic_gc_paused``) and restores it after; objects are still freed as usual.
+
+Figures (``benchmarks/compile_time.py``, half the working set, CPU seconds per memory-graph
+vertex, best of 5, a shared and busy 2-core AMD EPYC): LoRA training from 4 to 64 blocks 2.8e-5
+to 6.7e-5 before, 2.6e-5 to 3.9e-5 after; full 2.3e-5 to 4.1e-5 before, 2.9e-5 to 3.4e-5 after;
+prefill 2.1e-5 to 2.3e-5 before, 2.4e-5 to 2.9e-5 after (with few holes the tree costs ~0.7 us
+more per placement than the scan did). What growth remains comes from the logarithmic searches
+(heaps, sorted containers, the tree: 10 to 14 levels) and from state that outgrows the caches
+(every constant-work step, ``emit`` for one, costs ~20% more per call at 64 blocks).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import math
 from dataclasses import dataclass, field
 
-from sortedcontainers import SortedDict, SortedList
+from sortedcontainers import SortedDict
 
-from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError
+from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError, InvalidGraphError
 from vmstoolkit.exec.graph import TaskGraph, TensorKind
+from vmstoolkit.exec.region import OffsetAllocator
 
 # Every buffer starts on a 256-byte boundary: what cudaMalloc guarantees and what vectorised
 # kernels assume.
@@ -57,85 +87,6 @@ RECOMPUTE_OPS = ("rmsnorm", "swiglu")
 
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-class OffsetAllocator:
-    """Allocator of offsets inside one region ``[0, size)`` that prefers the *oldest* hole.
-
-    Every free range remembers when it was freed (a compile-time position; coalesced ranges keep
-    the latest). ``allocate`` takes, among the ranges large enough, the one freed earliest (ties:
-    the smallest), from its low end. For the runtime this is what matters: a new buffer must
-    wait for the last accesses of what occupied its bytes, so the oldest hole lets a reload
-    start earliest (prefetch). Best fit instead put reloads in the hole just freed by the
-    previous block, and the event-driven executor on the sim backend lost 40% of its compute
-    utilisation at half budget (0.47 s against a 0.31 s bound on the 16-block LLaMA).
-
-    Free ranges are kept by (size, offset) for the search and by offset for coalescing.
-    Runtime complexity: O(h + log(n)) per allocate (h: ranges large enough), O(log(n)) per free.
-    """
-
-    def __init__(self, size: int):
-        self.size = size
-        self._by_size = SortedList([(size, 0)]) if size > 0 else SortedList()
-        self._by_off = SortedDict({0: (size, -1)}) if size > 0 else SortedDict()  # off -> (size, freed at)
-        self._used: dict[int, int] = {}
-        self.used = 0
-        self.peak = 0
-
-    def allocate(self, size: int) -> int | None:
-        i = self._by_size.bisect_left((size, -1))
-        if i == len(self._by_size):
-            return None
-        best = None
-        for sz, off in self._by_size.islice(i):
-            key = (self._by_off[off][1], sz)
-            if best is None or key < best[0]:
-                best = (key, sz, off)
-        _, sz, off = best
-        t = self._by_off.pop(off)[1]
-        self._by_size.remove((sz, off))
-        if sz > size:
-            self._by_size.add((sz - size, off + size))
-            self._by_off[off + size] = (sz - size, t)
-        self._used[off] = size
-        self.used += size
-        self.peak = max(self.peak, self.used)
-        return off
-
-    def free(self, off: int, when: int = 0) -> None:
-        size = self._used.pop(off)
-        self.used -= size
-        start, end = off, off + size
-        i = self._by_off.bisect_left(off)
-        if i < len(self._by_off):  # right neighbour
-            roff, (rsz, rt) = self._by_off.peekitem(i)
-            if roff == end:
-                del self._by_off[roff]
-                self._by_size.remove((rsz, roff))
-                end += rsz
-                when = max(when, rt)
-        if i > 0:  # left neighbour
-            loff, (lsz, lt) = self._by_off.peekitem(i - 1)
-            if loff + lsz == start:
-                del self._by_off[loff]
-                self._by_size.remove((lsz, loff))
-                start = loff
-                when = max(when, lt)
-        self._by_off[start] = (end - start, when)
-        self._by_size.add((end - start, start))
-
-    def _check(self) -> None:
-        spans = sorted([(o, s) for o, (s, _) in self._by_off.items()] + list(self._used.items()))
-        pos = 0
-        for o, s in spans:
-            assert o == pos, f"gap or overlap at {pos} / {o}"
-            pos = o + s
-        assert pos == self.size
-        assert sum(self._used.values()) == self.used
-        assert len(self._by_size) == len(self._by_off)
-        for o, (s, _) in self._by_off.items():  # coalesced: no two free ranges touch
-            assert (s, o) in self._by_size
-            assert o + s not in self._by_off
 
 
 @dataclass(slots=True)
@@ -305,62 +256,154 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
     their producer rerun before the next use (module docstring).
     Raises :class:`BudgetTooSmallError` when one vertex alone does not fit, and
     :class:`InvalidBudgetError` for a budget that is not a positive whole number of bytes.
+
+    The steps: check that every vertex fits (:func:`vertex_needs`), the uses of every tensor
+    (:func:`tensor_uses`, the liveness), the tensors that may be recomputed, then a
+    :class:`_Simulation` of the graph in program order (:meth:`~_Simulation.preload`, then
+    :meth:`~_Simulation.step` per vertex: placement, eviction, offload / reload / recompute
+    insertion, data and reuse edges), and :meth:`~_Simulation.memory_graph` (transitive reduction).
     """
     budget = check_budget_value(budget)
     n_gpus = graph.n_gpus if n_gpus is None else n_gpus
     if graph.n_gpus > n_gpus:
-        raise ValueError(f"graph uses {graph.n_gpus} GPUs, compiling for {n_gpus}")
-    tensors, tverts = graph.tensors, graph.vertices
-    n = len(tverts)
-    nbytes = [align(t.nbytes) for t in tensors]
-    tgpu = [t.gpu for t in tensors]
+        raise InvalidGraphError(f"graph uses {graph.n_gpus} GPUs, compiling for {n_gpus}")
+    nbytes = [align(t.nbytes) for t in graph.tensors]
+    reserve, (worst, worst_name, worst_gpu) = vertex_needs(graph, nbytes, n_gpus)
+    if check_budget and worst > budget:  # name the hungriest vertex, not merely the first
+        raise BudgetTooSmallError(worst_name, worst_gpu, worst, budget)
+    with _cyclic_gc_paused():
+        uses = tensor_uses(graph)
+        recomputable = recomputable_tensors(graph, uses, nbytes, budget) if recompute else set()
+        sim = _Simulation(graph, budget, n_gpus, nbytes, uses, recomputable, reserve)
+        if preload:
+            sim.preload()
+        for v in graph.vertices:
+            sim.step(v)
+        return sim.memory_graph()
 
-    # reserve: the largest single vertex per GPU; also the "no schedule fits" check
+
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """Pause CPython's cyclic garbage collector for the block when it is on (module Note
+    [Compile time per vertex]); reference counting still frees everything as usual."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def vertex_needs(graph: TaskGraph, nbytes: list[int], n_gpus: int) -> tuple[list[int], tuple[int, str, int]]:
+    """What the hungriest vertex needs: per GPU, the most bytes one vertex's inputs and outputs
+    take there (what a repacked region must hold, see :meth:`_Simulation.step`), and the
+    ``(bytes, vertex name, gpu)`` of the hungriest vertex overall (the first one in program
+    order), which no schedule can go below. O(V + E)."""
     reserve = [0] * n_gpus
     worst = (0, "", 0)
-    for v in tverts:
+    for v in graph.vertices:
         need: dict[int, int] = {}
         for t in {*v.inputs, *v.outputs}:
-            need[tgpu[t]] = need.get(tgpu[t], 0) + nbytes[t]
+            gpu = graph.tensors[t].gpu
+            need[gpu] = need.get(gpu, 0) + nbytes[t]
         for gpu, b in need.items():
             reserve[gpu] = max(reserve[gpu], b)
             if b > worst[0]:
                 worst = (b, v.name, gpu)
-    if check_budget and worst[0] > budget:  # name the hungriest vertex, not merely the first
-        raise BudgetTooSmallError(worst[1], worst[2], worst[0], budget)
+    return reserve, worst
 
-    # uses of every tensor, as positions in program order; outputs get a use at the end
-    uses: list[list[int]] = [[] for _ in tensors]
-    for v in tverts:
+
+def tensor_uses(graph: TaskGraph) -> list[list[int]]:
+    """Liveness: for every tensor, the vertices that read it, as ascending positions in program
+    order (a vertex reading a tensor twice counts once); a graph output gets one more use at
+    position ``len(graph.vertices)``, after the last vertex, so it stays until the end. O(V + E)."""
+    uses: list[list[int]] = [[] for _ in graph.tensors]
+    for v in graph.vertices:
         for t in dict.fromkeys(v.inputs):
             uses[t].append(v.id)
     for t in graph.outputs:
-        uses[t].append(n)
-    use_ptr = [0] * len(tensors)  # index into uses[t] of the next use
-    recomputable = recomputable_tensors(graph, uses, nbytes, budget) if recompute else set()
+        uses[t].append(len(graph.vertices))
+    return uses
 
-    def next_use(t: int) -> int:
-        u = uses[t]
-        i = use_ptr[t]
-        return u[i] if i < len(u) else n + 1
 
-    alloc = [OffsetAllocator(budget) for _ in range(n_gpus)]
-    last = [SortedDict() for _ in range(n_gpus)]  # start -> (end, buffer id): latest occupant
-    heaps: list[list] = [[] for _ in range(n_gpus)]  # (-next_use, tensor)
-    resident: dict[int, int] = {}  # tensor -> buffer id
-    host_copy: dict[int, int] = {}  # tensor -> vertex that made the host copy (-1: from start)
-    for t in tensors:
-        if t.kind is not TensorKind.ACTIVATION:
-            host_copy[t.id] = -1
-    buffers: list[Buffer] = []
-    vertices: list[MVertex] = []
-    preds: list[set[int]] = []
-    kinds: dict[tuple[int, int], str] = {}
-    pending_reuse: dict[int, list[int]] = {}  # buffer id -> vertices that must precede its writer
+class _Fragmented(Exception):
+    """A placement found enough free bytes on ``gpu`` but no contiguous ``size`` of them."""
 
-    def occupy(gpu: int, off: int, size: int, bid: int) -> list[int]:
+    def __init__(self, gpu: int, size: int, tensor: str, used: int):
+        self.gpu, self.size, self.tensor, self.used = gpu, size, tensor, used
+
+
+class _Simulation:
+    """The compile-time run of a task graph in program order, emitting its memory graph.
+
+    State per GPU: the region's :class:`OffsetAllocator` (placement), the latest occupant of
+    every byte range (``last``, for reuse edges) and a heap of resident tensors by next use
+    (``heaps``, for Belady eviction; entries go stale and are skipped when popped). Per tensor:
+    the position of its next use (liveness, ``use_ptr`` into ``uses``), its resident buffer, and
+    the vertex that made its host copy (-1: on the host from the start). Emitted: buffers,
+    vertices, the predecessors of every vertex and the kind of every edge.
+
+    The methods are the compiler's steps:
+
+    - :meth:`preload`: weights and inputs placed before the run;
+    - per vertex, :meth:`step`: :meth:`place_or_repack` makes its inputs resident (:meth:`reload`,
+      or a recompute vertex) and allocates its outputs with :meth:`new_buffer`, which evicts by
+      Belady (:meth:`pop_victim`, :meth:`evict`: an offload when no clean host copy exists);
+      :meth:`emit` appends the vertex with its data edges and the reuse edges :meth:`occupy`
+      found; :meth:`retire_uses` advances liveness and releases dead tensors;
+    - :meth:`memory_graph`: dependency minimization (transitive reduction) and the result.
+    """
+
+    def __init__(self, graph: TaskGraph, budget: int, n_gpus: int, nbytes: list[int], uses: list[list[int]],
+                 recomputable: set[int], reserve: list[int]):
+        self.graph, self.budget, self.n_gpus = graph, budget, n_gpus
+        self.tensors, self.tverts = graph.tensors, graph.vertices
+        self.n = len(graph.vertices)
+        self.nbytes = nbytes
+        self.tgpu = [t.gpu for t in graph.tensors]
+        self.uses = uses
+        self.use_ptr = [0] * len(graph.tensors)  # index into uses[t] of the next use
+        self.recomputable = recomputable
+        self.reserve = reserve
+        self.alloc = [OffsetAllocator(budget) for _ in range(n_gpus)]
+        self.last = [SortedDict() for _ in range(n_gpus)]  # start -> (end, buffer id): latest occupant
+        self.heaps: list[list] = [[] for _ in range(n_gpus)]  # (-next_use, tensor)
+        self.resident: dict[int, int] = {}  # tensor -> buffer id
+        self.host_copy: dict[int, int] = {t.id: -1 for t in graph.tensors if t.kind is not TensorKind.ACTIVATION}
+        self.buffers: list[Buffer] = []
+        self.vertices: list[MVertex] = []
+        self.preds: list[set[int]] = []
+        self.kinds: dict[tuple[int, int], str] = {}
+        self.pending_reuse: dict[int, list[int]] = {}  # buffer id -> vertices that must precede its writer
+        self.preloaded: list[int] = []
+
+    # -- liveness -------------------------------------------------------------------------------
+
+    def next_use(self, t: int) -> int:
+        """Position of ``t``'s next use; past the end (``n + 1``) when it has none left."""
+        u = self.uses[t]
+        i = self.use_ptr[t]
+        return u[i] if i < len(u) else self.n + 1
+
+    def retire_uses(self, v) -> None:
+        """After ``v`` ran: its inputs move to their next use (and are released after their
+        last), and outputs nobody reads are released at once."""
+        for t in dict.fromkeys(v.inputs):
+            self.use_ptr[t] += 1
+            if self.use_ptr[t] >= len(self.uses[t]):
+                self.release(t)
+            else:
+                heapq.heappush(self.heaps[self.tgpu[t]], (-self.next_use(t), t))
+        for t in v.outputs:
+            if not self.uses[t]:
+                self.release(t)
+
+    # -- reuse edges ----------------------------------------------------------------------------
+
+    def occupy(self, gpu: int, off: int, size: int, bid: int) -> list[int]:
         """Record ``bid`` as the latest occupant of its range; return the older buffers there."""
-        d = last[gpu]
+        d = self.last[gpu]
         end = off + size
         older = []
         i = d.bisect_right(off) - 1
@@ -384,37 +427,44 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
         d[off] = (end, bid)
         return older
 
-    def new_buffer(t: int, writer_pending: bool, pinned: set[int], where: str) -> int:
-        gpu, size = tgpu[t], nbytes[t]
-        a = alloc[gpu]
+    # -- placement and eviction -----------------------------------------------------------------
+
+    def new_buffer(self, t: int, pinned: set[int]) -> int:
+        """Place a new residency of ``t`` in its GPU's region, evicting the resident tensors used
+        furthest in the future (never a ``pinned`` one) until it fits, and note the vertices its
+        writer must wait for (the last accesses of the buffers whose bytes it takes). Raises
+        :class:`_Fragmented` when evicting every unpinned tensor still leaves no room."""
+        gpu, size = self.tgpu[t], self.nbytes[t]
+        a = self.alloc[gpu]
         off = a.allocate(size)
         stash = []
         while off is None:
-            victim = pop_victim(gpu, pinned, stash)
+            victim = self.pop_victim(gpu, pinned, stash)
             if victim is None:
                 for item in stash:
-                    heapq.heappush(heaps[gpu], item)
-                raise _Fragmented(gpu, size, tensors[t].name, a.used)
-            evict(victim)
+                    heapq.heappush(self.heaps[gpu], item)
+                raise _Fragmented(gpu, size, self.tensors[t].name, a.used)
+            self.evict(victim)
             off = a.allocate(size)
         for item in stash:
-            heapq.heappush(heaps[gpu], item)
-        bid = len(buffers)
-        buffers.append(Buffer(bid, t, gpu, off, size, -1))
-        older = occupy(gpu, off, size, bid)
+            heapq.heappush(self.heaps[gpu], item)
+        bid = len(self.buffers)
+        self.buffers.append(Buffer(bid, t, gpu, off, size, -1))
         must = []
-        for ob in older:
-            must.extend(buffers[ob].last_accesses())
-        pending_reuse[bid] = must
-        resident[t] = bid
-        heapq.heappush(heaps[gpu], (-next_use(t), t))
+        for ob in self.occupy(gpu, off, size, bid):
+            must.extend(self.buffers[ob].last_accesses())
+        self.pending_reuse[bid] = must
+        self.resident[t] = bid
+        heapq.heappush(self.heaps[gpu], (-self.next_use(t), t))
         return bid
 
-    def pop_victim(gpu: int, pinned: set[int], stash: list) -> int | None:
-        h = heaps[gpu]
+    def pop_victim(self, gpu: int, pinned: set[int], stash: list) -> int | None:
+        """Belady: the resident tensor of ``gpu`` whose next use is furthest away, skipping stale
+        heap entries; pinned ones are set aside in ``stash`` for the caller to push back."""
+        h = self.heaps[gpu]
         while h:
             nu, t = heapq.heappop(h)
-            if t not in resident or -nu != next_use(t):
+            if t not in self.resident or -nu != self.next_use(t):
                 continue  # stale entry
             if t in pinned:
                 stash.append((nu, t))
@@ -422,9 +472,31 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
             return t
         return None
 
-    def emit(kind, op, name, gpu, stream, task, tensor, reads, writes, flops=0.0, nb=0, extra_preds=()) -> int:
-        vid = len(vertices)
-        vertices.append(MVertex(vid, kind, op, name, gpu, stream, task, tensor, tuple(reads), tuple(writes), flops, nb))
+    def evict(self, t: int) -> None:
+        """Give ``t``'s bytes back, offloading it first unless a host copy exists or it will be
+        recomputed."""
+        bid = self.resident.pop(t)
+        b = self.buffers[bid]
+        if t not in self.host_copy and t not in self.recomputable:
+            self.host_copy[t] = self.emit("offload", "offload", f"offload {self.tensors[t].name}", b.gpu, "d2h", -1,
+                                          t, [bid], [], nb=self.tensors[t].nbytes)
+        self.alloc[b.gpu].free(b.offset, len(self.vertices))
+
+    def release(self, t: int) -> None:
+        """Give back the bytes of ``t``, which nobody reads again."""
+        bid = self.resident.pop(t)
+        self.alloc[self.buffers[bid].gpu].free(self.buffers[bid].offset, len(self.vertices))
+
+    # -- vertices and their data and reuse edges -------------------------------------------------
+
+    def emit(self, kind, op, name, gpu, stream, task, tensor, reads, writes, flops=0.0, nb=0, extra_preds=()) -> int:
+        """Append a memory-graph vertex: edges from the writers of what it reads (and from
+        ``extra_preds``) are data edges, edges from the pending last accesses of the bytes its
+        outputs take are reuse edges."""
+        buffers, kinds = self.buffers, self.kinds
+        vid = len(self.vertices)
+        self.vertices.append(MVertex(vid, kind, op, name, gpu, stream, task, tensor, tuple(reads), tuple(writes),
+                                     flops, nb))
         ps: set[int] = set()
         for b in reads:
             w = buffers[b].writer
@@ -438,117 +510,106 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
                 kinds[(u, vid)] = "data"
         for b in writes:
             buffers[b].writer = vid
-            for u in pending_reuse.pop(b):
+            for u in self.pending_reuse.pop(b):
                 ps.add(u)
                 kinds[(u, vid)] = "data+reuse" if kinds.get((u, vid)) == "data" else "reuse"
         ps.discard(vid)
-        preds.append(ps)
+        self.preds.append(ps)
         return vid
 
-    def evict(t: int) -> None:
-        bid = resident.pop(t)
-        b = buffers[bid]
-        if t not in host_copy and t not in recomputable:
-            host_copy[t] = emit("offload", "offload", f"offload {tensors[t].name}", b.gpu, "d2h", -1, t,
-                                [bid], [], nb=tensors[t].nbytes)
-        alloc[b.gpu].free(b.offset, len(vertices))
+    # -- preload, reload and recompute ----------------------------------------------------------
 
-    def release(t: int) -> None:
-        bid = resident.pop(t)
-        alloc[buffers[bid].gpu].free(buffers[bid].offset, len(vertices))
-
-    # -- preload weights and inputs in order of first use --------------------------------------
-    preloaded: list[int] = []
-    if preload:
-        first = sorted((uses[t.id][0], t.id) for t in tensors if t.kind is not TensorKind.ACTIVATION and uses[t.id])
-        full = [False] * n_gpus
+    def preload(self) -> None:
+        """Place weights and inputs before the run in order of first use while they fit; the
+        preloaded set stays a prefix of first uses per GPU."""
+        uses, tgpu = self.uses, self.tgpu
+        first = sorted((uses[t.id][0], t.id) for t in self.tensors if t.kind is not TensorKind.ACTIVATION and uses[t.id])
+        full = [False] * self.n_gpus
         for _, t in first:
             gpu = tgpu[t]
             if full[gpu]:
                 continue
-            if alloc[gpu].used + nbytes[t] > budget:
-                full[gpu] = True  # keep the preloaded set a prefix of first uses
+            if self.alloc[gpu].used + self.nbytes[t] > self.budget:
+                full[gpu] = True
                 continue
-            bid = new_buffer(t, False, set(), "preload")
-            pending_reuse.pop(bid)
-            preloaded.append(bid)
+            bid = self.new_buffer(t, set())
+            self.pending_reuse.pop(bid)
+            self.preloaded.append(bid)
 
-    # -- simulate ------------------------------------------------------------------------------
-    def reload(t: int, pinned: set[int], where: str) -> None:
-        bid = new_buffer(t, True, pinned, where)
-        emit("reload", "reload", f"reload {tensors[t].name}", tgpu[t], "h2d", -1, t, [], [bid],
-             nb=tensors[t].nbytes, extra_preds=[host_copy[t]])
+    def reload(self, t: int, pinned: set[int]) -> None:
+        """Bring ``t`` back from its host copy into a new buffer (a ``reload`` vertex on h2d)."""
+        bid = self.new_buffer(t, pinned)
+        self.emit("reload", "reload", f"reload {self.tensors[t].name}", self.tgpu[t], "h2d", -1, t, [], [bid],
+                  nb=self.tensors[t].nbytes, extra_preds=[self.host_copy[t]])
 
-    def place(v) -> list[int]:
+    def place(self, v) -> list[int]:
         """Make ``v``'s inputs resident (reloading them, or rerunning the producer of a dropped
         recomputable one) and allocate its outputs."""
+        tverts, resident, recomputable = self.tverts, self.resident, self.recomputable
+        producer = self.graph.producer
         ins = list(dict.fromkeys(v.inputs))
         pinned = set(ins) | set(v.outputs)
         for t in ins:  # a rerun's inputs stay put until v runs: no hole opens under v's tensors
             if t not in resident and t in recomputable:
-                pinned.update(tverts[graph.producer[t]].inputs)
+                pinned.update(tverts[producer[t]].inputs)
         for t in ins:
             if t not in resident and t in recomputable:
-                pv = tverts[graph.producer[t]]
+                pv = tverts[producer[t]]
                 for i in dict.fromkeys(pv.inputs):
                     if i not in resident:
-                        reload(i, pinned, v.name)
-                bid = new_buffer(t, True, pinned, v.name)
-                rid = emit("compute", pv.op, f"recompute {pv.name}", pv.gpu, "compute", pv.id, -1,
-                           [resident[i] for i in pv.inputs], [bid], flops=pv.flops)
-                vertices[rid].recompute = True
+                        self.reload(i, pinned)
+                bid = self.new_buffer(t, pinned)
+                rid = self.emit("compute", pv.op, f"recompute {pv.name}", pv.gpu, "compute", pv.id, -1,
+                                [resident[i] for i in pv.inputs], [bid], flops=pv.flops)
+                self.vertices[rid].recompute = True
             elif t not in resident:
-                if t not in host_copy:
-                    raise AssertionError(f"{tensors[t].name} is neither resident nor on the host")
-                reload(t, pinned, v.name)
-        return [new_buffer(t, True, pinned, v.name) for t in v.outputs]
+                if t not in self.host_copy:
+                    raise AssertionError(f"{self.tensors[t].name} is neither resident nor on the host")
+                self.reload(t, pinned)
+        return [self.new_buffer(t, pinned) for t in v.outputs]
 
-    for v in tverts:
-        ins = list(dict.fromkeys(v.inputs))
+    def place_or_repack(self, v) -> list[int]:
+        """:meth:`place` ``v``; when the holes left around its pinned tensors are too small
+        although the total fits, evict everything on that GPU (clean tensors are dropped, the
+        others offloaded) and place again into the empty region, which packs from offset 0 and
+        so always succeeds (the total was checked by :func:`vertex_needs`)."""
         try:
-            outs = place(v)
+            return self.place(v)
         except _Fragmented as e:
-            # The vertex fits in total but the holes left around its pinned inputs are too
-            # small: evict everything on that GPU (clean tensors are dropped, the others
-            # offloaded) and place again into the empty region, which packs from offset 0 and
-            # so always succeeds (the total was checked above).
             for t in v.outputs:  # allocated by the failed attempt, not written: void them
-                if t in resident:
-                    bid = resident.pop(t)
-                    b = buffers[bid]
-                    b.writer, b.inherited = -2, pending_reuse.pop(bid)
-                    alloc[b.gpu].free(b.offset, len(vertices))
-            for t in [t for t in resident if tgpu[t] == e.gpu]:
-                evict(t)
+                if t in self.resident:
+                    bid = self.resident.pop(t)
+                    b = self.buffers[bid]
+                    b.writer, b.inherited = -2, self.pending_reuse.pop(bid)
+                    self.alloc[b.gpu].free(b.offset, len(self.vertices))
+            for t in [t for t in self.resident if self.tgpu[t] == e.gpu]:
+                self.evict(t)
             try:
-                outs = place(v)
+                return self.place(v)
             except _Fragmented as e2:
-                raise BudgetTooSmallError(v.name, e2.gpu, reserve[e2.gpu], budget,
+                raise BudgetTooSmallError(v.name, e2.gpu, self.reserve[e2.gpu], self.budget,
                                           detail=f"no contiguous {e2.size} bytes for {e2.tensor!r}") from None
-        nb = sum(tensors[t].nbytes for t in v.outputs) if v.op == "copy" else 0
-        emit("compute", v.op, v.name, v.gpu, "h2d" if v.op == "copy" else "compute", v.id, -1,
-             [resident[t] for t in v.inputs], outs, flops=v.flops, nb=nb)
-        for t in ins:
-            use_ptr[t] += 1
-            if use_ptr[t] >= len(uses[t]):
-                release(t)
-            else:
-                heapq.heappush(heaps[tgpu[t]], (-next_use(t), t))
-        for t in v.outputs:
-            if not uses[t]:
-                release(t)
 
-    output_location = {t: resident.get(t, -1) for t in graph.outputs}
-    edges_before = sum(len(p) for p in preds)
-    reduced = transitive_reduction(preds)
-    kept = {(u, v) for v, ps in enumerate(reduced) for u in ps}
-    return MemoryGraph(graph, budget, n_gpus, vertices, buffers, reduced, preloaded, output_location,
-                       [a.peak for a in alloc], edges_before, {e: k for e, k in kinds.items() if e in kept})
+    def step(self, v) -> None:
+        """Run task vertex ``v``: place it, emit its compute (or copy) vertex, retire its uses."""
+        outs = self.place_or_repack(v)
+        nb = sum(self.tensors[t].nbytes for t in v.outputs) if v.op == "copy" else 0
+        self.emit("compute", v.op, v.name, v.gpu, "h2d" if v.op == "copy" else "compute", v.id, -1,
+                  [self.resident[t] for t in v.inputs], outs, flops=v.flops, nb=nb)
+        self.retire_uses(v)
 
+    # -- dependency minimization ----------------------------------------------------------------
 
-class _Fragmented(Exception):
-    def __init__(self, gpu: int, size: int, tensor: str, used: int):
-        self.gpu, self.size, self.tensor, self.used = gpu, size, tensor, used
+    def memory_graph(self) -> MemoryGraph:
+        """The memory graph of the run: every edge implied by others dropped
+        (:func:`transitive_reduction`), edge kinds kept for the edges that remain."""
+        output_location = {t: self.resident.get(t, -1) for t in self.graph.outputs}
+        edges_before = sum(len(p) for p in self.preds)
+        reduced = transitive_reduction(self.preds)
+        kept = {(u, v) for v, ps in enumerate(reduced) for u in ps}
+        return MemoryGraph(self.graph, self.budget, self.n_gpus, self.vertices, self.buffers, reduced, self.preloaded,
+                           output_location, [a.peak for a in self.alloc], edges_before,
+                           {e: k for e, k in self.kinds.items() if e in kept})
 
 
 def transitive_reduction(preds: list) -> list[list[int]]:

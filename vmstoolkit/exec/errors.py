@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
-from vmstoolkit.errors import VmsError
+from vmstoolkit.errors import DriverError, VmsError
 
 
 class ExecError(VmsError):
-    """Base class of the runtime's errors."""
+    """Base class of the runtime's errors: every error it raises on purpose is one of these."""
+
+
+class InvalidGraphError(ExecError, ValueError):
+    """A task graph that cannot be built or run as asked: an unknown op, a tensor read before it
+    is written or written twice, more GPUs than it is compiled for, an op with no numpy form."""
+
+
+class InvalidOptionError(ExecError, ValueError):
+    """An argument outside its choices or its range: an unknown executor, backend, variant or
+    notification mode, arguments that exclude each other, values a backend needs but lacks."""
+
+
+class ExecutionError(ExecError, RuntimeError):
+    """A run that cannot go on: the backend's drive loop stopped with work unfinished, or
+    :func:`~vmstoolkit.exec.executor.execute` was called inside a running event loop."""
+
+
+class CudaCallError(ExecError, DriverError):
+    """A CUDA driver call of the runtime's backend failed; ``result`` names the CUresult."""
 
 
 class InvalidShapeError(ExecError, ValueError):

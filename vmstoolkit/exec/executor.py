@@ -1,6 +1,7 @@
 """Executors of a memory graph over a backend, on one asyncio event loop.
 
-A backend (``backends.sim.SimBackend``, ``backends.cuda.CudaBackend``) offers:
+A backend (``backends.sim.SimBackend``, ``backends.cuda.CudaBackend``) speaks
+:class:`~vmstoolkit.exec.backends.base.Backend`; the executors use:
 
 - ``setup(mg)``: take one region of ``mg.budget`` bytes per GPU, fill the preloaded buffers;
 - ``launch(v) -> token``: enqueue vertex ``v`` on the stream ``(v.gpu, v.stream)`` of a small
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from vmstoolkit.exec.dag import check_acyclic
+from vmstoolkit.exec.errors import ExecutionError, InvalidOptionError
 
 
 # Copy streams are FIFO: a copy queued early, but needed late, delays one that becomes ready
@@ -148,7 +150,7 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
         if not done.done():
             done.cancel()
             driver.result()  # raises the backend's error
-            raise RuntimeError(f"the backend's drive loop ended with {state['remaining']} of {n} vertices unfinished")
+            raise ExecutionError(f"the backend's drive loop ended with {state['remaining']} of {n} vertices unfinished")
         await done
     finally:
         await driver
@@ -178,7 +180,7 @@ async def execute_async(mg, backend, executor: str = "event-driven", **kw) -> Ru
     """Set up ``backend`` for ``mg`` and run it on the running event loop (``await`` it from
     async code or a notebook, where a loop is already running)."""
     if executor not in EXECUTORS:
-        raise ValueError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
+        raise InvalidOptionError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
     check_acyclic(mg)  # before the backend takes its GPU regions (again in the executor: O(V + E))
     backend.setup(mg)
     return await EXECUTORS[executor](mg, backend, **kw)
@@ -193,5 +195,5 @@ def execute(mg, backend, executor: str = "event-driven", **kw) -> RunResult:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(execute_async(mg, backend, executor, **kw))
-    raise RuntimeError("execute() starts its own event loop; inside a running one (async code, "
+    raise ExecutionError("execute() starts its own event loop; inside a running one (async code, "
                        "Jupyter) use `await execute_async(mg, backend, executor)`")

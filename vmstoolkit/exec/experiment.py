@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from vmstoolkit.exec.compiler import compile_memory_graph, working_set
-from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError
+from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError, InvalidOptionError
 from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.graph import LlamaConfig, build_llama
 
@@ -127,7 +127,7 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
         def lower_bound(mg):
             return measure_lower_bound(mg, values)
     else:
-        raise ValueError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
+        raise InvalidOptionError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
 
     rows = []
     for spec in specs:
@@ -148,8 +148,9 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
             spans = []
             for i in range(repeats):
                 be = make_backend(i)
-                spans.append(execute(mg, be, ex).makespan_s)
-                if hasattr(be, "close"):
+                try:
+                    spans.append(execute(mg, be, ex).makespan_s)
+                finally:
                     be.close()  # give the GPU region back
             rows.append({**base, "executor": ex, "makespan_s": min(spans), **lb,
                          "offloaded_bytes": mg.offloaded_bytes, "reloaded_bytes": mg.reloaded_bytes,

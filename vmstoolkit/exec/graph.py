@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vmstoolkit.exec.errors import InvalidShapeError
+from vmstoolkit.exec.errors import InvalidGraphError, InvalidShapeError
 
 # The compute operations a backend must implement. The kernel names are the contract of
 # ``vmstoolkit.kernels.tasks.KERNEL_TASKS`` (the forward six, then the training tasks);
@@ -91,14 +91,14 @@ class TaskGraph:
 
     def add(self, name, op, inputs, outputs, *, gpu=0, params=None, views=None, flops=0.0) -> int:
         if op not in COMPUTE_OPS:
-            raise ValueError(f"unknown op {op!r} (known: {', '.join(COMPUTE_OPS)})")
+            raise InvalidGraphError(f"unknown op {op!r} (known: {', '.join(COMPUTE_OPS)})")
         for t in inputs:
             if self.tensors[t].kind is TensorKind.ACTIVATION and self.producer[t] < 0:
-                raise ValueError(f"vertex {name!r} reads {self.tensors[t].name!r} before it is written")
+                raise InvalidGraphError(f"vertex {name!r} reads {self.tensors[t].name!r} before it is written")
         vid = len(self.vertices)
         for t in outputs:
             if self.producer[t] >= 0 or self.tensors[t].kind is not TensorKind.ACTIVATION:
-                raise ValueError(f"tensor {self.tensors[t].name!r} written twice")
+                raise InvalidGraphError(f"tensor {self.tensors[t].name!r} written twice")
             self.producer[t] = vid
         if views is None:
             views = tuple(self.tensors[t].shape for t in (*inputs, *outputs))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vmstoolkit.exec.errors import InvalidGraphError
 from vmstoolkit.exec.graph import TRAIN_OPS
 from vmstoolkit.kernels import reference as ref
 
@@ -38,5 +39,5 @@ def run_op(v, inputs: list[np.ndarray]) -> list[np.ndarray]:
         ys = list(ys) if task.n_outputs > 1 else [ys]
         return [np.ascontiguousarray(y, dtype=xs[0].dtype).reshape(shape) for y, shape in zip(ys, v.views[n_in:])]
     else:
-        raise ValueError(f"vertex {v.name!r}: no numpy implementation of op {op!r}")
+        raise InvalidGraphError(f"vertex {v.name!r}: no numpy implementation of op {op!r}")
     return [np.ascontiguousarray(y, dtype=xs[0].dtype).reshape(out_shape)]

@@ -3,9 +3,11 @@
 Note [Shape buckets]
 --------------------
 Rationale. A memory plan (compiled memory graph) is tied to every tensor's size, so a new
-sequence length needs a new plan, and compiling one costs a sixth of a simulated step (16
-LLaMA-7B-wide blocks, LoRA, seq 2048: 0.11 s to compile, ``benchmarks/train_compile.py``,
-against a 0.69 s simulated step). Planning every step would spend a sixth of the run planning.
+sequence length needs a new plan, and compiling one costs a tenth of a simulated step (16
+LLaMA-7B-wide blocks, LoRA, seq 2048: 0.07 s to compile, ``benchmarks/compile_time.py``,
+against a 0.69 s simulated step; 0.11 s when the figures below were measured, before the
+compiler's placement search was made logarithmic). Planning every step would spend a tenth to a
+sixth of the run planning.
 
 Approach. Round each length up to a bucket edge and pad: the graph of the bucket is compiled
 once and reused. Edges sit on a ``granule`` grid (256 rows) and may grow geometrically
@@ -56,6 +58,7 @@ import numpy as np
 
 from vmstoolkit.exec.checker import check_race_free
 from vmstoolkit.exec.compiler import MemoryGraph, compile_memory_graph
+from vmstoolkit.exec.errors import InvalidOptionError, InvalidShapeError
 from vmstoolkit.exec.graph import LlamaConfig
 from vmstoolkit.exec.train_graph import AdamWConfig, TrainGraph, build_train_step
 
@@ -70,15 +73,15 @@ def bucket_edge(seq: int, granule: int = DEFAULT_GRANULE, ratio: float = DEFAULT
     one capped at ``max_seq`` rounded up to the granule. ``ratio`` 1.0 gives every multiple of
     the granule."""
     if seq <= 0:
-        raise ValueError(f"sequence length must be positive, got {seq}")
+        raise InvalidShapeError(f"sequence length must be positive, got {seq}")
     if granule <= 0 or ratio < 1.0:
-        raise ValueError(f"granule={granule} must be positive and ratio={ratio} >= 1")
+        raise InvalidOptionError(f"granule={granule} must be positive and ratio={ratio} >= 1")
     e = granule
     while e < seq:
         e = max(e + granule, -(-int(np.ceil(e * ratio)) // granule) * granule)
     if max_seq is not None:
         if seq > max_seq:
-            raise ValueError(f"sequence length {seq} exceeds max_seq={max_seq}")
+            raise InvalidShapeError(f"sequence length {seq} exceeds max_seq={max_seq}")
         e = min(e, -(-max_seq // granule) * granule)
     return e
 

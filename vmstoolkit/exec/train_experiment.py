@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vmstoolkit.exec.compiler import working_set
+from vmstoolkit.exec.errors import InvalidBudgetError, InvalidOptionError, InvalidShapeError
 from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.graph import LlamaConfig
 from vmstoolkit.exec.plan_cache import DEFAULT_GRANULE, DEFAULT_RATIO, Plan, PlanCache, pad_rows
@@ -32,8 +33,8 @@ ROW_KEYS = ("budget", "executor", "variant", "step_s", "lower_bound_s", "offload
 SIM_CHECK_FLOPS = 2e10
 
 
-class BudgetSpecError(ValueError):
-    pass
+class BudgetSpecError(InvalidBudgetError):
+    """A ``--budget`` of ``experiment train-offload`` that is neither a size nor a fraction in (0, 1]."""
 
 
 def parse_budget(spec, working_set_bytes) -> int:
@@ -169,15 +170,15 @@ def step_lengths(seq: int | None, seq_range: tuple[int, int] | None, steps: int 
     """``steps`` lengths: ``seq`` every step (default 3 steps), or uniform in ``seq_range``
     (inclusive, default 100 steps)."""
     if seq is not None and seq_range is not None:
-        raise ValueError("give a fixed sequence length or a range, not both")
+        raise InvalidOptionError("give a fixed sequence length or a range, not both")
     if seq_range is not None:
         lo, hi = seq_range
         if not 0 < lo <= hi:
-            raise ValueError(f"sequence range {lo}:{hi} must satisfy 0 < A <= B")
+            raise InvalidShapeError(f"sequence range {lo}:{hi} must satisfy 0 < A <= B")
         return [int(s) for s in np.random.default_rng(seed).integers(lo, hi + 1, steps or 100)]
     seq = 2048 if seq is None else seq
     if seq <= 0:
-        raise ValueError(f"sequence length must be positive, got {seq}")
+        raise InvalidShapeError(f"sequence length must be positive, got {seq}")
     return [seq] * (steps or 3)
 
 
@@ -220,7 +221,7 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
     elif backend == "cuda":
         runner = _Cuda(check_grads)
     else:
-        raise ValueError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
+        raise InvalidOptionError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
     rows = []
     for budget in resolved:
         for ex in executors:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vmstoolkit.exec.errors import InvalidOptionError, InvalidShapeError
 from vmstoolkit.exec.graph import LlamaConfig, TaskGraph, TensorKind
 
 VARIANTS = ("lora", "full")
@@ -82,12 +83,12 @@ def build_train_step(cfg: LlamaConfig, variant: str = "lora", *, rank: int = 16,
     from vmstoolkit.kernels.tasks import KERNEL_TASKS
 
     if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r} (choose one of {', '.join(VARIANTS)})")
+        raise InvalidOptionError(f"unknown variant {variant!r} (choose one of {', '.join(VARIANTS)})")
     if cfg.heads % cfg.kv_heads or cfg.hidden % cfg.heads or cfg.head_dim % 2:
-        raise ValueError(f"heads={cfg.heads}, kv_heads={cfg.kv_heads}, hidden={cfg.hidden}: need heads % kv_heads "
+        raise InvalidShapeError(f"heads={cfg.heads}, kv_heads={cfg.kv_heads}, hidden={cfg.hidden}: need heads % kv_heads "
                          f"== 0 and an even head_dim = hidden / heads")
     if variant == "lora" and rank <= 0:
-        raise ValueError(f"LoRA rank must be positive, got {rank}")
+        raise InvalidShapeError(f"LoRA rank must be positive, got {rank}")
     opt = adamw or AdamWConfig()
     lora = variant == "lora"
     g = TaskGraph()

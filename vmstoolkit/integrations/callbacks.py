@@ -17,29 +17,6 @@ framework threads live as long as the process.
 
 from __future__ import annotations
 
-import ctypes
-import threading
 
+from vmstoolkit._thread_states import ThreadStatePins  # noqa: F401 (moved below exec/ and integrations/; re-exported)
 from vmstoolkit.integrations.testing import roundtrips_from_native_thread  # noqa: F401 (its old home)
-
-_ensure = ctypes.pythonapi.PyGILState_Ensure
-_ensure.restype = ctypes.c_int
-_ensure.argtypes = []
-
-
-class ThreadStatePins:
-    """Keeps the Python thread state of every thread that calls :meth:`pin`.
-
-    Call :meth:`pin` first thing in a callback. Threads Python started already keep their state;
-    for them the pin only raises a counter, harmlessly.
-    """
-
-    def __init__(self) -> None:
-        self.pinned: set[int] = set()  # thread idents (an ident may be reused after a thread ends)
-
-    def pin(self) -> None:
-        """Runtime cost: one set lookup once the thread is pinned."""
-        ident = threading.get_ident()
-        if ident not in self.pinned:
-            _ensure()  # never released: this thread's state now outlives the callback
-            self.pinned.add(ident)

@@ -28,21 +28,23 @@ import numpy as np
 
 from vmstoolkit.exec.backends.host_callbacks import HostCallbacks, raw_stream
 from vmstoolkit.exec.backends.numba_exit import guard_library_unload
+from vmstoolkit.exec.errors import CudaCallError, InvalidOptionError
 from vmstoolkit.exec.graph import TaskGraph, TensorKind, random_weights
 
 SPIN_POLLS = 2000  # sleep(0) rounds before backing off; asyncio timers are 1 ms granular
 
 
-def take_region(gpu: int, nbytes: int, peers: tuple[int, ...] = ()):
-    """One device allocation of ``nbytes`` on ``gpu`` from a vmstoolkit ``vms`` pool over the
-    real VMM driver, accessible from the ``peers`` GPUs too (a copy between GPUs reads one
-    region from the other's side). Returns ``(address, release)``; ``release`` gives the
-    physical memory back (every run takes a new region)."""
-    from vmstoolkit.pools import make_allocator
-    from vmstoolkit.pools.drivers import make_driver
+def take_region(gpu: int, nbytes: int, peers: tuple[int, ...] = (), *, allocator: str = "vms",
+                options: dict | None = None):
+    """One device allocation of ``nbytes`` on ``gpu`` from a vmstoolkit ``allocator`` (with
+    ``options``) over the real VMM driver, accessible from the ``peers`` GPUs too (a copy between
+    GPUs reads one region from the other's side). Returns ``(address, release)``; ``release``
+    gives the physical memory back (every run takes a new region)."""
+    from vmstoolkit.pools import drivers
+    from vmstoolkit.pools.registry import make_allocator
 
-    driver = make_driver("cuda", device=gpu, peers=peers)
-    alloc = make_allocator("vms", driver=driver)
+    driver = drivers.make_driver("cuda", device=gpu, peers=peers)
+    alloc = make_allocator(allocator, driver=driver, **(options or {}))
     addr = alloc.allocate(nbytes)
 
     def release() -> None:
@@ -122,7 +124,7 @@ def run_kernel(v, stream, ins, outs) -> None:
         (err,) = cu.cuMemcpyAsync(outs[0].device_ctypes_pointer.value, ins[0].device_ctypes_pointer.value,
                                   outs[0].nbytes, raw_stream(stream))
         if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"{err.name}: cuMemcpyAsync of {outs[0].nbytes} bytes for vertex {v.name}")
+            raise CudaCallError(err.name, f"cuMemcpyAsync of {outs[0].nbytes} bytes for vertex {v.name}")
     else:
         from vmstoolkit.kernels.tasks import KERNEL_TASKS
 
@@ -130,17 +132,27 @@ def run_kernel(v, stream, ins, outs) -> None:
 
 
 class CudaBackend:
-    def __init__(self, values: dict[int, np.ndarray], *, notify: str = "poll", host: dict | None = None):
+    """The :class:`~vmstoolkit.exec.backends.base.Backend` of a real GPU (module docstring)."""
+
+    def __init__(self, values: dict[int, np.ndarray], *, notify: str = "poll", host: dict | None = None,
+                 allocator: str = "vms", allocator_options: dict | None = None):
         """``notify``: ``"poll"`` (default: 7-13% shorter makespans than ``"callback"`` on the
         H200, where each host function holds its stream for a GIL hand-off;
         ``docs/results.md#offload-h200``). ``host``: pinned host arrays by tensor id, kept
         by the caller to share between runs of the same graph (pinning 13 GiB of weights takes
-        seconds); filled on first use."""
+        seconds); filled on first use. ``allocator`` and ``allocator_options``: the vmstoolkit
+        allocator each GPU's region comes from (:func:`take_region`), checked here by the
+        registry without a GPU (:class:`~vmstoolkit.errors.ConfigError` naming a bad one)."""
+        from vmstoolkit.pools.registry import check_allocator
+
         if notify not in ("callback", "poll"):
-            raise ValueError(f"notify must be 'callback' or 'poll', not {notify!r}")
+            raise InvalidOptionError(f"notify must be 'callback' or 'poll', not {notify!r}")
         self.values = values
         self.notify = notify
         self._host: dict[int, np.ndarray] = {} if host is None else host
+        self.allocator = allocator
+        self.allocator_options = check_allocator(allocator, dict(allocator_options or {}))
+        self._release: list = []
 
     def setup(self, mg) -> None:
         from numba import cuda
@@ -153,7 +165,8 @@ class CudaBackend:
         for gpu in range(mg.n_gpus):
             with cuda.gpus[gpu]:
                 ctx = cuda.current_context()
-                addr, rel = take_region(gpu, mg.budget, peers=tuple(range(mg.n_gpus)))
+                addr, rel = take_region(gpu, mg.budget, peers=tuple(range(mg.n_gpus)), allocator=self.allocator,
+                                        options=self.allocator_options)
                 self.ctx.append(ctx)
                 self.base.append(addr)
                 self._release.append(rel)

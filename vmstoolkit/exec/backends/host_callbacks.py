@@ -4,7 +4,7 @@
 once everything before it in the stream is done. Here that function is one ``ctypes`` callback
 shared by every completion: ``userData`` carries a key, the callback resolves the key's future
 on the asyncio loop with ``loop.call_soon_threadsafe``. The driver's thread is not a Python
-thread, so its Python thread state is pinned once (:mod:`vmstoolkit.integrations.callbacks`)
+thread, so its Python thread state is pinned once (:mod:`vmstoolkit._thread_states`)
 instead of being created and destroyed on every completion.
 
 The host function also holds back the work queued behind it in the same stream until it has
@@ -19,7 +19,8 @@ import ctypes
 import itertools
 import threading
 
-from vmstoolkit.integrations.callbacks import ThreadStatePins
+from vmstoolkit._thread_states import ThreadStatePins
+from vmstoolkit.exec.errors import CudaCallError
 
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # void CUDA_CB fn(void* userData)
 
@@ -28,7 +29,7 @@ def raw_stream(stream) -> int:
     """The CUstream address of a numba stream, whichever binding numba runs on (ctypes
     ``c_void_p`` or cuda-bindings ``CUstream``, which has no ``.value``)."""
     h = stream.handle
-    return h.value if hasattr(h, "value") else int(h)
+    return (h.value or 0) if isinstance(h, ctypes.c_void_p) else int(h)  # c_void_p(0).value is None
 
 
 class HostCallbacks:
@@ -87,4 +88,4 @@ def _cu_launch_host_func(stream, fn_address: int, key: int) -> None:
 
     (err,) = cu.cuLaunchHostFunc(raw_stream(stream), cu.CUhostFn(fn_address), key)
     if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{err.name}: cuLaunchHostFunc on stream {raw_stream(stream):#x}")
+        raise CudaCallError(err.name, f"cuLaunchHostFunc on stream {raw_stream(stream):#x}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vmstoolkit.exec.errors import ExecutionError, InvalidOptionError
 from vmstoolkit.exec.ops import run_op
 
 
@@ -73,6 +74,10 @@ class CostModel:
 
 
 class SimBackend:
+    """The :class:`~vmstoolkit.exec.backends.base.Backend` of a discrete-event simulation: costs
+    from a :class:`CostModel` with ``jitter``, and with ``numerics`` the numpy values of every
+    tensor through the placed regions (``values``: host arrays of weights and inputs)."""
+
     def __init__(self, cost: CostModel | None = None, *, seed: int = 0, jitter: float = 0.2,
                  numerics: bool = False, values: dict | None = None):
         self.cost = cost or CostModel()
@@ -96,7 +101,7 @@ class SimBackend:
         if self.numerics:
             missing = [t.name for t in mg.graph.tensors if t.kind.value != "activation" and t.id not in self.values]
             if missing:
-                raise ValueError(f"numerics need host values of {missing[:5]}")
+                raise InvalidOptionError(f"numerics need host values of {missing[:5]}")
             self.regions = [np.zeros(mg.budget, dtype=np.uint8) for _ in range(mg.n_gpus)]
             self.host = {t: np.array(a) for t, a in self.values.items()}
             for b in mg.preloaded:
@@ -132,7 +137,7 @@ class SimBackend:
             if done.done():
                 break
             if not self.events:
-                raise RuntimeError("simulation deadlock: nothing in flight and the run is not done")
+                raise ExecutionError("simulation deadlock: nothing in flight and the run is not done")
             t, _, kind, payload = heapq.heappop(self.events)
             self.now = max(self.now, t)
             if kind == "notify":
@@ -175,6 +180,9 @@ class SimBackend:
         for t, bid in self.mg.output_location.items():
             out[t] = self._view(bid).copy() if bid >= 0 else self.host[t].copy()
         return out
+
+    def close(self) -> None:
+        """Nothing to give back: the simulation holds no device memory."""
 
     def utilization(self, makespan: float) -> dict[str, float]:
         return {f"gpu{g}.{s}": busy / makespan for (g, s), busy in sorted(self.busy.items()) if makespan > 0}
