@@ -10,7 +10,7 @@ needs nothing more. Nothing here imports torch at import time.
 - Training modes: :func:`split_modes` and :func:`allocator_mode` read ``--modes`` lists whose
   items are PyTorch's modes (``default``, ``expandable``, ...) or vmstoolkit allocators in the
   library's one syntax (``paged:aliases=true,slack_pages=64``:
-  :func:`vmstoolkit.pools.options.parse_allocator_spec`); :func:`train_shapes` is the training
+  :func:`vmstoolkit.pools.registry.parse_allocator_spec`); :func:`train_shapes` is the training
   scripts' plan of batch and sequence length per step.
 - Training histories: :func:`replay_steps` replays one step by step through ``paged`` (its
   Python allocator or the compiled hook PyTorch runs).
@@ -30,7 +30,7 @@ from typing import Callable
 from vmstoolkit.errors import ConfigError, VmsError
 from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.drivers import make_driver
-from vmstoolkit.pools.options import AllocatorSpec, parse_allocator_spec
+from vmstoolkit.pools.registry import AllocatorSpec, parse_allocator_spec
 from vmstoolkit.trace import bundled_trace_paths, load_trace
 
 # -- sweeps over traces ----------------------------------------------------------------------------
@@ -324,8 +324,7 @@ def best_of(mg, make_backend: Callable[[int], object], executor: str, repeats: i
             spans.append(execute(mg, be, executor).makespan_s)
             got = read(be)
         finally:
-            if hasattr(be, "close"):  # the sim backend holds nothing to give back
-                be.close()
+            be.close()
     return spans, got
 
 

@@ -89,7 +89,7 @@ def worker(args) -> None:
             losses.append(float(loss.detach()))
         rows.append({"variant": strategy, "mode": mode, "rank": rank, "step_times": times, "losses": losses,
                      "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated(),
-                     "shim": bool(getattr(handle, "raises", False)) if handle else None})
+                     "shim": handle.raises if handle else None})
         del wrapped, model, opt, loss
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -100,7 +100,7 @@ def real_replays(out: dict, allocators: list[str], paths: list[Path]) -> None:
             r = replay(trace, a, touch=True)
             d.synchronize()
             a.close()
-            extra = d.replay_extra() if hasattr(d, "replay_extra") else {"device_used_at_peak": d.peak_physical_bytes, "device": "sim"}
+            extra = d.replay_extra() or {"device_used_at_peak": d.peak_physical_bytes, "device": "sim"}
             d.close()
             row = {"trace": trace.name, "allocator": name, "events": r.events,
                    "peak_allocated": r.peak_allocated, "peak_reserved": r.peak_reserved,

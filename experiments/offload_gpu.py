@@ -36,7 +36,8 @@ import numpy as np
 
 from common import best_of
 from vmstoolkit.exec.compiler import compile_memory_graph, working_set
-from vmstoolkit.exec.graph import LlamaConfig, build_llama, random_weights, reference_forward
+from vmstoolkit.exec.graph import LlamaConfig, build_llama, random_weights
+from vmstoolkit.exec.ops import reference_forward
 
 
 REPEATS = int(os.environ.get("OFFLOAD_REPEATS", "3"))  # makespan = best of this many runs

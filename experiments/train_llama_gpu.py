@@ -383,7 +383,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
 
 def path_counts(allocator) -> dict:
     """How the allocator served requests (``paged`` adds its placement searches)."""
-    return allocator.path_counts() if hasattr(allocator, "path_counts") else dict(allocator.counts)
+    return allocator.path_counts()
 
 
 def print_allocator_failure() -> None:
@@ -391,15 +391,15 @@ def print_allocator_failure() -> None:
     standard error (PyTorch's own error is often only where a null pointer was first used)."""
     from vmstoolkit.integrations import torch as vt
 
-    handle = vt._INSTALLED
+    handle = vt.installed()
     if handle is None:
         return
     err = handle.last_error
-    for dev in list(getattr(handle, "devices", None) or getattr(handle, "bridges", {})):
+    for dev in handle.devices_in_use():
         b = handle.bridge(dev)
         err = b.last_error or err
         print(f"vmstoolkit device {dev}: failed mallocs {b.failed_mallocs}, "
-              f"counts {getattr(b.allocator, 'counts', None)}", file=sys.stderr)
+              f"counts {b.allocator.path_counts()}", file=sys.stderr)
     if err is not None:
         print("vmstoolkit's last error:\n" + "".join(traceback.format_exception(err)), file=sys.stderr)
 

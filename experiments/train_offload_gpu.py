@@ -43,7 +43,8 @@ import numpy as np
 
 from common import best_of
 from vmstoolkit.exec.compiler import compile_memory_graph, working_set
-from vmstoolkit.exec.graph import LlamaConfig, reference_forward
+from vmstoolkit.exec.graph import LlamaConfig
+from vmstoolkit.exec.ops import reference_forward
 from vmstoolkit.exec.train_graph import build_train_step, grads_from_updates, random_train_values
 
 FRACTIONS = {"half": 0.5, "quarter": 0.25}

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from common import replay_steps, same_mode, train_shapes
 from vmstoolkit.errors import VmsError
-from vmstoolkit.pools.options import parse_allocator_spec
+from vmstoolkit.pools.registry import parse_allocator_spec
 from vmstoolkit.trace import load_trace
 
 def main() -> int:

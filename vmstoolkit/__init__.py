@@ -12,6 +12,6 @@ The package is laid out by architecture:
 - ``vmstoolkit.record``: record a PyTorch run's memory history (:mod:`vmstoolkit.recording`).
 """
 
-__version__ = "0.1.0"
+from vmstoolkit._version import __version__  # noqa: E402,F401
 
 from vmstoolkit.recording import record  # noqa: E402  (imports torch only when recording starts)

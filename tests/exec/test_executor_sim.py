@@ -5,7 +5,8 @@ from tests.exec.helpers import random_graph, tiny_llama
 from vmstoolkit.exec.backends.sim import CostModel, SimBackend
 from vmstoolkit.exec.compiler import compile_memory_graph, working_set
 from vmstoolkit.exec.executor import execute
-from vmstoolkit.exec.graph import LlamaConfig, build_llama, random_weights, reference_forward
+from vmstoolkit.exec.graph import LlamaConfig, build_llama, random_weights
+from vmstoolkit.exec.ops import reference_forward
 
 
 def cases():

@@ -8,7 +8,8 @@ import pytest
 
 from vmstoolkit.exec.checker import check_race_free
 from vmstoolkit.exec.errors import BudgetTooSmallError
-from vmstoolkit.exec.graph import LlamaConfig, reference_forward
+from vmstoolkit.exec.graph import LlamaConfig
+from vmstoolkit.exec.ops import reference_forward
 from vmstoolkit.exec.plan_cache import PlanCache, bucket_edge
 from vmstoolkit.exec.train_experiment import _Sim, run_steps, step_lengths, step_values
 from vmstoolkit.exec.train_graph import build_train_step, grads_from_updates, random_train_values

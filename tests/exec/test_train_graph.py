@@ -12,7 +12,8 @@ from vmstoolkit.exec.checker import check_race_free
 from vmstoolkit.exec.compiler import MemoryGraph, compile_memory_graph, recomputable_tensors, working_set
 from vmstoolkit.exec.errors import RaceError
 from vmstoolkit.exec.executor import execute
-from vmstoolkit.exec.graph import LlamaConfig, reference_forward
+from vmstoolkit.exec.graph import LlamaConfig
+from vmstoolkit.exec.ops import reference_forward
 from vmstoolkit.exec.train_graph import build_train_step, grads_from_updates, random_train_values
 from vmstoolkit.exec.train_reference import loss, reference_train_step
 

@@ -9,9 +9,9 @@ import pytest
 from vmstoolkit.errors import ConfigError
 from vmstoolkit.pools import make_allocator, registry
 from vmstoolkit.pools.options import (
-    OPTIONS, AllocatorSpec, check_options, format_options, parse_allocator_spec, parse_options, resolve_option_items,
-    split_option_item,
+    OPTIONS, check_options, format_options, parse_options, resolve_option_items, split_option_item,
 )
+from vmstoolkit.pools.registry import AllocatorSpec, parse_allocator_spec
 
 
 @pytest.mark.parametrize("name, key, value", [

@@ -165,7 +165,7 @@ def fragmentation_rows(specs: list[str], allocators: list[str], results: Iterabl
     """One flat row per workload: what was replayed (source, its SHA-256, device, capacity, the
     toolkit's version), each allocator's options, peak reserved, utilization and out-of-memory
     event, and the savings of :func:`savings_pairs` (``None`` where either side ran out of memory)."""
-    from vmstoolkit import __version__
+    from vmstoolkit._version import __version__
     from vmstoolkit.pools.drivers.sim import DEFAULT_CAPACITY
 
     options = options or {}

@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from vmstoolkit import __version__
+from vmstoolkit._version import __version__
 from vmstoolkit.pools.options import format_options
 
 ROW_KEYS = ("trace", "source", "source_sha256", "device", "allocator", "options", "capacity", "vmstoolkit",

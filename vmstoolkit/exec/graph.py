@@ -306,14 +306,3 @@ def random_weights(graph: TaskGraph, seed: int = 0, scale: float | None = None) 
             a = rng.standard_normal(t.shape)
         out[t.id] = a.astype(t.dtype)
     return out
-
-
-def reference_forward(graph: TaskGraph, values: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-    """Run ``graph`` in program order with the numpy reference kernels; returns every tensor."""
-    from vmstoolkit.exec.ops import run_op
-
-    vals = dict(values)
-    for v in graph.vertices:
-        for t, res in zip(v.outputs, run_op(v, [vals[t] for t in v.inputs])):
-            vals[t] = res.reshape(graph.tensors[t].shape)
-    return vals

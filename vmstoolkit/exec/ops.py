@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from vmstoolkit.exec.errors import InvalidGraphError
-from vmstoolkit.exec.graph import TRAIN_OPS
+from vmstoolkit.exec.graph import TRAIN_OPS, TaskGraph
 from vmstoolkit.kernels import reference as ref
 
 
@@ -41,3 +41,12 @@ def run_op(v, inputs: list[np.ndarray]) -> list[np.ndarray]:
     else:
         raise InvalidGraphError(f"vertex {v.name!r}: no numpy implementation of op {op!r}")
     return [np.ascontiguousarray(y, dtype=xs[0].dtype).reshape(out_shape)]
+
+
+def reference_forward(graph: TaskGraph, values: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Run ``graph`` in program order with the numpy reference kernels; returns every tensor."""
+    vals = dict(values)
+    for v in graph.vertices:
+        for t, res in zip(v.outputs, run_op(v, [vals[t] for t in v.inputs])):
+            vals[t] = res.reshape(graph.tensors[t].shape)
+    return vals

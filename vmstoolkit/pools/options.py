@@ -9,7 +9,7 @@ option is refused before any replay starts and without building an allocator.
 integrations and the experiments share it.
 
 One syntax for the CLI, Python callers and the experiments: ``ALLOC:KEY=VALUE,KEY=VALUE``
-names an allocator and its options (:func:`parse_allocator_spec`, e.g. an experiment's mode
+names an allocator and its options (:func:`~vmstoolkit.pools.registry.parse_allocator_spec`, e.g. an experiment's mode
 ``paged:aliases=true,slack_pages=64``); on the command line (:func:`resolve_option_items`)::
 
     -o KEY=VALUE[,KEY=VALUE...]          every chosen allocator that takes KEY
@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar, Iterable, Mapping, NamedTuple
+from typing import Any, ClassVar, Iterable, Mapping
 
 from vmstoolkit.errors import ConfigError
 from vmstoolkit.units import GiB, KiB, MiB, TiB, parse_size
@@ -422,46 +422,6 @@ def split_option_item(item: str) -> tuple[str | None, str, str]:
     return (alloc, *pairs[0])
 
 
-class AllocatorSpec(NamedTuple):
-    """An allocator and its checked options, as :func:`parse_allocator_spec` reads them; ``str()``
-    writes them back in the one syntax."""
-
-    name: str
-    options: dict
-
-    def __str__(self) -> str:
-        return self.name + (":" + format_options(self.options, sep=",") if self.options else "")
-
-
-def parse_allocator_spec(text: str) -> AllocatorSpec:
-    """``"paged:aliases=true,slack_pages=64"`` -> ``AllocatorSpec("paged", {"aliases": True,
-    "slack_pages": 64})``; ``"vms"``: its defaults. The syntax of a prefixed ``-o`` item (and
-    ``+`` between pairs, the old experiments' separator, as an alias: :func:`split_pairs`).
-
-    The name must be a registered allocator and the options are converted and checked as
-    :func:`~vmstoolkit.pools.make_allocator` checks them, without building anything; anything
-    else raises :class:`~vmstoolkit.errors.ConfigError` naming it. Cost: O(length of ``text``).
-
-    >>> parse_allocator_spec("paged:aliases=True+slack_pages=64") == parse_allocator_spec("paged:aliases=true,slack_pages=64")
-    True
-    >>> str(parse_allocator_spec("vms:reuse_max_ratio=2"))
-    'vms:reuse_max_ratio=2.0'
-    """
-    import vmstoolkit.pools  # noqa: F401 - registers every allocator
-    from vmstoolkit.pools.registry import check_allocator
-
-    t = text.strip()
-    if "=" in t:
-        name, pairs = parse_option_item(t)
-    elif t and ":" not in t:
-        name, pairs = t, []
-    else:
-        name, pairs = None, []
-    if name is None:
-        raise ConfigError(f"allocator spec {text!r}: expected NAME or NAME:KEY=VALUE[,KEY=VALUE...]")
-    return AllocatorSpec(name, check_allocator(name, dict(pairs)))
-
-
 def resolve_option_items(items: Iterable[str] | None, allocators: list[str], *,
                          capacity: int | None = None, granularity: int = PAGE) -> dict[str, dict]:
     """Per allocator of ``allocators``, its checked options from ``-o`` items (each one or more
@@ -528,5 +488,5 @@ __all__ = [
     "AllocatorOptions", "NoOptions", "StitchOptions", "GMLakeOptions", "VmsOptions", "PyTorchCachingOptions",
     "PyTorchExpandableOptions", "PagedOptions", "OPTIONS", "register_options", "options_for", "check_options",
     "takers", "split_pairs", "parse_option_item", "split_option_item", "resolve_option_items", "parse_options",
-    "guess_value", "format_options", "paged_host_bytes", "AllocatorSpec", "parse_allocator_spec",
+    "guess_value", "format_options", "paged_host_bytes",
 ]

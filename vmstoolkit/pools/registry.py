@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from vmstoolkit.errors import ConfigError
 from vmstoolkit.pools.base import Allocator
 from vmstoolkit.pools.drivers import VMMDriver, make_driver
+from vmstoolkit.pools.options import check_options, format_options, parse_option_item
 
 _FACTORIES: dict[str, Callable[..., Allocator]] = {}
 _DESCRIPTIONS: dict[str, str] = {}
@@ -49,8 +50,6 @@ def check_allocator(name: str, options: dict, *, capacity: int | None = None, gr
     """``options`` of allocator ``name`` converted and checked, without building anything
     (:func:`vmstoolkit.pools.options.check_options`); an unknown name or a bad option raises
     :class:`~vmstoolkit.errors.ConfigError` naming it."""
-    from vmstoolkit.pools.options import check_options
-
     if name not in _FACTORIES:
         raise ConfigError(f"unknown allocator {name!r}; choose one of: {', '.join(_FACTORIES)}")
     if capacity is None:
@@ -73,3 +72,41 @@ def make_allocator(name: str, driver: VMMDriver | None = None, *, capacity: int 
         driver = make_driver("sim", capacity=capacity)
     options = check_allocator(name, options, capacity=driver.capacity, granularity=driver.granularity)
     return _FACTORIES[name](driver, **options)
+
+
+class AllocatorSpec(NamedTuple):
+    """An allocator and its checked options, as :func:`parse_allocator_spec` reads them; ``str()``
+    writes them back in the one syntax."""
+
+    name: str
+    options: dict
+
+    def __str__(self) -> str:
+        return self.name + (":" + format_options(self.options, sep=",") if self.options else "")
+
+
+def parse_allocator_spec(text: str) -> AllocatorSpec:
+    """``"paged:aliases=true,slack_pages=64"`` -> ``AllocatorSpec("paged", {"aliases": True,
+    "slack_pages": 64})``; ``"vms"``: its defaults. The syntax of a prefixed ``-o`` item (and
+    ``+`` between pairs, the old experiments' separator, as an alias:
+    :func:`~vmstoolkit.pools.options.split_pairs`).
+
+    The name must be a registered allocator and the options are converted and checked as
+    :func:`~vmstoolkit.pools.make_allocator` checks them, without building anything; anything
+    else raises :class:`~vmstoolkit.errors.ConfigError` naming it. Cost: O(length of ``text``).
+
+    >>> parse_allocator_spec("paged:aliases=True+slack_pages=64") == parse_allocator_spec("paged:aliases=true,slack_pages=64")
+    True
+    >>> str(parse_allocator_spec("vms:reuse_max_ratio=2"))
+    'vms:reuse_max_ratio=2.0'
+    """
+    t = text.strip()
+    if "=" in t:
+        name, pairs = parse_option_item(t)
+    elif t and ":" not in t:
+        name, pairs = t, []
+    else:
+        name, pairs = None, []
+    if name is None:
+        raise ConfigError(f"allocator spec {text!r}: expected NAME or NAME:KEY=VALUE[,KEY=VALUE...]")
+    return AllocatorSpec(name, check_allocator(name, dict(pairs)))

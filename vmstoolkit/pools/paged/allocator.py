@@ -49,14 +49,11 @@ from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.paged import heap as H
 from vmstoolkit.pools.registry import register_allocator
 from vmstoolkit.pools.drivers.teardown import Graveyard
-from vmstoolkit.units import GiB, MiB
+from vmstoolkit.units import GiB
 
-SMALL_SIZE = 1 * MiB
-SMALL_UNIT_SHIFT = 9  # 512 B, PyTorch's rounding
-MIN_BLOCKS = 8  # block records to start with; the heaps double them when they run out
-MAX_SLOTS = 63  # streams with a bit in chunk tags (int64; the last bit is shared by any further streams)
-OVERFLOW_BIT = 1 << (MAX_SLOTS - 1)
-G_NSLOTS = 13  # g[] slot: streams with a slot (heap.py uses 0-5, the PyTorch hook 6-12)
+from vmstoolkit.pools.paged.heap import (  # noqa: F401 - the allocator's constants, defined beside the heap
+    G_NSLOTS, MAX_SLOTS, MIN_BLOCKS, OVERFLOW_BIT, SMALL_SIZE, SMALL_UNIT_SHIFT,
+)
 
 
 @register_allocator("paged", "best-fit heap over one virtual range; 2 MiB pages mapped on demand, reclaimed at the peak")

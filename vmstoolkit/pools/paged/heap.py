@@ -32,6 +32,13 @@ M_SCANS, M_SCANNED = 9, 10  # mapped placement's searches, and the blocks they v
 M_LOW = 11  # the start of a block with no free block below it (where those searches begin)
 # g[] slots shared by the heaps of one device
 G_FREE_CHUNKS, G_TOTAL_CHUNKS, G_LIVE_PAGES, G_PEAK_LIVE_PAGES, G_BUSY, G_SLACK = 0, 1, 2, 3, 4, 5
+# The allocator's layout constants (pools/paged/allocator.py and the compiled replay read them here).
+SMALL_SIZE = 1 << 20  # requests below 1 MiB go to the small heap
+SMALL_UNIT_SHIFT = 9  # 512 B, PyTorch's rounding
+MIN_BLOCKS = 8  # block records to start with; the heaps double them when they run out
+MAX_SLOTS = 63  # streams with a bit in chunk tags (int64; the last bit is shared by any further streams)
+OVERFLOW_BIT = 1 << (MAX_SLOTS - 1)
+G_NSLOTS = 13  # g[] slot: streams with a slot (heap.py uses 0-5, the PyTorch hook 6-12)
 NONE = -1
 NO_RECORD = -2  # heap_alloc's start when no block record is left (grow them: Heap.grow_records)
 

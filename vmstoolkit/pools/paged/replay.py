@@ -208,7 +208,7 @@ def replay_paged(a, ev: ReplayArrays) -> CompiledReplay:
 
 
 def _replay(a, ev: ReplayArrays) -> CompiledReplay:
-    from vmstoolkit.pools.paged.allocator import OVERFLOW_BIT, SMALL_SIZE
+    OVERFLOW_BIT, SMALL_SIZE = H.OVERFLOW_BIT, H.SMALL_SIZE
 
     n = len(ev.is_alloc)
     npre = len(ev.pre_addr)
