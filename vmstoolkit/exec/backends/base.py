@@ -34,7 +34,8 @@ class Backend(Protocol):
 
     async def drive(self, done: asyncio.Future) -> None:
         """Run beside the executor until ``done`` resolves (the simulation advances its virtual
-        clock here; a GPU needs nothing)."""
+        clock here; a GPU backend only waits). Returning before ``done`` resolves means the
+        backend failed: the executor then ends the run with this loop's error."""
 
     def result(self) -> dict[int, np.ndarray]:
         """Values of the graph's output tensors after a run that computed them."""

@@ -262,7 +262,11 @@ class CudaBackend:
                 await asyncio.sleep(delay)
 
     async def drive(self, done) -> None:
-        return None
+        """Completions arrive by themselves (events polled by :meth:`_poll`, or host callbacks):
+        this loop only waits for the run to end. It must not return before ``done`` resolves:
+        the executor takes a drive loop that ends early for a failed backend. ``done``'s
+        exception, if any, is the executor's to report."""
+        await asyncio.wait((done,))
 
     def result(self) -> dict[int, np.ndarray]:
         from numba import cuda
