@@ -315,3 +315,30 @@ def test_a_random_program_gets_what_the_python_allocator_gives(options, capsys):
         h.close()
     assert hd.is_empty(), hd.leak_report()
     capsys.readouterr()  # the hook reports each refusal on standard error
+
+
+@pytest.mark.parametrize("name", ["paged", "vms"])
+def test_the_fallbacks_warning_says_what_it_lacks(monkeypatch, capsys, name):
+    """Without the shim: no catchable OOM, statistics in Python only, and for the Python
+    allocators an exception unwinding past CUDA temporaries can be lost (the shim's
+    KeepPythonError is what keeps it)."""
+    import sys
+    import types
+
+    from vmstoolkit.integrations import torch as vt
+
+    fake = types.ModuleType("torch")
+    fake.cuda = types.SimpleNamespace(is_available=lambda: True)
+    fake.Tensor = type("Tensor", (), {"record_stream": lambda self, stream: None})
+    fake._C = types.SimpleNamespace(_cuda_customAllocator=lambda a, f: "allocator",
+                                    _cuda_changeCurrentAllocator=lambda alloc: None)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setattr(vt, "_INSTALLED", None)
+    h = vt.install(name, shim=False)
+    try:
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "without the compiled shim" in err and "OutOfMemoryError" in err
+        assert ("SystemError" in err) is (name != "paged")
+    finally:
+        if name == "paged":
+            h.close()

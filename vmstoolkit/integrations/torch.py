@@ -287,8 +287,10 @@ def install(allocator: str = "vms", *, shim: bool = True, **options) -> HookBase
             handle._torch_allocator = custom
             _patch_python_side(torch, handle)
             sys.stderr.write(f"vmstoolkit: installed {allocator!r} without the compiled shim ({reason}): a failed "
-                             "allocation returns a null pointer instead of raising torch.OutOfMemoryError, and statistics "
-                             "and record_stream are patched in Python only (C++ callers do not see them)\n")
+                             "allocation returns a null pointer instead of raising torch.OutOfMemoryError, statistics "
+                             "and record_stream are patched in Python only (C++ callers do not see them)"
+                             + ("" if not handle.runs_python else ", and an exception unwinding past CUDA temporaries "
+                                "can be lost (SystemError)") + "\n")
     except RuntimeError as e:
         raise IntegrationError(f"PyTorch refused the allocator ({e}); install it before the first CUDA allocation") from None
     _INSTALLED = handle
