@@ -14,7 +14,6 @@ needs nothing more. Nothing here imports torch at import time.
   scripts' plan of batch and sequence length per step.
 - Training histories: :func:`replay_steps` replays one step by step through ``paged`` (its
   Python allocator or the compiled hook PyTorch runs).
-- Offload runs: :func:`best_of` executes a memory graph several times on fresh backends.
 - GPU timing: :func:`say`, :func:`run_env`, :func:`tf32_off`, :func:`time_events`.
 """
 
@@ -305,27 +304,6 @@ def replay_steps(trace, options: dict, plan: list[tuple[int, int]], rounds: int 
     finally:
         alloc.close()
     return {"driver_calls_per_step": calls, "driver_ms_per_step": ms, "syncs_per_step": syncs, "peak_reserved": peak}
-
-
-# -- offload runs ------------------------------------------------------------------------------------------
-
-
-def best_of(mg, make_backend: Callable[[int], object], executor: str, repeats: int,
-            read: Callable[[object], object]) -> tuple[list[float], object]:
-    """Execute memory graph ``mg`` ``repeats`` times, each on a fresh ``make_backend(repeat)``,
-    closing each backend even when a run fails (a GPU backend gives its region back). Returns
-    the makespans and ``read(backend)`` of the last run (its outputs, before the close)."""
-    from vmstoolkit.exec.executor import execute
-
-    spans, got = [], None
-    for rep in range(repeats):
-        be = make_backend(rep)
-        try:
-            spans.append(execute(mg, be, executor).makespan_s)
-            got = read(be)
-        finally:
-            be.close()
-    return spans, got
 
 
 # -- GPU timing --------------------------------------------------------------------------------------------

@@ -14,11 +14,11 @@ Writes ``<out>/offload.jsonl`` (one JSON object per measurement), ``<out>/summar
 - ``accelerate``: ``infer_auto_device_map`` with GPU ``max_memory`` = the same budgets, then
   ``dispatch_model``, forward of ``inputs_embeds`` (skipped, and said so, without torch).
 
-The ``runtime`` rows are the product's experiment
-(:func:`vmstoolkit.exec.experiment.run_offload_experiment`, ``vmstoolkit offload``) plus what it
-does not do yet: checking every run's outputs against ``direct``, both ways of learning of
-completions (``OFFLOAD_NOTIFY``), pinned host copies shared between runs, and budgets named by
-weights rather than working set; the loop here runs until it does.
+The ``runtime`` rows come from the product's sweep
+(:func:`vmstoolkit.exec.experiment.sweep_budgets`, the loop of ``vmstoolkit experiment offload``),
+given what this script adds: every run's outputs checked against ``direct``, both ways of
+learning of completions (``OFFLOAD_NOTIFY``, one sweep each), pinned host copies shared between
+runs, and budgets named by weights as well as by working set.
 """
 
 from __future__ import annotations
@@ -29,13 +29,10 @@ import os
 import json
 import sys
 import time
-import traceback
 from pathlib import Path
 
-import numpy as np
-
-from common import best_of
-from vmstoolkit.exec.compiler import compile_memory_graph, working_set
+from vmstoolkit.exec.compiler import working_set
+from vmstoolkit.exec.experiment import sweep_budgets
 from vmstoolkit.exec.graph import LlamaConfig, build_llama, random_weights
 from vmstoolkit.exec.ops import reference_forward
 
@@ -48,53 +45,36 @@ def budgets(graph, ws):
     return {"full": ws, "half_ws": ws // 2, "half_weights": w // 2, "quarter_weights": w // 4}
 
 
-def run_ours(graph, values, ref, out, emit, dry: bool, parts: int):
+def run_ours(graph, values, ref, emit, dry: bool, parts: int):
     ws = working_set(graph)
     if dry:
         from vmstoolkit.exec.backends.sim import CostModel, SimBackend
 
         def backend(notify):
-            return SimBackend(seed=0, jitter=0.05, numerics=True, values=values)
+            return lambda rep: SimBackend(seed=0, jitter=0.05, numerics=True, values=values)
 
         def lb(mg):
             return CostModel().lower_bound(mg)
-        modes = [("event-driven", "sim"), ("fixed-order", "sim")]
+        notifies = ["sim"]
     else:
         from vmstoolkit.exec.backends.cuda import CudaBackend, measure_lower_bound
 
         host: dict = {}  # pinned host copies shared by every run
 
         def backend(notify):
-            return CudaBackend(values, notify=notify, host=host)
+            return lambda rep: CudaBackend(values, notify=notify, host=host)
 
         def lb(mg):
             return measure_lower_bound(mg, values)
         # both ways of learning of completions, measured side by side (OFFLOAD_NOTIFY narrows it)
         notifies = os.environ.get("OFFLOAD_NOTIFY", "poll,callback").split(",")
-        modes = [(ex, n) for ex in ("event-driven", "fixed-order") for n in notifies]
-    for name, budget in budgets(graph, ws).items():
-        t0 = time.perf_counter()
-        try:
-            mg = compile_memory_graph(graph, budget)
-        except Exception as e:  # a budget too small is a result, reported as such
-            emit({"kind": "runtime", "budget_name": name, "budget": budget, "error": str(e)})
-            continue
-        compile_s = time.perf_counter() - t0
-        bound = lb(mg)
-        for ex, notify in modes:
-            row = {"kind": "runtime", "budget_name": name, "budget": budget, "working_set": ws, "parts": parts,
-                   "executor": ex, "notify": notify, "compile_s": compile_s, **bound,
-                   "offloaded_bytes": mg.offloaded_bytes, "reloaded_bytes": mg.reloaded_bytes,
-                   "fits_without_offload": budget >= ws, "vertices": len(mg.vertices)}
-            try:
-                spans, res = best_of(mg, lambda rep: backend(notify), ex, 1 if dry else REPEATS, lambda be: be.result())
-                err = max(float(np.max(np.abs(res[t] - ref[t]))) for t in graph.outputs)
-                scale = max(float(np.max(np.abs(ref[t]))) for t in graph.outputs)
-                row.update(makespan_s=min(spans), makespans_s=spans, max_abs_err=err, ref_max_abs=scale,
-                           equal=bool(err <= 1e-3 * max(1.0, scale)),
-                           ratio_to_lower_bound=min(spans) / bound["lower_bound_s"])
-            except Exception as e:
-                row.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-2000:])
+    fields = [({"kind": "runtime", "budget_name": name, "budget": budget, "working_set": ws, "parts": parts,
+                "fits_without_offload": budget >= ws}, budget) for name, budget in budgets(graph, ws).items()]
+    for notify in notifies:  # compiling again per notify costs milliseconds; the lower bound is cached
+        for row in sweep_budgets(graph, [({**f, "notify": notify}, b) for f, b in fields], backend(notify), lb,
+                                 repeats=1 if dry else REPEATS, reference=ref, keep_going=True):
+            if "makespan_s" in row:
+                row["ratio_to_lower_bound"] = row["makespan_s"] / row["lower_bound_s"]
             emit(row)
 
 
@@ -199,7 +179,7 @@ def main(argv=None) -> int:
         ref, compute_s = direct_forward(graph, values)
         emit({"kind": "direct", "backend": "cuda", "compute_s": compute_s, **copy_bandwidth()})
     ref = {t: ref[t] for t in graph.outputs}
-    run_ours(graph, values, ref, a.out, emit, a.dry_run, a.parts)
+    run_ours(graph, values, ref, emit, a.dry_run, a.parts)
     if a.dry_run or a.skip_accelerate:
         emit({"kind": "accelerate", "skipped": "dry run" if a.dry_run else "--skip-accelerate"})
     else:

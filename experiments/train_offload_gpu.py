@@ -35,14 +35,13 @@ import json
 import subprocess
 import sys
 import time
-import traceback
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from common import best_of
-from vmstoolkit.exec.compiler import compile_memory_graph, working_set
+from vmstoolkit.exec.compiler import working_set
+from vmstoolkit.exec.experiment import sweep_budgets
 from vmstoolkit.exec.graph import LlamaConfig
 from vmstoolkit.exec.ops import reference_forward
 from vmstoolkit.exec.train_graph import build_train_step, grads_from_updates, random_train_values
@@ -55,6 +54,11 @@ def config(a) -> LlamaConfig:
         return LlamaConfig(n_blocks=2, seq=16, hidden=32, heads=4, kv_heads=2, ffn=48)
     return LlamaConfig(n_blocks=a.blocks, seq=a.seq, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads or a.heads,
                        ffn=a.ffn)
+
+
+RENAMED = {"makespan_s": "step_s", "makespans_s": "steps_s", "max_abs_err": "max_abs_grad_err",
+           "ref_max_abs": "grad_max_abs"}
+"""This script's names for :func:`~vmstoolkit.exec.experiment.sweep_budgets`' row keys."""
 
 
 def max_grad_err(a: dict, b: dict) -> float:
@@ -93,37 +97,24 @@ def run_ours(tg, values, emit, a, variant):
         from vmstoolkit.exec.backends.cuda import CudaBackend
 
         return CudaBackend(values, host=host)
-    for name, budget in budgets.items():
-        t0 = time.perf_counter()
-        try:
-            mg = compile_memory_graph(graph, budget)
-        except Exception as e:  # a budget too small is a result
-            emit({"kind": "runtime", "variant": variant, "budget_name": name, "budget": budget, "error": str(e)})
-            continue
-        compile_s = time.perf_counter() - t0
+
+    def lower_bound(mg):
         if a.dry_run:
-            bound = CostModel().lower_bound(mg)
-        else:
-            h2d = mg.reloaded_bytes / bw["h2d"]
-            d2h = mg.offloaded_bytes / bw["d2h"]
-            bound = {"compute_s": compute_s, "h2d_s": h2d, "d2h_s": d2h, "lower_bound_s": max(compute_s, h2d, d2h)}
-        for ex in ("event-driven", "fixed-order"):
-            row = {"kind": "runtime", "variant": variant, "budget_name": name, "budget": budget, "working_set": ws,
-                   "executor": ex, "compile_s": compile_s, **bound,
-                   "transfer_bound": max(bound["h2d_s"], bound["d2h_s"]) > bound["compute_s"],
-                   "offloaded_bytes": mg.offloaded_bytes, "reloaded_bytes": mg.reloaded_bytes,
-                   "vertices": len(mg.vertices), "peak_bytes": max(mg.peak_bytes)}
-            try:
-                spans, got = best_of(mg, make_backend, ex, 1 if a.dry_run else a.repeats,
-                                     lambda be: grads_from_updates(tg, values, be.result()))
-                err = max_grad_err(got, want)
-                scale = max(float(np.max(np.abs(w))) for w in want.values())
-                row.update(step_s=min(spans), steps_s=spans, max_abs_grad_err=err, grad_max_abs=scale,
-                           equal=bool(err <= 1e-4 * max(1.0, scale)),
-                           ratio_to_lower_bound=min(spans) / bound["lower_bound_s"])
-            except Exception as e:
-                row.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-2000:])
-            emit(row)
+            return CostModel().lower_bound(mg)
+        h2d = mg.reloaded_bytes / bw["h2d"]
+        d2h = mg.offloaded_bytes / bw["d2h"]
+        return {"compute_s": compute_s, "h2d_s": h2d, "d2h_s": d2h, "lower_bound_s": max(compute_s, h2d, d2h)}
+    fields = [({"kind": "runtime", "variant": variant, "budget_name": name, "budget": budget, "working_set": ws},
+               budget) for name, budget in budgets.items()]
+    for row in sweep_budgets(graph, fields, make_backend, lower_bound, repeats=1 if a.dry_run else a.repeats,
+                             reference=want, read=lambda be: grads_from_updates(tg, values, be.result()), rtol=1e-4,
+                             keep_going=True):
+        if "lower_bound_s" in row:
+            row["transfer_bound"] = max(row["h2d_s"], row["d2h_s"]) > row["compute_s"]
+        if "makespan_s" in row:  # a training step: its makespan is the step time
+            row = {RENAMED.get(k, k): v for k, v in row.items()}
+            row["ratio_to_lower_bound"] = row["step_s"] / row["lower_bound_s"]
+        emit(row)
     return budgets, want
 
 

@@ -133,3 +133,76 @@ def test_figure_has_a_title_and_a_y_axis_that_does_not_start_at_zero(tmp_path):
     best = min(min(r["makespan_s"], r["lower_bound_s"]) for r in rows if "makespan_s" in r)
     assert 0 < lo <= best < hi
     assert (tmp_path / "m.png").stat().st_size > 0
+
+
+# -- issue 19: the sweep the GPU scripts call --------------------------------------------------------
+
+
+class Closing:
+    """A backend that counts its closes (and can fail its run)."""
+
+    def __init__(self, inner, log: list, fail: bool = False):
+        self.inner, self.log, self.fail = inner, log, fail
+
+    def __getattr__(self, name):
+        if self.fail and name != "close":
+            raise RuntimeError("the device fell over")
+        return getattr(self.inner, name)
+
+    def close(self):
+        self.log.append("closed")
+        self.inner.close()
+
+
+def _sweep_setup():
+    from vmstoolkit.exec.backends.sim import CostModel
+    from vmstoolkit.exec.compiler import working_set
+    from vmstoolkit.exec.graph import build_llama, random_weights
+    from vmstoolkit.exec.ops import reference_forward
+
+    graph = build_llama(LlamaConfig(n_blocks=2, seq=8, hidden=32, heads=4, kv_heads=4, ffn=48))
+    values = random_weights(graph, 0)
+    ref = reference_forward(graph, values)
+    return graph, values, {t: ref[t] for t in graph.outputs}, working_set(graph), CostModel().lower_bound
+
+
+def test_sweep_compares_every_run_with_the_reference_and_keeps_each_makespan():
+    from vmstoolkit.exec.backends.sim import SimBackend
+    from vmstoolkit.exec.experiment import sweep_budgets
+
+    graph, values, ref, ws, lb = _sweep_setup()
+    closed: list = []
+
+    def make(rep):
+        return Closing(SimBackend(seed=rep, jitter=0.05, numerics=True, values=values), closed)
+    budgets = [({"name": "full"}, ws), ({"name": "half"}, ws // 2)]
+    rows = list(sweep_budgets(graph, budgets, make, lb, repeats=3, reference=ref))
+    assert [(r["name"], r["executor"]) for r in rows] == [("full", "event-driven"), ("full", "fixed-order"),
+                                                         ("half", "event-driven"), ("half", "fixed-order")]
+    assert len(closed) == 4 * 3
+    for r in rows:
+        assert len(r["makespans_s"]) == 3 and r["makespan_s"] == min(r["makespans_s"])
+        assert r["equal"] and r["max_abs_err"] < 1e-4 and r["ref_max_abs"] > 0
+        assert r["peak_bytes"] <= r.get("budget", ws)
+    wrong = {t: a + 1.0 for t, a in ref.items()}
+    bad = next(sweep_budgets(graph, budgets, make, lb, reference=wrong))
+    assert not bad["equal"] and abs(bad["max_abs_err"] - 1.0) < 1e-3
+
+
+def test_sweep_closes_a_failed_run_and_records_it_when_asked_to_keep_going():
+    import pytest
+
+    from vmstoolkit.exec.backends.sim import SimBackend
+    from vmstoolkit.exec.experiment import sweep_budgets
+
+    graph, values, ref, ws, lb = _sweep_setup()
+    closed: list = []
+
+    def make(rep):
+        return Closing(SimBackend(seed=rep), closed, fail=True)
+    with pytest.raises(RuntimeError, match="fell over"):
+        list(sweep_budgets(graph, [({}, ws)], make, lb))
+    assert closed == ["closed"]
+    rows = list(sweep_budgets(graph, [({}, ws), ({}, 1)], make, lb, keep_going=True))
+    assert [r["error"][:20] for r in rows[:2]] == ["RuntimeError: the de"] * 2 and "fell over" in rows[0]["traceback"]
+    assert all("no schedule fits" in r["error"] for r in rows[2:]) and len(rows) == 4

@@ -2,8 +2,9 @@
 
 ``run_offload_experiment`` builds a LLaMA prefill graph, measures its no-offload working set,
 and for budgets from the whole working set down to a fraction of it compiles a memory graph and
-runs it with each executor, returning one row per (budget, executor). Printing happens in the
-CLI (``vmstoolkit.cli.offload``).
+runs it with each executor, returning one row per (budget, executor). ``sweep_budgets`` is that
+loop for any graph, backend factory and reference output (the GPU scripts in ``experiments/``
+call it). Printing happens in the CLI (``vmstoolkit.cli.offload``).
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ from __future__ import annotations
 import math
 import re
 import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from vmstoolkit.exec.compiler import compile_memory_graph, working_set
+import numpy as np
+
+from vmstoolkit.exec.compiler import MemoryGraph, compile_memory_graph, working_set
 from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError, InvalidOptionError
 from vmstoolkit.exec.executor import execute
-from vmstoolkit.exec.graph import LlamaConfig, build_llama
+from vmstoolkit.exec.graph import LlamaConfig, TaskGraph, build_llama
 
 DEFAULT_FRACTIONS = (1.0, 0.75, 0.5, 0.375, 0.25, 0.125)
 EXECUTORS = ("event-driven", "fixed-order")
@@ -83,7 +88,8 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
     bandwidth, D2H bytes / bandwidth), ``compute_s``, ``h2d_s``, ``d2h_s``, ``offloaded_bytes``,
     ``reloaded_bytes``, ``fits_without_offload``, ``vertices``, ``compile_s``, and the model's
     shape. A budget below one vertex's needs gives a row with ``error`` (the reason) and no
-    timings. ``makespan_s`` is the best of ``repeats`` runs.
+    timings. ``makespan_s`` is the best of ``repeats`` runs, ``makespans_s`` all of them;
+    ``peak_bytes`` is the most bytes the plan holds at once on one GPU (:func:`sweep_budgets`).
 
     ``budgets`` (sizes or fractions, :class:`BudgetSpec` or its text), in the order given,
     replace ``fractions`` (fractions of the working set).
@@ -129,33 +135,85 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
     else:
         raise InvalidOptionError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
 
-    rows = []
+    budget_rows = []
     for spec in specs:
         budget = spec.resolve(ws)
-        base = {"budget": budget, "budget_fraction": spec.fraction if spec.fraction is not None else budget / ws,
-                "budget_spec": spec.text, "working_set": ws, "n_gpus": n_gpus,
-                "blocks": cfg.n_blocks, "parts": parts, "seq": cfg.seq, "hidden": cfg.hidden, "heads": cfg.heads,
-                "ffn": cfg.ffn, "backend": backend, "fits_without_offload": budget >= ws}
+        budget_rows.append(({"budget": budget,
+                             "budget_fraction": spec.fraction if spec.fraction is not None else budget / ws,
+                             "budget_spec": spec.text, "working_set": ws, "n_gpus": n_gpus, "blocks": cfg.n_blocks,
+                             "parts": parts, "seq": cfg.seq, "hidden": cfg.hidden, "heads": cfg.heads, "ffn": cfg.ffn,
+                             "backend": backend, "fits_without_offload": budget >= ws}, budget))
+    return list(sweep_budgets(graph, budget_rows, make_backend, lower_bound, executors=executors, repeats=repeats))
+
+
+def sweep_budgets(graph: TaskGraph, budgets: Iterable[tuple[dict, int]], make_backend: Callable[[int], object],
+                  lower_bound: Callable[[MemoryGraph], dict], *, executors=EXECUTORS, repeats: int = 1,
+                  reference: Mapping | None = None, read: Callable[[object], Mapping] | None = None,
+                  rtol: float = 1e-3, keep_going: bool = False) -> Iterator[dict]:
+    """Compile ``graph`` at each budget and run the memory graph with each executor, ``repeats``
+    times, each run on a fresh ``make_backend(repeat)`` closed afterwards even when the run fails
+    (a GPU backend gives its region back). Yields one row per (budget, executor), as it is measured.
+
+    ``budgets``: ``(fields, nbytes)`` pairs; ``fields`` start each row of that budget. A row then
+    has ``executor``, ``makespan_s`` (the best run), ``makespans_s`` (every run), the fields of
+    ``lower_bound(memory_graph)`` (``lower_bound_s`` and its terms), ``offloaded_bytes``,
+    ``reloaded_bytes``, ``vertices``, ``compile_s`` and ``peak_bytes`` (most bytes in use at once
+    on one GPU). A budget below one vertex's needs gives rows with ``error`` (the reason) and no
+    timings.
+
+    ``reference``: key -> expected array (tensor ids, for the default ``read``). Each run's
+    ``read(backend)`` (default: its ``result()``), read before the backend closes, is compared
+    with it on the reference's keys:
+    the row gets ``max_abs_err`` (largest over runs and tensors), ``ref_max_abs`` (the reference's
+    largest magnitude) and ``equal`` (``max_abs_err <= rtol * max(1, ref_max_abs)``).
+
+    ``keep_going``: a run or compile that raises gives its row ``error`` (type and message) and
+    ``traceback`` and the sweep goes on (a long GPU session keeps its other results); otherwise the
+    exception propagates."""
+    read = read or (lambda be: be.result())
+    scale = max(float(np.max(np.abs(a))) for a in reference.values()) if reference else None
+    for fields, budget in budgets:
         t0 = time.perf_counter()
         try:
             mg = compile_memory_graph(graph, budget)
         except BudgetTooSmallError as e:
-            rows.extend({**base, "executor": ex, "error": str(e)} for ex in executors)
+            yield from ({**fields, "executor": ex, "error": str(e)} for ex in executors)
+            continue
+        except Exception as e:
+            if not keep_going:
+                raise
+            yield from ({**fields, "executor": ex, **_failure(e)} for ex in executors)
             continue
         compile_s = time.perf_counter() - t0
         lb = lower_bound(mg)
         for ex in executors:
-            spans = []
-            for i in range(repeats):
-                be = make_backend(i)
-                try:
-                    spans.append(execute(mg, be, ex).makespan_s)
-                finally:
-                    be.close()  # give the GPU region back
-            rows.append({**base, "executor": ex, "makespan_s": min(spans), **lb,
-                         "offloaded_bytes": mg.offloaded_bytes, "reloaded_bytes": mg.reloaded_bytes,
-                         "vertices": len(mg.vertices), "compile_s": compile_s})
-    return rows
+            row = {**fields, "executor": ex}
+            try:
+                spans, err = [], 0.0
+                for i in range(repeats):
+                    be = make_backend(i)
+                    try:
+                        spans.append(execute(mg, be, ex).makespan_s)
+                        if reference is not None:
+                            got = read(be)
+                            err = max(err, max(float(np.max(np.abs(got[t] - ref))) for t, ref in reference.items()))
+                    finally:
+                        be.close()  # give the GPU region back
+            except Exception as e:
+                if not keep_going:
+                    raise
+                yield {**row, **lb, **_failure(e)}
+                continue
+            row.update(makespan_s=min(spans), **lb, offloaded_bytes=mg.offloaded_bytes,
+                       reloaded_bytes=mg.reloaded_bytes, vertices=len(mg.vertices), compile_s=compile_s,
+                       makespans_s=spans, peak_bytes=max(mg.peak_bytes))
+            if reference is not None:
+                row.update(max_abs_err=err, ref_max_abs=scale, equal=bool(err <= rtol * max(1.0, scale)))
+            yield row
+
+
+def _failure(e: Exception) -> dict:
+    return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
 
 
 def require_gpus(n: int) -> None:
