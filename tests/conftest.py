@@ -4,6 +4,9 @@ import os
 
 if os.environ.get("VMSTOOLKIT_REAL_GPU") != "1":
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+# Tables fit the terminal (rich reads COLUMNS): one fixed width, whatever runs the tests (a TTY,
+# CI, pytest-xdist's workers); tests of narrow terminals pass their own.
+os.environ["COLUMNS"] = "160"
 
 from pathlib import Path  # noqa: E402
 
