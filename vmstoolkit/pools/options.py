@@ -67,29 +67,29 @@ def _bool(v: Any) -> bool:
         return v
     if isinstance(v, str) and v.strip().lower() in _TRUE + _FALSE:
         return v.strip().lower() in _TRUE
-    raise ValueError(f"must be true or false, got {v!r}")
+    raise ConfigError(f"must be true or false, got {v!r}")
 
 
 def _int(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, str)):
-        raise ValueError(f"must be an integer, got {v!r}")
+        raise ConfigError(f"must be an integer, got {v!r}")
     if isinstance(v, str):
         try:
             return int(v.strip(), 10)
         except ValueError:
-            raise ValueError(f"must be an integer, got {v!r}") from None
+            raise ConfigError(f"must be an integer, got {v!r}") from None
     return v
 
 
 def _float(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"must be a number, got {v!r}")
+        raise ConfigError(f"must be a number, got {v!r}")
     try:
         x = float(v)
     except (ValueError, OverflowError):
-        raise ValueError(f"must be a number, got {v!r}") from None
+        raise ConfigError(f"must be a number, got {v!r}") from None
     if not math.isfinite(x):
-        raise ValueError(f"must be a finite number, got {v!r}")
+        raise ConfigError(f"must be a finite number, got {v!r}")
     return x
 
 
@@ -97,13 +97,13 @@ def _size(v: Any) -> int:
     """Bytes from an int or ``"64MiB"`` (:func:`vmstoolkit.units.parse_size`); a size must come to a
     whole number of bytes (``1.5`` is not)."""
     if isinstance(v, bool) or not isinstance(v, (int, str)):
-        raise ValueError(f"must be a size in bytes (e.g. 4096, 64MiB), got {v!r}")
+        raise ConfigError(f"must be a size in bytes (e.g. 4096, 64MiB), got {v!r}")
     if isinstance(v, int) and v < 0:
-        raise ValueError(f"must be a size of at least 0, got {v!r}")
+        raise ConfigError(f"must be a size of at least 0, got {v!r}")
     try:
         return parse_size(v, whole=True)
     except ValueError as e:
-        raise ValueError(f"must be a size in bytes (e.g. 4096, 64MiB): {e}") from None
+        raise ConfigError(f"must be a size in bytes (e.g. 4096, 64MiB): {e}") from None
 
 
 _CONVERT = {"bool": _bool, "int": _int, "float": _float, "size": _size, "str": str, "choice": str}
@@ -125,14 +125,14 @@ def _check_field(f, value: Any) -> Any:
         return None
     v = _CONVERT[meta["kind"]](value)
     if meta["choices"] and v not in meta["choices"]:
-        raise ValueError(f"must be one of {', '.join(meta['choices'])}, got {value!r}")
+        raise ConfigError(f"must be one of {', '.join(meta['choices'])}, got {value!r}")
     lo, hi = meta["min"], meta["max"]
     if lo is not None and v < lo:
-        raise ValueError(f"must be at least {_show(lo, meta['kind'])}, got {value!r}")
+        raise ConfigError(f"must be at least {_show(lo, meta['kind'])}, got {value!r}")
     if hi is not None and v > hi:
-        raise ValueError(f"must be at most {_show(hi, meta['kind'])}, got {value!r}")
+        raise ConfigError(f"must be at most {_show(hi, meta['kind'])}, got {value!r}")
     if meta["power_of_two"] and v & (v - 1):
-        raise ValueError(f"must be a power of two, got {value!r}")
+        raise ConfigError(f"must be a power of two, got {value!r}")
     return v
 
 
