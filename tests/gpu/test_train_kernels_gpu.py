@@ -69,7 +69,7 @@ def attention_torch(q, k, v):  # (B, T, nh, hd), (B, T, nkv, hd)
 
 @pytest.mark.parametrize("m, n, k", [(300, 256, 128), (2048, 1024, 4096), (77, 16, 4096)])
 def test_linear_backward(m, n, k):
-    from vmstoolkit.kernels.gemm_backward import linear_dw, linear_dx
+    from vmstoolkit.kernels.gemm import linear_dw, linear_dx
 
     x, w = dev(m, k), dev(n, k, scale=1 / math.sqrt(k))
     dy = torch.randn(m, n, device="cuda")

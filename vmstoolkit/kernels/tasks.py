@@ -56,8 +56,7 @@ from . import reference
 from .adamw import adamw
 from .attention import attention
 from .attention_backward import attention_backward
-from .gemm import gemm
-from .gemm_backward import linear_dw, linear_dx
+from .gemm import gemm, linear_dw, linear_dx
 from .residual import residual_add
 from .rmsnorm import rmsnorm, rmsnorm_backward_dw, rmsnorm_backward_dx
 from .rope import rope, rope_backward
