@@ -648,14 +648,16 @@ def choose_tiles(hd: int) -> AttentionTiles:
 
 
 def default_flash_tiles(hd: int) -> FlashTiles | None:
-    """Variant 2's tiles for head_dim ``hd`` (the simulator's tiny ones there), or None when
-    they do not fit (then variant 1 runs)."""
-    tiles = SIM_FLASH_TILES if simulating() else FlashTiles()
-    try:
-        tiles.check(hd)
-    except ValueError:
-        return None
-    return tiles
+    """Variant 2's tiles for head_dim ``hd``: on a GPU the H200 defaults, or for a head_dim they
+    do not fit (not a multiple of 16, or too wide) the simulator's tiny ones; None when neither
+    fits (then variant 1 runs)."""
+    for tiles in ((SIM_FLASH_TILES,) if simulating() else (FlashTiles(), SIM_FLASH_TILES)):
+        try:
+            tiles.check(hd)
+        except ValueError:
+            continue
+        return tiles
+    return None
 
 
 def _split_count(tiles: FlashTiles, heads: int, b: int, t: int, nh: int) -> int:
