@@ -38,7 +38,9 @@ were slower at every H200 shape and are gone, see ``experiments/results/gemm-h20
 * ``max_registers`` caps registers so that ``blocks_per_sm`` blocks fit on an SM.
 
 At 128x128x8/8x8 (v3) the inner loop is 256 FFMA + 16 LDS.128 + 12 others (1.11 instructions
-per FFMA), 126 registers, no spills: two 256-thread blocks per SM.
+per FFMA), 126 registers, no spills: two 256-thread blocks per SM. (The FMA loop runs column-major
+over the micro-tile: with row-major order the same PTX needs 128 registers and spills 128 bytes
+under ptxas 13.0; offline, sm_90.)
 
 Variants: ``3`` caps registers for two blocks per SM, ``4`` does not (one block per SM, for
 deeper k slices whose capped build would spill). Warp tiling is a property of the tile shape
@@ -379,16 +381,22 @@ V3_TILES = (
     SMALL_TILES,  # 96 registers
     GemmTiles(bm=64, bn=64, bk=32, tm=4, tn=4),  # 108 registers, 34 KiB shared memory
 )
-# Warp-tiled candidates, not yet measured on a GPU.
+# Warp-tiled candidates, not yet measured on a GPU. Registers from ptxas -v for sm_90 offline
+# (CUDA 13.0 NVVM; the V3_TILES figures above came from 12.9 and differ by a few), forward layout.
+# NVVM turns 20 of the 32 runs of 4 shared loads per k slice pair into 128-bit loads here, against
+# 28 of 32 for V3_TILES' 8x8 shapes: it leaves some B runs scalar (same PTX whatever the order of
+# the loads or of the FMA loops), which costs up to 3 instructions per 64 FMAs.
 WARP_TILES = (
     # v3's two big shapes with 8 warps of 32x64: per k a warp reads 8 + 4 float4 (1 + 1
-    # shared-memory wavefronts) instead of 2 + 16 (1 + 2).
+    # shared-memory wavefronts) instead of 2 + 16 (1 + 2). bk 8: v3 128 registers (28 B spilled),
+    # v4 126; bk 16: v3 128 (no spill), v4 139.
     GemmTiles(bm=128, bn=128, bk=8, tm=8, tn=8, wm=32, wn=64),
     GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=8, wm=32, wn=64),
     # 4 warps of 64x64, 8x16 outputs per thread (the shape of the public SIMT write-up's best
-    # kernel): 128 FMAs per 24 operands loaded, 16 global loads per thread per slice.
+    # kernel): 128 FMAs per 24 operands loaded, 16 global loads per thread per slice; 254
+    # registers, no spill, two 128-thread blocks per SM.
     GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=16, wm=64, wn=64),
-    # 4 warps of 64x32 over a 128x64 tile: twice the blocks, for outputs of a few waves.
+    # 4 warps of 64x32 over a 128x64 tile: twice the blocks, for outputs of a few waves; 162 registers.
     GemmTiles(bm=128, bn=64, bk=16, tm=8, tn=8, wm=64, wn=32),
 )
 
