@@ -35,7 +35,7 @@ def test_candidate_tiles_on_a_tiny_ragged_problem(tiles):
     G.validate(shapes=((3, 5, 19),), tiles=tiles, variants=(3,))
 
 
-@pytest.mark.parametrize("tiles", G.WARP_TILES, ids=G.GemmTiles.label)
+@pytest.mark.parametrize("tiles", G.WARP_TILES[1:], ids=G.GemmTiles.label)  # [0]: [1]'s mapping, bk 8
 def test_warp_tiled_candidates_forward_and_backward(tiles):
     # 128 or 256 threads in warps of 32, micro-tiles in runs of 4 inside each warp tile: one
     # ragged block whose every warp has rows and columns inside the output.

@@ -623,7 +623,9 @@ def workspace_size(b: int, t: int, nh: int, hd: int, splits: int) -> int:
 MAX_SPLITS = 8
 # Split-KV adds blocks while a launch has fewer than this many (two per SM of the H200). Not
 # yet measured: experiments/kernels_bench.py times splits 1, 2 and 4 beside the rule's choice.
+# Under the simulator, where every block is slow and none run in parallel, only tiny launches split.
 SPLIT_MIN_BLOCKS = 2 * SM_COUNT
+SPLIT_MIN_BLOCKS_SIM = 4
 
 
 @dataclass(frozen=True)
@@ -665,9 +667,10 @@ def _split_count(tiles: FlashTiles, heads: int, b: int, t: int, nh: int) -> int:
     the longest query tile's key tiles."""
     bq = tiles.rows // heads
     blocks = -(-t // bq) * (nh // heads) * b
-    if blocks >= SPLIT_MIN_BLOCKS:
+    target = SPLIT_MIN_BLOCKS_SIM if simulating() else SPLIT_MIN_BLOCKS
+    if blocks >= target:
         return 1
-    return max(1, min(MAX_SPLITS, -(-SPLIT_MIN_BLOCKS // blocks), -(-t // tiles.bkv)))
+    return max(1, min(MAX_SPLITS, -(-target // blocks), -(-t // tiles.bkv)))
 
 
 def choose(b: int, t: int, nh: int, nkv: int, hd: int, variant: int | None = None,
