@@ -407,24 +407,16 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
                 pf[l] = val
 
     @cuda.jit(device=True, inline="always")
-    def stash_k(KV, tid, pf):
-        """KV as K^T (d-major, row length BKVP) <- pf."""
-        d0 = uint64(tid % KDW)
-        key0 = uint64(tid // KDW)
-        nd = HD // KDW
+    def stash_kv(KV, tid, pf, dw, kw, sd, sk):
+        """KV[d * sd + key * sk] <- pf, as fetched by fetch_kv(dw, kw): K^T (sd = BKVP, sk = 1)
+        or V (sd = 1, sk = HDP)."""
+        d0 = uint64(tid % dw)
+        key0 = uint64(tid // dw)
+        nd = HD // dw
         for l in range(K_LOADS):
-            d = d0 + uint64((l % nd) * KDW)
-            KV[d * uint64(BKVP) + key0 + uint64((l // nd) * KKW)] = pf[l]
-
-    @cuda.jit(device=True, inline="always")
-    def stash_v(KV, tid, pf):
-        """KV as V (key-major, row length HDP) <- pf."""
-        d0 = uint64(tid % VDW)
-        key0 = uint64(tid // VDW)
-        nd = HD // VDW
-        for l in range(K_LOADS):
-            key = key0 + uint64((l // nd) * VKW)
-            KV[key * uint64(HDP) + d0 + uint64((l % nd) * VDW)] = pf[l]
+            d = d0 + uint64((l % nd) * dw)
+            key = key0 + uint64((l // nd) * kw)
+            KV[d * uint64(sd) + key * uint64(sk)] = pf[l]
 
     @cuda.jit(**opts)
     def flash_kernel(q, k, v, o, scale, lse, ws_o, ws_lse, n_splits):
@@ -491,7 +483,7 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
             fetch_kv(k, b, hk, t0 * uint64(BKV), T, KDW, KKW, tid, pf)
         for t in range(t0, t1):
             k0 = t * uint64(BKV)
-            stash_k(KV, tid, pf)
+            stash_kv(KV, tid, pf, KDW, KKW, BKVP, 1)
             cuda.syncthreads()
             # scores; the diagonal (and ragged last) tiles mask key > position and key >= T
             scores(QsT, KV, ra, kb, s, a_reg, k_reg)
@@ -531,7 +523,7 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
                 l_i[i] = tot
                 if kg == 0:
                     Alpha[r] = alpha
-            stash_v(KV, tid, pf)  # K was last read before the previous barrier
+            stash_kv(KV, tid, pf, VDW, VKW, 1, HDP)  # K was last read before the previous barrier
             if t + uint64(1) < t1:
                 fetch_kv(k, b, hk, k0 + uint64(BKV), T, KDW, KKW, tid, pf)
             cuda.syncthreads()

@@ -210,6 +210,14 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
             k_step(As, Bs, buf, kk + uint64(3), ra, cb, acc, a_reg, b_reg)
 
     @cuda.jit(device=True, inline="always")
+    def fetch_origin(trans, per, vw, tid):
+        """(row, k) of the first element a thread fetches: vector ``tid % per`` of row (of k,
+        for "t") ``tid // per``; the vector runs along k ("n") or along rows ("t")."""
+        if trans:
+            return uint64(tid % per * vw), uint64(tid // per)
+        return uint64(tid // per), uint64(tid % per * vw)
+
+    @cuda.jit(device=True, inline="always")
     def fetch_one(src, trans, vw, ng, stride, rows_tile, r0, k0, fr, fk, n_rows, K, reg):
         """reg <- this thread's ng vectors of vw elements of the (rows_tile x BK) slice at
         (r0, k0): row fr (+ g * stride for "n"), k fk (+ g * stride for "t"); zero outside."""
@@ -271,19 +279,8 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         lt = tid % GT
         ra = uint64((grp // GPR) * GM + (lt // GTX) * VM)  # first row of this thread's micro-tile
         cb = uint64((grp % GPR) * GN + (lt % GTX) * VN)  # first column
-        # what this thread fetches: rows (fa, fb) and k (ka, kb) of its first vector
-        if AT:
-            fa = uint64(tid % APER * AV)
-            ka = uint64(tid // APER)
-        else:
-            fa = uint64(tid // APER)
-            ka = uint64(tid % APER * AV)
-        if BT:
-            fb = uint64(tid % BPER * BV)
-            kb = uint64(tid // BPER)
-        else:
-            fb = uint64(tid // BPER)
-            kb = uint64(tid % BPER * BV)
+        fa, ka = fetch_origin(AT, APER, AV, tid)  # row and k of this thread's first vector of A
+        fb, kb = fetch_origin(BT, BPER, BV, tid)  # and of B
         m0 = uint64(cuda.blockIdx.y * BM)
         n0 = uint64(cuda.blockIdx.x * BN)
         for i in range(TM):
@@ -482,37 +479,34 @@ def gemm(x, w, y, stream=0, tiles: GemmTiles | None = None, variant: int | None 
     _launch("nn", x, w, None, y, k, stream, tiles, variant, splits)
 
 
-def _check(names, arrays):
-    for name, a in zip(names, arrays):
+def _backward(op: str, names: tuple, layout: str, axis: int, dy, b, out, acc, stream, tiles, variant, splits):
+    """Check and launch one backward GEMM: the reduction runs over ``dy``'s ``axis`` (N for
+    dx = dy w, M for dw = dy^T x), which is ``b``'s first; the output is (dy's other axis, K)."""
+    for name, a in zip(names + ("acc",), (dy, b, out, acc)):
         if a is not None:
             check_ndim(name, a, 2)
             check_float32(name, a)
+    red = dy.shape[axis]
+    want = (dy.shape[1 - axis], b.shape[1])
+    if b.shape[0] != red or tuple(out.shape) != want or (acc is not None and tuple(acc.shape) != want):
+        rows, other = ("N", "M") if axis else ("M", "N")
+        raise ValueError(f"{op}: dy {tuple(dy.shape)} (M, N), {names[1]} {tuple(b.shape)} ({rows}, K), {names[2]} "
+                         f"{tuple(out.shape)} and acc {None if acc is None else tuple(acc.shape)} ({other}, K) disagree")
+    _launch(layout, dy, b, acc, out, red, stream, tiles, variant, splits)
 
 
 def linear_dx(dy, w, dx, stream=0, acc=None, tiles: GemmTiles | None = None, variant: int | None = None,
               splits: int | None = None):
     """Enqueue ``dx = dy @ w`` (+ ``acc``): dy (M, N), w (N, K), dx and acc (M, K). ``acc`` may be
     dx itself (accumulate in place) or another array."""
-    _check(("dy", "w", "dx", "acc"), (dy, w, dx, acc))
-    m, n = dy.shape
-    n2, k = w.shape
-    if n2 != n or tuple(dx.shape) != (m, k) or (acc is not None and tuple(acc.shape) != (m, k)):
-        raise ValueError(f"linear_dx: dy {tuple(dy.shape)} (M, N), w {tuple(w.shape)} (N, K), dx "
-                         f"{tuple(dx.shape)} and acc {None if acc is None else tuple(acc.shape)} (M, K) disagree")
-    _launch("nt", dy, w, acc, dx, n, stream, tiles, variant, splits)
+    _backward("linear_dx", ("dy", "w", "dx"), "nt", 1, dy, w, dx, acc, stream, tiles, variant, splits)
 
 
 def linear_dw(dy, x, dw, stream=0, acc=None, tiles: GemmTiles | None = None, variant: int | None = None,
               splits: int | None = None):
     """Enqueue ``dw = dy.T @ x`` (+ ``acc``): dy (M, N), x (M, K), dw and acc (N, K). ``acc`` may be
     dw itself (accumulate in place) or another array."""
-    _check(("dy", "x", "dw", "acc"), (dy, x, dw, acc))
-    m, n = dy.shape
-    m2, k = x.shape
-    if m2 != m or tuple(dw.shape) != (n, k) or (acc is not None and tuple(acc.shape) != (n, k)):
-        raise ValueError(f"linear_dw: dy {tuple(dy.shape)} (M, N), x {tuple(x.shape)} (M, K), dw "
-                         f"{tuple(dw.shape)} and acc {None if acc is None else tuple(acc.shape)} (N, K) disagree")
-    _launch("tt", dy, x, acc, dw, m, stream, tiles, variant, splits)
+    _backward("linear_dw", ("dy", "x", "dw"), "tt", 0, dy, x, dw, acc, stream, tiles, variant, splits)
 
 
 @cuda.jit
