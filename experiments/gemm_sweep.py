@@ -1,19 +1,26 @@
-"""GEMM sweep on a real GPU: Numba variants x tile shapes against cuBLAS fp32, in one run.
+"""GEMM sweep on a real GPU: Numba candidates x shapes against cuBLAS fp32, side by side in one run.
 
-For each candidate (variant, tile shape) and each shape (4096^3 and the LLaMA block's GEMMs at
-1024 tokens) prints and records the median time, TFLOP/s, the percentage of cuBLAS fp32
-(torch.matmul, TF32 off, timed in the same run) and the max relative error against it
-(max |ours - cuBLAS| / max |cuBLAS|). A ragged shape (no dimension a multiple of a tile) checks
-the bounds-checked paths on the hardware. Also records registers and local memory per thread
-of every kernel, as compiled on this machine.
+Shapes (``--set 7b``, the default: the runtime's LLaMA-2-7B-wide block at 2048 tokens, 32 heads
+of 128, GQA with 8 key/value heads): 4096^3, the block's forward GEMMs y = x w^T (q/o, which is
+also k/v without GQA; k/v with GQA; gate/up; down), and the backward's transposed GEMMs
+dx = dy w and dw = dy^T x of each (and of 4096^3). ``--set 1b`` takes the earlier 2048-wide,
+1024-token shapes of experiments/results/gemm-h200/ instead.
+
+For each shape and candidate (variant, tile shape, split-K; and the launcher's choice, "auto")
+prints the time, TFLOP/s, the percentage of cuBLAS fp32 (torch.matmul, TF32 off, timed in the
+same run) and the max relative error against it (max |ours - cuBLAS| / max |cuBLAS|); then one
+summary line per shape: cuBLAS, the launcher's choice and the best candidate. A ragged problem
+per layout (no dimension a multiple of a tile) checks every candidate's bounds-checked paths on
+the hardware first, which also compiles it; registers and local memory per thread are printed.
 
 Timing: CUDA events around REPS back-to-back launches (so the ~10-30 us host cost of a Numba
-launch overlaps the kernels instead of being timed), median over SAMPLES such batches, after
-warmup; cuBLAS is timed the same way. Budget: ~10 kernel builds of 1-5 s each, well within
-4 minutes on an H200.
+launch overlaps the kernels instead of being timed); the best of SAMPLES such batches, after
+warm-up (the median is in the JSON too); cuBLAS is timed the same way. Time-bounded: shapes run
+in the order above and whatever is left when ``--budget-s`` (default 270 s) has passed is
+skipped and listed; about 40 kernel builds of 1-5 s each and ~15 shapes fit in it on an H200.
 
-    python3 experiments/gemm_sweep.py --out DIR      # writes DIR/gemm_sweep.json
-    python3 experiments/gemm_sweep.py --out DIR --quick   # 4096^3 and one block shape only
+    python3 experiments/gemm_sweep.py --out DIR            # writes DIR/gemm_sweep.json
+    python3 experiments/gemm_sweep.py --out DIR --quick    # forward shapes only
 """
 
 from __future__ import annotations
@@ -23,59 +30,118 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from numba import cuda
 
-from common import run_env, say, tf32_off, time_events
+from common import run_env, say, tf32_off
+
 from vmstoolkit.kernels import gemm as G
 
-SHAPES = [  # (name, (M, N, K)): y (M, N) = x (M, K) @ w (N, K).T
-    ("4096^3", (4096, 4096, 4096)),
-    ("q/o proj 1024x2048x2048", (1024, 2048, 2048)),
-    ("kv proj(gqa4) 1024x512x2048", (1024, 512, 2048)),
-    ("gate/up 1024x5632x2048", (1024, 5632, 2048)),
-    ("down 1024x2048x5632", (1024, 2048, 5632)),
-]
-RAGGED = ("ragged 1001x517x1027", (1001, 517, 1027))  # correctness of the edge paths only
+# (name, kind, (M, N, K)) with x (M, K), w (N, K): kind "fwd" times y = x w^T (M, N), "dx"
+# dx = dy w (M, K), "dw" dw = dy^T x (N, K); all 2 M N K flops.
+SETS = {
+    "7b": [
+        ("4096^3", "fwd", (4096, 4096, 4096)),
+        ("q/o = k/v MHA 2048x4096x4096", "fwd", (2048, 4096, 4096)),
+        ("k/v GQA8 2048x1024x4096", "fwd", (2048, 1024, 4096)),
+        ("gate/up 2048x11008x4096", "fwd", (2048, 11008, 4096)),
+        ("down 2048x4096x11008", "fwd", (2048, 4096, 11008)),
+        ("dx 4096^3", "dx", (4096, 4096, 4096)),
+        ("dw 4096^3", "dw", (4096, 4096, 4096)),
+        ("dx q/o", "dx", (2048, 4096, 4096)),
+        ("dw q/o", "dw", (2048, 4096, 4096)),
+        ("dx k/v GQA8", "dx", (2048, 1024, 4096)),
+        ("dw k/v GQA8", "dw", (2048, 1024, 4096)),
+        ("dx gate/up", "dx", (2048, 11008, 4096)),
+        ("dw gate/up", "dw", (2048, 11008, 4096)),
+        ("dx down", "dx", (2048, 4096, 11008)),
+        ("dw down", "dw", (2048, 4096, 11008)),
+    ],
+    "1b": [
+        ("4096^3", "fwd", (4096, 4096, 4096)),
+        ("q/o proj 1024x2048x2048", "fwd", (1024, 2048, 2048)),
+        ("kv proj(gqa4) 1024x512x2048", "fwd", (1024, 512, 2048)),
+        ("gate/up 1024x5632x2048", "fwd", (1024, 5632, 2048)),
+        ("down 1024x2048x5632", "fwd", (1024, 2048, 5632)),
+        ("dx q/o", "dx", (1024, 2048, 2048)),
+        ("dw q/o", "dw", (1024, 2048, 2048)),
+        ("dx kv(gqa4)", "dx", (1024, 512, 2048)),
+        ("dw kv(gqa4)", "dw", (1024, 512, 2048)),
+        ("dx gate/up", "dx", (1024, 5632, 2048)),
+        ("dw gate/up", "dw", (1024, 5632, 2048)),
+        ("dx down", "dx", (1024, 2048, 5632)),
+        ("dw down", "dw", (1024, 2048, 5632)),
+    ],
+}
+RAGGED = (1001, 517, 1027)  # correctness of the edge paths only (and the builds)
+LAYOUT = {"fwd": "nn", "dx": "nt", "dw": "tt"}
 
 T = G.GemmTiles
-CANDIDATES = [  # (variant, tiles); the first two are the launcher's current (v1) choices
-    (1, T(64, 128, 8, 4, 8)),
-    (1, T(64, 64, 16, 4, 4)),
-    (3, T(128, 128, 8, 8, 8)),
-    (4, T(128, 128, 8, 8, 8)),
-    (4, T(128, 128, 16, 8, 8)),
+CANDIDATES = [  # (variant, tiles[, splits]); None = the launcher's choice
+    (None, None),
+    (3, G.BIG_TILES_V3),
+    (4, G.BIG_TILES_V4),
     (3, T(64, 128, 8, 4, 8)),
     (3, T(128, 64, 8, 8, 4)),
-    (3, T(64, 64, 16, 4, 4)),
+    (3, G.SMALL_TILES),
     (3, T(64, 64, 32, 4, 4)),
-    (3, T(64, 64, 16, 4, 4), 2),  # split-K (v3, v4 only): 2 to 4 blocks per output tile
-    (3, T(64, 64, 16, 4, 4), 3),
-    (3, T(64, 64, 16, 4, 4), 4),
-    (None, None, None),  # the launcher's choice (gemm.choose)
+    *[(v, t) for t in G.WARP_TILES for v in ((3, 4) if t.threads > 128 else (3,))],
 ]
+SPLIT_CANDIDATES = [(3, G.SMALL_TILES, s) for s in (2, 3, 4)]  # for outputs of < 1 wave of big tiles
 REPS = 5  # launches per timed batch
-SAMPLES = 7  # batches; the median is reported
+SAMPLES = 7  # batches; the best is reported
 
 
 def label(v, t, splits=None) -> str:
     if v is None:
         return "auto"
-    return f"v{v} {t.bm}x{t.bn}x{t.bk}/{t.tm}x{t.tn}" + (f" split{splits}" if splits else "")
+    return f"v{v} {t.label()}" + (f" split{splits}" if splits and splits > 1 else "")
 
 
-def time_batched(launch, events: str) -> float:
-    """Median milliseconds per call of ``launch()``, by CUDA events around REPS calls, SAMPLES times."""
-    return time_events(launch, SAMPLES, warmup=3, per_event=REPS, events=events)
+def time_batched(launch, synchronize, event_pair) -> tuple[float, float]:
+    """(best, median) milliseconds per call of ``launch()``, by events around REPS calls."""
+    for _ in range(3):
+        launch()
+    synchronize()
+    times = []
+    for _ in range(SAMPLES):
+        record0, record1, elapsed = event_pair()
+        record0()
+        for _ in range(REPS):
+            launch()
+        record1()
+        times.append(elapsed() / REPS)
+    return float(np.min(times)), float(np.median(times))
+
+
+def torch_events():
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def elapsed():
+        e1.synchronize()
+        return e0.elapsed_time(e1)
+
+    return e0.record, e1.record, elapsed
+
+
+def numba_events():
+    e0, e1 = cuda.event(), cuda.event()
+
+    def elapsed():
+        e1.synchronize()
+        return cuda.event_elapsed_time(e0, e1)
+
+    return e0.record, e1.record, elapsed
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).abs().max() / want.double().abs().max())
 
 
-def kernel_resources(v: int, t: G.GemmTiles) -> dict:
+def kernel_resources(v: int, t: G.GemmTiles, layout: str) -> dict:
     """Registers and local memory (spills) per thread of the compiled kernel, if Numba says."""
-    k = G.get_kernel(v, t)
+    k = G.get_kernel(v, t, layout)
     out = {}
     for key, fn in (("regs", "get_regs_per_thread"), ("local_bytes", "get_local_mem_per_thread")):
         try:
@@ -86,111 +152,160 @@ def kernel_resources(v: int, t: G.GemmTiles) -> dict:
     return out
 
 
-def run_shape(name: str, m: int, n: int, k: int, candidates, time_it: bool = True) -> list[dict]:
-    g = torch.Generator("cuda").manual_seed(0)
-    x = torch.randn(m, k, device="cuda", generator=g)  # (M, K)
-    w = torch.randn(n, k, device="cuda", generator=g)  # (N, K)
-    y = torch.empty(m, n, device="cuda")  # (M, N)
-    want = torch.matmul(x, w.T)  # (M, N), cuBLAS fp32
-    flops = 2.0 * m * n * k
-    t_cublas = time_batched(lambda: torch.matmul(x, w.T, out=y), "torch") if time_it else float("nan")
+class Problem:
+    """Operands of one shape and kind, our launch and cuBLAS's."""
+
+    def __init__(self, kind: str, m: int, n: int, k: int):
+        g = torch.Generator("cuda").manual_seed(0)
+        self.kind, self.flops = kind, 2.0 * m * n * k
+        x = torch.randn(m, k, device="cuda", generator=g)  # (M, K)
+        w = torch.randn(n, k, device="cuda", generator=g)  # (N, K)
+        if kind == "fwd":
+            self.a, self.b = x, w
+            self.out = torch.empty(m, n, device="cuda")  # (M, N)
+            self.cublas = lambda: torch.matmul(x, w.T, out=self.out)
+            self.ours_fn, self.dims = G.gemm, (m, n, k)
+        else:
+            dy = torch.randn(m, n, device="cuda", generator=g)  # (M, N)
+            self.a, self.b = dy, (w if kind == "dx" else x)
+            if kind == "dx":
+                self.out = torch.empty(m, k, device="cuda")  # (M, K)
+                self.cublas = lambda: torch.matmul(dy, w, out=self.out)
+                self.ours_fn, self.dims = G.linear_dx, (m, k, n)
+            else:
+                self.out = torch.empty(n, k, device="cuda")  # (N, K)
+                self.cublas = lambda: torch.matmul(dy.T, x, out=self.out)
+                self.ours_fn, self.dims = G.linear_dw, (n, k, m)
+        self.want = self.cublas().clone()
+        self.da, self.db, self.dout = (cuda.as_cuda_array(t) for t in (self.a, self.b, self.out))
+
+    def ours(self, v, t, splits):
+        self.ours_fn(self.da, self.db, self.dout, tiles=t, variant=v, splits=splits)
+
+
+def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: float) -> list[dict]:
+    m, n, k = dims
+    row0 = {"shape": name, "kind": kind, "M": m, "N": n, "K": k}
+    if time_it and time.time() > deadline:
+        return [{**row0, "config": label(*c), "skipped": "time budget"} for c in candidates]
+    p = Problem(kind, m, n, k)
+    out_m, out_n, red = p.dims
     if time_it:
-        say(f"  {name:<28} {'cuBLAS fp32':<22} {flops / t_cublas / 1e9:6.2f} TFLOP/s"
-            f"  {t_cublas:8.4f} ms")
-    dx, dw, dy = cuda.as_cuda_array(x), cuda.as_cuda_array(w), cuda.as_cuda_array(y)
+        c_best, c_med = time_batched(p.cublas, torch.cuda.synchronize, torch_events)
+        say(f"  {name:<30} {'cuBLAS fp32':<30} {p.flops / c_best / 1e9:6.2f} TFLOP/s  {c_best:8.4f} ms")
     rows = []
     for cand in candidates:
+        if time_it and time.time() > deadline:
+            rows.append({**row0, "config": label(*cand), "skipped": "time budget"})
+            continue
         v, t, splits = (tuple(cand) + (None,))[:3]
         lab = label(v, t, splits)
         if v is None:  # the launcher's choice, recorded as what it ran
-            auto = G.choose(m, n, k)
+            auto = G.choose(out_m, out_n, red)
             v, t, splits = auto.variant, auto.tiles, auto.splits
-            lab = "auto = " + label(v, t, splits if splits > 1 else None)
+            lab = "auto = " + label(v, t, splits)
         try:
-            y.fill_(float("nan"))
-            G.gemm(dx, dw, dy, tiles=t, variant=v, splits=splits)
+            p.out.fill_(float("nan"))
+            p.ours(v, t, splits)
             cuda.synchronize()
-            err = rel_err(y, want)
-            ms = (time_batched(lambda: G.gemm(dx, dw, dy, tiles=t, variant=v, splits=splits), "numba")
-                  if time_it else float("nan"))
+            err = rel_err(p.out, p.want)
+            best, med = (time_batched(lambda: p.ours(v, t, splits), cuda.synchronize, numba_events)
+                         if time_it else (float("nan"), float("nan")))
         except Exception as e:  # noqa: BLE001 - keep the sweep going, record the failure
-            say(f"  {name:<28} {lab:<22} FAILED: {type(e).__name__}: {e}")
-            rows.append({"shape": name, "M": m, "N": n, "K": k, "config": lab, "variant": v,
-                         "tiles": t.__dict__, "error": f"{type(e).__name__}: {e}"})
+            say(f"  {name:<30} {lab:<30} FAILED: {type(e).__name__}: {e}")
+            rows.append({**row0, "config": lab, "variant": v, "tiles": t.__dict__,
+                         "error": f"{type(e).__name__}: {e}"})
             continue
-        r = {"shape": name, "M": m, "N": n, "K": k, "config": lab, "variant": v,
-             "tiles": t.__dict__, "ms": ms, "tflops": flops / ms / 1e9, "cublas_ms": t_cublas,
-             "cublas_tflops": flops / t_cublas / 1e9, "pct_of_cublas": 100 * t_cublas / ms,
-             "rel_err_vs_cublas": err, "splits": splits or 1,
-             "blocks": -(-m // t.bm) * -(-n // t.bn) * (splits or 1)}
-        rows.append(r)
+        r = {**row0, "config": lab, "variant": v, "tiles": t.__dict__, "splits": splits or 1,
+             "rel_err_vs_cublas": err, "blocks": -(-out_m // t.bm) * -(-out_n // t.bn) * (splits or 1)}
         ok = "" if err <= 1e-5 else "  <-- ERROR > 1e-5"
         if time_it:
-            say(f"  {name:<28} {lab:<22} {r['tflops']:6.2f} TFLOP/s  {ms:8.4f} ms"
+            r.update(ms=best, ms_median=med, tflops=p.flops / best / 1e9, cublas_ms=c_best,
+                     cublas_ms_median=c_med, cublas_tflops=p.flops / c_best / 1e9,
+                     pct_of_cublas=100 * c_best / best)
+            say(f"  {name:<30} {lab:<30} {r['tflops']:6.2f} TFLOP/s  {best:8.4f} ms"
                 f"  {r['pct_of_cublas']:5.1f}% of cuBLAS  err {err:.1e}  {r['blocks']} blocks{ok}")
         else:
-            say(f"  {name:<28} {lab:<22} err {err:.1e}{ok}")
+            say(f"  {name:<30} {lab:<30} err {err:.1e}{ok}")
+        rows.append(r)
     return rows
 
 
-def summary(rows: list[dict]) -> dict:
-    """Best candidate per shape, and per candidate its worst percentage over the shapes."""
-    timed = [r for r in rows if "ms" in r and r["ms"] == r["ms"]]
-    best = {}
-    for r in timed:
-        if r["shape"] not in best or r["ms"] < best[r["shape"]]["ms"]:
-            best[r["shape"]] = r
-    worst = {}
-    for r in timed:
-        worst[r["config"]] = min(worst.get(r["config"], 1e9), r["pct_of_cublas"])
-    return {"best_per_shape": {s: {"config": r["config"], "tflops": r["tflops"],
-                                   "pct_of_cublas": r["pct_of_cublas"]} for s, r in best.items()},
-            "worst_pct_per_config": worst}
+def candidates_for(kind: str, dims) -> list:
+    m, n, k = dims
+    out_m, out_n = {"fwd": (m, n), "dx": (m, k), "dw": (n, k)}[kind]
+    few = -(-out_m // 128) * -(-out_n // 128) < G.SM_COUNT  # under one wave of big tiles
+    return CANDIDATES + (SPLIT_CANDIDATES if few else [])
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per shape: cuBLAS, the launcher's choice and the best candidate."""
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        timed = [r for r in rows if r["shape"] == shape and "ms" in r]
+        if not timed:
+            out.append({"shape": shape, "skipped": True})
+            continue
+        best = min(timed, key=lambda r: r["ms"])
+        auto = next((r for r in timed if r["config"].startswith("auto")), None)
+        out.append({"shape": shape, "cublas_tflops": best["cublas_tflops"],
+                    "auto": auto and {"config": auto["config"], "pct_of_cublas": auto["pct_of_cublas"]},
+                    "best": {"config": best["config"], "tflops": best["tflops"],
+                             "pct_of_cublas": best["pct_of_cublas"]}})
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--quick", action="store_true", help="4096^3 and the q/o shape only")
+    ap.add_argument("--set", choices=sorted(SETS), default="7b", help="which model's shapes")
+    ap.add_argument("--quick", action="store_true", help="forward shapes only")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="stop starting new timings after this")
     args = ap.parse_args()
     tf32_off()
     t0 = time.time()
+    deadline = t0 + args.budget_s
     import numba
 
     dev = torch.cuda.get_device_name()
-    res = {"env": run_env(reps=REPS, samples=SAMPLES)}
+    res = {"env": run_env(reps=REPS, samples=SAMPLES, statistic="best of samples", set=args.set)}
     say(f"== {dev}, torch {torch.__version__}, numba {numba.__version__}, "
-        f"TF32 {torch.backends.cuda.matmul.allow_tf32}")
+        f"TF32 {torch.backends.cuda.matmul.allow_tf32}, shapes {args.set}")
+    shapes = [s for s in SETS[args.set] if not args.quick or s[1] == "fwd"]
+    kinds = list(dict.fromkeys(kind for _, kind, _ in shapes))
 
-    say("== build: registers / local memory per thread")
-    res["kernels"] = {}
-    for v, t in dict.fromkeys((c[0], c[1]) for c in CANDIDATES if c[0] is not None):
+    say("== ragged shape per layout (correctness, and the builds): registers / local memory per thread")
+    res["ragged"], res["kernels"] = [], {}
+    for kind in kinds:
         t1 = time.time()
-        # compile by launching once on a tiny problem (the signature the sweep uses)
-        run_shape("warmup 8x8x8", 8, 8, 8, [(v, t)], time_it=False)
-        info = kernel_resources(v, t)
-        res["kernels"][label(v, t)] = {**info, "build_s": time.time() - t1}
-        say(f"  {label(v, t):<22} regs {info['regs']}, local {info['local_bytes']} B"
-            f"  ({time.time() - t1:.1f} s)")
+        cands = CANDIDATES + SPLIT_CANDIDATES
+        res["ragged"] += run_shape(f"ragged {kind} {'x'.join(map(str, RAGGED))}", kind, RAGGED, cands,
+                                   False, deadline)
+        for v, t in dict.fromkeys((c[0], c[1]) for c in cands if c[0] is not None):
+            info = kernel_resources(v, t, LAYOUT[kind])
+            res["kernels"][f"{label(v, t)} {LAYOUT[kind]}"] = info
+            say(f"  {label(v, t):<30} {LAYOUT[kind]}: regs {info['regs']}, local {info['local_bytes']} B")
+        say(f"  ({time.time() - t1:.0f} s)")
 
-    say("== ragged shape, correctness only")
-    res["ragged"] = run_shape(RAGGED[0], *RAGGED[1], CANDIDATES, time_it=False)
-
-    say(f"== GEMM y = x @ w.T fp32, vs cuBLAS (TF32 off); events around {REPS} launches, "
-        f"median of {SAMPLES}")
-    shapes = SHAPES[:2] if args.quick else SHAPES
+    say(f"== GEMM fp32 vs cuBLAS (TF32 off); events around {REPS} launches, best of {SAMPLES}")
     res["gemm"] = []
-    for name, (m, n, k) in shapes:
-        res["gemm"] += run_shape(name, m, n, k, CANDIDATES)
+    for name, kind, dims in shapes:
+        res["gemm"] += run_shape(name, kind, dims, candidates_for(kind, dims), True, deadline)
         say(f"  ({time.time() - t0:.0f} s)")
 
     res["summary"] = summary(res["gemm"])
-    say("== best per shape")
-    for s, b in res["summary"]["best_per_shape"].items():
-        say(f"  {s:<28} {b['config']:<22} {b['tflops']:6.2f} TFLOP/s  {b['pct_of_cublas']:5.1f}%")
-    say("== worst % of cuBLAS over the shapes, per candidate")
-    for c, p in sorted(res["summary"]["worst_pct_per_config"].items(), key=lambda kv: -kv[1]):
-        say(f"  {c:<22} {p:5.1f}%")
+    say("== per shape: cuBLAS, the launcher's choice, the best candidate (% of cuBLAS fp32)")
+    for s in res["summary"]:
+        if s.get("skipped"):
+            say(f"  {s['shape']:<30} skipped (time budget)")
+            continue
+        a = s["auto"]
+        say(f"  {s['shape']:<30} cuBLAS {s['cublas_tflops']:6.2f} TFLOP/s  auto "
+            f"{a['pct_of_cublas'] if a else float('nan'):5.1f}%  best {s['best']['pct_of_cublas']:5.1f}% "
+            f"({s['best']['config']})")
+    skipped = sorted({r["shape"] for r in res["gemm"] if r.get("skipped")})
+    if skipped:
+        say(f"== skipped for time (some or all candidates): {', '.join(skipped)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gemm_sweep.json").write_text(json.dumps(res, indent=1, default=str))

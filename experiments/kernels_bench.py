@@ -4,14 +4,21 @@ Prints, in one run:
 1. correctness: the Numba LLaMA block against ``transformers``' ``LlamaDecoderLayer`` (fp32, eager
    attention, explicit causal mask) and against ``reference.llama_block``, at hidden 2048,
    16 heads (16 and 4 key/value heads), seq 1024; attention against SDPA; GEMM against cuBLAS;
-2. GEMM TFLOP/s against cuBLAS fp32 (torch.matmul, TF32 off) at 4096^3 and at the block's shapes,
-   for the launcher's choice and a sweep of variants / tile shapes;
-3. attention time against ``torch.nn.functional.scaled_dot_product_attention`` in fp32;
+2. GEMM TFLOP/s of the launcher's choice against cuBLAS fp32 (torch.matmul, TF32 off) at 4096^3
+   and at the block's shapes (every candidate tile shape: ``experiments/gemm_sweep.py``);
+3. causal GQA attention against ``torch.nn.functional.scaled_dot_product_attention`` in fp32 at
+   T = 1024, 2048, 4096, 8192 (batch 1, 32 heads of 128, 8 key/value heads): attention variant 1
+   (the first kernel), variant 2 as the launcher runs it and at other tile shapes, head groupings
+   and split-KV counts, each as its time divided by SDPA's (goal: at most 1.0). SDPA is timed two
+   ways, on the GQA inputs (``enable_gqa=True``) and on K/V repeated to 32 heads beforehand (the
+   repeat not timed: it lets PyTorch pick its memory-efficient kernel); the ratio is to the
+   faster of the two. Best of several batches of back-to-back launches, all in this process;
 4. the whole block against the transformers layer in fp32, with the per-kernel breakdown.
 
-Relative error everywhere: max |ours - theirs| / max |theirs|.
+Relative error everywhere: max |ours - theirs| / max |theirs|. About 3 minutes on an H200.
 
-    python3 experiments/kernels_bench.py --out DIR      # writes DIR/kernels_bench.json
+    python3 experiments/kernels_bench.py --out DIR                    # writes DIR/kernels_bench.json
+    python3 experiments/kernels_bench.py --out DIR --only attention   # section 3 alone
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 from numba import cuda
 
 from common import run_env, say, tf32_off, time_events
+
 from vmstoolkit.kernels import LlamaBlock, LlamaBlockConfig, llama_block_forward
 from vmstoolkit.kernels import attention as A
 from vmstoolkit.kernels import gemm as G
@@ -38,15 +46,19 @@ from vmstoolkit.kernels.swiglu import swiglu
 RESULTS: dict = {}
 
 
-def time_numba(fn, iters: int) -> float:
-    """Median milliseconds of ``fn()`` by Numba's CUDA events (:func:`common.time_events`)."""
-    return time_events(fn, iters, events="numba")
-
-
 def rel(a, b) -> float:
     a = a.detach().double().cpu().numpy() if torch.is_tensor(a) else np.asarray(a, np.float64)
     b = b.detach().double().cpu().numpy() if torch.is_tensor(b) else np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def time_numba(fn, iters: int, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn()`` (enqueues on the default stream), by Numba's CUDA events."""
+    return time_events(fn, iters, warmup, events="numba")
+
+
+def time_torch(fn, iters: int, warmup: int = 2) -> float:
+    return time_events(fn, iters, warmup)
 
 
 # ---- HF layer ---------------------------------------------------------------------------------
@@ -116,13 +128,7 @@ def check_block(c: LlamaBlockConfig, b: int, t: int, seed: int = 0) -> dict:
 
 # ---- 2. GEMM ----------------------------------------------------------------------------------
 
-SWEEP = [(1, G.GemmTiles(128, 128, 16, 8, 8)), (1, G.GemmTiles(128, 128, 32, 8, 8)),
-         (1, G.GemmTiles(64, 128, 8, 4, 8)), (1, G.GemmTiles(64, 128, 16, 4, 8)),
-         (1, G.GemmTiles(128, 64, 16, 8, 4)), (1, G.GemmTiles(64, 64, 16, 4, 4)),
-         (2, G.GemmTiles(128, 128, 16, 8, 8))]
-
-
-def bench_gemm(shapes, sweep: bool) -> list[dict]:
+def bench_gemm(shapes) -> list[dict]:
     rows = []
     for name, (m, n, k) in shapes:
         x = torch.randn(m, k, device="cuda")  # (M, K)
@@ -130,13 +136,10 @@ def bench_gemm(shapes, sweep: bool) -> list[dict]:
         y = torch.empty(m, n, device="cuda")  # (M, N)
         flops = 2.0 * m * n * k
         iters = 10 if flops > 1e11 else 30
-        t_cublas = time_events(lambda: torch.matmul(x, w.T, out=y), iters)
+        t_cublas = time_torch(lambda: torch.matmul(x, w.T, out=y), iters)
         want = y.clone()
         dx, dw, dy = cuda.as_cuda_array(x), cuda.as_cuda_array(w), cuda.as_cuda_array(y)
         configs = [("auto", None, None)]  # the launcher's choice (gemm.choose)
-        if sweep:
-            configs += [(f"v{v} {t.bm}x{t.bn}x{t.bk}/{t.tm}x{t.tn}", t, v)
-                        for v, t in SWEEP]
         for label, tiles, v in configs:
             y.zero_()
             G.gemm(dx, dw, dy, tiles=tiles, variant=v)
@@ -161,52 +164,117 @@ def bench_gemm(shapes, sweep: bool) -> list[dict]:
 
 # ---- 3. attention -----------------------------------------------------------------------------
 
-ATT_SWEEP = [
-    A.AttentionTiles(32, 16, 2, 8),
-    A.AttentionTiles(16, 32, 1, 8),
-    A.AttentionTiles(64, 8, 4, 8),
-    A.AttentionTiles(32, 16, 1, 4),
+def time_batched(fn, synchronize, event, elapsed, reps: int, samples: int = 5) -> tuple[float, float]:
+    """(best, median) milliseconds per call of ``fn()``: events around ``reps`` back-to-back calls
+    (a Numba launch's host cost then overlaps the kernels), ``samples`` batches after warm-up."""
+    fn()
+    synchronize()
+    times = []
+    for _ in range(samples):
+        e0, e1 = event(), event()
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        e1.synchronize()
+        times.append(elapsed(e0, e1) / reps)
+    return float(np.min(times)), float(np.median(times))
+
+
+def time_numba_best(fn, reps: int) -> tuple[float, float]:
+    return time_batched(fn, cuda.synchronize, cuda.event, cuda.event_elapsed_time, reps)
+
+
+def time_torch_best(fn, reps: int) -> tuple[float, float]:
+    return time_batched(fn, torch.cuda.synchronize, lambda: torch.cuda.Event(enable_timing=True),
+                        lambda e0, e1: e0.elapsed_time(e1), reps)
+
+
+ATT_T = (1024, 2048, 4096, 8192)
+ATT_SHAPE = (1, 32, 8, 128)  # (B, nh, nkv, hd)
+ATT_REPS_T = 8192  # a timed batch is ATT_REPS_T // T launches
+# (label, launch keywords of A.attention): the first kernel, the launcher's choice, then other
+# tile shapes / groupings / split counts of variant 2 for the lead to pick from.
+ATT_CONFIGS = [
+    ("v1", {"variant": 1}),
+    ("v2 auto", {}),
+    ("v2 1 head/block", {"tiles": A.FlashTiles(heads=1)}),
+    ("v2 split 2", {"variant": 2, "splits": 2}),
+    ("v2 split 4", {"variant": 2, "splits": 4}),
+    ("v2 16 rows 2x2", {"tiles": A.FlashTiles(rows=16, heads=4, bkv=32, tr=2, tk=2, to=2)}),
+    ("v2 4x4 scores", {"tiles": A.FlashTiles(rows=32, heads=4, bkv=32, tr=4, tk=4, to=4)}),
+    ("v2 no reg cap", {"tiles": A.FlashTiles(blocks_per_sm=0)}),
 ]
 
 
-def bench_attention(cases, sweep: bool) -> list[dict]:
+def bench_attention(ts=ATT_T, configs=ATT_CONFIGS) -> list[dict]:
     import torch.nn.functional as F
 
+    b, nh, nkv, hd = ATT_SHAPE
     rows = []
-    for b, t, nh, nkv, hd in cases:
+    for t in ts:
         g = torch.Generator("cuda").manual_seed(1)
         q = torch.randn(b, t, nh, hd, device="cuda", generator=g)  # (B, T, nh, hd)
         k = torch.randn(b, t, nkv, hd, device="cuda", generator=g)  # (B, T, nkv, hd)
         v = torch.randn(b, t, nkv, hd, device="cuda", generator=g)
         o = torch.empty_like(q)
         qh, kh, vh = (a.transpose(1, 2).contiguous() for a in (q, k, v))  # (B, n, T, hd)
-        gqa = nkv != nh
-
-        def sdpa():
-            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
-
-        t_sdpa = time_events(sdpa, 10)
-        want = sdpa().transpose(1, 2)  # (B, T, nh, hd)
+        kr, vr = (a.repeat_interleave(nh // nkv, dim=1) for a in (kh, vh))  # (B, nh, T, hd)
         flops = 4.0 * b * nh * hd * t * (t + 1) / 2
-        dq, dk, dv, do = (cuda.as_cuda_array(a) for a in (q, k, v, o))
-        configs = [("auto", None)]
-        if sweep:
-            configs += [(f"{s.bq}q x {s.bkv}k rm{s.rm} tpr{s.tpr}", s) for s in ATT_SWEEP]
-        for label, tiles in configs:
+        reps = max(1, ATT_REPS_T // t)  # launches per timed batch: ~ equal time per batch across T
+        sdpa = {
+            "gqa": lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True),
+            "expanded": lambda: F.scaled_dot_product_attention(qh, kr, vr, is_causal=True),
+        }
+        sd_ms = {}
+        for name, fn in sdpa.items():
             try:
-                A.attention(dq, dk, dv, do, tiles=tiles)
-            except ValueError as e:
-                say(f"  skip {label}: {e}")
+                sd_ms[name] = time_torch_best(fn, reps)[0]
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: compare with the other
+                say(f"  T{t}: SDPA {name} FAILED: {type(e).__name__}: {e}")
+                sd_ms[name] = float("inf")
+                torch.cuda.empty_cache()
+        want = (sdpa["expanded"] if sd_ms["expanded"] < float("inf") else sdpa["gqa"])().transpose(1, 2)
+        sdpa_ms = min(sd_ms.values())  # (want: B, T, nh, hd)
+        say(f"  T{t}: SDPA gqa {sd_ms['gqa']:.3f} ms, SDPA expanded K/V {sd_ms['expanded']:.3f} ms "
+            f"({flops / sdpa_ms / 1e9:.1f} TFLOP/s at the faster)")
+        dq, dk, dv, do = (cuda.as_cuda_array(a) for a in (q, k, v, o))
+        rec = {"B": b, "T": t, "nh": nh, "nkv": nkv, "hd": hd, "sdpa_gqa_ms": sd_ms["gqa"],
+               "sdpa_expanded_ms": sd_ms["expanded"], "sdpa_ms": sdpa_ms, "configs": {}}
+        for label, kw in configs:
+            try:
+                launch = A.choose(b, t, nh, nkv, hd, kw.get("variant"), kw.get("tiles"), kw.get("splits"))
+                ws = A.workspace_for(b, t, nh, nkv, hd, variant=kw.get("variant"), tiles=kw.get("tiles"),
+                                     splits=kw.get("splits"))
+
+                def run():
+                    A.attention(dq, dk, dv, do, workspace=ws, **kw)
+
+                o.fill_(float("nan"))
+                run()
+                cuda.synchronize()
+                err = rel(o, want)
+                best, med = time_numba_best(run, reps)
+            except Exception as e:  # noqa: BLE001 - keep the table going, record the failure
+                say(f"    {label:<18} FAILED: {type(e).__name__}: {e}")
+                rec["configs"][label] = {"error": f"{type(e).__name__}: {e}"}
                 continue
-            cuda.synchronize()
-            err = rel(o, want)
-            ms = time_numba(lambda: A.attention(dq, dk, dv, do, tiles=tiles), 10)
-            rows.append({"B": b, "T": t, "nh": nh, "nkv": nkv, "hd": hd, "config": label,
-                         "ms": ms, "tflops": flops / ms / 1e9, "sdpa_ms": t_sdpa,
-                         "sdpa_tflops": flops / t_sdpa / 1e9, "speed_vs_sdpa": t_sdpa / ms,
-                         "rel_err_vs_sdpa": err})
-            say(f"  B{b} T{t} nh{nh} nkv{nkv} hd{hd} {label:<22} {ms:8.3f} ms  SDPA {t_sdpa:8.3f} ms"
-                f"  x{t_sdpa / ms:5.2f}  err {err:.1e}")
+            what = (f"v1 {launch.tiles.bq}q x {launch.tiles.bkv}k" if launch.variant == 1 else
+                    f"v2 {launch.tiles.rows} rows = {launch.tiles.rows // launch.heads} pos x {launch.heads} heads, "
+                    f"{launch.tiles.bkv} keys, split {launch.splits}")
+            rec["configs"][label] = {"launch": what, "ms": best, "ms_median": med, "tflops": flops / best / 1e9,
+                                     "ratio_to_sdpa": best / sdpa_ms, "rel_err_vs_sdpa": err}
+            ok = "" if err <= 1e-4 else "  <-- ERROR > 1e-4"
+            say(f"    {label:<18} {best:9.3f} ms  {flops / best / 1e9:6.1f} TFLOP/s  x{best / sdpa_ms:5.2f} SDPA's "
+                f"time  err {err:.1e}  [{what}]{ok}")
+        rows.append(rec)
+    labels = [lab for lab, _ in configs]
+    say("  time / SDPA's time (lower is better; goal <= 1.00), best of 5 batches:")
+    say("  " + f"{'T':>6} {'SDPA ms':>9} " + " ".join(f"{lab:>16}" for lab in labels))
+    for rec in rows:
+        cells = [(f"{rec['configs'][lab]['ratio_to_sdpa']:16.2f}" if "ms" in rec["configs"].get(lab, {})
+                  else f"{'failed':>16}") for lab in labels]
+        say("  " + f"{rec['T']:>6} {rec['sdpa_ms']:9.3f} " + " ".join(cells))
     return rows
 
 
@@ -225,7 +293,7 @@ def bench_block(c: LlamaBlockConfig, b: int, t: int) -> dict:
         with torch.no_grad():
             return hf_forward(layer, rot, x)
 
-    t_hf = time_events(hf, 10)
+    t_hf = time_torch(hf, 10)
     t_ours = time_numba(lambda: blk.forward_device(dx, dout), 10)
     err = rel(out, hf())
     m, h, f, hd = b * t, c.hidden_size, c.ffn_size, c.head_dim
@@ -262,8 +330,10 @@ def bench_block(c: LlamaBlockConfig, b: int, t: int) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--sweep", action="store_true", help="also time other variants / tile shapes")
+    ap.add_argument("--only", choices=("all", "correctness", "gemm", "attention", "block"), default="all",
+                    help="run one section only")
     args = ap.parse_args()
+    run = lambda section: args.only in ("all", section)  # noqa: E731
     tf32_off()
     t0 = time.time()
     dev = torch.cuda.get_device_name()
@@ -274,6 +344,26 @@ def main():
     say(f"== {dev}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"numba {numba.__version__}, TF32 {torch.backends.cuda.matmul.allow_tf32}")
 
+    if run("correctness"):
+        section_correctness(t0)
+    if run("gemm"):
+        section_gemm(t0)
+    if run("attention"):
+        say(f"== 3. causal GQA attention, fp32, vs torch SDPA (B, nh, nkv, hd) = {ATT_SHAPE}")
+        RESULTS["attention"] = bench_attention()
+        say(f"  ({time.time() - t0:.0f} s)")
+    if run("block"):
+        say("== 4. whole block, fp32, vs transformers LlamaDecoderLayer (eager)")
+        RESULTS["block"] = [bench_block(LlamaBlockConfig(), 1, 1024)]
+        say(f"  ({time.time() - t0:.0f} s)")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels_bench.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    say(f"wrote {out / 'kernels_bench.json'} ({time.time() - t0:.0f} s)")
+
+
+def section_correctness(t0: float) -> None:
     say("== 1. correctness: Numba block vs transformers LlamaDecoderLayer (fp32, eager)")
     RESULTS["block_correctness"] = []
     for nkv in (16, 4):
@@ -286,28 +376,16 @@ def main():
             f"{rec['rel_err_numpy_reference_vs_transformers']:.2e}  -> {'PASS' if rec['pass_1e-4'] else 'FAIL'}")
     say(f"  ({time.time() - t0:.0f} s)")
 
+
+def section_gemm(t0: float) -> None:
     say("== 2. GEMM y = x @ w.T, fp32, vs cuBLAS (torch.matmul, TF32 off)")
     shapes = [("4096^3", (4096, 4096, 4096)),
               ("q/o proj 1024x2048x2048", (1024, 2048, 2048)),
               ("kv proj(gqa4) 1024x512x2048", (1024, 512, 2048)),
               ("gate/up 1024x5632x2048", (1024, 5632, 2048)),
               ("down 1024x2048x5632", (1024, 2048, 5632))]
-    RESULTS["gemm"] = bench_gemm(shapes, args.sweep)
+    RESULTS["gemm"] = bench_gemm(shapes)
     say(f"  ({time.time() - t0:.0f} s)")
-
-    say("== 3. causal attention, fp32, vs torch SDPA")
-    RESULTS["attention"] = bench_attention([(1, 1024, 16, 16, 128), (1, 4096, 16, 4, 128)],
-                                           args.sweep)
-    say(f"  ({time.time() - t0:.0f} s)")
-
-    say("== 4. whole block, fp32, vs transformers LlamaDecoderLayer (eager)")
-    RESULTS["block"] = [bench_block(LlamaBlockConfig(), 1, 1024)]
-    say(f"  ({time.time() - t0:.0f} s)")
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels_bench.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-    say(f"wrote {out / 'kernels_bench.json'}")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def attention_torch(q, k, v):  # (B, T, nh, hd), (B, T, nkv, hd)
 
 @pytest.mark.parametrize("m, n, k", [(300, 256, 128), (2048, 1024, 4096), (77, 16, 4096)])
 def test_linear_backward(m, n, k):
-    from vmstoolkit.kernels.gemm_backward import linear_dw, linear_dx
+    from vmstoolkit.kernels.gemm import linear_dw, linear_dx
 
     x, w = dev(m, k), dev(n, k, scale=1 / math.sqrt(k))
     dy = torch.randn(m, n, device="cuda")
@@ -132,6 +132,23 @@ def test_attention_backward_gqa(t, nh, nkv):
     close(dq, q.grad)
     close(dk, k.grad)
     close(dv, v.grad)
+
+
+@pytest.mark.parametrize("t, nh, nkv", [(1000, 32, 8), (1, 8, 2), (333, 4, 4)])
+@pytest.mark.parametrize("launch", [{"variant": 1}, {"variant": 2, "splits": 1}, {"variant": 2, "splits": 3}, {}])
+def test_attention_forward_variants_and_lse(t, nh, nkv, launch):
+    from vmstoolkit.kernels.attention import attention
+
+    q, k, v = (torch.randn(1, t, n, 128, device="cuda") for n in (nh, nkv, nkv))
+    ref = attention_torch(q, k, v)
+    qh, kh = q.transpose(1, 2), k.repeat_interleave(nh // nkv, 2).transpose(1, 2)
+    ref_lse = torch.logsumexp((qh @ kh.transpose(-1, -2) / math.sqrt(128)).masked_fill(
+        torch.ones(t, t, device="cuda", dtype=torch.bool).triu(1), float("-inf")), -1)  # (1, nh, T)
+    o, lse = torch.empty(1, t, nh, 128, device="cuda"), torch.empty(1, nh, t, device="cuda")
+    attention(nb(q), nb(k), nb(v), nb(o), lse=nb(lse), **launch)
+    sync()
+    close(o, ref)
+    close(lse, ref_lse)
 
 
 def test_swiglu_backward():

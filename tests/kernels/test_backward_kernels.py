@@ -1,36 +1,12 @@
 """The backward kernels and AdamW against their numpy references, in the CUDA simulator (or on a
-GPU with VMSTOOLKIT_REAL_GPU=1). The references themselves are checked by finite differences in
-test_reference_backward.py."""
+GPU with VMSTOOLKIT_REAL_GPU=1); the GEMM's backward layouts are tested in test_gemm.py. The
+references themselves are checked by finite differences in test_reference_backward.py."""
 
 import numpy as np
 import pytest
 from numba import cuda
 
-from vmstoolkit.kernels import adamw, attention_backward, gemm_backward, rmsnorm, rope, swiglu
-from vmstoolkit.kernels.gemm import GemmTiles
-
-
-def test_linear_dx_dw_with_and_without_accumulation():
-    recs = gemm_backward.validate()
-    assert {r["case"] for r in recs} == {"dx", "dx+acc", "dw", "dw+acc"}
-
-
-def test_linear_backward_other_tiles_and_in_place_accumulation(rng, rel_err):
-    gemm_backward.validate(shapes=((9, 5, 11),), tiles=GemmTiles(bm=4, bn=8, bk=2, tm=2, tn=2))
-    dy = rng.standard_normal((6, 5), dtype=np.float32)  # (M, N)
-    x = rng.standard_normal((6, 3), dtype=np.float32)  # (M, K)
-    g = rng.standard_normal((5, 3), dtype=np.float32)  # (N, K): dw += dy^T x in place
-    d_g = cuda.to_device(g)
-    gemm_backward.linear_dw(cuda.to_device(dy), cuda.to_device(x), d_g, acc=d_g)
-    assert rel_err(d_g.copy_to_host(), g + dy.T @ x) <= 1e-5
-
-
-def test_linear_backward_shape_errors():
-    a = cuda.to_device(np.zeros((4, 3), np.float32))
-    with pytest.raises(ValueError, match="linear_dx"):
-        gemm_backward.linear_dx(a, a, cuda.device_array((4, 3), np.float32))
-    with pytest.raises(ValueError, match="linear_dw"):
-        gemm_backward.linear_dw(a, cuda.to_device(np.zeros((5, 3), np.float32)), cuda.device_array((3, 3), np.float32))
+from vmstoolkit.kernels import adamw, attention_backward, rmsnorm, rope, swiglu
 
 
 def test_rmsnorm_backward():

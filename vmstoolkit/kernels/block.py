@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda
 
 from ._util import check_float32, is_device_array, to_device
-from .attention import attention
+from .attention import attention, workspace_for
 from .gemm import gemm
 from .residual import residual_add
 from .rmsnorm import rmsnorm
@@ -201,7 +201,8 @@ class LlamaBlock:
     """Device weights plus the activation buffers of one (batch, seq); ``forward_device``
     enqueues the 14 kernel launches on a stream and allocates nothing.
 
-    Activation memory: 5 (M, H) + 2 (M, nkv*hd) + 2 (M, F) float32 buffers, M = batch * seq.
+    Activation memory: 5 (M, H) + 2 (M, nkv*hd) + 2 (M, F) float32 buffers, M = batch * seq,
+    and the attention's split-KV workspace when it splits at this shape (few blocks: small M).
     """
 
     def __init__(self, weights: dict, config: LlamaBlockConfig, batch: int, seq: int, stream=0):
@@ -224,6 +225,8 @@ class LlamaBlock:
         self.x2 = buf(m, h)  # (M, H) residual stream after attention
         self.g = buf(m, f)  # (M, F) gate, then silu(gate) * up
         self.u = buf(m, f)  # (M, F) up
+        # split-KV partial outputs, when the attention launch splits at this shape
+        self.att_ws = workspace_for(batch, seq, c.n_heads, c.n_kv_heads, hd, stream) if m else None
 
     def forward_device(self, x, out, stream=0) -> None:
         """Enqueue the block on ``stream``: x and out are (B, T, H) float32 device arrays."""
@@ -248,7 +251,7 @@ class LlamaBlock:
         gemm(self.h, w["self_attn.v_proj.weight"], self.v, stream)  # (M, nkv*hd)
         rope(q4, q4, c.rope_theta, 0, stream)  # (B, T, nh, hd), in place
         rope(k4, k4, c.rope_theta, 0, stream)  # (B, T, nkv, hd), in place
-        attention(q4, k4, v4, a4, stream)  # (B, T, nh, hd)
+        attention(q4, k4, v4, a4, stream, workspace=self.att_ws)  # (B, T, nh, hd)
         gemm(self.a, w["self_attn.o_proj.weight"], self.t, stream)  # (M, H)
         residual_add(x2d, self.t, self.x2, stream)  # (M, H)
         rmsnorm(self.x2, w["post_attention_layernorm.weight"], self.h, c.rms_eps, stream)

@@ -1,47 +1,57 @@
-"""GEMM ``y = x @ w.T`` (the ``nn.Linear`` layout): x (M, K), w (N, K), y (M, N), float32.
+"""GEMMs of ``nn.Linear`` and its backward, float32, one register-blocked kernel for all three.
 
-Recipe: the numpy reference (``reference.linear``), two register-blocked kernels, a launcher that
-picks the tile shape, and ``validate()`` against the reference over several shapes.
+- ``gemm``: ``y = x @ w.T`` (forward): x (M, K), w (N, K), y (M, N);
+- ``linear_dx``: ``dx = dy @ w`` (+ ``acc``): dy (M, N), w (N, K), dx (M, K);
+- ``linear_dw``: ``dw = dy.T @ x`` (+ ``acc``, an existing gradient): dy (M, N), x (M, K), dw (N, K).
 
-Register blocking: a block of ``(bm // tm) * (bn // tn)`` threads computes a ``bm x bn`` tile of y.
-Each step it stages a ``bk``-deep slice of x and of w in shared memory (stored k-major, so the
-inner loop reads rows of both), and every thread accumulates a ``tm x tn`` micro-tile in registers
-(``cuda.local.array`` with compile-time sizes; NVVM unrolls the loops and keeps it in registers).
-Per k step a thread does ``tm + tn`` shared loads for ``tm * tn`` FMAs, instead of 2 loads per FMA
-in the one-output-per-thread kernel.
+Recipe: the numpy references (``reference.linear``, ``reference.linear_backward_x`` / ``_w``), one
+kernel factory (:func:`make_gemm`), a launch rule (:func:`choose`), three launchers and
+``validate()`` / ``validate_backward()`` against the references over ragged shapes.
 
-A thread owns the rows ``ty + i * (bm // tm)`` and the columns ``tx + j * (bn // tn)`` (strided,
-not a contiguous 8x8 patch): neighbouring threads then read neighbouring shared-memory words
-(no bank conflicts without vector loads, which Numba does not emit) and write neighbouring
-columns of y (coalesced stores).
+One kernel computes ``C (R, C) = [acc +] A @ B`` where A is stored (R, K) ("n") or (K, R) ("t")
+and B (C, K) ("n") or (K, C) ("t"): the forward is n/n, ``linear_dx`` n/t, ``linear_dw`` t/t.
+Only the global loads differ per layout; shared slices are k-major in every case, so the inner
+loop is the same.
 
-- ``gemm_v1``: one shared buffer, two barriers per k step.
-- ``gemm_v2``: two shared buffers; the next slice is fetched from global memory into registers
-  while the current one is multiplied, then stored into the other buffer: one barrier per k step
-  and the global-load latency hidden behind the FMAs.
-- ``gemm_v3``: v2's pipeline, rewritten for what Numba/NVVM emit (ptxas -v for sm_90 and SASS,
-  numba-cuda 0.30.4 + CUDA 12.9 NVVM). In v1/v2 the inner k loop costs 1.9-2.2 SASS instructions
-  per FFMA: NVVM unrolls the tm x tn loops but not the k loop, whose index is signed, so every
-  trip recomputes shared addresses with a negative-index wraparound (shift + select), and all
-  shared loads are 32-bit. v3 changes:
+Register blocking: a block of ``(bm // tm) * (bn // tn)`` threads computes a ``bm x bn`` tile of C.
+Each k step stages a ``bk``-deep slice of A and of B in shared memory (k-major) and every thread
+accumulates a ``tm x tn`` micro-tile in registers: ``tm + tn`` shared loads per ``tm * tn`` FMAs.
 
-  * indices are ``uint64`` (Numba adds no wraparound code for unsigned indices; the casts are
-    free) -- and never mixed with signed integers, which Numba would promote to float64;
-  * the k slice is multiplied 4 columns per trip by an inlined device function called 4 times
-    (an explicit unroll: NVVM will not unroll a loop whose body is 64 FMAs), and the two shared
-    buffers are indexed by constants (two slices per trip of the outer loop), so a shared
-    address is a base register plus an immediate;
-  * runs of VEC adjacent rows/columns per thread (see ``VEC``) in 16-byte-aligned shared
-    arrays: every shared load becomes ``LDS.128``;
-  * each thread fetches adjacent k of one row of x and of w (one address, immediate offsets)
-    and tiles wholly inside the matrices skip the bounds checks (block-uniform branch);
-  * ``max_registers`` caps registers so that ``blocks_per_sm`` blocks fit on an SM (2 for v3).
+Pipeline (the measured winner, ``gemm_v3`` / ``gemm_v4`` of issue 5; the simpler ``v1`` / ``v2``
+were slower at every H200 shape and are gone, see ``experiments/results/gemm-h200/``):
 
-  Result at 128x128x8/8x8: the inner loop is 256 FFMA + 16 LDS.128 + 12 others (1.11
-  instructions per FFMA), 126 registers, no spills, so two 256-thread blocks per SM (v1 at this
-  tile: 132 registers, one block per SM, 1.48 per FFMA with 32-bit loads).
-- ``gemm_v4``: v3 without the register cap (151 registers at 128x128x8/8x8, 161 at bk = 16, no
-  spills): one block per SM, for tiles whose capped build would spill.
+* two shared buffers; the next k slice is fetched from global memory into registers while the
+  current one is multiplied, then stored into the other buffer: one barrier per k step and the
+  global-load latency hidden behind the FMAs;
+* indices are ``uint64``: Numba adds no negative-index wraparound code for unsigned indices (in
+  the signed first version the inner loop cost 1.9-2.2 SASS instructions per FFMA), and they are
+  never mixed with signed integers, which Numba would promote to float64;
+* the k slice is multiplied 4 columns per trip by an inlined device function called 4 times (an
+  explicit unroll: NVVM does not unroll a loop whose body is 64 FMAs), and the two shared buffers
+  are indexed by constants (two slices per trip of the outer loop), so a shared address is a base
+  register plus an immediate;
+* a thread's rows (columns) come in runs of ``VEC`` = 4 adjacent ones in 16-byte-aligned shared
+  arrays, so every shared load of the inner loop is one ``LDS.128``;
+* global loads come as vectors of up to 4 adjacent elements per thread on 4-aligned indices
+  (along k for an "n" operand, along rows for a "t" one), consecutive threads on consecutive
+  vectors; tiles wholly inside the matrices skip the bounds checks (a block-uniform branch);
+* ``max_registers`` caps registers so that ``blocks_per_sm`` blocks fit on an SM.
+
+At 128x128x8/8x8 (v3) the inner loop is 256 FFMA + 16 LDS.128 + 12 others (1.11 instructions
+per FFMA), 126 registers, no spills: two 256-thread blocks per SM. (The FMA loop runs column-major
+over the micro-tile: with row-major order the same PTX needs 128 registers and spills 128 bytes
+under ptxas 13.0; offline, sm_90.)
+
+Variants: ``3`` caps registers for two blocks per SM, ``4`` does not (one block per SM, for
+deeper k slices whose capped build would spill). Warp tiling is a property of the tile shape
+(``GemmTiles.wm`` / ``wn``): the block's threads are grouped by warp, each warp covering a
+``wm x wn`` sub-tile with its 32 threads' micro-tiles strided inside it instead of across the
+whole block tile. A warp then reads fewer distinct shared-memory words per load (e.g. 8 + 4
+float4 instead of 2 + 16 at 128x128/8x8 with 32x64 warp tiles). ``WARP_TILES`` are candidates
+that ``experiments/gemm_sweep.py`` measures; the launcher does not use them until they win there.
+
+Split-K: with ``splits`` > 1 each output tile's k slices are shared among that many blocks, which
+add their partial tiles atomically into C (zeroed, or set to ``acc``, by the launcher first).
 """
 
 from __future__ import annotations
@@ -58,24 +68,36 @@ from ._util import check_float32, check_ndim, simulating
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """Tile shape of the register-blocked GEMM. Defaults: the classic shape, 128 x 128 outputs
-    per block, 256 threads each holding an 8 x 8 micro-tile (64 accumulators, within the
-    255-register budget), k slices of 16 (2 x 16 x 132 x 4 bytes = 16.5 KiB of shared memory).
-    The launcher picks with :func:`choose` (measured) instead."""
+    """Tile shape of the register-blocked GEMM: ``bm x bn`` outputs per block, k slices of ``bk``,
+    a ``tm x tn`` micro-tile per thread. ``wm x wn`` is the warp tile (0 = no warp tiling: the
+    block's threads form one grid over the whole block tile). The launcher picks with
+    :func:`choose` (measured)."""
 
-    bm: int = 128  # rows of y per block
-    bn: int = 128  # columns of y per block
+    bm: int = 128  # rows of C per block
+    bn: int = 128  # columns of C per block
     bk: int = 16  # depth of the k slice staged in shared memory
     tm: int = 8  # rows per thread
     tn: int = 8  # columns per thread
+    wm: int = 0  # rows per warp tile (0: none)
+    wn: int = 0  # columns per warp tile
 
     @property
     def threads(self) -> int:
         return (self.bm // self.tm) * (self.bn // self.tn)
 
+    @property
+    def group_tile(self) -> tuple[int, int]:
+        """(rows, columns) covered by one group of threads whose micro-tiles interleave: a warp
+        tile, or the whole block tile without warp tiling."""
+        return (self.wm, self.wn) if self.wm else (self.bm, self.bn)
+
+    def label(self) -> str:
+        warp = f" w{self.wm}x{self.wn}" if self.wm else ""
+        return f"{self.bm}x{self.bn}x{self.bk}/{self.tm}x{self.tn}{warp}"
+
     def check(self) -> None:
         if self.bm % self.tm or self.bn % self.tn:
-            raise ValueError(f"tile {self} : bm % tm and bn % tn must be 0")
+            raise ValueError(f"tile {self}: bm % tm and bn % tn must be 0")
         t = self.threads
         if (self.bm * self.bk) % t or (self.bn * self.bk) % t:
             raise ValueError(
@@ -84,179 +106,30 @@ class GemmTiles:
             )
         if t > 1024:
             raise ValueError(f"tile {self} needs {t} threads per block (> 1024)")
+        if self.bk % 4:
+            raise ValueError(f"tile {self}: bk must be a multiple of 4 (the k loop is unrolled by 4)")
+        if bool(self.wm) != bool(self.wn):
+            raise ValueError(f"tile {self}: give both wm and wn, or neither")
+        if self.wm:
+            if self.bm % self.wm or self.bn % self.wn or self.wm % self.tm or self.wn % self.tn:
+                raise ValueError(f"tile {self}: the warp tile must divide the block tile and be a "
+                                 f"multiple of the micro-tile")
+            if (self.wm // self.tm) * (self.wn // self.tn) != 32:
+                raise ValueError(f"tile {self}: a {self.wm}x{self.wn} warp tile of {self.tm}x{self.tn} "
+                                 f"micro-tiles needs {(self.wm // self.tm) * (self.wn // self.tn)} threads, "
+                                 f"not a warp of 32")
 
 
 # Tiny tiles for the CPU simulator: 16 threads, each a 2 x 2 micro-tile (same code path).
 SIM_TILES = GemmTiles(bm=8, bn=8, bk=4, tm=2, tn=2)
-# Shared-memory row padding: with bk = 8, a warp stores 8 k-rows x 4 m-columns of the x slice;
-# padding rows to bm + 4 words puts those 32 stores in 32 distinct banks (2-way with bk = 16).
+# Shared-memory row padding (words): keeps rows 16-byte aligned (LDS.128) and spreads the
+# transposed stores of an "n" operand over more banks (with bk = 8 a warp stores 8 k-rows x 4
+# columns: 32 distinct banks; 2-way conflicts with bk = 16).
 PAD = 4
-# gemm_v3: a thread's rows (columns) come in runs of VEC adjacent ones, VEC apart per thread, so
-# that NVVM's load/store vectoriser turns each run into one 128-bit shared load (ld.shared.v4).
-# A warp then reads 16 runs of w (256 contiguous bytes, no conflict) and 2 runs of x (broadcast).
+# A thread's rows (columns) come in runs of VEC adjacent ones, so that NVVM's load/store
+# vectoriser turns each run into one 128-bit shared load (ld.shared.v4).
 VEC = 4
-
-
-def make_gemm_v1(t: GemmTiles):
-    """One shared buffer, ``syncthreads`` before and after each k step."""
-    t.check()
-    BM, BN, BK, TM, TN = t.bm, t.bn, t.bk, t.tm, t.tn
-    NTX, NTY = BN // TN, BM // TM
-    NT = NTX * NTY
-    A_LOADS, B_LOADS = BM * BK // NT, BN * BK // NT
-    BMP, BNP = BM + PAD, BN + PAD
-
-    @cuda.jit
-    def gemm_v1(x, w, y):
-        M, K = x.shape
-        N = w.shape[0]
-        As = cuda.shared.array((BK, BMP), float32)  # (bk, bm) slice of x, k-major
-        Bs = cuda.shared.array((BK, BNP), float32)  # (bk, bn) slice of w, k-major
-        acc = cuda.local.array((TM, TN), float32)  # (tm, tn) micro-tile
-        a_reg = cuda.local.array(TM, float32)
-        b_reg = cuda.local.array(TN, float32)
-        tid = cuda.threadIdx.x
-        tx = tid % NTX
-        ty = tid // NTX
-        m0 = cuda.blockIdx.y * BM
-        n0 = cuda.blockIdx.x * BN
-        for i in range(TM):
-            for j in range(TN):
-                acc[i, j] = float32(0.0)
-        for k0 in range(0, K, BK):
-            for l in range(A_LOADS):
-                e = tid + l * NT
-                r = e // BK
-                c = e % BK
-                v = float32(0.0)
-                if m0 + r < M and k0 + c < K:
-                    v = x[m0 + r, k0 + c]
-                As[c, r] = v
-            for l in range(B_LOADS):
-                e = tid + l * NT
-                r = e // BK
-                c = e % BK
-                v = float32(0.0)
-                if n0 + r < N and k0 + c < K:
-                    v = w[n0 + r, k0 + c]
-                Bs[c, r] = v
-            cuda.syncthreads()
-            for kk in range(BK):
-                for i in range(TM):
-                    a_reg[i] = As[kk, ty + i * NTY]
-                for j in range(TN):
-                    b_reg[j] = Bs[kk, tx + j * NTX]
-                for i in range(TM):
-                    for j in range(TN):
-                        acc[i, j] += a_reg[i] * b_reg[j]
-            cuda.syncthreads()
-        for i in range(TM):
-            r = m0 + ty + i * NTY
-            if r < M:
-                for j in range(TN):
-                    c = n0 + tx + j * NTX
-                    if c < N:
-                        y[r, c] = acc[i, j]
-
-    return gemm_v1
-
-
-def make_gemm_v2(t: GemmTiles):
-    """Double-buffered shared memory with a register prefetch of the next k slice."""
-    t.check()
-    BM, BN, BK, TM, TN = t.bm, t.bn, t.bk, t.tm, t.tn
-    NTX, NTY = BN // TN, BM // TM
-    NT = NTX * NTY
-    A_LOADS, B_LOADS = BM * BK // NT, BN * BK // NT
-    BMP, BNP = BM + PAD, BN + PAD
-
-    @cuda.jit
-    def gemm_v2(x, w, y):
-        M, K = x.shape
-        N = w.shape[0]
-        As = cuda.shared.array((2, BK, BMP), float32)  # 2 x (bk, bm) slices of x
-        Bs = cuda.shared.array((2, BK, BNP), float32)  # 2 x (bk, bn) slices of w
-        acc = cuda.local.array((TM, TN), float32)  # (tm, tn)
-        a_reg = cuda.local.array(TM, float32)
-        b_reg = cuda.local.array(TN, float32)
-        a_pf = cuda.local.array(A_LOADS, float32)  # prefetched part of the next x slice
-        b_pf = cuda.local.array(B_LOADS, float32)
-        tid = cuda.threadIdx.x
-        tx = tid % NTX
-        ty = tid // NTX
-        m0 = cuda.blockIdx.y * BM
-        n0 = cuda.blockIdx.x * BN
-        for i in range(TM):
-            for j in range(TN):
-                acc[i, j] = float32(0.0)
-        n_steps = (K + BK - 1) // BK
-        # slice 0 straight into buffer 0
-        for l in range(A_LOADS):
-            e = tid + l * NT
-            r = e // BK
-            c = e % BK
-            v = float32(0.0)
-            if m0 + r < M and c < K:
-                v = x[m0 + r, c]
-            As[0, c, r] = v
-        for l in range(B_LOADS):
-            e = tid + l * NT
-            r = e // BK
-            c = e % BK
-            v = float32(0.0)
-            if n0 + r < N and c < K:
-                v = w[n0 + r, c]
-            Bs[0, c, r] = v
-        cuda.syncthreads()
-        for s in range(n_steps):
-            cur = s % 2
-            k1 = (s + 1) * BK
-            has_next = s + 1 < n_steps
-            if has_next:
-                for l in range(A_LOADS):
-                    e = tid + l * NT
-                    r = e // BK
-                    c = e % BK
-                    v = float32(0.0)
-                    if m0 + r < M and k1 + c < K:
-                        v = x[m0 + r, k1 + c]
-                    a_pf[l] = v
-                for l in range(B_LOADS):
-                    e = tid + l * NT
-                    r = e // BK
-                    c = e % BK
-                    v = float32(0.0)
-                    if n0 + r < N and k1 + c < K:
-                        v = w[n0 + r, k1 + c]
-                    b_pf[l] = v
-            for kk in range(BK):
-                for i in range(TM):
-                    a_reg[i] = As[cur, kk, ty + i * NTY]
-                for j in range(TN):
-                    b_reg[j] = Bs[cur, kk, tx + j * NTX]
-                for i in range(TM):
-                    for j in range(TN):
-                        acc[i, j] += a_reg[i] * b_reg[j]
-            if has_next:
-                # Buffer 1 - cur was last read in step s - 1, which every thread finished
-                # before the barrier that ended that step.
-                nxt = 1 - cur
-                for l in range(A_LOADS):
-                    e = tid + l * NT
-                    As[nxt, e % BK, e // BK] = a_pf[l]
-                for l in range(B_LOADS):
-                    e = tid + l * NT
-                    Bs[nxt, e % BK, e // BK] = b_pf[l]
-            cuda.syncthreads()
-        for i in range(TM):
-            r = m0 + ty + i * NTY
-            if r < M:
-                for j in range(TN):
-                    c = n0 + tx + j * NTX
-                    if c < N:
-                        y[r, c] = acc[i, j]
-
-    return gemm_v2
+LAYOUTS = {"nn": (False, False), "nt": (False, True), "tt": (True, True), "tn": (True, False)}
 
 
 def max_registers(threads: int, blocks_per_sm: int) -> int:
@@ -265,34 +138,65 @@ def max_registers(threads: int, blocks_per_sm: int) -> int:
     return min(255, 65536 // (blocks_per_sm * threads) // 8 * 8)
 
 
-def make_gemm_v3(t: GemmTiles, blocks_per_sm: int = 2):
-    """v2's pipeline without the inner-loop overhead; see ``gemm_v3`` in the module docstring.
-    Needs bk a multiple of 4 and of the loads per thread (each thread fetches adjacent k)."""
+def _vector_width(loads: int, run: int) -> int:
+    """Largest of 4, 2, 1 dividing both a thread's ``loads`` and the contiguous ``run``."""
+    for v in (4, 2, 1):
+        if loads % v == 0 and run % v == 0:
+            return v
+    return 1
+
+
+def _operand_map(trans: bool, rows: int, bk: int, nt: int):
+    """How a thread fetches its share of a (rows x bk) slice of an operand: returns
+    ``(V, G, per, stride)``: G vectors of V adjacent elements, contiguous in memory (along k for
+    "n", along rows for "t"); ``per`` vectors span one row ("n") or one k ("t"); thread ``tid``
+    takes vector ``tid % per`` of row (k) ``tid // per + g * stride``."""
+    loads = rows * bk // nt
+    run = rows if trans else bk
+    v = _vector_width(loads, run)
+    per = run // v
+    if nt % per:
+        raise ValueError(f"{nt} threads cannot share rows of {per} vectors of {v}")
+    stride = nt // per
+    g = loads // v
+    if stride * g != (bk if trans else rows):
+        raise ValueError(f"operand slice {rows}x{bk} does not split into {nt} threads x {g} vectors of {v}")
+    return v, g, per, stride
+
+
+@lru_cache(maxsize=None)
+def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumulate: bool = False,
+              blocks_per_sm: int = 2):
+    """The kernel ``kernel(a, b, acc_in, c, split_steps)`` computing ``c = [acc_in +] A @ B`` for
+    the layouts in the module docstring; ``split_steps`` k slices per block along grid z."""
     t.check()
     BM, BN, BK, TM, TN = t.bm, t.bn, t.bk, t.tm, t.tn
-    NTX, NTY = BN // TN, BM // TM
-    NT = NTX * NTY
-    A_LOADS, B_LOADS = BM * BK // NT, BN * BK // NT
-    if BK % 4 or BK % A_LOADS or BK % B_LOADS:
-        raise ValueError(f"tile {t}: gemm_v3 needs bk a multiple of 4 and of the loads per thread "
-                         f"({A_LOADS} of x, {B_LOADS} of w)")
+    NT = t.threads
+    GM, GN = t.group_tile  # rows / columns of one interleaved group of threads
+    GTY, GTX = GM // TM, GN // TN  # its threads, by row and by column
+    GT = GTY * GTX  # threads per group (a warp, or the whole block)
+    GPR = BN // GN  # groups per row of groups
     BMP, BNP = BM + PAD, BN + PAD
     VM = VEC if TM % VEC == 0 else 1  # a thread's rows come in runs of VM adjacent rows
     VN = VEC if TN % VEC == 0 else 1  # and its columns in runs of VN adjacent columns
-    SM, SN = NTY * VM, NTX * VN  # distance between two runs of one thread
+    SM, SN = GTY * VM, GTX * VN  # distance between two runs of one thread
+    AV, AG, APER, ASTR = _operand_map(a_trans, BM, BK, NT)
+    BV, BG, BPER, BSTR = _operand_map(b_trans, BN, BK, NT)
+    A_LOADS, B_LOADS = AV * AG, BV * BG  # elements of A and of B per thread per slice
+    AT, BT, ACC = a_trans, b_trans, accumulate
     # The simulator accepts neither option; alignment only matters to the vectoriser anyway.
     opts = {} if simulating() else {"max_registers": max_registers(NT, blocks_per_sm)}
     ALIGN = None if simulating() else 16
 
     @cuda.jit(device=True, inline="always")
     def k_step(As, Bs, buf, kk, ra, cb, acc, a_reg, b_reg):
-        """acc += outer(x column kk, w column kk) over this thread's rows and columns."""
+        """acc += outer(A column kk, B row kk) over this thread's rows and columns."""
         for i in range(TM):
             a_reg[i] = As[buf, kk, ra + uint64((i // VM) * SM + i % VM)]
         for j in range(TN):
             b_reg[j] = Bs[buf, kk, cb + uint64((j // VN) * SN + j % VN)]
-        for i in range(TM):
-            for j in range(TN):
+        for j in range(TN):
+            for i in range(TM):
                 acc[i, j] += a_reg[i] * b_reg[j]
 
     @cuda.jit(device=True, inline="always")
@@ -306,117 +210,134 @@ def make_gemm_v3(t: GemmTiles, blocks_per_sm: int = 2):
             k_step(As, Bs, buf, kk + uint64(3), ra, cb, acc, a_reg, b_reg)
 
     @cuda.jit(device=True, inline="always")
-    def fetch(x, w, m0, n0, k0, ar, ak, br, bk, a_pf, b_pf):
-        """Registers <- this thread's share of x[m0:m0+bm, k0:k0+bk] and w[n0:n0+bn, k0:k0+bk]:
-        A_LOADS (B_LOADS) adjacent k of row ar (br), zero outside the matrices. Tiles wholly
-        inside a matrix skip the per-element checks (a branch taken by the whole block)."""
-        M, K = uint64(x.shape[0]), uint64(x.shape[1])  # unsigned throughout: a signed / unsigned
-        N = uint64(w.shape[0])  # mix would be compared in float64
-        k_in = k0 + uint64(BK) <= K
-        r = m0 + ar
-        if k_in and m0 + uint64(BM) <= M:
-            for l in range(A_LOADS):
-                a_pf[l] = x[r, k0 + ak + uint64(l)]
-        else:
-            for l in range(A_LOADS):
-                c = k0 + ak + uint64(l)
-                v = float32(0.0)
-                if r < M and c < K:
-                    v = x[r, c]
-                a_pf[l] = v
-        r = n0 + br
-        if k_in and n0 + uint64(BN) <= N:
-            for l in range(B_LOADS):
-                b_pf[l] = w[r, k0 + bk + uint64(l)]
-        else:
-            for l in range(B_LOADS):
-                c = k0 + bk + uint64(l)
-                v = float32(0.0)
-                if r < N and c < K:
-                    v = w[r, c]
-                b_pf[l] = v
+    def fetch_origin(trans, per, vw, tid):
+        """(row, k) of the first element a thread fetches: vector ``tid % per`` of row (of k,
+        for "t") ``tid // per``; the vector runs along k ("n") or along rows ("t")."""
+        if trans:
+            return uint64(tid % per * vw), uint64(tid // per)
+        return uint64(tid // per), uint64(tid % per * vw)
 
     @cuda.jit(device=True, inline="always")
-    def stash(As, Bs, buf, ar, ak, br, bk, a_pf, b_pf):
-        """Shared buffer ``buf`` <- the fetched registers, transposed to k-major."""
-        for l in range(A_LOADS):
-            As[buf, ak + uint64(l), ar] = a_pf[l]
-        for l in range(B_LOADS):
-            Bs[buf, bk + uint64(l), br] = b_pf[l]
+    def fetch_one(src, trans, vw, ng, stride, rows_tile, r0, k0, fr, fk, n_rows, K, reg):
+        """reg <- this thread's ng vectors of vw elements of the (rows_tile x BK) slice at
+        (r0, k0): row fr (+ g * stride for "n"), k fk (+ g * stride for "t"); zero outside."""
+        if r0 + uint64(rows_tile) <= n_rows and k0 + uint64(BK) <= K:  # whole slice inside
+            for g in range(ng):
+                for e in range(vw):
+                    if trans:
+                        reg[g * vw + e] = src[k0 + fk + uint64(g * stride), r0 + fr + uint64(e)]
+                    else:
+                        reg[g * vw + e] = src[r0 + fr + uint64(g * stride), k0 + fk + uint64(e)]
+        else:
+            for g in range(ng):
+                for e in range(vw):
+                    if trans:
+                        r = r0 + fr + uint64(e)
+                        c = k0 + fk + uint64(g * stride)
+                    else:
+                        r = r0 + fr + uint64(g * stride)
+                        c = k0 + fk + uint64(e)
+                    val = float32(0.0)
+                    if r < n_rows and c < K:
+                        val = src[c, r] if trans else src[r, c]
+                    reg[g * vw + e] = val
+
+    @cuda.jit(device=True, inline="always")
+    def stash_one(S, buf, trans, vw, ng, stride, fr, fk, reg):
+        """Shared buffer ``buf`` <- the fetched registers, k-major."""
+        for g in range(ng):
+            for e in range(vw):
+                if trans:
+                    S[buf, fk + uint64(g * stride), fr + uint64(e)] = reg[g * vw + e]
+                else:
+                    S[buf, fk + uint64(e), fr + uint64(g * stride)] = reg[g * vw + e]
+
+    @cuda.jit(device=True, inline="always")
+    def fetch(a, b, m0, n0, k0, M, N, K, fa, ka, fb, kb, a_pf, b_pf):
+        fetch_one(a, AT, AV, AG, ASTR, BM, m0, k0, fa, ka, M, K, a_pf)
+        fetch_one(b, BT, BV, BG, BSTR, BN, n0, k0, fb, kb, N, K, b_pf)
+
+    @cuda.jit(device=True, inline="always")
+    def stash(As, Bs, buf, fa, ka, fb, kb, a_pf, b_pf):
+        stash_one(As, buf, AT, AV, AG, ASTR, fa, ka, a_pf)
+        stash_one(Bs, buf, BT, BV, BG, BSTR, fb, kb, b_pf)
 
     @cuda.jit(**opts)
-    def gemm_v3(x, w, y, split_steps):
-        # Split-K: block z multiplies k slices [z * split_steps, (z + 1) * split_steps) and adds
-        # its partial tile into y (zeroed by the launcher); with one split it stores.
-        M, K = x.shape
-        N = w.shape[0]
-        As = cuda.shared.array((2, BK, BMP), float32, alignment=ALIGN)  # 2 x (bk, bm) of x
-        Bs = cuda.shared.array((2, BK, BNP), float32, alignment=ALIGN)  # 2 x (bk, bn) of w
+    def gemm_kernel(a, b, acc_in, c, split_steps):
+        M = uint64(c.shape[0])  # unsigned throughout: a signed / unsigned mix would be
+        N = uint64(c.shape[1])  # compared in float64
+        K = uint64(a.shape[0] if AT else a.shape[1])
+        As = cuda.shared.array((2, BK, BMP), float32, alignment=ALIGN)  # 2 x (bk, bm) of A
+        Bs = cuda.shared.array((2, BK, BNP), float32, alignment=ALIGN)  # 2 x (bk, bn) of B
         acc = cuda.local.array((TM, TN), float32)  # (tm, tn)
         a_reg = cuda.local.array(TM, float32)
         b_reg = cuda.local.array(TN, float32)
-        a_pf = cuda.local.array(A_LOADS, float32)  # this thread's share of the next x slice
-        b_pf = cuda.local.array(B_LOADS, float32)  # and of the next w slice
+        a_pf = cuda.local.array(A_LOADS, float32)  # this thread's share of the next A slice
+        b_pf = cuda.local.array(B_LOADS, float32)  # and of the next B slice
         tid = cuda.threadIdx.x
-        ra = uint64((tid // NTX) * VM)  # first row of this thread's micro-tile in the block tile
-        cb = uint64((tid % NTX) * VN)  # first column
-        ar = uint64(tid // (BK // A_LOADS))  # row of the x slice this thread fetches
-        ak = uint64(tid % (BK // A_LOADS) * A_LOADS)  # its first k
-        br = uint64(tid // (BK // B_LOADS))  # same for the w slice
-        bk = uint64(tid % (BK // B_LOADS) * B_LOADS)
+        grp = tid // GT  # thread group (warp tile), then the thread within it
+        lt = tid % GT
+        ra = uint64((grp // GPR) * GM + (lt // GTX) * VM)  # first row of this thread's micro-tile
+        cb = uint64((grp % GPR) * GN + (lt % GTX) * VN)  # first column
+        fa, ka = fetch_origin(AT, APER, AV, tid)  # row and k of this thread's first vector of A
+        fb, kb = fetch_origin(BT, BPER, BV, tid)  # and of B
         m0 = uint64(cuda.blockIdx.y * BM)
         n0 = uint64(cuda.blockIdx.x * BN)
         for i in range(TM):
             for j in range(TN):
                 acc[i, j] = float32(0.0)
-        n_steps = (K + BK - 1) // BK
-        s0 = cuda.blockIdx.z * split_steps  # this block's k slices: [s0, s1)
-        s1 = min(n_steps, s0 + split_steps)
-        fetch(x, w, m0, n0, uint64(s0 * BK), ar, ak, br, bk, a_pf, b_pf)
-        stash(As, Bs, 0, ar, ak, br, bk, a_pf, b_pf)
+        n_steps = (K + uint64(BK - 1)) // uint64(BK)
+        s0 = uint64(cuda.blockIdx.z) * uint64(split_steps)  # this block's k slices: [s0, s1)
+        s1 = min(n_steps, s0 + uint64(split_steps))
+        fetch(a, b, m0, n0, s0 * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
+        stash(As, Bs, 0, fa, ka, fb, kb, a_pf, b_pf)
         cuda.syncthreads()
         # Two k slices per trip so that the buffer indices are constants: slice s0 + i is in
         # buffer i % 2. A buffer is overwritten only after the barrier that ends the step reading it.
-        for s in range(s0, s1, 2):
-            if s + 1 < s1:
-                fetch(x, w, m0, n0, uint64((s + 1) * BK), ar, ak, br, bk, a_pf, b_pf)
+        for s in range(s0, s1, uint64(2)):
+            if s + uint64(1) < s1:
+                fetch(a, b, m0, n0, (s + uint64(1)) * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
             multiply(As, Bs, 0, ra, cb, acc, a_reg, b_reg)
-            if s + 1 < s1:
-                stash(As, Bs, 1, ar, ak, br, bk, a_pf, b_pf)
+            if s + uint64(1) < s1:
+                stash(As, Bs, 1, fa, ka, fb, kb, a_pf, b_pf)
             cuda.syncthreads()
-            if s + 1 < s1:
-                if s + 2 < s1:
-                    fetch(x, w, m0, n0, uint64((s + 2) * BK), ar, ak, br, bk, a_pf, b_pf)
+            if s + uint64(1) < s1:
+                if s + uint64(2) < s1:
+                    fetch(a, b, m0, n0, (s + uint64(2)) * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
                 multiply(As, Bs, 1, ra, cb, acc, a_reg, b_reg)
-                if s + 2 < s1:
-                    stash(As, Bs, 0, ar, ak, br, bk, a_pf, b_pf)
+                if s + uint64(2) < s1:
+                    stash(As, Bs, 0, fa, ka, fb, kb, a_pf, b_pf)
                 cuda.syncthreads()
         split = cuda.gridDim.z > 1
         for i in range(TM):
             r = m0 + ra + uint64((i // VM) * SM + i % VM)
-            if r < uint64(M):
+            if r < M:
                 for j in range(TN):
-                    c = n0 + cb + uint64((j // VN) * SN + j % VN)
-                    if c < uint64(N):
+                    col = n0 + cb + uint64((j // VN) * SN + j % VN)
+                    if col < N:
                         if split:
-                            cuda.atomic.add(y, (r, c), acc[i, j])
+                            cuda.atomic.add(c, (r, col), acc[i, j])
+                        elif ACC:
+                            c[r, col] = acc_in[r, col] + acc[i, j]
                         else:
-                            y[r, c] = acc[i, j]
+                            c[r, col] = acc[i, j]
 
-    return gemm_v3
+    return gemm_kernel
+
+
+def make_gemm_v3(t: GemmTiles, blocks_per_sm: int = 2):
+    """The forward (n/n) kernel with registers capped for ``blocks_per_sm`` blocks per SM."""
+    return make_gemm(t, blocks_per_sm=blocks_per_sm)
 
 
 def make_gemm_v4(t: GemmTiles):
-    """gemm_v3 without the register cap: one 256-thread block per SM, no spills at 8 x 8."""
-    return make_gemm_v3(t, blocks_per_sm=1)
+    """The forward kernel without the register cap: one 256-thread block per SM, no spills at 8 x 8."""
+    return make_gemm(t, blocks_per_sm=1)
 
 
-VARIANTS = {1: make_gemm_v1, 2: make_gemm_v2, 3: make_gemm_v3, 4: make_gemm_v4}
-SPLIT_K_VARIANTS = (3, 4)  # kernels that take the split-K argument
-# Measured on the H200 (docs/results.md#kernels-h200, first sweep): v1 beat v2 on every
-# tile shape (18.6 vs 16.1 TFLOP/s best at 4096^3). v2's extra buffer index and prefetch
-# registers cost more than the barrier it saves, at these occupancies. v3 / v4 beat both at
-# every shape (docs/results.md#kernels-h200, below).
+BLOCKS_PER_SM = {3: 2, 4: 1}  # variant -> the blocks per SM its register cap allows
+VARIANTS = {3: make_gemm_v3, 4: make_gemm_v4}
+SPLIT_K_VARIANTS = (3, 4)  # every variant takes the split-K argument
 DEFAULT_VARIANT = 3
 
 
@@ -429,7 +350,7 @@ class GemmLaunch:
     splits: int = 1
 
 
-# The launch rule, from experiments/gemm_sweep.py on the H200 (docs/results.md#kernels-h200;
+# The launch rule, from experiments/gemm_sweep.py on the H200 (experiments/results/gemm-h200/;
 # % of cuBLAS fp32 with TF32 off; blocks of 128 x 128 tiles in brackets):
 #                      4096^3 [1024]  1024x2048x2048 [128]  1024x5632x2048 [352]  1024x2048x5632 [128]  1024x512x2048 [32]
 #   v3 128x128x8/8x8       61.4             55.6                 44.0                  53.2                 18.4
@@ -441,18 +362,14 @@ class GemmLaunch:
 # and 64 x 64 tiles still leave a 1024 x 512 output at 128 blocks of 8 warps: split-K
 # multiplies the blocks (partial tiles added atomically into a zeroed y). Two blocks per SM
 # (rounding the split count down) measured best: 3 splits leave 384 blocks, 2.9 per SM.
+# The backward layouts (n/t, t/t) follow the same rule until gemm_sweep.py measures them apart.
 BIG_TILES_V3 = GemmTiles(bm=128, bn=128, bk=8, tm=8, tn=8)
 BIG_TILES_V4 = GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=8)
 SMALL_TILES = GemmTiles(bm=64, bn=64, bk=16, tm=4, tn=4)
 SM_COUNT = 132  # the H200's; it only sets the thresholds below
 SPLIT_TARGET_BLOCKS = 2 * SM_COUNT  # split k up to this many blocks (two per SM)
 
-# The v1 launch shapes (measured, kept for the earlier sweeps and the v1 tests), and the v3 / v4
-# candidates that experiments/gemm_sweep.py times.
-GPU_TILES = (
-    GemmTiles(bm=64, bn=128, bk=8, tm=4, tn=8),  # 256 threads, 4 x 8 micro-tile
-    GemmTiles(bm=64, bn=64, bk=16, tm=4, tn=4),  # 256 threads, for small N (GQA k/v proj)
-)
+# Candidates that experiments/gemm_sweep.py times (registers per thread for sm_90, ptxas -v).
 V3_TILES = (
     BIG_TILES_V3,  # v3: 126 registers, 2 blocks per SM
     BIG_TILES_V4,  # v4: 161 registers (v3 would spill)
@@ -460,6 +377,24 @@ V3_TILES = (
     GemmTiles(bm=128, bn=64, bk=8, tm=8, tn=4),  # 109 registers
     SMALL_TILES,  # 96 registers
     GemmTiles(bm=64, bn=64, bk=32, tm=4, tn=4),  # 108 registers, 34 KiB shared memory
+)
+# Warp-tiled candidates, not yet measured on a GPU. Registers from ptxas -v for sm_90 offline
+# (CUDA 13.0 NVVM; the V3_TILES figures above came from 12.9 and differ by a few), forward layout.
+# NVVM turns 20 of the 32 runs of 4 shared loads per k slice pair into 128-bit loads here, against
+# 28 of 32 for V3_TILES' 8x8 shapes: it leaves some B runs scalar (same PTX whatever the order of
+# the loads or of the FMA loops), which costs up to 3 instructions per 64 FMAs.
+WARP_TILES = (
+    # v3's two big shapes with 8 warps of 32x64: per k a warp reads 8 + 4 float4 (1 + 1
+    # shared-memory wavefronts) instead of 2 + 16 (1 + 2). bk 8: v3 128 registers (28 B spilled),
+    # v4 126; bk 16: v3 128 (no spill), v4 139.
+    GemmTiles(bm=128, bn=128, bk=8, tm=8, tn=8, wm=32, wn=64),
+    GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=8, wm=32, wn=64),
+    # 4 warps of 64x64, 8x16 outputs per thread (the shape of the public SIMT write-up's best
+    # kernel): 128 FMAs per 24 operands loaded, 16 global loads per thread per slice; 254
+    # registers, no spill, two 128-thread blocks per SM.
+    GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=16, wm=64, wn=64),
+    # 4 warps of 64x32 over a 128x64 tile: twice the blocks, for outputs of a few waves; 162 registers.
+    GemmTiles(bm=128, bn=64, bk=16, tm=8, tn=8, wm=64, wn=32),
 )
 
 
@@ -489,10 +424,12 @@ def choose_tiles(m: int, n: int, k: int) -> GemmTiles:
 
 
 @lru_cache(maxsize=None)
-def get_kernel(variant: int, tiles: GemmTiles):
+def get_kernel(variant: int, tiles: GemmTiles, layout: str = "nn", accumulate: bool = False):
+    """The compiled-on-first-launch kernel of ``variant`` for ``tiles`` and ``layout``."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown GEMM variant {variant}; known: {sorted(VARIANTS)}")
-    return VARIANTS[variant](tiles)
+    a_trans, b_trans = LAYOUTS[layout]
+    return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant])
 
 
 def check_args(x, w, y) -> tuple[int, int, int]:
@@ -508,31 +445,68 @@ def check_args(x, w, y) -> tuple[int, int, int]:
     return m, n, k
 
 
-def gemm(x, w, y, stream=0, tiles: GemmTiles | None = None, variant: int | None = None,
-         splits: int | None = None):
-    """Enqueue ``y = x @ w.T`` on ``stream``. x (M, K), w (N, K), y (M, N): device arrays.
-    Without ``tiles`` / ``variant`` the launcher picks (:func:`choose`); ``splits`` > 1 (v3 and
-    v4 only) shares each tile's k slices among that many blocks, which add into a zeroed y."""
-    m, n, k = check_args(x, w, y)
+def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, variant, splits) -> None:
+    """Enqueue ``c = [acc +] A @ B`` (reduction length ``k``) with the launcher's choice filling
+    whatever of ``tiles`` / ``variant`` / ``splits`` is None."""
+    m, n = c.shape
+    if m == 0 or n == 0:
+        return
     auto = choose(m, n, k, splits)
     tiles = tiles or auto.tiles
     variant = auto.variant if variant is None else variant
-    kernel = get_kernel(variant, tiles)
-    grid = (-(-n // tiles.bn), -(-m // tiles.bm))
-    if variant not in SPLIT_K_VARIANTS:
-        if splits not in (None, 1):
-            raise ValueError(f"gemm_v{variant} has no split-K; splits={splits} needs variant 3 or 4")
-        kernel[grid, tiles.threads, stream](x, w, y)
-        return
     splits = auto.splits if splits is None else splits
     k_steps = max(1, -(-k // tiles.bk))
     if not 1 <= splits <= k_steps:
         raise ValueError(f"splits={splits} must be between 1 and the {k_steps} k slices of K={k}")
     per = -(-k_steps // splits)
     splits = -(-k_steps // per)  # no empty split
-    if splits > 1:
-        zero_fill(y, stream)
-    kernel[grid + (splits,), tiles.threads, stream](x, w, y, per)
+    grid = (-(-n // tiles.bn), -(-m // tiles.bm), splits)
+    if splits > 1:  # the blocks add into c: start it at acc, or zero
+        if acc is None:
+            zero_fill(c, stream)
+        else:
+            copy_fill(acc, c, stream)
+    kernel = get_kernel(variant, tiles, layout, acc is not None and splits == 1)
+    kernel[grid, tiles.threads, stream](a, b, c if acc is None else acc, c, per)
+
+
+def gemm(x, w, y, stream=0, tiles: GemmTiles | None = None, variant: int | None = None,
+         splits: int | None = None):
+    """Enqueue ``y = x @ w.T`` on ``stream``. x (M, K), w (N, K), y (M, N): device arrays.
+    Without ``tiles`` / ``variant`` the launcher picks (:func:`choose`); ``splits`` > 1 shares each
+    tile's k slices among that many blocks, which add into a zeroed y."""
+    m, n, k = check_args(x, w, y)
+    _launch("nn", x, w, None, y, k, stream, tiles, variant, splits)
+
+
+def _backward(op: str, names: tuple, layout: str, axis: int, dy, b, out, acc, stream, tiles, variant, splits):
+    """Check and launch one backward GEMM: the reduction runs over ``dy``'s ``axis`` (N for
+    dx = dy w, M for dw = dy^T x), which is ``b``'s first; the output is (dy's other axis, K)."""
+    for name, a in zip(names + ("acc",), (dy, b, out, acc)):
+        if a is not None:
+            check_ndim(name, a, 2)
+            check_float32(name, a)
+    red = dy.shape[axis]
+    want = (dy.shape[1 - axis], b.shape[1])
+    if b.shape[0] != red or tuple(out.shape) != want or (acc is not None and tuple(acc.shape) != want):
+        rows, other = ("N", "M") if axis else ("M", "N")
+        raise ValueError(f"{op}: dy {tuple(dy.shape)} (M, N), {names[1]} {tuple(b.shape)} ({rows}, K), {names[2]} "
+                         f"{tuple(out.shape)} and acc {None if acc is None else tuple(acc.shape)} ({other}, K) disagree")
+    _launch(layout, dy, b, acc, out, red, stream, tiles, variant, splits)
+
+
+def linear_dx(dy, w, dx, stream=0, acc=None, tiles: GemmTiles | None = None, variant: int | None = None,
+              splits: int | None = None):
+    """Enqueue ``dx = dy @ w`` (+ ``acc``): dy (M, N), w (N, K), dx and acc (M, K). ``acc`` may be
+    dx itself (accumulate in place) or another array."""
+    _backward("linear_dx", ("dy", "w", "dx"), "nt", 1, dy, w, dx, acc, stream, tiles, variant, splits)
+
+
+def linear_dw(dy, x, dw, stream=0, acc=None, tiles: GemmTiles | None = None, variant: int | None = None,
+              splits: int | None = None):
+    """Enqueue ``dw = dy.T @ x`` (+ ``acc``): dy (M, N), x (M, K), dw and acc (N, K). ``acc`` may be
+    dw itself (accumulate in place) or another array."""
+    _backward("linear_dw", ("dy", "x", "dw"), "tt", 0, dy, x, dw, acc, stream, tiles, variant, splits)
 
 
 @cuda.jit
@@ -542,9 +516,32 @@ def _zero2d(y):
         y[i, j] = float32(0.0)
 
 
+@cuda.jit
+def _copy2d(src, dst):
+    i, j = cuda.grid(2)
+    if i < dst.shape[0] and j < dst.shape[1]:
+        dst[i, j] = src[i, j]
+
+
+def _grid2d(y):
+    return (-(-y.shape[0] // 16), -(-y.shape[1] // 16)), (16, 16)
+
+
 def zero_fill(y, stream=0) -> None:
     """``y[...] = 0`` on ``stream`` (the split-K accumulator)."""
-    _zero2d[(-(-y.shape[0] // 16), -(-y.shape[1] // 16)), (16, 16), stream](y)
+    blocks, threads = _grid2d(y)
+    _zero2d[blocks, threads, stream](y)
+
+
+def copy_fill(src, dst, stream=0) -> None:
+    """``dst[...] = src`` on ``stream`` (each element read and written by one thread: in place is
+    fine): the split-K accumulator when adding to an existing gradient."""
+    blocks, threads = _grid2d(dst)
+    _copy2d[blocks, threads, stream](src, dst)
+
+
+def _rel_err(got, want) -> float:
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
 def validate(
@@ -555,8 +552,9 @@ def validate(
     seed: int = 0,
     splits: int | None = None,
 ) -> list[dict]:
-    """Run every variant on each (M, N, K) against ``reference.linear``; returns one record per
-    run with the max error relative to the reference's largest magnitude. Raises on a mismatch."""
+    """Run every variant of the forward on each (M, N, K) against ``reference.linear``; returns
+    one record per run with the max error relative to the reference's largest magnitude. Raises
+    on a mismatch."""
     rng = np.random.default_rng(seed)
     records = []
     for m, n, k in shapes:
@@ -566,9 +564,41 @@ def validate(
         for v in variants:
             d_y = cuda.device_array((m, n), dtype=np.float32)  # (M, N)
             gemm(cuda.to_device(x), cuda.to_device(w), d_y, tiles=tiles, variant=v, splits=splits)
-            got = d_y.copy_to_host()
-            err = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+            err = _rel_err(d_y.copy_to_host(), want)
             records.append({"shape": (m, n, k), "variant": v, "max_rel_err": err})
             if not err <= rtol:
                 raise AssertionError(f"gemm_v{v} at (M,N,K)={(m, n, k)}: max rel err {err:.3g}")
+    return records
+
+
+def validate_backward(shapes=((8, 8, 4), (5, 7, 9), (17, 3, 13), (16, 24, 8)), tiles: GemmTiles | None = None,
+                      rtol: float = 1e-5, seed: int = 0, splits: int | None = None,
+                      variant: int | None = None) -> list[dict]:
+    """``linear_dx`` and ``linear_dw``, with and without ``acc``, on each (M, N, K) of the forward
+    they differentiate, against the references."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for m, n, k in shapes:
+        x = rng.standard_normal((m, k), dtype=np.float32)  # (M, K)
+        w = rng.standard_normal((n, k), dtype=np.float32)  # (N, K)
+        dy = rng.standard_normal((m, n), dtype=np.float32)  # (M, N)
+        gx = rng.standard_normal((m, k), dtype=np.float32)  # (M, K) existing gradients
+        gw = rng.standard_normal((n, k), dtype=np.float32)  # (N, K)
+        cases = (
+            ("dx", linear_dx, (dy, w), None, reference.linear_backward_x(dy, w)),
+            ("dx+acc", linear_dx, (dy, w), gx, gx + reference.linear_backward_x(dy, w)),
+            ("dw", linear_dw, (dy, x), None, reference.linear_backward_w(dy, x)),
+            ("dw+acc", linear_dw, (dy, x), gw, reference.linear_backward_w(dy, x, gw)),
+        )
+        for name, fn, ins, acc, want in cases:
+            d_out = cuda.device_array(want.shape, dtype=np.float32)
+            red = ins[0].shape[1] if fn is linear_dx else ins[0].shape[0]  # reduction length
+            t = tiles or choose(*want.shape, red, splits).tiles
+            s = None if splits is None else min(splits, -(-red // t.bk))
+            fn(*(cuda.to_device(a) for a in ins), d_out, acc=None if acc is None else cuda.to_device(acc),
+               tiles=tiles, variant=variant, splits=s)
+            err = _rel_err(d_out.copy_to_host(), want)
+            records.append({"shape": (m, n, k), "case": name, "max_rel_err": err})
+            if not err <= rtol:
+                raise AssertionError(f"linear {name} at (M,N,K)={(m, n, k)}: max rel err {err:.3g}")
     return records

@@ -56,8 +56,7 @@ from . import reference
 from .adamw import adamw
 from .attention import attention
 from .attention_backward import attention_backward
-from .gemm import gemm
-from .gemm_backward import linear_dw, linear_dx
+from .gemm import gemm, linear_dw, linear_dx
 from .residual import residual_add
 from .rmsnorm import rmsnorm, rmsnorm_backward_dw, rmsnorm_backward_dx
 from .rope import rope, rope_backward
@@ -182,7 +181,8 @@ def _attention_ref(inputs, **params):
 
 def _attention_launch(stream, inputs, outputs, **params):
     _check_call("attention", 3, (), inputs, outputs, params)
-    attention(inputs[0], inputs[1], inputs[2], outputs[0], stream)
+    # splits=1: split-KV would allocate a workspace the memory plan does not know about
+    attention(inputs[0], inputs[1], inputs[2], outputs[0], stream, splits=1)
 
 
 def _attention_flops(shapes, **params):
@@ -293,7 +293,7 @@ _TRAIN = (
     _train_task(
         "attention_lse", 3,
         reference.attention_lse,
-        lambda s, i, o: attention(i[0], i[1], i[2], o[0], s, lse=o[1]),
+        lambda s, i, o: attention(i[0], i[1], i[2], o[0], s, lse=o[1], splits=1),
         _attention_flops,
         lambda sh, **p: [tuple(sh[0]), (sh[0][0], sh[0][2], sh[0][1])], n_outputs=2),
     _train_task(
