@@ -65,6 +65,11 @@ class ConfigError(VmsError, ValueError):
     malformed configuration string."""
 
 
+class KernelError(VmsError, ValueError):
+    """A kernel given arrays or launch settings it cannot take (a shape, dtype, layout, tile
+    shape or variant), named with the value."""
+
+
 class NoGPUError(VmsError, RuntimeError):
     """A real GPU path was asked for on a machine without a usable CUDA GPU."""
 

@@ -11,6 +11,8 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
+from vmstoolkit.errors import KernelError
+
 # Grid-stride elementwise kernels use this many threads per block on a GPU. 256 keeps eight
 # warps per block and lets an SM hold eight blocks; the kernels are bandwidth bound, so the exact
 # figure matters little. Under the simulator every GPU thread is an OS thread: keep it small.
@@ -30,17 +32,17 @@ def simulating() -> bool:
 def check_float32(name: str, a) -> None:
     dtype = np.dtype(a.dtype)
     if dtype != np.float32:
-        raise ValueError(f"{name} must be float32, got dtype={dtype} (shape={tuple(a.shape)})")
+        raise KernelError(f"{name} must be float32, got dtype={dtype} (shape={tuple(a.shape)})")
 
 
 def check_shape(name: str, a, shape: tuple) -> None:
     if tuple(a.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+        raise KernelError(f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
 
 
 def check_ndim(name: str, a, ndim: int) -> None:
     if len(a.shape) != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(a.shape)}")
+        raise KernelError(f"{name} must have {ndim} dimensions, got shape {tuple(a.shape)}")
 
 
 def elementwise_grid(n: int) -> tuple[int, int]:
@@ -78,7 +80,7 @@ def check_binary_elementwise(op: str, names: tuple[str, str, str], a, b, y) -> N
     for name, arr in zip(names, (a, b, y)):
         check_float32(name, arr)
     if tuple(a.shape) != tuple(b.shape) or tuple(y.shape) != tuple(a.shape):
-        raise ValueError(
+        raise KernelError(
             f"{op}: {names[0]} {tuple(a.shape)}, {names[1]} {tuple(b.shape)} and output "
             f"{tuple(y.shape)} must have one shape"
         )

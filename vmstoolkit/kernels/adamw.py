@@ -16,6 +16,8 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32
 
+from vmstoolkit.errors import KernelError
+
 from . import reference
 from ._util import check_float32, elementwise_grid, flat
 
@@ -43,9 +45,9 @@ def adamw(w, g, m, v, w_out, m_out, v_out, *, lr: float, beta1: float = 0.9, bet
     for name, a in arrays.items():
         check_float32(name, a)
         if tuple(a.shape) != tuple(w.shape):
-            raise ValueError(f"adamw: {name} has shape {tuple(a.shape)}, w has {tuple(w.shape)}")
+            raise KernelError(f"adamw: {name} has shape {tuple(a.shape)}, w has {tuple(w.shape)}")
     if step < 1:
-        raise ValueError(f"adamw: step counts from 1, got {step}")
+        raise KernelError(f"adamw: step counts from 1, got {step}")
     n = int(np.prod(w.shape))
     if n == 0:
         return

@@ -69,6 +69,8 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int64, uint64
 
+from vmstoolkit.errors import KernelError
+
 from . import reference
 from ._util import check_float32, check_ndim, simulating
 
@@ -98,17 +100,17 @@ class AttentionTiles:
 
     def check(self, hd: int) -> None:
         if self.bq % self.rm or self.bkv % self.tpr or hd % self.tpr:
-            raise ValueError(
+            raise KernelError(
                 f"attention tiles {self} with head_dim={hd}: need bq % rm == 0, "
                 f"bkv % tpr == 0 and head_dim % tpr == 0"
             )
         if self.shared_bytes(hd) > STATIC_SHARED_LIMIT:
-            raise ValueError(
+            raise KernelError(
                 f"attention tiles {self} with head_dim={hd} need {self.shared_bytes(hd)} bytes "
                 f"of shared memory (> {STATIC_SHARED_LIMIT})"
             )
         if self.threads > 1024:
-            raise ValueError(f"attention tiles {self} need {self.threads} threads (> 1024)")
+            raise KernelError(f"attention tiles {self} need {self.threads} threads (> 1024)")
 
 
 # Simulator: 8 threads per block, 8 queries x 4 keys per step.
@@ -315,7 +317,7 @@ class FlashTiles:
         if self.threads > 1024:
             bad.append(f"needs {self.threads} threads (> 1024)")
         if bad:
-            raise ValueError(f"attention tiles {self} with head_dim={hd}: " + "; ".join(bad))
+            raise KernelError(f"attention tiles {self} with head_dim={hd}: " + "; ".join(bad))
 
 
 # Simulator: 8 threads, 8 rows (4 positions x 2 heads), 4 keys per tile.
@@ -328,7 +330,7 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
     docstring). Kernel arguments: q, k, v, o, scale, lse, ws_o, ws_lse, n_splits."""
     tiles.check(hd)
     if tiles.rows % heads:
-        raise ValueError(f"{heads} heads per block do not divide the {tiles.rows} rows of {tiles}")
+        raise KernelError(f"{heads} heads per block do not divide the {tiles.rows} rows of {tiles}")
     HD, R, BKV, TR, TK, TO = hd, tiles.rows, tiles.bkv, tiles.tr, tiles.tk, tiles.to
     HEADS = heads
     BQ = R // HEADS  # positions per block
@@ -688,23 +690,23 @@ def choose(b: int, t: int, nh: int, nkv: int, hd: int, variant: int | None = Non
     if variant is None:
         variant = DEFAULT_VARIANT if default_flash_tiles(hd) is not None else 1
     if variant not in (1, 2):
-        raise ValueError(f"unknown attention variant {variant}; known: 1, 2")
+        raise KernelError(f"unknown attention variant {variant}; known: 1, 2")
     if variant == 1:
         if tiles is not None and not isinstance(tiles, AttentionTiles):
-            raise ValueError(f"attention variant 1 takes AttentionTiles, got {tiles}")
+            raise KernelError(f"attention variant 1 takes AttentionTiles, got {tiles}")
         if splits not in (None, 1):
-            raise ValueError(f"attention variant 1 has no split-KV; splits={splits} needs variant 2")
+            raise KernelError(f"attention variant 1 has no split-KV; splits={splits} needs variant 2")
         return AttentionLaunch(1, tiles or choose_tiles(hd))
     if tiles is not None and not isinstance(tiles, FlashTiles):
-        raise ValueError(f"attention variant 2 takes FlashTiles, got {tiles}")
+        raise KernelError(f"attention variant 2 takes FlashTiles, got {tiles}")
     tiles = tiles or default_flash_tiles(hd)
     if tiles is None:
-        raise ValueError(f"attention variant 2 has no default tiles for head_dim={hd}")
+        raise KernelError(f"attention variant 2 has no default tiles for head_dim={hd}")
     heads = tiles.heads_for(nh // nkv)
     if splits is None:
         splits = _split_count(tiles, heads, b, t, nh)
     if splits < 1:
-        raise ValueError(f"attention: splits={splits} must be at least 1")
+        raise KernelError(f"attention: splits={splits} must be at least 1")
     return AttentionLaunch(2, tiles, heads, splits)
 
 
@@ -715,14 +717,14 @@ def check_args(q, k, v, o) -> tuple[int, int, int, int, int]:
     b, t, nh, hd = q.shape
     bk, tk, nkv, hdk = k.shape
     if (bk, tk, hdk) != (b, t, hd) or tuple(v.shape) != tuple(k.shape):
-        raise ValueError(
+        raise KernelError(
             f"attention: q {tuple(q.shape)} (B, T, nh, hd), k {tuple(k.shape)} and v "
             f"{tuple(v.shape)} (B, T, nkv, hd) disagree"
         )
     if nkv == 0 or nh % nkv:
-        raise ValueError(f"attention: n_heads={nh} is not a multiple of n_kv_heads={nkv}")
+        raise KernelError(f"attention: n_heads={nh} is not a multiple of n_kv_heads={nkv}")
     if tuple(o.shape) != tuple(q.shape):
-        raise ValueError(f"attention: output {tuple(o.shape)} != q {tuple(q.shape)}")
+        raise KernelError(f"attention: output {tuple(o.shape)} != q {tuple(q.shape)}")
     return b, t, nh, nkv, hd
 
 
@@ -746,7 +748,7 @@ def attention(q, k, v, o, stream=0, tiles: AttentionTiles | FlashTiles | None = 
     if lse is not None:
         check_float32("lse", lse)
         if tuple(lse.shape) != (b, nh, t):
-            raise ValueError(f"attention: lse has shape {tuple(lse.shape)}, expected (B, nh, T) = {(b, nh, t)}")
+            raise KernelError(f"attention: lse has shape {tuple(lse.shape)}, expected (B, nh, T) = {(b, nh, t)}")
     launch = choose(b, t, nh, nkv, hd, variant, tiles, splits)
     if b * t * nh == 0:
         return
@@ -767,7 +769,7 @@ def attention(q, k, v, o, stream=0, tiles: AttentionTiles | FlashTiles | None = 
         workspace = cuda.device_array(need, dtype=np.float32, stream=stream)
     check_float32("attention workspace", workspace)
     if len(workspace.shape) != 1 or workspace.shape[0] < need:
-        raise ValueError(f"attention: workspace has shape {tuple(workspace.shape)}, needs at least "
+        raise KernelError(f"attention: workspace has shape {tuple(workspace.shape)}, needs at least "
                          f"{need} float32 elements for splits={ns}")
     n_o = (ns - 1) * b * t * nh * hd
     ws_o = workspace[:n_o].reshape(ns - 1, b, t, nh, hd)  # (S-1, B, T, nh, hd)

@@ -33,6 +33,8 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32
 
+from vmstoolkit.errors import KernelError
+
 from . import reference
 from ._util import check_float32, check_ndim, simulating
 from .attention import STATIC_SHARED_LIMIT, check_args
@@ -53,9 +55,9 @@ class BackwardTiles:
 
     def check(self, hd: int) -> None:
         if min(self.bq, self.bkv, self.bq_dkv) <= 0:
-            raise ValueError(f"attention backward tiles {self} must be positive")
+            raise KernelError(f"attention backward tiles {self} must be positive")
         if self.shared_bytes(hd) > STATIC_SHARED_LIMIT:
-            raise ValueError(f"attention backward tiles {self} with head_dim={hd} need "
+            raise KernelError(f"attention backward tiles {self} with head_dim={hd} need "
                              f"{self.shared_bytes(hd)} bytes of shared memory (> {STATIC_SHARED_LIMIT})")
 
 
@@ -200,11 +202,11 @@ def attention_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: Backwar
     for name, a, like in (("do", do, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
         check_float32(name, a)
         if tuple(a.shape) != tuple(like.shape):
-            raise ValueError(f"attention backward: {name} has shape {tuple(a.shape)}, expected {tuple(like.shape)}")
+            raise KernelError(f"attention backward: {name} has shape {tuple(a.shape)}, expected {tuple(like.shape)}")
     check_float32("lse", lse)
     check_ndim("lse", lse, 3)
     if tuple(lse.shape) != (b, nh, t):
-        raise ValueError(f"attention backward: lse has shape {tuple(lse.shape)}, expected (B, nh, T) = {(b, nh, t)}")
+        raise KernelError(f"attention backward: lse has shape {tuple(lse.shape)}, expected (B, nh, T) = {(b, nh, t)}")
     if b * t * nh == 0:
         return
     tiles = tiles or (SIM_TILES if simulating() else BackwardTiles())

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from vmstoolkit.errors import KernelError
+
 from ._util import check_float32, is_device_array, to_device
 from .attention import attention, workspace_for
 from .gemm import gemm
@@ -80,7 +82,7 @@ class LlamaBlockConfig:
         missing = [n for n in ("hidden_size", "num_attention_heads", "intermediate_size")
                    if not hasattr(config, n)]
         if missing:
-            raise ValueError(f"LlamaBlockConfig.from_hf: {type(config).__name__} has no {missing}")
+            raise KernelError(f"LlamaBlockConfig.from_hf: {type(config).__name__} has no {missing}")
         theta = getattr(config, "rope_theta", None)
         rope_params = getattr(config, "rope_parameters", None) or {}
         if theta is None:  # transformers >= 5 keeps it in rope_parameters
@@ -88,14 +90,14 @@ class LlamaBlockConfig:
         scaling = getattr(config, "rope_scaling", None) or {}
         kind = scaling.get("rope_type", scaling.get("type")) or rope_params.get("rope_type", "default")
         if kind != "default":
-            raise ValueError(f"LlamaBlockConfig.from_hf: rope scaling {kind!r} is not supported "
+            raise KernelError(f"LlamaBlockConfig.from_hf: rope scaling {kind!r} is not supported "
                              f"(the kernels apply plain RoPE)")
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"LlamaBlockConfig.from_hf: hidden_act={act!r}, the kernels compute SiLU")
+            raise KernelError(f"LlamaBlockConfig.from_hf: hidden_act={act!r}, the kernels compute SiLU")
         for flag in ("attention_bias", "mlp_bias"):
             if getattr(config, flag, False):
-                raise ValueError(f"LlamaBlockConfig.from_hf: {flag}=True is not supported (no biases)")
+                raise KernelError(f"LlamaBlockConfig.from_hf: {flag}=True is not supported (no biases)")
         out = cls(
             hidden_size=int(config.hidden_size),
             num_attention_heads=int(config.num_attention_heads),
@@ -106,7 +108,7 @@ class LlamaBlockConfig:
         )
         hd = getattr(config, "head_dim", None)
         if hd is not None and hd != out.head_dim:
-            raise ValueError(f"LlamaBlockConfig.from_hf: head_dim={hd} but hidden_size // "
+            raise KernelError(f"LlamaBlockConfig.from_hf: head_dim={hd} but hidden_size // "
                              f"num_attention_heads = {out.head_dim}; the kernels need them equal")
         return out
 
@@ -133,19 +135,19 @@ class LlamaBlockConfig:
     def check(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"LlamaBlockConfig.{name} must be positive, got {getattr(self, name)}")
+                raise KernelError(f"LlamaBlockConfig.{name} must be positive, got {getattr(self, name)}")
         if self.hidden_size % self.n_heads:
-            raise ValueError(
+            raise KernelError(
                 f"hidden_size={self.hidden_size} is not divisible by n_heads={self.n_heads}"
             )
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise KernelError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
             )
         if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+            raise KernelError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.rms_eps < 0 or self.rope_theta <= 0:
-            raise ValueError(f"rms_eps={self.rms_eps} must be >= 0, rope_theta={self.rope_theta} > 0")
+            raise KernelError(f"rms_eps={self.rms_eps} must be >= 0, rope_theta={self.rope_theta} > 0")
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of a HF ``LlamaDecoderLayer.state_dict()`` (linear: (out, in))."""
@@ -187,12 +189,12 @@ def load_weights(weights: dict, config: LlamaBlockConfig, stream=0) -> dict:
         n for n in set(weights) - set(shapes) if not n.endswith(_IGNORED_SUFFIXES)
     )
     if missing or unexpected:
-        raise ValueError(f"weights: missing {missing}, unexpected {unexpected}")
+        raise KernelError(f"weights: missing {missing}, unexpected {unexpected}")
     out = {}
     for name, shape in shapes.items():
         got = tuple(weights[name].shape)
         if got != shape:
-            raise ValueError(f"weights[{name!r}] has shape {got}, expected {shape} for {config}")
+            raise KernelError(f"weights[{name!r}] has shape {got}, expected {shape} for {config}")
         out[name] = _device_float32(f"weights[{name!r}]", weights[name], stream)
     return out
 
@@ -235,7 +237,7 @@ class LlamaBlock:
         m = b * t
         expect = (b, t, c.hidden_size)
         if tuple(x.shape) != expect or tuple(out.shape) != expect:
-            raise ValueError(
+            raise KernelError(
                 f"block input {tuple(x.shape)} / output {tuple(out.shape)}: expected {expect}"
             )
         x2d = x.reshape(m, c.hidden_size)  # (M, H)
@@ -278,7 +280,7 @@ def llama_block_forward(x, weights: dict, config: LlamaBlockConfig, stream=0):
     check_float32("x", d_x if on_device else x)
     shape = tuple(x.shape)
     if len(shape) != 3 or shape[2] != config.hidden_size:
-        raise ValueError(f"x has shape {shape}, expected (batch, seq, {config.hidden_size})")
+        raise KernelError(f"x has shape {shape}, expected (batch, seq, {config.hidden_size})")
     if not on_device:
         d_x = cuda.to_device(np.ascontiguousarray(x), stream=stream)
     b, t, _ = shape

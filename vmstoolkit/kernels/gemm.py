@@ -62,6 +62,8 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, uint64
 
+from vmstoolkit.errors import KernelError
+
 from . import reference
 from ._util import check_float32, check_ndim, simulating
 
@@ -97,25 +99,25 @@ class GemmTiles:
 
     def check(self) -> None:
         if self.bm % self.tm or self.bn % self.tn:
-            raise ValueError(f"tile {self}: bm % tm and bn % tn must be 0")
+            raise KernelError(f"tile {self}: bm % tm and bn % tn must be 0")
         t = self.threads
         if (self.bm * self.bk) % t or (self.bn * self.bk) % t:
-            raise ValueError(
+            raise KernelError(
                 f"tile {self}: bm*bk={self.bm * self.bk} and bn*bk={self.bn * self.bk} must be "
                 f"multiples of the {t} threads"
             )
         if t > 1024:
-            raise ValueError(f"tile {self} needs {t} threads per block (> 1024)")
+            raise KernelError(f"tile {self} needs {t} threads per block (> 1024)")
         if self.bk % 4:
-            raise ValueError(f"tile {self}: bk must be a multiple of 4 (the k loop is unrolled by 4)")
+            raise KernelError(f"tile {self}: bk must be a multiple of 4 (the k loop is unrolled by 4)")
         if bool(self.wm) != bool(self.wn):
-            raise ValueError(f"tile {self}: give both wm and wn, or neither")
+            raise KernelError(f"tile {self}: give both wm and wn, or neither")
         if self.wm:
             if self.bm % self.wm or self.bn % self.wn or self.wm % self.tm or self.wn % self.tn:
-                raise ValueError(f"tile {self}: the warp tile must divide the block tile and be a "
+                raise KernelError(f"tile {self}: the warp tile must divide the block tile and be a "
                                  f"multiple of the micro-tile")
             if (self.wm // self.tm) * (self.wn // self.tn) != 32:
-                raise ValueError(f"tile {self}: a {self.wm}x{self.wn} warp tile of {self.tm}x{self.tn} "
+                raise KernelError(f"tile {self}: a {self.wm}x{self.wn} warp tile of {self.tm}x{self.tn} "
                                  f"micro-tiles needs {(self.wm // self.tm) * (self.wn // self.tn)} threads, "
                                  f"not a warp of 32")
 
@@ -156,11 +158,11 @@ def _operand_map(trans: bool, rows: int, bk: int, nt: int):
     v = _vector_width(loads, run)
     per = run // v
     if nt % per:
-        raise ValueError(f"{nt} threads cannot share rows of {per} vectors of {v}")
+        raise KernelError(f"{nt} threads cannot share rows of {per} vectors of {v}")
     stride = nt // per
     g = loads // v
     if stride * g != (bk if trans else rows):
-        raise ValueError(f"operand slice {rows}x{bk} does not split into {nt} threads x {g} vectors of {v}")
+        raise KernelError(f"operand slice {rows}x{bk} does not split into {nt} threads x {g} vectors of {v}")
     return v, g, per, stride
 
 
@@ -427,7 +429,7 @@ def choose_tiles(m: int, n: int, k: int) -> GemmTiles:
 def get_kernel(variant: int, tiles: GemmTiles, layout: str = "nn", accumulate: bool = False):
     """The compiled-on-first-launch kernel of ``variant`` for ``tiles`` and ``layout``."""
     if variant not in VARIANTS:
-        raise ValueError(f"unknown GEMM variant {variant}; known: {sorted(VARIANTS)}")
+        raise KernelError(f"unknown GEMM variant {variant}; known: {sorted(VARIANTS)}")
     a_trans, b_trans = LAYOUTS[layout]
     return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant])
 
@@ -439,9 +441,9 @@ def check_args(x, w, y) -> tuple[int, int, int]:
     m, k = x.shape
     n, kw = w.shape
     if kw != k:
-        raise ValueError(f"linear: x is (M={m}, K={k}) but w is (N={n}, K={kw}); K must match")
+        raise KernelError(f"linear: x is (M={m}, K={k}) but w is (N={n}, K={kw}); K must match")
     if tuple(y.shape) != (m, n):
-        raise ValueError(f"linear: output has shape {tuple(y.shape)}, expected (M={m}, N={n})")
+        raise KernelError(f"linear: output has shape {tuple(y.shape)}, expected (M={m}, N={n})")
     return m, n, k
 
 
@@ -457,7 +459,7 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, variant, splits) -
     splits = auto.splits if splits is None else splits
     k_steps = max(1, -(-k // tiles.bk))
     if not 1 <= splits <= k_steps:
-        raise ValueError(f"splits={splits} must be between 1 and the {k_steps} k slices of K={k}")
+        raise KernelError(f"splits={splits} must be between 1 and the {k_steps} k slices of K={k}")
     per = -(-k_steps // splits)
     splits = -(-k_steps // per)  # no empty split
     grid = (-(-n // tiles.bn), -(-m // tiles.bm), splits)
@@ -490,7 +492,7 @@ def _backward(op: str, names: tuple, layout: str, axis: int, dy, b, out, acc, st
     want = (dy.shape[1 - axis], b.shape[1])
     if b.shape[0] != red or tuple(out.shape) != want or (acc is not None and tuple(acc.shape) != want):
         rows, other = ("N", "M") if axis else ("M", "N")
-        raise ValueError(f"{op}: dy {tuple(dy.shape)} (M, N), {names[1]} {tuple(b.shape)} ({rows}, K), {names[2]} "
+        raise KernelError(f"{op}: dy {tuple(dy.shape)} (M, N), {names[1]} {tuple(b.shape)} ({rows}, K), {names[2]} "
                          f"{tuple(out.shape)} and acc {None if acc is None else tuple(acc.shape)} ({other}, K) disagree")
     _launch(layout, dy, b, acc, out, red, stream, tiles, variant, splits)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from vmstoolkit.errors import KernelError
+
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``y = x @ w.T`` for ``x`` of shape (M, K) and ``w`` of shape (N, K); returns (M, N)."""
@@ -203,7 +205,7 @@ def adamw(w, g, m, v, *, lr: float, beta1: float = 0.9, beta2: float = 0.999, ep
     """One ``torch.optim.AdamW`` step (``amsgrad=False``, decoupled decay); ``step`` counts from 1.
     Returns ``(w, m, v)`` after the step."""
     if step < 1:
-        raise ValueError(f"adamw: step counts from 1, got {step}")
+        raise KernelError(f"adamw: step counts from 1, got {step}")
     m2 = beta1 * m + (1.0 - beta1) * g
     v2 = beta2 * v + (1.0 - beta2) * g * g
     bc1 = 1.0 - beta1 ** step

@@ -15,6 +15,8 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32
 
+from vmstoolkit.errors import KernelError
+
 from . import reference
 from ._util import check_float32, check_ndim, check_shape, simulating
 
@@ -28,7 +30,7 @@ def make_block_sum(threads: int):
     """A device function: the sum over a block of ``threads`` threads of each thread's ``v``, by a
     shared-memory tree reduction in ``part`` (``threads`` floats), which is free again on return."""
     if threads & (threads - 1):
-        raise ValueError(f"rmsnorm threads per block must be a power of two, got {threads}")
+        raise KernelError(f"rmsnorm threads per block must be a power of two, got {threads}")
 
     @cuda.jit(device=True)
     def block_sum(part, tid, v):

@@ -16,6 +16,8 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, float64
 
+from vmstoolkit.errors import KernelError
+
 from . import reference
 from ._util import check_float32, check_ndim, elementwise_grid
 
@@ -57,9 +59,9 @@ def check_args(x, y) -> tuple:
     check_float32("rope output", y)
     check_ndim("x", x, 4)
     if tuple(y.shape) != tuple(x.shape):
-        raise ValueError(f"rope: output shape {tuple(y.shape)} != input shape {tuple(x.shape)}")
+        raise KernelError(f"rope: output shape {tuple(y.shape)} != input shape {tuple(x.shape)}")
     if x.shape[3] % 2:
-        raise ValueError(f"rope: head_dim must be even, got {x.shape[3]}")
+        raise KernelError(f"rope: head_dim must be even, got {x.shape[3]}")
     return tuple(x.shape)
 
 

@@ -52,6 +52,8 @@ from typing import Callable
 
 import numpy as np
 
+from vmstoolkit.errors import KernelError
+
 from . import reference
 from .adamw import adamw
 from .attention import attention
@@ -93,12 +95,12 @@ def _check_call(task: str, n_inputs, allowed: tuple, inputs, outputs, params, n_
     counts = n_inputs if isinstance(n_inputs, tuple) else (n_inputs,)
     if len(inputs) not in counts:
         want = " or ".join(map(str, counts))
-        raise ValueError(f"{task}: expected {want} inputs, got {len(inputs)}")
+        raise KernelError(f"{task}: expected {want} inputs, got {len(inputs)}")
     if outputs is not None and len(outputs) != n_outputs:
-        raise ValueError(f"{task}: expected {n_outputs} output{'s' if n_outputs > 1 else ''}, got {len(outputs)}")
+        raise KernelError(f"{task}: expected {n_outputs} output{'s' if n_outputs > 1 else ''}, got {len(outputs)}")
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise ValueError(f"{task}: unknown params {unknown} (accepted: {list(allowed)})")
+        raise KernelError(f"{task}: unknown params {unknown} (accepted: {list(allowed)})")
 
 
 def _io_bytes(shapes, out_shape) -> float:
@@ -146,7 +148,7 @@ def _rmsnorm_launch(stream, inputs, outputs, eps: float = 1e-6, **params):
     _check_call("rmsnorm", 2, ("eps",), inputs, outputs, params)
     x, w = inputs
     if tuple(outputs[0].shape) != tuple(x.shape):
-        raise ValueError(f"rmsnorm: output {tuple(outputs[0].shape)} != x {tuple(x.shape)}")
+        raise KernelError(f"rmsnorm: output {tuple(outputs[0].shape)} != x {tuple(x.shape)}")
     rmsnorm(_rows(x), w, _rows(outputs[0]), eps, stream)
 
 
