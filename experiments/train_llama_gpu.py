@@ -485,10 +485,7 @@ def main() -> int:
         rows = [json.loads(x) for x in args.summary_of.read_text().splitlines() if x.strip()]
         cpus = next((r["cpus"] for r in rows if "cpus" in r), None)
     else:
-        rows = run_all(args, variants, modes, cpus)
-        with open(args.out / "train.jsonl", "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        rows = run_all(args, variants, modes, cpus, args.out / "train.jsonl")
     summary = summarize(rows, variants, modes, args.rounds, args.steps_per_round)
     (args.out / "summary.json").write_text(json.dumps({"command": " ".join(sys.argv), "cpus": cpus, "rows": summary},
                                                       indent=1))
@@ -497,11 +494,14 @@ def main() -> int:
     return 0
 
 
-def run_all(args, variants: list[str], modes: list[str], cpus: list[int] | None) -> list[dict]:
-    """Every (variant, repeat, mode) in its own worker process, modes interleaved; one row each."""
+def run_all(args, variants: list[str], modes: list[str], cpus: list[int] | None, jsonl: Path) -> list[dict]:
+    """Every (variant, repeat, mode) in its own worker process, modes interleaved; one row each,
+    appended to ``jsonl`` as each process ends (a call stopped by its time limit keeps every
+    finished process's step times)."""
     if cpus:
         print(f"every run on CPUs {cpus}", flush=True)
     rows = []
+    jsonl.write_text("")
     for variant, repeat, mode in ((v, k, m) for v in variants for k in range(args.repeats) for m in modes):
         env = dict(os.environ)
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
@@ -524,6 +524,8 @@ def run_all(args, variants: list[str], modes: list[str], cpus: list[int] | None)
         if cpus:
             row["cpus"] = cpus
         rows.append(row)
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
         print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_times", "allocator_stats")}), flush=True)
     return rows
 
