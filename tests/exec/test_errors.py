@@ -112,3 +112,13 @@ def test_a_failed_driver_call_is_an_exec_error_naming_the_cuda_result():
     e = CudaCallError("CUDA_ERROR_INVALID_HANDLE", "cuLaunchHostFunc on stream 0x10")
     assert isinstance(e, ExecError) and isinstance(e, DriverError) and e.result == "CUDA_ERROR_INVALID_HANDLE"
     assert str(e) == "CUDA_ERROR_INVALID_HANDLE: cuLaunchHostFunc on stream 0x10"
+
+
+def test_train_offload_budgets_are_read_as_experiment_offload_reads_them():
+    """One budget syntax: sizes need a unit, fractions may be given in percent; training takes
+    fractions up to 1 (the working set)."""
+    assert parse_budget("50%", lambda: 1000) == parse_budget("0.5", lambda: 1000) == 500
+    assert parse_budget("1", lambda: 1000) == 1000  # the whole working set, not one byte
+    assert parse_budget("300KiB", lambda: 1000) == parse_budget(300 * 1024, lambda: 1000) == 300 * 1024
+    with pytest.raises(BudgetSpecError, match="unit"):
+        parse_budget("123456", lambda: 1000)

@@ -20,10 +20,10 @@ import numpy as np
 from vmstoolkit.exec.compiler import working_set
 from vmstoolkit.exec.errors import InvalidBudgetError, InvalidOptionError, InvalidShapeError
 from vmstoolkit.exec.executor import execute
+from vmstoolkit.exec.experiment import BudgetSpec
 from vmstoolkit.exec.graph import LlamaConfig
 from vmstoolkit.exec.plan_cache import DEFAULT_GRANULE, DEFAULT_RATIO, Plan, PlanCache, pad_rows
 from vmstoolkit.exec.train_graph import AdamWConfig, build_train_step, grads_from_updates, random_train_values
-from vmstoolkit.units import parse_size
 
 EXECUTORS = ("event-driven", "fixed-order")
 ROW_KEYS = ("budget", "executor", "variant", "step_s", "lower_bound_s", "offloaded_bytes", "reloaded_bytes",
@@ -38,20 +38,23 @@ class BudgetSpecError(InvalidBudgetError):
 
 
 def parse_budget(spec, working_set_bytes) -> int:
-    """A budget from ``"8GiB"`` / ``123456`` (bytes) or ``"0.5"`` (a fraction in (0, 1] of the
-    no-offload working set, ``working_set_bytes()`` computed on first need)."""
-    if isinstance(spec, float) or (isinstance(spec, str) and "." in spec and spec.replace(".", "", 1).isdigit()):
-        frac = float(spec)
-        if not 0.0 < frac <= 1.0:
-            raise BudgetSpecError(f"budget fraction must be in (0, 1], got {spec!r}")
-        return int(working_set_bytes() * frac)
+    """A budget in bytes from what ``experiment offload`` takes too (:meth:`BudgetSpec.parse`:
+    ``"8GiB"``, ``"0.5"``, ``"50%"``; an ``int`` is bytes), a fraction here in (0, 1] of the
+    no-offload working set (``working_set_bytes()``, computed on first need): a training step
+    under a budget above its working set offloads nothing."""
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec <= 0:
+            raise BudgetSpecError(f"budget must be positive, got {spec!r}")
+        return spec
     try:
-        n = parse_size(spec)
-    except ValueError as e:
-        raise BudgetSpecError(f"budget {spec!r}: {e}") from None
-    if n <= 0:
-        raise BudgetSpecError(f"budget must be positive, got {spec!r}")
-    return n
+        b = BudgetSpec.parse(spec)
+    except InvalidBudgetError as e:
+        raise BudgetSpecError(str(e)) from None
+    if b.fraction is None:
+        return b.nbytes
+    if b.fraction > 1.0:
+        raise BudgetSpecError(f"budget fraction must be in (0, 1], got {spec!r}")
+    return b.resolve(working_set_bytes())
 
 
 @dataclass
