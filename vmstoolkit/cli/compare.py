@@ -11,7 +11,6 @@ from rich.table import Table
 
 from vmstoolkit.cli.common import OutputFormat, allocator_options, check_allocators, console, fail, size_option
 from vmstoolkit.cli.replay import OPTION_HELP
-from vmstoolkit.errors import VmsError
 from vmstoolkit.units import format_size
 
 
@@ -45,15 +44,12 @@ def compare_command(
         if not p.exists():
             fail(f"no such trace file: {p}")
     rows, sites = [], {}
-    try:
-        for p in traces:
-            digest = file_sha256(p)
-            for n in names:
-                r = replay_one(p, n, capacity=cap, options=options[n])
-                rows.append(replay_row(r, source=str(p), source_sha256=digest, capacity=cap, options=options[n]))
-            sites[str(p)] = peak_sites(load_snapshot_dict(p), top=top)[1]
-    except VmsError as e:
-        fail(str(e))
+    for p in traces:
+        digest = file_sha256(p)
+        for n in names:
+            r = replay_one(p, n, capacity=cap, options=options[n])
+            rows.append(replay_row(r, source=str(p), source_sha256=digest, capacity=cap, options=options[n]))
+        sites[str(p)] = peak_sites(load_snapshot_dict(p), top=top)[1]
     ref = rows[0]
     for r in rows:
         r["peak_reserved_diff"] = r["peak_reserved"] - ref["peak_reserved"]

@@ -129,16 +129,13 @@ def fragmentation_command(
                          load=load_options(gpu, lenient, max_bytes, max_objects))
     n_workers = jobs or os.cpu_count() or 1
     err = console(stderr=True)
-    try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, transient=True, disable=not err.is_terminal) as progress:
-            task = progress.add_task(f"replaying {len(specs)} traces x {len(names)} allocators "
-                                     f"({min(n_workers, len(job_list))} workers)", total=len(job_list))
-            results = run_jobs(job_list, n_workers,
-                               on_done=lambda job, r: progress.update(task, advance=1, description=f"{r.trace} / {r.allocator}"),
-                               cluster=cluster)
-    except VmsError as e:
-        fail(str(e))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task(f"replaying {len(specs)} traces x {len(names)} allocators "
+                                 f"({min(n_workers, len(job_list))} workers)", total=len(job_list))
+        results = run_jobs(job_list, n_workers,
+                           on_done=lambda job, r: progress.update(task, advance=1, description=f"{r.trace} / {r.allocator}"),
+                           cluster=cluster)
     rows = fragmentation_rows(specs, names, results, baseline=baseline, options=options, capacity=cap)
     console().print(fragmentation_table(rows, names, baseline))
     argv = sys.argv[1:]

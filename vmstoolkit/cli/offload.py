@@ -54,11 +54,8 @@ def offload_command(
         specs = [BudgetSpec.parse(b) for b in budget] if budget else None
     except VmsError as e:
         fail(f"--budget: {e}", code=2)
-    try:
-        cfg = LlamaConfig(n_blocks=blocks, seq=seq, hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn)
-        rows = run_offload_experiment(backend.value, gpus, config=cfg, parts=parts, seed=seed, budgets=specs)
-    except VmsError as e:
-        fail(str(e))
+    cfg = LlamaConfig(n_blocks=blocks, seq=seq, hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn)
+    rows = run_offload_experiment(backend.value, gpus, config=cfg, parts=parts, seed=seed, budgets=specs)
     if figure is not None:
         plot_makespan(rows, figure)
     emit_rows(rows, format, offload_table)

@@ -13,7 +13,6 @@ from vmstoolkit.cli.common import (
     OOM_EXIT_CODE, OutputFormat, allocator_options, check_allocators, console, fail, json_lines, load_options, rows_to_csv,
     size_option,
 )
-from vmstoolkit.errors import VmsError
 from vmstoolkit.units import format_size
 
 OPTION_HELP = ("Allocator option KEY=VALUE (every chosen allocator that takes KEY) or ALLOC:KEY=VALUE "
@@ -82,19 +81,13 @@ def replay_command(
                   console=err, transient=True, disable=not err.is_terminal) as progress:
         for path in paths:
             digest = file_sha256(path)
-            try:
-                loaded = load_traces(path, device=load["gpu"], lenient=load["lenient"], max_bytes=load["max_bytes"],
-                                     max_objects=load["max_objects"])
-            except VmsError as e:
-                fail(str(e))
+            loaded = load_traces(path, device=load["gpu"], lenient=load["lenient"], max_bytes=load["max_bytes"],
+                                 max_objects=load["max_objects"])
             for trace in loaded:
                 for name in names:
                     task = progress.add_task(f"{Path(path).name} / gpu {trace.device} / {name}", total=None)
-                    try:
-                        result = replay_trace(trace, name, capacity=cap, device=device, touch=touch, options=options[name],
-                                              progress=lambda done, total, t=task: progress.update(t, completed=done, total=total))
-                    except VmsError as e:
-                        fail(str(e))
+                    result = replay_trace(trace, name, capacity=cap, device=device, touch=touch, options=options[name],
+                                          progress=lambda done, total, t=task: progress.update(t, completed=done, total=total))
                     progress.remove_task(task)
                     rows.append(result_row(result, source=str(path), source_sha256=digest, capacity=row_capacity,
                                            options=options[name]))

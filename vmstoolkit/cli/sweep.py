@@ -82,10 +82,7 @@ def sweep_command(
             make_allocator(name, **dict(opts)).close()  # every option checked before any replay
     except VmsError as e:
         fail(str(e), code=2)
-    try:
-        rows = sweep_rows(run_jobs(run_sweep_job, job_list, jobs or os.cpu_count() or 1, cluster=cluster))
-    except VmsError as e:
-        fail(str(e))
+    rows = sweep_rows(run_jobs(run_sweep_job, job_list, jobs or os.cpu_count() or 1, cluster=cluster))
     emit_rows(rows, fmt, sweep_table)
 
 

@@ -55,20 +55,16 @@ def train_offload_command(
     """Run a training step at each budget with the event-driven and the fixed-order executors;
     report step time against its lower bound, bytes moved, planning time and gradient error.
     With --seq-range, plans are cached by length bucket (padding within a bucket)."""
-    from vmstoolkit.exec.errors import ExecError
     from vmstoolkit.exec.graph import LlamaConfig
     from vmstoolkit.exec.train_experiment import run_train_experiment
 
     rng = _seq_range(seq_range)
     if seq is not None and rng is not None:
         fail("give --seq or --seq-range, not both", code=2)
-    try:
-        cfg = LlamaConfig(n_blocks=blocks, hidden=hidden, heads=heads, kv_heads=kv_heads or heads, ffn=ffn)
-        rows = run_train_experiment(backend.value, variant.value, tuple(budget or ("0.5", "0.25")), config=cfg,
-                                    seq=seq, seq_range=rng, steps=steps, rank=rank, seed=seed,
-                                    check_grads=check_grads, recompute=recompute)
-    except (ValueError, ExecError) as e:
-        fail(str(e))
+    cfg = LlamaConfig(n_blocks=blocks, hidden=hidden, heads=heads, kv_heads=kv_heads or heads, ffn=ffn)
+    rows = run_train_experiment(backend.value, variant.value, tuple(budget or ("0.5", "0.25")), config=cfg,
+                                seq=seq, seq_range=rng, steps=steps, rank=rank, seed=seed,
+                                check_grads=check_grads, recompute=recompute)
     emit_rows(rows, format, _table)
 
 

@@ -9,7 +9,6 @@ import typer
 
 from vmstoolkit.cli.common import allocator_options, check_allocators, check_output_file, fail, size_option
 from vmstoolkit.cli.replay import OPTION_HELP
-from vmstoolkit.errors import VmsError
 
 
 def view_command(
@@ -32,10 +31,7 @@ def view_command(
     check_output_file(out)
     if not trace.exists():
         fail(f"no such trace file: {trace}")
-    try:
-        page = report_html(*view_data(trace, names, options, cap))
-    except VmsError as e:
-        fail(str(e))
+    page = report_html(*view_data(trace, names, options, cap))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")
     typer.echo(f"wrote {out} ({len(page) / 2**20:.1f} MiB)", err=True)
