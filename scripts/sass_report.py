@@ -1,0 +1,226 @@
+"""What a Numba CUDA kernel becomes on the H200, without a GPU: registers, spills, shared memory,
+and the instruction mix of its loops in SASS (sm_90).
+
+    python scripts/sass_report.py gemm                      # every GEMM candidate, forward layout
+    python scripts/sass_report.py gemm --layout nt tt       # the backward layouts
+    python scripts/sass_report.py gemm --tiles 128x128x16/8x16w64x64 --variant 3 --dump
+
+Pipeline: ``numba.cuda.compile_ptx`` (NVVM) -> ``ptxas -arch=sm_90 -v`` (with the kernel's register
+cap) -> ``cuobjdump -sass``. Loops are found from backward branches; for each loop the report gives
+its static instruction count (every path, cold bounds-checked ones too: ncu's executed count is
+the truth; at 4096^3 the 8x16/w64x64 candidate executes 1.157 instructions per FFMA, cuBLAS 1.139)
+and the densest inner loop, its FFMAs, shared and global loads, and instructions per FFMA: at one warp
+instruction per cycle per scheduler, a loop of ``n`` instructions per FFMA runs the FMA units at
+most ``1/n`` of their peak.
+
+Needs, besides numba-cuda: NVVM (a CUDA toolkit, or the ``nvidia-cuda-nvcc`` wheel), ``ptxas``,
+and ``cuobjdump`` with ``nvdisasm`` (``pip install -e .[sass]`` brings those two and the
+``nvidia-cuda-nvrtc`` that numba-cuda asks for). A missing tool is named in one line.
+This is a developer's tool: the package never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from anywhere in a checkout
+    sys.path.insert(0, str(ROOT))
+
+INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)([.A-Z0-9_]*)\s*([^;]*);")
+TARGET = re.compile(r"0x([0-9a-f]+)")
+
+
+class ToolMissing(SystemExit):
+    pass
+
+
+def _tool(name: str) -> str:
+    """Path of ``name`` on PATH, or in the ``nvidia/cu13/bin`` folder of a pip-installed wheel."""
+    found = shutil.which(name)
+    if found:
+        return found
+    site = Path(sysconfig.get_paths()["purelib"])
+    for sub in ("cu13", "cu12", "cuda_nvcc", "cuda_cuobjdump"):
+        cand = site / "nvidia" / sub / "bin" / name
+        if cand.exists():
+            return str(cand)
+    raise ToolMissing(f"sass_report: '{name}' not found on PATH or in site-packages/nvidia/*/bin; "
+                      f"pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (ptxas: a CUDA toolkit)")
+
+
+@dataclass
+class Loop:
+    start: int  # address of the loop's first instruction
+    end: int  # address of its backward branch
+    ops: Counter = field(default_factory=Counter)
+
+    @property
+    def n(self) -> int:
+        return sum(self.ops.values())
+
+    def per_ffma(self) -> float:
+        return self.n / self.ops["FFMA"] if self.ops["FFMA"] else float("inf")
+
+
+@dataclass
+class Report:
+    name: str
+    regs: int
+    spill_stores: int
+    spill_loads: int
+    smem: int
+    stack: int
+    total: int
+    ops: Counter
+    loops: list[Loop]
+    sass: str
+
+    def main_loop(self) -> Loop | None:
+        """The loop with the most FFMAs (then the most instructions): a GEMM's or attention's k loop."""
+        return max(self.loops, key=lambda lp: (lp.ops["FFMA"], lp.n), default=None)
+
+    def inner_loop(self) -> Loop | None:
+        """The loop with the fewest instructions per FFMA (an FMA loop inside the k loop)."""
+        fma = [lp for lp in self.loops if lp.ops["FFMA"]]
+        return min(fma, key=Loop.per_ffma, default=None)
+
+    def line(self) -> str:
+        lp = self.main_loop()
+        loop = "no loop"
+        if lp is not None:
+            lds = lp.ops["LDS"]
+            loop = (f"main loop {lp.n} instr, {lp.ops['FFMA']} FFMA, {lds} LDS, {lp.ops['LDG']} LDG, "
+                    f"{lp.ops['BAR']} BAR: {lp.per_ffma():.3f} instr/FFMA (static: cold edge paths count)")
+            inner = self.inner_loop()
+            if inner is not lp:
+                loop += f"; densest inner loop {inner.n} instr, {inner.per_ffma():.3f} instr/FFMA"
+        spill = f"spill {self.spill_stores}/{self.spill_loads} B" if self.spill_stores or self.spill_loads else "no spill"
+        return f"{self.name:<44} {self.regs:3d} regs  {spill:<16} smem {self.smem:6d} B  {loop}"
+
+
+def _parse_ptxas(text: str) -> dict:
+    def grab(pat, default=0):
+        m = re.search(pat, text)
+        return int(m.group(1)) if m else default
+    return {"regs": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
+            "spill_loads": grab(r"(\d+) bytes spill loads"), "smem": grab(r"(\d+) bytes smem"),
+            "stack": grab(r"(\d+) bytes stack frame")}
+
+
+def _parse_sass(sass: str) -> tuple[list[tuple[int, str, str]], list[Loop]]:
+    """Instructions as (address, opcode, operands) and the loops closed by backward branches."""
+    instrs = []
+    for m in INSTR.finditer(sass):
+        instrs.append((int(m.group(1), 16), m.group(3), m.group(5)))
+    loops = []
+    for addr, op, args in instrs:
+        if op in ("BRA", "JMP"):
+            t = TARGET.search(args)
+            if t and int(t.group(1), 16) < addr:
+                start = int(t.group(1), 16)
+                loops.append(Loop(start, addr, Counter(o for a, o, _ in instrs if start <= a <= addr)))
+    # keep innermost-or-largest distinct loops: drop a loop that equals another's range
+    seen, out = set(), []
+    for lp in loops:
+        if (lp.start, lp.end) not in seen:
+            seen.add((lp.start, lp.end))
+            out.append(lp)
+    return instrs, out
+
+
+def compile_report(name: str, py_func, sig, max_registers: int | None = None, cc=(9, 0)) -> Report:
+    """Compile ``py_func`` for ``sig`` to sm_90 SASS and measure it (module docstring)."""
+    from numba import cuda
+
+    ptx, _ = cuda.compile_ptx(py_func, sig, cc=cc)
+    arch = f"sm_{cc[0]}{cc[1]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        p, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        Path(p).write_text(ptx)
+        cmd = [_tool("ptxas"), f"-arch={arch}", "-v", p, "-o", cubin]
+        if max_registers:
+            cmd.insert(1, f"-maxrregcount={max_registers}")
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"sass_report: ptxas failed for {name}: {r.stderr.strip()[:500]}")
+        env = dict(os.environ)
+        env["PATH"] = os.path.dirname(_tool("nvdisasm")) + os.pathsep + env.get("PATH", "")
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, env=env).stdout
+    info = _parse_ptxas(r.stderr)
+    instrs, loops = _parse_sass(sass)
+    return Report(name=name, total=len(instrs), ops=Counter(o for _, o, _ in instrs), loops=loops, sass=sass, **info)
+
+
+def _dispatcher_report(name: str, kernel, sig) -> Report:
+    opts = getattr(kernel, "targetoptions", {}) or {}
+    return compile_report(name, kernel.py_func, sig, opts.get("max_registers"))
+
+
+# ---- what to compile ---------------------------------------------------------------------------
+
+def parse_tiles(text: str):
+    """``128x128x16/8x16`` or ``128x128x16/8x16w64x64`` -> GemmTiles."""
+    from vmstoolkit.kernels.gemm import GemmTiles
+
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)/(\d+)x(\d+)(?:w(\d+)x(\d+))?", text.strip())
+    if not m:
+        raise SystemExit(f"sass_report: tiles {text!r} is not BMxBNxBK/TMxTN[wWMxWN]")
+    g = [int(x) if x else 0 for x in m.groups()]
+    return GemmTiles(*g)
+
+
+def gemm_reports(args) -> list[Report]:
+    from numba import int64, types
+
+    from vmstoolkit.kernels import gemm as G
+
+    arr = types.Array(types.float32, 2, "C")
+    sig = (arr, arr, arr, arr, int64)
+    if args.tiles:
+        cands = [(args.variant, parse_tiles(t)) for t in args.tiles]
+    else:
+        cands = [(3, t) for t in G.V3_TILES] + [(4, G.BIG_TILES_V4)]
+        cands += [(v, t) for t in G.WARP_TILES for v in ((3, 4) if t.threads > 128 else (3,))]
+    out = []
+    for layout in args.layout:
+        for v, t in dict.fromkeys(cands):
+            k = G.get_kernel(v, t, layout)
+            out.append(_dispatcher_report(f"gemm v{v} {t.label()} {layout}", k, sig))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["gemm"])
+    ap.add_argument("--layout", nargs="+", default=["nn"], choices=["nn", "nt", "tt"])
+    ap.add_argument("--tiles", nargs="+", help="GEMM tile shapes BMxBNxBK/TMxTN[wWMxWN] (default: the candidates)")
+    ap.add_argument("--variant", type=int, default=3, help="GEMM variant for --tiles (3: capped registers, 4: not)")
+    ap.add_argument("--dump", action="store_true", help="print the main loop's SASS")
+    args = ap.parse_args(argv)
+    os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+    reports = gemm_reports(args)
+    for rep in reports:
+        print(rep.line(), flush=True)
+        if args.dump and rep.main_loop() is not None:
+            lp = rep.main_loop()
+            for ln in rep.sass.splitlines():
+                m = INSTR.search(ln)
+                if m and lp.start <= int(m.group(1), 16) <= lp.end:
+                    print("   ", ln.strip().split(";")[0] + ";")
+            print("    ops:", dict(lp.ops.most_common()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
