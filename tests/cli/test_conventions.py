@@ -37,6 +37,16 @@ def test_help_names_no_python_type(path):
         assert typed not in r.stdout, f"{typed} in `vmstoolkit {' '.join(path)} --help`"
 
 
+@pytest.mark.parametrize("path", _paths(), ids=lambda p: " ".join(p) or "vmstoolkit")
+def test_help_is_printed_as_written(path):
+    """Rich turns ``:name:`` into an emoji: ``--seq-range``'s "A:B: a new length" printed "A🅱 a
+    new length". Every help text must come out with the characters it was written with."""
+    r = runner.invoke(app, [*path, "--help"])
+    assert r.exit_code == 0, r.output
+    odd = sorted({c for c in r.stdout if ord(c) > 0x2FFF})  # box drawing and arrows are below
+    assert not odd, f"`vmstoolkit {' '.join(path)} --help` prints {odd}"
+
+
 def test_commands_parse_under_a_typer_without_the_rich_type_hook(monkeypatch):
     """The H200 image's Typer has no ``display_type_rich`` on its parameters; every command
     crashed there with AttributeError before parsing its arguments."""

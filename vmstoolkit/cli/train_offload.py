@@ -39,7 +39,7 @@ def train_offload_command(
     variant: Annotated[Variant, typer.Option(help="lora: frozen base weights, trained adapters; full: every weight trained.")] = Variant.lora,
     budget: Annotated[list[str] | None, typer.Option(help="GPU budget: a size (24GiB) or a fraction of the no-offload working set (0.5); repeat for several.")] = None,
     seq: Annotated[int | None, typer.Option(min=1, help="Fixed sequence length (batch 1); default 2048.")] = None,
-    seq_range: Annotated[str | None, typer.Option(help="A:B: a new length drawn uniformly in [A, B] every step.")] = None,
+    seq_range: Annotated[str | None, typer.Option(help="A:B, a new length drawn uniformly in [A, B] every step.")] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="Steps (default 3 with --seq, 100 with --seq-range).")] = None,
     format: Annotated[OutputFormat, typer.Option("--format", help="table, json (JSON lines) or csv.")] = OutputFormat.table,
     blocks: Annotated[int, typer.Option(min=1, help="LLaMA decoder blocks.")] = 16,
