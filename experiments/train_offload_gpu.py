@@ -2,6 +2,8 @@
 
     python experiments/train_offload_gpu.py --out experiments/results/train-offload-h200
     python experiments/train_offload_gpu.py --dry-run --out /tmp/x   # CPU: sim backend, tiny shapes
+    # full fine-tuning at 2048 tokens, PyTorch at a quarter only, then at 256 tokens (transfer-bound):
+    python experiments/train_offload_gpu.py --out OUT --variants full --seq 2048 256 --torch-budgets quarter
 
 For each variant (LoRA, full fine-tuning) of a 16-block, 4096-wide LLaMA (LLaMA-7B widths) at
 batch 1, sequence 2048, writes to ``<out>/train_offload.jsonl`` one JSON object per measurement:
@@ -49,10 +51,10 @@ from vmstoolkit.exec.train_graph import build_train_step, grads_from_updates, ra
 FRACTIONS = {"half": 0.5, "quarter": 0.25}
 
 
-def config(a) -> LlamaConfig:
+def config(a, seq: int) -> LlamaConfig:
     if a.dry_run:
-        return LlamaConfig(n_blocks=2, seq=16, hidden=32, heads=4, kv_heads=2, ffn=48)
-    return LlamaConfig(n_blocks=a.blocks, seq=a.seq, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads or a.heads,
+        return LlamaConfig(n_blocks=2, seq=16 if seq == a.seq[0] else 8, hidden=32, heads=4, kv_heads=2, ffn=48)
+    return LlamaConfig(n_blocks=a.blocks, seq=seq, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads or a.heads,
                        ffn=a.ffn)
 
 
@@ -216,6 +218,8 @@ def torch_step(cfg: LlamaConfig, variant: str, rank: int, budget: int, seed: int
 
 def run_torch(cfg, variant, budgets, want, emit, a):
     for name, budget in budgets.items():
+        if name not in a.torch_budgets:
+            continue
         row = {"kind": "torch", "variant": variant, "budget_name": name, "budget": budget}
         npz = a.out / f"torch_{variant}_{name}.npz"
         cmd = [sys.executable, __file__, "--torch-only", "--variant", variant, "--budget", str(budget),
@@ -239,7 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU only: sim backend, tiny shapes, no torch")
     ap.add_argument("--variants", nargs="+", default=["lora", "full"], choices=["lora", "full"])
     ap.add_argument("--blocks", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--seq", type=int, nargs="+", default=[2048],
+                    help="sequence lengths, run one after the other in this process (kernels compile once); "
+                         "the PyTorch baseline runs at the first only")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=None)
@@ -248,6 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--torch-budgets", nargs="+", default=list(FRACTIONS), choices=list(FRACTIONS),
+                    help="budgets at which the PyTorch baseline runs (each is a process of its own)")
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
@@ -255,7 +263,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     faulthandler.enable()
     a.out.mkdir(parents=True, exist_ok=True)
-    cfg = config(a)
+    cfg = config(a, a.seq[0])
     if a.torch_only:
         res = torch_step(cfg, a.variant, a.rank, a.budget, a.seed, a.repeats)
         np.savez(a.npz, **res.pop("grads"))
@@ -265,37 +273,42 @@ def main(argv=None) -> int:
     rows_path.write_text("")
     rows = []
 
+    t0 = time.perf_counter()
+
     def emit(row):
-        row = {"command": " ".join(sys.argv), "config": asdict(cfg), **row}
+        row = {"command": " ".join(sys.argv), "config": asdict(cfg), "seq": cfg.seq,
+               "t_s": round(time.perf_counter() - t0, 1), **row}
         rows.append(row)
         with rows_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps({k: v for k, v in row.items() if k not in ("traceback", "command", "config")}), flush=True)
 
-    t0 = time.perf_counter()
-    for variant in a.variants:
-        tg = build_train_step(cfg, variant, rank=a.rank)
-        values = random_train_values(tg, a.seed)
-        budgets, want = run_ours(tg, values, emit, a, variant)
-        del values
-        gc.collect()
-        if not a.dry_run:  # free our pinned host copies before the baseline takes its own
-            from numba import cuda
+    for seq in a.seq:
+        cfg = config(a, seq)
+        for variant in a.variants:
+            tg = build_train_step(cfg, variant, rank=a.rank)
+            values = random_train_values(tg, a.seed)
+            budgets, want = run_ours(tg, values, emit, a, variant)
+            del values
+            gc.collect()
+            if not a.dry_run:  # free our pinned host copies before the baseline takes its own
+                from numba import cuda
 
-            cuda.current_context().deallocations.clear()
-        if a.dry_run or a.skip_torch:
-            emit({"kind": "torch", "variant": variant, "skipped": "dry run" if a.dry_run else "--skip-torch"})
-        else:
-            run_torch(cfg, variant, budgets, want, emit, a)
+                cuda.current_context().deallocations.clear()
+            if a.dry_run or a.skip_torch or seq != a.seq[0]:
+                emit({"kind": "torch", "variant": variant,
+                      "skipped": "dry run" if a.dry_run else "--skip-torch" if a.skip_torch else "first --seq only"})
+            else:
+                run_torch(cfg, variant, budgets, want, emit, a)
     side = {}
     for r in rows:
         if "step_s" in r and r["kind"] in ("runtime", "torch"):
-            key = f"{r['variant']} {r['budget_name']}"
+            key = f"{r['variant']} seq {r['seq']} {r['budget_name']}"
             side.setdefault(key, {})[r.get("executor", "torch eager")] = r["step_s"]
             if r["kind"] == "runtime":
                 side[key]["lower_bound_s"] = r["lower_bound_s"]
                 side[key]["transfer_bound"] = r["transfer_bound"]
-    summary = {"command": " ".join(sys.argv), "config": asdict(cfg), "wall_s": time.perf_counter() - t0,
+    summary = {"command": " ".join(sys.argv), "config": asdict(cfg), "seqs": a.seq, "wall_s": time.perf_counter() - t0,
                "step_s": side,
                "all_equal": all(r.get("equal", True) for r in rows if r["kind"] == "runtime" and "error" not in r),
                "errors": [r["error"][:300] for r in rows if "error" in r]}
