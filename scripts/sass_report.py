@@ -235,7 +235,7 @@ def attention_reports(args) -> list[Report]:
     for t in cands:
         k = A.make_flash_kernel(128, t, t.heads_for(4), True)
         flags = "".join(f"+{f.name}" for f in fields(t) if f.type in (bool, "bool") and getattr(t, f.name))
-        label = f"flash {t.rows}r/{t.heads}h/{t.bkv}k {t.tr}x{t.tk}/{t.to} {t.threads}thr{flags}"
+        label = f"flash {t.rows}r/{t.heads}h/{t.bkv}k {t.tr}x{t.tk}/{t.to} {t.threads}thr {t.blocks_per_sm}blk/SM{flags}"
         out.append(_dispatcher_report(label, k, sig))
     return out
 

@@ -420,6 +420,15 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
                 s[i, j] += a_reg[i] * k_reg[j]
 
     @cuda.jit(device=True, inline="always")
+    def s_pair(QsT, KV, d, ra, kb, s, a_reg, k_reg, a2, k2):
+        """Steps d and d + 1 with step d's fragments in (a_reg, k_reg) on entry, step d + 2's
+        on exit (the caller keeps d + 2 < hd)."""
+        s_load(QsT, KV, d + uint64(1), ra, kb, a2, k2)
+        s_fma(s, a_reg, k_reg)
+        s_load(QsT, KV, d + uint64(2), ra, kb, a_reg, k_reg)
+        s_fma(s, a2, k2)
+
+    @cuda.jit(device=True, inline="always")
     def scores(QsT, KV, ra, kb, s, a_reg, k_reg, a2, k2):
         for i in range(TR):
             for j in range(TK):
@@ -430,21 +439,10 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
             # load runs past d = hd - 1)
             s_load(QsT, KV, uint64(0), ra, kb, a_reg, k_reg)
             for d0 in range(0, HD - 4, 4):
-                d = uint64(d0)
-                s_load(QsT, KV, d + uint64(1), ra, kb, a2, k2)
-                s_fma(s, a_reg, k_reg)
-                s_load(QsT, KV, d + uint64(2), ra, kb, a_reg, k_reg)
-                s_fma(s, a2, k2)
-                s_load(QsT, KV, d + uint64(3), ra, kb, a2, k2)
-                s_fma(s, a_reg, k_reg)
-                s_load(QsT, KV, d + uint64(4), ra, kb, a_reg, k_reg)
-                s_fma(s, a2, k2)
-            d = uint64(HD - 4)
-            s_load(QsT, KV, d + uint64(1), ra, kb, a2, k2)
-            s_fma(s, a_reg, k_reg)
-            s_load(QsT, KV, d + uint64(2), ra, kb, a_reg, k_reg)
-            s_fma(s, a2, k2)
-            s_load(QsT, KV, d + uint64(3), ra, kb, a2, k2)
+                s_pair(QsT, KV, uint64(d0), ra, kb, s, a_reg, k_reg, a2, k2)
+                s_pair(QsT, KV, uint64(d0 + 2), ra, kb, s, a_reg, k_reg, a2, k2)
+            s_pair(QsT, KV, uint64(HD - 4), ra, kb, s, a_reg, k_reg, a2, k2)
+            s_load(QsT, KV, uint64(HD - 1), ra, kb, a2, k2)
             s_fma(s, a_reg, k_reg)
             s_fma(s, a2, k2)
             return
@@ -477,26 +475,23 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
         pv_fma(acc, p_reg, v_reg)
 
     @cuda.jit(device=True, inline="always")
+    def pv_pair(Ps, KV, j, ro, cc, acc, p_reg, v_reg, p2, v2):
+        """Keys j and j + 1 (as ``s_pair``)."""
+        pv_load(Ps, KV, j + uint64(1), ro, cc, p2, v2)
+        pv_fma(acc, p_reg, v_reg)
+        pv_load(Ps, KV, j + uint64(2), ro, cc, p_reg, v_reg)
+        pv_fma(acc, p2, v2)
+
+    @cuda.jit(device=True, inline="always")
     def pv_dbuf(Ps, KV, ro, cc, acc, p_reg, v_reg, p2, v2):
         """acc += P V over the tile, key j + 1's fragments loaded while key j's FMAs run (as in
         ``scores``; bkv % 4 == 0)."""
         pv_load(Ps, KV, uint64(0), ro, cc, p_reg, v_reg)
         for j4 in range(0, BKV - 4, 4):
-            j = uint64(j4)
-            pv_load(Ps, KV, j + uint64(1), ro, cc, p2, v2)
-            pv_fma(acc, p_reg, v_reg)
-            pv_load(Ps, KV, j + uint64(2), ro, cc, p_reg, v_reg)
-            pv_fma(acc, p2, v2)
-            pv_load(Ps, KV, j + uint64(3), ro, cc, p2, v2)
-            pv_fma(acc, p_reg, v_reg)
-            pv_load(Ps, KV, j + uint64(4), ro, cc, p_reg, v_reg)
-            pv_fma(acc, p2, v2)
-        j = uint64(BKV - 4)
-        pv_load(Ps, KV, j + uint64(1), ro, cc, p2, v2)
-        pv_fma(acc, p_reg, v_reg)
-        pv_load(Ps, KV, j + uint64(2), ro, cc, p_reg, v_reg)
-        pv_fma(acc, p2, v2)
-        pv_load(Ps, KV, j + uint64(3), ro, cc, p2, v2)
+            pv_pair(Ps, KV, uint64(j4), ro, cc, acc, p_reg, v_reg, p2, v2)
+            pv_pair(Ps, KV, uint64(j4 + 2), ro, cc, acc, p_reg, v_reg, p2, v2)
+        pv_pair(Ps, KV, uint64(BKV - 4), ro, cc, acc, p_reg, v_reg, p2, v2)
+        pv_load(Ps, KV, uint64(BKV - 1), ro, cc, p2, v2)
         pv_fma(acc, p_reg, v_reg)
         pv_fma(acc, p2, v2)
 
