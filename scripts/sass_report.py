@@ -200,16 +200,57 @@ def gemm_reports(args) -> list[Report]:
     return out
 
 
+def parse_flash_tiles(text: str):
+    """``rows/heads/bkv/tr/tk/to[/blocks_per_sm][+flag...]``, e.g. ``32/4/32/4/4/4+dbuf`` -> FlashTiles
+    (a flag sets that boolean field of FlashTiles)."""
+    from dataclasses import fields
+
+    from vmstoolkit.kernels.attention import FlashTiles
+
+    shape, *flags = text.strip().split("+")
+    parts = shape.split("/")
+    names = {f.name for f in fields(FlashTiles) if f.type in (bool, "bool")}
+    if len(parts) not in (6, 7) or not all(p.isdigit() for p in parts) or not set(flags) <= names:
+        raise SystemExit(f"sass_report: flash tiles {text!r} is not rows/heads/bkv/tr/tk/to[/blocks_per_sm]"
+                         f"[+flag], flags: {sorted(names)}")
+    return FlashTiles(*map(int, parts), **{f: True for f in flags})
+
+
+def attention_reports(args) -> list[Report]:
+    """Variant 2 (``make_flash_kernel``) at hd = 128 for the bench's candidates (or ``--tiles``),
+    with the row statistics (``lse``), as the training forward runs it."""
+    from dataclasses import fields
+
+    from numba import float32, int64, types
+
+    from vmstoolkit.kernels import attention as A
+
+    a3, a4, a5 = (types.Array(types.float32, n, "C") for n in (3, 4, 5))
+    sig = (a4, a4, a4, a4, float32, a3, a5, a4, int64)
+    if args.tiles:
+        cands = [parse_flash_tiles(t) for t in args.tiles]
+    else:
+        cands = list(dict.fromkeys((A.FlashTiles(), *A.FLASH_CANDIDATES)))
+    out = []
+    for t in cands:
+        k = A.make_flash_kernel(128, t, t.heads_for(4), True)
+        flags = "".join(f"+{f.name}" for f in fields(t) if f.type in (bool, "bool") and getattr(t, f.name))
+        label = f"flash {t.rows}r/{t.heads}h/{t.bkv}k {t.tr}x{t.tk}/{t.to} {t.threads}thr {t.blocks_per_sm}blk/SM{flags}"
+        out.append(_dispatcher_report(label, k, sig))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["gemm"])
+    ap.add_argument("what", choices=["gemm", "attention"])
     ap.add_argument("--layout", nargs="+", default=["nn"], choices=["nn", "nt", "tt"])
-    ap.add_argument("--tiles", nargs="+", help="GEMM tile shapes BMxBNxBK/TMxTN[wWMxWN] (default: the candidates)")
+    ap.add_argument("--tiles", nargs="+", help="GEMM tile shapes BMxBNxBK/TMxTN[wWMxWN], or attention's "
+                    "rows/heads/bkv/tr/tk/to[/blocks_per_sm] (default: the candidates)")
     ap.add_argument("--variant", type=int, default=3, help="GEMM variant for --tiles (3: capped registers, 4: not)")
     ap.add_argument("--dump", action="store_true", help="print the main loop's SASS")
     args = ap.parse_args(argv)
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
-    reports = gemm_reports(args)
+    reports = gemm_reports(args) if args.what == "gemm" else attention_reports(args)
     for rep in reports:
         print(rep.line(), flush=True)
         if args.dump and rep.main_loop() is not None:

@@ -33,6 +33,20 @@ def test_runs_of_four_tiles_gqa_1_and_4(splits):
     A.validate(shapes=((1, 21, 8, 2, 16), (2, 13, 4, 4, 16), (1, 1, 4, 1, 16)), tiles=RUNS4, splits=splits)
 
 
+# The GPU candidates' switches (register double buffering of both loops, base-2 softmax), on the
+# runs-of-4 tiles and the simulator's (runs of 1, hd 6: the score loop's plain path).
+SWITCHES = ({"dbuf": True}, {"pv_dbuf": True}, {"exp2": True}, {"dbuf": True, "pv_dbuf": True, "exp2": True})
+
+
+@pytest.mark.parametrize("switches", SWITCHES)
+@pytest.mark.parametrize("splits", (1, 3))
+def test_double_buffered_and_exp2_kernels(switches, splits):
+    from dataclasses import replace
+    A.validate(shapes=((1, 21, 8, 2, 16), (2, 13, 4, 4, 16), (1, 1, 4, 1, 16)),
+               tiles=replace(RUNS4, **switches), splits=splits)
+    A.validate(shapes=SHAPES, tiles=replace(A.SIM_FLASH_TILES, **switches), splits=splits)
+
+
 def test_several_key_tiles_and_query_tiles(rng, rel_err):
     # T = 29 over the simulator tiles (4 positions x 2 heads, 4 keys): up to 8 key tiles per
     # block, most of them wholly below the diagonal (no mask), GQA group 4, large scores.
@@ -51,6 +65,8 @@ def test_h200_tiles_on_a_tiny_problem():
     # The GPU launch shapes (128 threads), head_dim 16 / 32, GQA group 4, several query tiles.
     A.validate(shapes=((1, 40, 2, 1, 16),), tiles=A.AttentionTiles())
     A.validate(shapes=((1, 20, 4, 1, 32),), tiles=A.FlashTiles(), splits=1)
+    for tiles in A.FLASH_CANDIDATES:  # the bench's candidates for the H200
+        A.validate(shapes=((1, 20, 4, 1, 32),), tiles=tiles, splits=1)
 
 
 def test_heads_per_block_divide_the_group():

@@ -58,6 +58,14 @@ warp), scores and row maxima written, P and V stored (K and V share one shared b
 Q, P and the maxima everything fits in the 48 KiB of static shared memory at hd = 128), P @ V done.
 Global loads of the next K tile and of this tile's V are issued into registers before the
 barriers that precede their use.
+
+Switches of :class:`FlashTiles` (off by default; offline, sm_90, not yet timed:
+``scripts/sass_report.py attention``): ``dbuf`` / ``pv_dbuf`` load the next d step's (key's)
+register fragments while the current step's FMAs run, across the loop's back edge (ptxas already
+hoists the loads inside one unrolled iteration, so the FMAs at the top of each iteration waited
+on shared-memory latency with only 2 warps per scheduler); ``exp2`` folds log2(e) into Q's
+scale so that each exp is one ``exp2`` (MUFU.EX2 plus its denormal guard) instead of expf's
+range reduction, and turns the max back into natural-log units for ``lse``.
 """
 
 from __future__ import annotations
@@ -276,6 +284,9 @@ class FlashTiles:
     tk: int = 4  # score keys per thread (adjacent)
     to: int = 4  # output rows per thread
     blocks_per_sm: int = 4  # registers are capped so that this many blocks fit an SM (0: no cap)
+    dbuf: bool = False  # double-buffer the score loop's register fragments (head_dim % 4 == 0)
+    pv_dbuf: bool = False  # double-buffer the P @ V loop's register fragments
+    exp2: bool = False  # softmax in base 2: log2(e) folded into Q's scale, exp2 per score
 
     @property
     def threads(self) -> int:
@@ -323,6 +334,21 @@ class FlashTiles:
 # Simulator: 8 threads, 8 rows (4 positions x 2 heads), 4 keys per tile.
 SIM_FLASH_TILES = FlashTiles(rows=8, heads=2, bkv=4, tr=2, tk=2, to=2)
 
+# Candidates for the default (offline, sm_90, not yet timed: scripts/sass_report.py attention).
+# The default's 4x4 tiles use 238 registers, so 4 blocks (8 warps) share an SM although the
+# shared memory (42.75 KiB + 1 KiB reserved per block) admits 5; capped at 200 registers
+# (blocks_per_sm=5) they still compile without spills. dbuf / pv_dbuf carry the next step's
+# fragments across each loop's back edge (252 registers uncapped, no spill); exp2 takes 89 of
+# the 1759 static instructions of the key-tile loop (expf's range reduction, 4 per exp).
+FLASH_CANDIDATES = (
+    FlashTiles(dbuf=True, pv_dbuf=True),
+    FlashTiles(exp2=True),
+    FlashTiles(dbuf=True, pv_dbuf=True, exp2=True),
+    FlashTiles(blocks_per_sm=5, exp2=True),
+    FlashTiles(blocks_per_sm=5, dbuf=True, pv_dbuf=True, exp2=True),
+    FlashTiles(to=8, blocks_per_sm=5, dbuf=True, pv_dbuf=True, exp2=True),
+)
+
 
 @lru_cache(maxsize=None)
 def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = False):
@@ -349,6 +375,13 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
     K_LOADS = (HD // KDW) * (BKV // KKW)  # K (or V) elements per thread per tile
     Q_LOADS = -(-R * HD // NT)
     UD = 4 if HD % 4 == 0 else 1  # the score loop over d is unrolled by 4
+    DBUF = tiles.dbuf and HD % 4 == 0
+    PV_DBUF = tiles.pv_dbuf
+    # exp2: scores in log2 units (Q pre-scaled by scale * log2(e)), so each exp is one MUFU.EX2
+    # without expf's range reduction; M_UNIT turns the running max back into natural log units
+    EXP2 = tiles.exp2
+    Q_UNIT = float32(1.4426950408889634) if EXP2 else float32(1.0)
+    M_UNIT = float32(0.6931471805599453) if EXP2 else float32(1.0)
     WITH_LSE = with_lse
     ALIGN = None if simulating() else 16
     # The simulator accepts no register cap.
@@ -367,10 +400,52 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
                 s[i, j] += a_reg[i] * k_reg[j]
 
     @cuda.jit(device=True, inline="always")
-    def scores(QsT, KV, ra, kb, s, a_reg, k_reg):
+    def expo(x):
+        if EXP2:
+            return math.exp2(x)
+        return math.exp(x)
+
+    @cuda.jit(device=True, inline="always")
+    def s_load(QsT, KV, d, ra, kb, a_reg, k_reg):
+        """The fragments of step d: Q[rows, d] and K[keys, d]."""
+        for i in range(TR):
+            a_reg[i] = QsT[d, ra + uint64((i // VR) * SR + i % VR)]
+        for j in range(TK):
+            k_reg[j] = KV[d * uint64(BKVP) + kb + uint64(j)]
+
+    @cuda.jit(device=True, inline="always")
+    def s_fma(s, a_reg, k_reg):
+        for j in range(TK):
+            for i in range(TR):
+                s[i, j] += a_reg[i] * k_reg[j]
+
+    @cuda.jit(device=True, inline="always")
+    def s_pair(QsT, KV, d, ra, kb, s, a_reg, k_reg, a2, k2):
+        """Steps d and d + 1 with step d's fragments in (a_reg, k_reg) on entry, step d + 2's
+        on exit (the caller keeps d + 2 < hd)."""
+        s_load(QsT, KV, d + uint64(1), ra, kb, a2, k2)
+        s_fma(s, a_reg, k_reg)
+        s_load(QsT, KV, d + uint64(2), ra, kb, a_reg, k_reg)
+        s_fma(s, a2, k2)
+
+    @cuda.jit(device=True, inline="always")
+    def scores(QsT, KV, ra, kb, s, a_reg, k_reg, a2, k2):
         for i in range(TR):
             for j in range(TK):
                 s[i, j] = float32(0.0)
+        if DBUF:
+            # register double buffering: step d + 1's fragments are loaded while step d's FMAs
+            # run, across the loop's back edge too (the last 4 steps are peeled off so that no
+            # load runs past d = hd - 1)
+            s_load(QsT, KV, uint64(0), ra, kb, a_reg, k_reg)
+            for d0 in range(0, HD - 4, 4):
+                s_pair(QsT, KV, uint64(d0), ra, kb, s, a_reg, k_reg, a2, k2)
+                s_pair(QsT, KV, uint64(d0 + 2), ra, kb, s, a_reg, k_reg, a2, k2)
+            s_pair(QsT, KV, uint64(HD - 4), ra, kb, s, a_reg, k_reg, a2, k2)
+            s_load(QsT, KV, uint64(HD - 1), ra, kb, a2, k2)
+            s_fma(s, a_reg, k_reg)
+            s_fma(s, a2, k2)
+            return
         for d0 in range(0, HD, UD):
             d = uint64(d0)
             s_step(QsT, KV, d, ra, kb, s, a_reg, k_reg)
@@ -380,15 +455,45 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
                 s_step(QsT, KV, d + uint64(3), ra, kb, s, a_reg, k_reg)
 
     @cuda.jit(device=True, inline="always")
-    def pv_step(Ps, KV, j, ro, cc, acc, p_reg, v_reg):
-        """acc += outer(P[key j, rows], V[key j, cols])."""
+    def pv_load(Ps, KV, j, ro, cc, p_reg, v_reg):
+        """The fragments of key j: P[j, rows] and V[j, cols]."""
         for i in range(TO):
             p_reg[i] = Ps[j, ro + uint64((i // VO) * SO + i % VO)]
         for c in range(TD):
             v_reg[c] = KV[j * uint64(HDP) + cc + uint64((c // VC) * SC + c % VC)]
+
+    @cuda.jit(device=True, inline="always")
+    def pv_fma(acc, p_reg, v_reg):
         for c in range(TD):
             for i in range(TO):
                 acc[i, c] += p_reg[i] * v_reg[c]
+
+    @cuda.jit(device=True, inline="always")
+    def pv_step(Ps, KV, j, ro, cc, acc, p_reg, v_reg):
+        """acc += outer(P[key j, rows], V[key j, cols])."""
+        pv_load(Ps, KV, j, ro, cc, p_reg, v_reg)
+        pv_fma(acc, p_reg, v_reg)
+
+    @cuda.jit(device=True, inline="always")
+    def pv_pair(Ps, KV, j, ro, cc, acc, p_reg, v_reg, p2, v2):
+        """Keys j and j + 1 (as ``s_pair``)."""
+        pv_load(Ps, KV, j + uint64(1), ro, cc, p2, v2)
+        pv_fma(acc, p_reg, v_reg)
+        pv_load(Ps, KV, j + uint64(2), ro, cc, p_reg, v_reg)
+        pv_fma(acc, p2, v2)
+
+    @cuda.jit(device=True, inline="always")
+    def pv_dbuf(Ps, KV, ro, cc, acc, p_reg, v_reg, p2, v2):
+        """acc += P V over the tile, key j + 1's fragments loaded while key j's FMAs run (as in
+        ``scores``; bkv % 4 == 0)."""
+        pv_load(Ps, KV, uint64(0), ro, cc, p_reg, v_reg)
+        for j4 in range(0, BKV - 4, 4):
+            pv_pair(Ps, KV, uint64(j4), ro, cc, acc, p_reg, v_reg, p2, v2)
+            pv_pair(Ps, KV, uint64(j4 + 2), ro, cc, acc, p_reg, v_reg, p2, v2)
+        pv_pair(Ps, KV, uint64(BKV - 4), ro, cc, acc, p_reg, v_reg, p2, v2)
+        pv_load(Ps, KV, uint64(BKV - 1), ro, cc, p2, v2)
+        pv_fma(acc, p_reg, v_reg)
+        pv_fma(acc, p2, v2)
 
     @cuda.jit(device=True, inline="always")
     def fetch_kv(src, b, hk, k0, T, dw, kw, tid, pf):
@@ -449,11 +554,15 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
         s = cuda.local.array((TR, TK), float32)  # (tr, tk) scores, then probabilities
         a_reg = cuda.local.array(TR, float32)
         k_reg = cuda.local.array(TK, float32)
+        a2 = cuda.local.array(TR, float32)  # the second fragment buffer (DBUF)
+        k2 = cuda.local.array(TK, float32)
         m_i = cuda.local.array(TR, float32)  # running max of the score rows
         l_i = cuda.local.array(TR, float32)  # running partial sum over this thread's keys
         acc = cuda.local.array((TO, TD), float32)  # (to, td) unnormalised output
         p_reg = cuda.local.array(TO, float32)
         v_reg = cuda.local.array(TD, float32)
+        p2 = cuda.local.array(TO, float32)  # the second fragment buffers (PV_DBUF)
+        v2 = cuda.local.array(TD, float32)
         pf = cuda.local.array(K_LOADS, float32)  # the next K or V tile, in flight
         tid = cuda.threadIdx.x
         kg = tid % NKG  # score phase: key group and row group
@@ -464,6 +573,7 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
         cc = uint64(cg * VC)
 
         # Q tile: row r is position q0 + r % BQ of head h0 + r // BQ; zero past T
+        qscale = scale * Q_UNIT
         for l in range(Q_LOADS):
             e = tid + l * NT
             if e < R * HD:
@@ -472,7 +582,7 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
                 pos = q0 + uint64(r % BQ)
                 val = float32(0.0)
                 if pos < T:
-                    val = q[b, pos, h0 + r // BQ, d] * scale
+                    val = q[b, pos, h0 + r // BQ, d] * qscale
                 QsT[d, r] = val
         for i in range(TR):
             m_i[i] = NEG_INF
@@ -488,7 +598,7 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
             stash_kv(KV, tid, pf, KDW, KKW, BKVP, 1)
             cuda.syncthreads()
             # scores; the diagonal (and ragged last) tiles mask key > position and key >= T
-            scores(QsT, KV, ra, kb, s, a_reg, k_reg)
+            scores(QsT, KV, ra, kb, s, a_reg, k_reg, a2, k2)
             if k0 + uint64(BKV) > q0 + uint64(1):
                 for i in range(TR):
                     pos = q0 + uint64((ra + uint64((i // VR) * SR + i % VR)) % uint64(BQ))
@@ -514,9 +624,9 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
                     for j in range(TK):
                         s[i, j] = float32(0.0)
                 else:
-                    alpha = math.exp(m_i[i] - mt)  # 0 on the first tile (m_i = -inf)
+                    alpha = expo(m_i[i] - mt)  # 0 on the first tile (m_i = -inf)
                     for j in range(TK):
-                        s[i, j] = math.exp(s[i, j] - mt)
+                        s[i, j] = expo(s[i, j] - mt)
                 m_i[i] = mt
                 tot = l_i[i] * alpha
                 for j in range(TK):
@@ -534,12 +644,15 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
                 a = Alpha[ro + uint64((i // VO) * SO + i % VO)]
                 for c in range(TD):
                     acc[i, c] *= a
-            for j4 in range(0, BKV, 4):
-                j = uint64(j4)
-                pv_step(Ps, KV, j, ro, cc, acc, p_reg, v_reg)
-                pv_step(Ps, KV, j + uint64(1), ro, cc, acc, p_reg, v_reg)
-                pv_step(Ps, KV, j + uint64(2), ro, cc, acc, p_reg, v_reg)
-                pv_step(Ps, KV, j + uint64(3), ro, cc, acc, p_reg, v_reg)
+            if PV_DBUF:
+                pv_dbuf(Ps, KV, ro, cc, acc, p_reg, v_reg, p2, v2)
+            else:
+                for j4 in range(0, BKV, 4):
+                    j = uint64(j4)
+                    pv_step(Ps, KV, j, ro, cc, acc, p_reg, v_reg)
+                    pv_step(Ps, KV, j + uint64(1), ro, cc, acc, p_reg, v_reg)
+                    pv_step(Ps, KV, j + uint64(2), ro, cc, acc, p_reg, v_reg)
+                    pv_step(Ps, KV, j + uint64(3), ro, cc, acc, p_reg, v_reg)
             cuda.syncthreads()
 
         # row sums (partial per key group) and maxima -> the output threads
@@ -561,7 +674,7 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
                 row_lse = NEG_INF
                 if tot > float32(0.0):
                     inv = float32(1.0) / tot
-                    row_lse = Mfin[r] + math.log(tot)
+                    row_lse = Mfin[r] * M_UNIT + math.log(tot)
                 for c in range(TD):
                     col = cc + uint64((c // VC) * SC + c % VC)
                     if split == uint64(0):
