@@ -2,8 +2,9 @@
 
     python experiments/train_offload_gpu.py --out experiments/results/train-offload-h200
     python experiments/train_offload_gpu.py --dry-run --out /tmp/x   # CPU: sim backend, tiny shapes
-    # full fine-tuning at 2048 tokens, PyTorch at a quarter only, then at 256 tokens (transfer-bound):
-    python experiments/train_offload_gpu.py --out OUT --variants full --seq 2048 256 --torch-budgets quarter
+    # full fine-tuning at 256 tokens (transfer-bound), then at 2048 with PyTorch at a quarter:
+    python experiments/train_offload_gpu.py --out OUT --variants full --seq 256 2048 --torch-seq 2048 \
+        --torch-budgets quarter
 
 For each variant (LoRA, full fine-tuning) of a 16-block, 4096-wide LLaMA (LLaMA-7B widths) at
 batch 1, sequence 2048, writes to ``<out>/train_offload.jsonl`` one JSON object per measurement:
@@ -245,7 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--seq", type=int, nargs="+", default=[2048],
                     help="sequence lengths, run one after the other in this process (kernels compile once); "
-                         "the PyTorch baseline runs at the first only")
+                         "the PyTorch baseline runs at --torch-seq only")
+    ap.add_argument("--torch-seq", type=int, default=None, help="the --seq at which PyTorch runs (default: the first)")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=None)
@@ -295,9 +297,9 @@ def main(argv=None) -> int:
                 from numba import cuda
 
                 cuda.current_context().deallocations.clear()
-            if a.dry_run or a.skip_torch or seq != a.seq[0]:
+            if a.dry_run or a.skip_torch or seq != (a.torch_seq or a.seq[0]):
                 emit({"kind": "torch", "variant": variant,
-                      "skipped": "dry run" if a.dry_run else "--skip-torch" if a.skip_torch else "first --seq only"})
+                      "skipped": "dry run" if a.dry_run else "--skip-torch" if a.skip_torch else "not --torch-seq"})
             else:
                 run_torch(cfg, variant, budgets, want, emit, a)
     side = {}
