@@ -85,6 +85,39 @@ class Report:
     ops: Counter
     loops: list[Loop]
     sass: str
+    instrs: list = field(default_factory=list)  # (address, opcode, operands)
+
+    def load_use(self, lp: Loop, op: str = "LDS") -> list[int]:
+        """For each ``op`` load in loop ``lp``: how many instructions issue between it and the
+        first instruction reading a register it writes, following the loop's back edge (a load
+        whose value is first used ``d`` instructions later hides at most ``d`` issue cycles of its
+        latency within the warp; ~30 cycles for LDS on sm_90)."""
+        body = [(o, a) for addr, o, a in self.instrs if lp.start <= addr <= lp.end]
+        out = []
+        for i, (o, args) in enumerate(body):
+            if o != op:
+                continue
+            m = re.match(r"R(\d+)", args)
+            if not m:
+                continue
+            width = 4 if ".128" in self._mods(lp, i) else 2 if ".64" in self._mods(lp, i) else 1
+            regs = {f"R{int(m.group(1)) + w}" for w in range(width)}
+            for d in range(1, len(body) + 1):
+                o2, a2 = body[(i + d) % len(body)]
+                srcs = set(re.findall(r"R\d+", a2.split(",", 1)[1] if "," in a2 else ""))
+                if o2 in ("STS", "STG", "ST", "BAR"):  # stores read their first operand too
+                    srcs |= set(re.findall(r"R\d+", a2))
+                if regs & srcs:
+                    out.append(d - 1)
+                    break
+        return out
+
+    def _mods(self, lp: Loop, i: int) -> str:
+        return [m for addr, m in self._mod_list if lp.start <= addr <= lp.end][i]
+
+    @property
+    def _mod_list(self):
+        return [(int(m.group(1), 16), m.group(4)) for m in INSTR.finditer(self.sass)]
 
     def main_loop(self) -> Loop | None:
         """The loop with the most FFMAs (then the most instructions): a GEMM's or attention's k loop."""
@@ -105,6 +138,9 @@ class Report:
             inner = self.inner_loop()
             if inner is not lp:
                 loop += f"; densest inner loop {inner.n} instr, {inner.per_ffma():.3f} instr/FFMA"
+            dist = self.load_use(inner)
+            if dist:
+                loop += f"; LDS -> first use: min {min(dist)}, median {sorted(dist)[len(dist) // 2]} instr"
         spill = f"spill {self.spill_stores}/{self.spill_loads} B" if self.spill_stores or self.spill_loads else "no spill"
         return f"{self.name:<44} {self.regs:3d} regs  {spill:<16} smem {self.smem:6d} B  {loop}"
 
@@ -159,7 +195,8 @@ def compile_report(name: str, py_func, sig, max_registers: int | None = None, cc
         sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, env=env).stdout
     info = _parse_ptxas(r.stderr)
     instrs, loops = _parse_sass(sass)
-    return Report(name=name, total=len(instrs), ops=Counter(o for _, o, _ in instrs), loops=loops, sass=sass, **info)
+    return Report(name=name, total=len(instrs), ops=Counter(o for _, o, _ in instrs), loops=loops, sass=sass,
+                  instrs=instrs, **info)
 
 
 def _dispatcher_report(name: str, kernel, sig) -> Report:
