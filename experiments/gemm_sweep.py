@@ -85,6 +85,7 @@ CANDIDATES = [  # (variant, tiles[, splits]); variant "auto" / "proposed": that 
     ("proposed", None),  # G.choose(rule="proposed"): variant 5 on G.PROPOSED_TILES, split k when few tiles
     (3, W64),
     *[(5, t) for t in G.V5_TILES],
+    *[(6, t) for t in G.V6_TILES],
 ]
 # for outputs under 3/4 of a wave of 128 x 128 tiles (two per SM), k split among 2 or 4 blocks;
 # the proposed rule's own split is timed as "proposed"

@@ -11,7 +11,9 @@ its static instruction count (every path, cold bounds-checked ones too: ncu's ex
 the truth; at 4096^3 the 8x16/w64x64 candidate executes 1.157 instructions per FFMA, cuBLAS 1.139)
 and the densest inner loop, its FFMAs, shared and global loads, and instructions per FFMA: at one warp
 instruction per cycle per scheduler, a loop of ``n`` instructions per FFMA runs the FMA units at
-most ``1/n`` of their peak.
+most ``1/n`` of their peak. "LDS -> first use" counts, for each shared load of that loop, the
+instructions a warp issues before it reads what the load brought (through the back edge): under
+~30 (the LDS latency) the warp stalls unless another warp of its scheduler has work.
 
 Needs, besides numba-cuda: NVVM (a CUDA toolkit, or the ``nvidia-cuda-nvcc`` wheel), ``ptxas``,
 and ``cuobjdump`` with ``nvdisasm`` (``pip install -e .[sass]`` brings those two and the
@@ -104,9 +106,9 @@ class Report:
             regs = {f"R{int(m.group(1)) + w}" for w in range(width)}
             for d in range(1, len(body) + 1):
                 o2, a2 = body[(i + d) % len(body)]
-                srcs = set(re.findall(r"R\d+", a2.split(",", 1)[1] if "," in a2 else ""))
+                srcs = set(re.findall(r"(?<![A-Z])R\d+", a2.split(",", 1)[1] if "," in a2 else ""))
                 if o2 in ("STS", "STG", "ST", "BAR"):  # stores read their first operand too
-                    srcs |= set(re.findall(r"R\d+", a2))
+                    srcs |= set(re.findall(r"(?<![A-Z])R\d+", a2))
                 if regs & srcs:
                     out.append(d - 1)
                     break
@@ -229,6 +231,7 @@ def gemm_reports(args) -> list[Report]:
     else:
         cands = [(3, t) for t in G.V3_TILES] + [(4, G.BIG_TILES_V4)]
         cands += [(v, t) for t in G.WARP_TILES for v in ((3, 4) if t.threads > 128 else (3,))]
+        cands += [(5, t) for t in G.V5_TILES] + [(6, t) for t in G.V6_TILES]
     out = []
     for layout in args.layout:
         for v, t in dict.fromkeys(cands):
@@ -242,7 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("what", choices=["gemm"])
     ap.add_argument("--layout", nargs="+", default=["nn"], choices=["nn", "nt", "tt"])
     ap.add_argument("--tiles", nargs="+", help="GEMM tile shapes BMxBNxBK/TMxTN[wWMxWN] (default: the candidates)")
-    ap.add_argument("--variant", type=int, default=3, help="GEMM variant for --tiles (3: capped registers, 4: not)")
+    ap.add_argument("--variant", type=int, default=3, help="GEMM variant for --tiles (3: capped registers, 4: not, 5: double-buffered "
+                    "fragments, 6: 5 with unrolled slices)")
     ap.add_argument("--dump", action="store_true", help="print the main loop's SASS")
     args = ap.parse_args(argv)
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)

@@ -44,30 +44,34 @@ def test_warp_tiled_candidates_forward_and_backward(tiles):
     G.validate_backward(shapes=((m, 7, n),), tiles=tiles)
 
 
-@pytest.mark.parametrize("tiles", G.V5_TILES, ids=G.GemmTiles.label)
-def test_variant_5_candidates_forward_and_backward(tiles):
+@pytest.mark.parametrize("variant, tiles", [(5, t) for t in G.V5_TILES] + [(6, t) for t in G.V6_TILES],
+                         ids=lambda x: x.label() if isinstance(x, G.GemmTiles) else f"v{x}")
+def test_variant_5_and_6_candidates_forward_and_backward(variant, tiles):
     # double-buffered fragments on the shapes the sweep times: one ragged block, 2 k slices and a
     # part-full third (forward), 1 slice (dx: K = 7 rows of w), a part-full one (dw)
     m, n = tiles.bm - 3, tiles.bn - 1
-    G.validate(shapes=((m, n, 2 * tiles.bk + 3),), tiles=tiles, variants=(5,))
-    G.validate_backward(shapes=((m, 7, n),), tiles=tiles, variant=5)
+    G.validate(shapes=((m, n, 2 * tiles.bk + 3),), tiles=tiles, variants=(variant,))
+    G.validate_backward(shapes=((m, 7, n),), tiles=tiles, variant=variant)
 
 
+@pytest.mark.parametrize("variant", (5, 6))
 @pytest.mark.parametrize("bk", (4, 8, 16))
-def test_variant_5_slice_depths_and_counts(bk):
+def test_variant_5_and_6_slice_depths_and_counts(bk, variant):
     # bk 4: one trip of the 2-step fragment loop, 8: 3 trips, 16: 7; 1 to 4 k slices (the
     # two-slice loop ending on either buffer) on interior and edge tiles of a 3 x 3 grid
     tiles = G.GemmTiles(bm=16, bn=32, bk=bk, tm=4, tn=4)
     shapes = ((40, 70, 4 * bk), (40, 70, 3 * bk - 1), (32, 64, 2 * bk), (17, 33, bk - 2))
-    G.validate(shapes=shapes, tiles=tiles, variants=(5,))
-    G.validate_backward(shapes=((32, 70, 40), (9, 3 * bk + 1, 17)), tiles=tiles, variant=5)
+    G.validate(shapes=shapes, tiles=tiles, variants=(variant,))
+    G.validate_backward(shapes=((32, 70, 40), (9, 3 * bk + 1, 17)), tiles=tiles, variant=variant)
 
 
+@pytest.mark.parametrize("variant", (5, 6))
 @pytest.mark.parametrize("splits", (2, 3))
-def test_variant_5_split_k_forward_and_backward(splits):
+def test_variant_5_and_6_split_k_forward_and_backward(splits, variant):
     tiles = G.GemmTiles(bm=16, bn=32, bk=8, tm=4, tn=4)
-    G.validate(shapes=((21, 35, 5 * 8 + 3), (16, 32, 6 * 8)), tiles=tiles, variants=(5,), splits=splits)
-    G.validate_backward(shapes=((6 * 8 + 5, 19, 33), (9, 4 * 8, 17)), tiles=tiles, variant=5, splits=splits)
+    G.validate(shapes=((21, 35, 5 * 8 + 3), (16, 32, 6 * 8)), tiles=tiles, variants=(variant,), splits=splits)
+    G.validate_backward(shapes=((6 * 8 + 5, 19, 33), (9, 4 * 8, 17)), tiles=tiles, variant=variant,
+                        splits=splits)
 
 
 def test_small_warp_tiles_with_strided_vectors():

@@ -53,7 +53,9 @@ warp ready 28% of cycles against cuBLAS's 10%; in its SASS the first LDS of each
 read 5 instructions after it issues, so the warp waits for shared memory at every trip. In
 variant 5's every LDS is read at least 33 instructions later (median 79), at the cost of 24
 registers (246 at that shape, no spill) and 1.086 instead of 1.072 instructions per FFMA in the
-FMA loop (``scripts/sass_report.py``). Warp tiling is a property of the tile shape
+FMA loop (``scripts/sass_report.py``). ``6`` is ``5`` with every k slice unrolled (a chain of
+inlined device functions, one per k step, each with its k a constant): no loop counter, a few
+percent fewer instructions, a larger build. Warp tiling is a property of the tile shape
 (``GemmTiles.wm`` / ``wn``): the block's threads are grouped by warp, each warp covering a
 ``wm x wn`` sub-tile with its 32 threads' micro-tiles strided inside it instead of across the
 whole block tile. A warp then reads fewer distinct shared-memory words per load (e.g. 8 + 4
@@ -178,7 +180,7 @@ def _operand_map(trans: bool, rows: int, bk: int, nt: int):
 
 @lru_cache(maxsize=None)
 def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumulate: bool = False,
-              blocks_per_sm: int = 2, frag_db: bool = False):
+              blocks_per_sm: int = 2, frag_db: bool = False, unroll: bool = False):
     """The kernel ``kernel(a, b, acc_in, c, split_steps)`` computing ``c = [acc_in +] A @ B`` for
     the layouts in the module docstring; ``split_steps`` k slices per block along grid z.
     ``frag_db``: double-buffer the shared-to-register fragments (variant 5, module docstring)."""
@@ -196,7 +198,7 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     AV, AG, APER, ASTR = _operand_map(a_trans, BM, BK, NT)
     BV, BG, BPER, BSTR = _operand_map(b_trans, BN, BK, NT)
     A_LOADS, B_LOADS = AV * AG, BV * BG  # elements of A and of B per thread per slice
-    AT, BT, ACC, FDB = a_trans, b_trans, accumulate, frag_db
+    AT, BT, ACC, FDB, UNROLL = a_trans, b_trans, accumulate, frag_db, unroll
     # The simulator accepts neither option; alignment only matters to the vectoriser anyway.
     opts = {} if simulating() else {"max_registers": max_registers(NT, blocks_per_sm)}
     ALIGN = None if simulating() else 16
@@ -216,12 +218,36 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
             for i in range(TM):
                 acc[i, j] += a_reg[i] * b_reg[j]
 
+    def unrolled_steps(k: int):
+        """Variant 6: steps k .. BK-2 of a slice as a chain of inlined device functions, each with
+        its k a constant: the whole slice unrolled, no loop counter."""
+        if k == BK - 1:
+            @cuda.jit(device=True, inline="always")
+            def done(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1):
+                return
+
+            return done
+        nxt, kn = unrolled_steps(k + 1), k + 1
+
+        @cuda.jit(device=True, inline="always")
+        def step(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1):
+            load_frags(As, Bs, buf, uint64(kn), ra, cb, a1, b1)
+            fma_frags(acc, a0, b0)
+            nxt(As, Bs, buf, ra, cb, acc, a1, b1, a0, b0)
+
+        return step
+
+    slice_steps = unrolled_steps(0)
+
     @cuda.jit(device=True, inline="always")
     def multiply_db(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1):
         """Variant 5: k = 0 .. BK-2 of shared buffer ``buf``, each step's FMAs issued after the
         next step's fragment loads. On entry (a0, b0) hold k = 0's fragments; on return (a1, b1)
         hold k = BK-1's, whose FMAs the caller issues after the barrier (so that the loads of the
         next slice's first fragments overlap them)."""
+        if UNROLL:
+            slice_steps(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1)
+            return
         for k2 in range(0, BK - 2, 2):
             kk = uint64(k2)
             load_frags(As, Bs, buf, kk + uint64(1), ra, cb, a1, b1)
@@ -403,9 +429,14 @@ def make_gemm_v5(t: GemmTiles):
     return make_gemm(t, blocks_per_sm=2, frag_db=True)
 
 
-BLOCKS_PER_SM = {3: 2, 4: 1, 5: 2}  # variant -> the blocks per SM its register cap allows
-VARIANTS = {3: make_gemm_v3, 4: make_gemm_v4, 5: make_gemm_v5}
-SPLIT_K_VARIANTS = (3, 4, 5)  # every variant takes the split-K argument
+def make_gemm_v6(t: GemmTiles):
+    """Variant 5 with each k slice wholly unrolled."""
+    return make_gemm(t, blocks_per_sm=2, frag_db=True, unroll=True)
+
+
+BLOCKS_PER_SM = {3: 2, 4: 1, 5: 2, 6: 2}  # variant -> the blocks per SM its register cap allows
+VARIANTS = {3: make_gemm_v3, 4: make_gemm_v4, 5: make_gemm_v5, 6: make_gemm_v6}
+SPLIT_K_VARIANTS = (3, 4, 5, 6)  # every variant takes the split-K argument
 DEFAULT_VARIANT = 3
 
 
@@ -483,6 +514,13 @@ V5_TILES = (
     # two; 128 / 127 / 125 registers (the cap), 1.148 per FFMA, first use >= 34 (median 43-73)
     GemmTiles(bm=128, bn=128, bk=8, tm=8, tn=8, wm=32, wn=64),
 )
+# Variant 6's (offline, sm_90, not yet timed): the bk 8 shape of 8x16 per thread with each slice
+# unrolled; 244 / 227 / 221 registers, no spill; per pair of k slices 2449 SASS instructions for
+# 2048 FFMA against variant 5's ~2535 (its 2-step loop runs 3 trips per slice: ~3% more executed
+# instructions); but in nt and tt ptxas leaves 2 of 48 LDS per slice read 4 instructions after
+# they issue (nn: none under 33). At bk 16 the unrolled build takes ~60 s and reads some LDS 4
+# instructions on: not a candidate.
+V6_TILES = (V5_TILES[1],)
 
 
 def _blocks(m: int, n: int, t: GemmTiles) -> int:
@@ -559,7 +597,8 @@ def get_kernel(variant: int, tiles: GemmTiles, layout: str = "nn", accumulate: b
     if variant not in VARIANTS:
         raise KernelError(f"unknown GEMM variant {variant}; known: {sorted(VARIANTS)}")
     a_trans, b_trans = LAYOUTS[layout]
-    return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant], frag_db=variant == 5)
+    return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant], frag_db=variant >= 5,
+                     unroll=variant == 6)
 
 
 def check_args(x, w, y) -> tuple[int, int, int]:
