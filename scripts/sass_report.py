@@ -245,8 +245,9 @@ def main(argv=None) -> int:
     ap.add_argument("what", choices=["gemm"])
     ap.add_argument("--layout", nargs="+", default=["nn"], choices=["nn", "nt", "tt"])
     ap.add_argument("--tiles", nargs="+", help="GEMM tile shapes BMxBNxBK/TMxTN[wWMxWN] (default: the candidates)")
-    ap.add_argument("--variant", type=int, default=3, help="GEMM variant for --tiles (3: capped registers, 4: not, 5: double-buffered "
-                    "fragments, 6: 5 with unrolled slices)")
+    ap.add_argument("--variant", type=int, default=3,
+                    help="GEMM variant for --tiles (3: capped registers, 4: not, 5: double-buffered "
+                         "fragments, 6: 5 with unrolled slices)")
     ap.add_argument("--dump", action="store_true", help="print the main loop's SASS")
     args = ap.parse_args(argv)
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)

@@ -17,7 +17,7 @@ Register blocking: a block of ``(bm // tm) * (bn // tn)`` threads computes a ``b
 Each k step stages a ``bk``-deep slice of A and of B in shared memory (k-major) and every thread
 accumulates a ``tm x tn`` micro-tile in registers: ``tm + tn`` shared loads per ``tm * tn`` FMAs.
 
-Pipeline (the measured winner, ``gemm_v3`` / ``gemm_v4`` of issue 5, and variant 5 below; the simpler ``v1`` / ``v2``
+Pipeline (the measured winner, ``gemm_v3`` / ``gemm_v4`` of issue 5; the simpler ``v1`` / ``v2``
 were slower at every H200 shape and are gone, see ``experiments/results/gemm-h200/``):
 
 * two shared buffers; the next k slice is fetched from global memory into registers while the
@@ -51,7 +51,7 @@ next slice's first fragments load (offline, sm_90, not yet timed). Why: ncu on t
 two blocks per SM: two warps per scheduler) executing as many instructions as cuBLAS but with no
 warp ready 28% of cycles against cuBLAS's 10%; in its SASS the first LDS of each 4-step trip is
 read 5 instructions after it issues, so the warp waits for shared memory at every trip. In
-variant 5's every LDS is read at least 33 instructions later (median 79), at the cost of 24
+variant 5 every LDS is read at least 33 instructions later (median 79), at the cost of 24
 registers (246 at that shape, no spill) and 1.086 instead of 1.072 instructions per FFMA in the
 FMA loop (``scripts/sass_report.py``). ``6`` is ``5`` with every k slice unrolled (a chain of
 inlined device functions, one per k step, each with its k a constant): no loop counter, a few
@@ -183,7 +183,8 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
               blocks_per_sm: int = 2, frag_db: bool = False, unroll: bool = False):
     """The kernel ``kernel(a, b, acc_in, c, split_steps)`` computing ``c = [acc_in +] A @ B`` for
     the layouts in the module docstring; ``split_steps`` k slices per block along grid z.
-    ``frag_db``: double-buffer the shared-to-register fragments (variant 5, module docstring)."""
+    ``frag_db``: double-buffer the shared-to-register fragments (variant 5, module docstring);
+    ``unroll``: with ``frag_db``, unroll each k slice wholly (variant 6)."""
     t.check()
     BM, BN, BK, TM, TN = t.bm, t.bn, t.bk, t.tm, t.tn
     NT = t.threads
@@ -264,14 +265,30 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         fma_frags(acc, a_reg, b_reg)
 
     @cuda.jit(device=True, inline="always")
-    def multiply(As, Bs, buf, ra, cb, acc, a_reg, b_reg):
-        """acc += the product of the slices in shared buffer ``buf``, 4 k columns per trip."""
+    def multiply_plain(As, Bs, buf, ra, cb, acc, a_reg, b_reg, a_nx, b_nx):
+        """Variants 3, 4: acc += the product of the slices in shared buffer ``buf``, 4 k columns
+        per trip (``a_nx``, ``b_nx`` unused)."""
         for k4 in range(0, BK, 4):
             kk = uint64(k4)
             k_step(As, Bs, buf, kk, ra, cb, acc, a_reg, b_reg)
             k_step(As, Bs, buf, kk + uint64(1), ra, cb, acc, a_reg, b_reg)
             k_step(As, Bs, buf, kk + uint64(2), ra, cb, acc, a_reg, b_reg)
             k_step(As, Bs, buf, kk + uint64(3), ra, cb, acc, a_reg, b_reg)
+
+    @cuda.jit(device=True, inline="always")
+    def after_barrier_db(As, Bs, nbuf, ra, cb, acc, a0, b0, a1, b1):
+        """Variants 5, 6, after a slice's barrier: the next slice's first fragments (stale and
+        unused after the last slice) load from buffer ``nbuf`` while the slice's last step
+        multiplies: one basic block, no branch between."""
+        load_frags(As, Bs, nbuf, uint64(0), ra, cb, a0, b0)
+        fma_frags(acc, a1, b1)
+
+    @cuda.jit(device=True, inline="always")
+    def after_barrier_plain(As, Bs, nbuf, ra, cb, acc, a0, b0, a1, b1):
+        return
+
+    multiply = multiply_db if frag_db else multiply_plain
+    after_barrier = after_barrier_db if frag_db else after_barrier_plain
 
     @cuda.jit(device=True, inline="always")
     def fetch_origin(trans, per, vw, tid):
@@ -336,7 +353,7 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         acc = cuda.local.array((TM, TN), float32)  # (tm, tn)
         a_reg = cuda.local.array(TM, float32)
         b_reg = cuda.local.array(TN, float32)
-        a_nx = cuda.local.array(TM, float32)  # variant 5: the next k's fragments
+        a_nx = cuda.local.array(TM, float32)  # variants 5, 6: the next k's fragments
         b_nx = cuda.local.array(TN, float32)
         a_pf = cuda.local.array(A_LOADS, float32)  # this thread's share of the next A slice
         b_pf = cuda.local.array(B_LOADS, float32)  # and of the next B slice
@@ -358,45 +375,26 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         fetch(a, b, m0, n0, s0 * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
         stash(As, Bs, 0, fa, ka, fb, kb, a_pf, b_pf)
         cuda.syncthreads()
-        if FDB:  # variant 5: fragments double-buffered in registers (a_reg, b_reg) / (a_nx, b_nx)
+        if FDB:  # variants 5, 6: the first slice's first fragments
             load_frags(As, Bs, 0, uint64(0), ra, cb, a_reg, b_reg)
-            for s in range(s0, s1, uint64(2)):
-                if s + uint64(1) < s1:
-                    fetch(a, b, m0, n0, (s + uint64(1)) * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
-                multiply_db(As, Bs, 0, ra, cb, acc, a_reg, b_reg, a_nx, b_nx)
-                if s + uint64(1) < s1:
-                    stash(As, Bs, 1, fa, ka, fb, kb, a_pf, b_pf)
+        # Two k slices per trip so that the buffer indices are constants: slice s0 + i is in
+        # buffer i % 2. A buffer is overwritten only after the barrier that ends the step reading it.
+        for s in range(s0, s1, uint64(2)):
+            if s + uint64(1) < s1:
+                fetch(a, b, m0, n0, (s + uint64(1)) * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
+            multiply(As, Bs, 0, ra, cb, acc, a_reg, b_reg, a_nx, b_nx)
+            if s + uint64(1) < s1:
+                stash(As, Bs, 1, fa, ka, fb, kb, a_pf, b_pf)
+            cuda.syncthreads()
+            after_barrier(As, Bs, 1, ra, cb, acc, a_reg, b_reg, a_nx, b_nx)
+            if s + uint64(1) < s1:
+                if s + uint64(2) < s1:
+                    fetch(a, b, m0, n0, (s + uint64(2)) * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
+                multiply(As, Bs, 1, ra, cb, acc, a_reg, b_reg, a_nx, b_nx)
+                if s + uint64(2) < s1:
+                    stash(As, Bs, 0, fa, ka, fb, kb, a_pf, b_pf)
                 cuda.syncthreads()
-                # the next slice's first fragments (stale, unused, after the last slice) load
-                # while this slice's last step multiplies: one basic block, no branch between
-                load_frags(As, Bs, 1, uint64(0), ra, cb, a_reg, b_reg)
-                fma_frags(acc, a_nx, b_nx)
-                if s + uint64(1) < s1:
-                    if s + uint64(2) < s1:
-                        fetch(a, b, m0, n0, (s + uint64(2)) * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
-                    multiply_db(As, Bs, 1, ra, cb, acc, a_reg, b_reg, a_nx, b_nx)
-                    if s + uint64(2) < s1:
-                        stash(As, Bs, 0, fa, ka, fb, kb, a_pf, b_pf)
-                    cuda.syncthreads()
-                    load_frags(As, Bs, 0, uint64(0), ra, cb, a_reg, b_reg)
-                    fma_frags(acc, a_nx, b_nx)
-        else:  # variants 3 and 4
-            # Two k slices per trip so that the buffer indices are constants: slice s0 + i is in
-            # buffer i % 2. A buffer is overwritten only after the barrier that ends the step reading it.
-            for s in range(s0, s1, uint64(2)):
-                if s + uint64(1) < s1:
-                    fetch(a, b, m0, n0, (s + uint64(1)) * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
-                multiply(As, Bs, 0, ra, cb, acc, a_reg, b_reg)
-                if s + uint64(1) < s1:
-                    stash(As, Bs, 1, fa, ka, fb, kb, a_pf, b_pf)
-                cuda.syncthreads()
-                if s + uint64(1) < s1:
-                    if s + uint64(2) < s1:
-                        fetch(a, b, m0, n0, (s + uint64(2)) * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
-                    multiply(As, Bs, 1, ra, cb, acc, a_reg, b_reg)
-                    if s + uint64(2) < s1:
-                        stash(As, Bs, 0, fa, ka, fb, kb, a_pf, b_pf)
-                    cuda.syncthreads()
+                after_barrier(As, Bs, 0, ra, cb, acc, a_reg, b_reg, a_nx, b_nx)
         split = cuda.gridDim.z > 1
         for i in range(TM):
             r = m0 + ra + uint64((i // VM) * SM + i % VM)
