@@ -6,10 +6,12 @@ also k/v without GQA; k/v with GQA; gate/up; down), and the backward's transpose
 dx = dy w and dw = dy^T x of each (and of 4096^3). ``--set 1b`` takes the earlier 2048-wide,
 1024-token shapes of experiments/results/gemm-h200/ instead.
 
-For each shape and candidate (variant, tile shape, split-K; and the launcher's choice, "auto")
+For each shape and candidate (variant, tile shape, split-K; and the choices of the two launch
+rules: "auto", the launchers' measured rule, and "proposed", ``gemm.choose(rule="proposed")``)
 prints the time, TFLOP/s, the percentage of cuBLAS fp32 (torch.matmul, TF32 off, timed in the
 same run) and the max relative error against it (max |ours - cuBLAS| / max |cuBLAS|); then one
-summary line per shape: cuBLAS, the launcher's choice and the best candidate. A ragged problem
+summary line per shape (cuBLAS, both rules and the best candidate) and a table of every
+candidate's % of cuBLAS per shape. A ragged problem
 per layout (no dimension a multiple of a tile) checks every candidate's bounds-checked paths on
 the hardware first, which also compiles it; registers and local memory per thread are printed.
 
@@ -17,7 +19,7 @@ Timing: CUDA events around REPS back-to-back launches (so the ~10-30 us host cos
 launch overlaps the kernels instead of being timed); the best of SAMPLES such batches, after
 warm-up (the median is in the JSON too); cuBLAS is timed the same way. Time-bounded: shapes run
 in the order above and whatever is left when ``--budget-s`` (default 270 s) has passed is
-skipped and listed; about 40 kernel builds of 1-5 s each and ~15 shapes fit in it on an H200.
+skipped and listed; about 25 kernel builds of 1-5 s each and ~15 shapes fit in it on an H200.
 
     python3 experiments/gemm_sweep.py --out DIR            # writes DIR/gemm_sweep.json
     python3 experiments/gemm_sweep.py --out DIR --quick    # forward shapes only
@@ -77,25 +79,24 @@ SETS = {
 RAGGED = (1001, 517, 1027)  # correctness of the edge paths only (and the builds)
 LAYOUT = {"fwd": "nn", "dx": "nt", "dw": "tt"}
 
-T = G.GemmTiles
-CANDIDATES = [  # (variant, tiles[, splits]); None = the launcher's choice
-    (None, None),
-    (3, G.BIG_TILES_V3),
-    (4, G.BIG_TILES_V4),
-    (3, T(64, 128, 8, 4, 8)),
-    (3, T(128, 64, 8, 8, 4)),
-    (3, G.SMALL_TILES),
-    (3, T(64, 64, 32, 4, 4)),
-    *[(v, t) for t in G.WARP_TILES for v in ((3, 4) if t.threads > 128 else (3,))],
+W64 = G.WARP_TILES[2]  # 128x128x16/8x16 w64x64: variant 3's best measured shape (79% at 4096^3)
+CANDIDATES = [  # (variant, tiles[, splits]); variant "auto" / "proposed": that launch rule's choice
+    ("auto", None),  # the launchers' rule today (G.RULE = "measured")
+    ("proposed", None),  # G.choose(rule="proposed"): variant 5 on G.PROPOSED_TILES, split k when few tiles
+    (3, W64),
+    *[(5, t) for t in G.V5_TILES],
+    *[(6, t) for t in G.V6_TILES],
 ]
-SPLIT_CANDIDATES = [(3, G.SMALL_TILES, s) for s in (2, 3, 4)]  # for outputs of < 1 wave of big tiles
+# for outputs under 3/4 of a wave of 128 x 128 tiles (two per SM): the bk 8 shape with k split in
+# 2 (the proposed rule's own split of the bk 16 shape is timed as "proposed"); 8 candidates at most
+SPLIT_CANDIDATES = [(5, G.V5_TILES[1], 2)]
 REPS = 5  # launches per timed batch
 SAMPLES = 7  # batches; the best is reported
 
 
 def label(v, t, splits=None) -> str:
-    if v is None:
-        return "auto"
+    if v in G.RULES + ("auto",):
+        return v
     return f"v{v} {t.label()}" + (f" split{splits}" if splits and splits > 1 else "")
 
 
@@ -200,10 +201,10 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
             continue
         v, t, splits = (tuple(cand) + (None,))[:3]
         lab = label(v, t, splits)
-        if v is None:  # the launcher's choice, recorded as what it ran
-            auto = G.choose(out_m, out_n, red)
+        if v in ("auto", "proposed"):  # a launch rule's choice, recorded as what it ran
+            auto = G.choose(out_m, out_n, red, rule="measured" if v == "auto" else v)
+            lab = f"{v} = " + label(auto.variant, auto.tiles, auto.splits)
             v, t, splits = auto.variant, auto.tiles, auto.splits
-            lab = "auto = " + label(v, t, splits)
         try:
             p.out.fill_(float("nan"))
             p.ours(v, t, splits)
@@ -234,12 +235,12 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
 def candidates_for(kind: str, dims) -> list:
     m, n, k = dims
     out_m, out_n = {"fwd": (m, n), "dx": (m, k), "dw": (n, k)}[kind]
-    few = -(-out_m // 128) * -(-out_n // 128) < G.SM_COUNT  # under one wave of big tiles
+    few = 4 * (-(-out_m // 128) * -(-out_n // 128)) < 3 * G.SPLIT_TARGET_BLOCKS  # < 3/4 wave of big tiles
     return CANDIDATES + (SPLIT_CANDIDATES if few else [])
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per shape: cuBLAS, the launcher's choice and the best candidate."""
+    """Per shape: cuBLAS, both rules' choices and the best candidate."""
     out = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
         timed = [r for r in rows if r["shape"] == shape and "ms" in r]
@@ -248,11 +249,26 @@ def summary(rows: list[dict]) -> list[dict]:
             continue
         best = min(timed, key=lambda r: r["ms"])
         auto = next((r for r in timed if r["config"].startswith("auto")), None)
+        prop = next((r for r in timed if r["config"].startswith("proposed")), None)
         out.append({"shape": shape, "cublas_tflops": best["cublas_tflops"],
                     "auto": auto and {"config": auto["config"], "pct_of_cublas": auto["pct_of_cublas"]},
+                    "proposed": prop and {"config": prop["config"], "pct_of_cublas": prop["pct_of_cublas"]},
                     "best": {"config": best["config"], "tflops": best["tflops"],
                              "pct_of_cublas": best["pct_of_cublas"]}})
     return out
+
+
+def pct_table(rows: list[dict]) -> list[str]:
+    """One line per candidate (the rules by name, whatever they ran), one column per timed shape."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if "ms" in r))
+    cands = list(dict.fromkeys(r["config"].split(" = ")[0] for r in rows if "ms" in r))
+    pct = {(r["shape"], r["config"].split(" = ")[0]): r["pct_of_cublas"] for r in rows if "ms" in r}
+    lines = [f"{'':<34}" + "".join(f"{i + 1:>6}" for i in range(len(shapes)))]
+    for c in cands:
+        cells = "".join(f"{pct[(s, c)]:6.1f}" if (s, c) in pct else f"{'-':>6}" for s in shapes)
+        lines.append(f"{c:<34}{cells}")
+    lines += [f"{i + 1:>3}: {s}" for i, s in enumerate(shapes)]
+    return lines
 
 
 def main():
@@ -281,7 +297,7 @@ def main():
         cands = CANDIDATES + SPLIT_CANDIDATES
         res["ragged"] += run_shape(f"ragged {kind} {'x'.join(map(str, RAGGED))}", kind, RAGGED, cands,
                                    False, deadline)
-        for v, t in dict.fromkeys((c[0], c[1]) for c in cands if c[0] is not None):
+        for v, t in dict.fromkeys((c[0], c[1]) for c in cands if c[1] is not None):
             info = kernel_resources(v, t, LAYOUT[kind])
             res["kernels"][f"{label(v, t)} {LAYOUT[kind]}"] = info
             say(f"  {label(v, t):<30} {LAYOUT[kind]}: regs {info['regs']}, local {info['local_bytes']} B")
@@ -294,15 +310,19 @@ def main():
         say(f"  ({time.time() - t0:.0f} s)")
 
     res["summary"] = summary(res["gemm"])
-    say("== per shape: cuBLAS, the launcher's choice, the best candidate (% of cuBLAS fp32)")
+    say("== per shape: cuBLAS, the two rules' choices, the best candidate (% of cuBLAS fp32)")
     for s in res["summary"]:
         if s.get("skipped"):
             say(f"  {s['shape']:<30} skipped (time budget)")
             continue
-        a = s["auto"]
+        a, p = s["auto"], s["proposed"]
         say(f"  {s['shape']:<30} cuBLAS {s['cublas_tflops']:6.2f} TFLOP/s  auto "
-            f"{a['pct_of_cublas'] if a else float('nan'):5.1f}%  best {s['best']['pct_of_cublas']:5.1f}% "
+            f"{a['pct_of_cublas'] if a else float('nan'):5.1f}%  proposed "
+            f"{p['pct_of_cublas'] if p else float('nan'):5.1f}%  best {s['best']['pct_of_cublas']:5.1f}% "
             f"({s['best']['config']})")
+    say("== % of cuBLAS fp32, candidate x shape (columns: the shapes above, in order)")
+    for line in pct_table(res["gemm"]):
+        say("  " + line)
     skipped = sorted({r["shape"] for r in res["gemm"] if r.get("skipped")})
     if skipped:
         say(f"== skipped for time (some or all candidates): {', '.join(skipped)}")

@@ -11,7 +11,9 @@ its static instruction count (every path, cold bounds-checked ones too: ncu's ex
 the truth; at 4096^3 the 8x16/w64x64 candidate executes 1.157 instructions per FFMA, cuBLAS 1.139)
 and the densest inner loop, its FFMAs, shared and global loads, and instructions per FFMA: at one warp
 instruction per cycle per scheduler, a loop of ``n`` instructions per FFMA runs the FMA units at
-most ``1/n`` of their peak.
+most ``1/n`` of their peak. "LDS -> first use" counts, for each shared load of that loop, the
+instructions a warp issues before it reads what the load brought (through the back edge): under
+~30 (the LDS latency) the warp stalls unless another warp of its scheduler has work.
 
 Needs, besides numba-cuda: NVVM (a CUDA toolkit, or the ``nvidia-cuda-nvcc`` wheel), ``ptxas``,
 and ``cuobjdump`` with ``nvdisasm`` (``pip install -e .[sass]`` brings those two and the
@@ -85,6 +87,39 @@ class Report:
     ops: Counter
     loops: list[Loop]
     sass: str
+    instrs: list = field(default_factory=list)  # (address, opcode, operands)
+
+    def load_use(self, lp: Loop, op: str = "LDS") -> list[int]:
+        """For each ``op`` load in loop ``lp``: how many instructions issue between it and the
+        first instruction reading a register it writes, following the loop's back edge (a load
+        whose value is first used ``d`` instructions later hides at most ``d`` issue cycles of its
+        latency within the warp; ~30 cycles for LDS on sm_90)."""
+        body = [(o, a) for addr, o, a in self.instrs if lp.start <= addr <= lp.end]
+        out = []
+        for i, (o, args) in enumerate(body):
+            if o != op:
+                continue
+            m = re.match(r"R(\d+)", args)
+            if not m:
+                continue
+            width = 4 if ".128" in self._mods(lp, i) else 2 if ".64" in self._mods(lp, i) else 1
+            regs = {f"R{int(m.group(1)) + w}" for w in range(width)}
+            for d in range(1, len(body) + 1):
+                o2, a2 = body[(i + d) % len(body)]
+                srcs = set(re.findall(r"(?<![A-Z])R\d+", a2.split(",", 1)[1] if "," in a2 else ""))
+                if o2 in ("STS", "STG", "ST", "BAR"):  # stores read their first operand too
+                    srcs |= set(re.findall(r"(?<![A-Z])R\d+", a2))
+                if regs & srcs:
+                    out.append(d - 1)
+                    break
+        return out
+
+    def _mods(self, lp: Loop, i: int) -> str:
+        return [m for addr, m in self._mod_list if lp.start <= addr <= lp.end][i]
+
+    @property
+    def _mod_list(self):
+        return [(int(m.group(1), 16), m.group(4)) for m in INSTR.finditer(self.sass)]
 
     def main_loop(self) -> Loop | None:
         """The loop with the most FFMAs (then the most instructions): a GEMM's or attention's k loop."""
@@ -105,6 +140,9 @@ class Report:
             inner = self.inner_loop()
             if inner is not lp:
                 loop += f"; densest inner loop {inner.n} instr, {inner.per_ffma():.3f} instr/FFMA"
+            dist = self.load_use(inner)
+            if dist:
+                loop += f"; LDS -> first use: min {min(dist)}, median {sorted(dist)[len(dist) // 2]} instr"
         spill = f"spill {self.spill_stores}/{self.spill_loads} B" if self.spill_stores or self.spill_loads else "no spill"
         return f"{self.name:<44} {self.regs:3d} regs  {spill:<16} smem {self.smem:6d} B  {loop}"
 
@@ -159,7 +197,8 @@ def compile_report(name: str, py_func, sig, max_registers: int | None = None, cc
         sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, env=env).stdout
     info = _parse_ptxas(r.stderr)
     instrs, loops = _parse_sass(sass)
-    return Report(name=name, total=len(instrs), ops=Counter(o for _, o, _ in instrs), loops=loops, sass=sass, **info)
+    return Report(name=name, total=len(instrs), ops=Counter(o for _, o, _ in instrs), loops=loops, sass=sass,
+                  instrs=instrs, **info)
 
 
 def _dispatcher_report(name: str, kernel, sig) -> Report:
@@ -192,6 +231,7 @@ def gemm_reports(args) -> list[Report]:
     else:
         cands = [(3, t) for t in G.V3_TILES] + [(4, G.BIG_TILES_V4)]
         cands += [(v, t) for t in G.WARP_TILES for v in ((3, 4) if t.threads > 128 else (3,))]
+        cands += [(5, t) for t in G.V5_TILES] + [(6, t) for t in G.V6_TILES]
     out = []
     for layout in args.layout:
         for v, t in dict.fromkeys(cands):
@@ -246,7 +286,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", nargs="+", default=["nn"], choices=["nn", "nt", "tt"])
     ap.add_argument("--tiles", nargs="+", help="GEMM tile shapes BMxBNxBK/TMxTN[wWMxWN], or attention's "
                     "rows/heads/bkv/tr/tk/to[/blocks_per_sm] (default: the candidates)")
-    ap.add_argument("--variant", type=int, default=3, help="GEMM variant for --tiles (3: capped registers, 4: not)")
+    ap.add_argument("--variant", type=int, default=3,
+                    help="GEMM variant for --tiles (3: capped registers, 4: not, 5: double-buffered "
+                         "fragments, 6: 5 with unrolled slices)")
     ap.add_argument("--dump", action="store_true", help="print the main loop's SASS")
     args = ap.parse_args(argv)
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)

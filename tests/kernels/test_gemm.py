@@ -44,6 +44,36 @@ def test_warp_tiled_candidates_forward_and_backward(tiles):
     G.validate_backward(shapes=((m, 7, n),), tiles=tiles)
 
 
+@pytest.mark.parametrize("variant, tiles", [(5, t) for t in G.V5_TILES] + [(6, t) for t in G.V6_TILES],
+                         ids=lambda x: x.label() if isinstance(x, G.GemmTiles) else f"v{x}")
+def test_variant_5_and_6_candidates_forward_and_backward(variant, tiles):
+    # double-buffered fragments on the shapes the sweep times: one ragged block, 2 k slices and a
+    # part-full third (forward), 1 slice (dx: K = 7 rows of w), a part-full one (dw)
+    m, n = tiles.bm - 3, tiles.bn - 1
+    G.validate(shapes=((m, n, 2 * tiles.bk + 3),), tiles=tiles, variants=(variant,))
+    G.validate_backward(shapes=((m, 7, n),), tiles=tiles, variant=variant)
+
+
+@pytest.mark.parametrize("variant", (5, 6))
+@pytest.mark.parametrize("bk", (4, 8, 16))
+def test_variant_5_and_6_slice_depths_and_counts(bk, variant):
+    # bk 4: one trip of the 2-step fragment loop, 8: 3 trips, 16: 7; 1 to 4 k slices (the
+    # two-slice loop ending on either buffer) on interior and edge tiles of a 3 x 3 grid
+    tiles = G.GemmTiles(bm=16, bn=32, bk=bk, tm=4, tn=4)
+    shapes = ((40, 70, 4 * bk), (40, 70, 3 * bk - 1), (32, 64, 2 * bk), (17, 33, bk - 2))
+    G.validate(shapes=shapes, tiles=tiles, variants=(variant,))
+    G.validate_backward(shapes=((32, 70, 40), (9, 3 * bk + 1, 17)), tiles=tiles, variant=variant)
+
+
+@pytest.mark.parametrize("variant", (5, 6))
+@pytest.mark.parametrize("splits", (2, 3))
+def test_variant_5_and_6_split_k_forward_and_backward(splits, variant):
+    tiles = G.GemmTiles(bm=16, bn=32, bk=8, tm=4, tn=4)
+    G.validate(shapes=((21, 35, 5 * 8 + 3), (16, 32, 6 * 8)), tiles=tiles, variants=(variant,), splits=splits)
+    G.validate_backward(shapes=((6 * 8 + 5, 19, 33), (9, 4 * 8, 17)), tiles=tiles, variant=variant,
+                        splits=splits)
+
+
 def test_small_warp_tiles_with_strided_vectors():
     # 2 warps of 8 x 8 (1 x 2 micro-tiles, no runs of 4); B fetched as 2 vectors per thread.
     tiles = G.GemmTiles(bm=8, bn=16, bk=8, tm=1, tn=2, wm=8, wn=8)
@@ -78,6 +108,33 @@ def test_tiles_the_kernel_cannot_unroll_or_group_raise():
 def test_max_registers():
     assert G.max_registers(256, 2) == 128 and G.max_registers(256, 1) == 255
     assert G.max_registers(192, 2) == 168 and G.max_registers(128, 2) == 255
+
+
+def test_measured_rule_is_the_default_and_proposed_rule_splits_few_tiles():
+    R = G.rule_launch
+    assert G.RULE == "measured"  # until experiments/gemm_sweep.py shows "proposed" winning
+    for shape in ((4096, 4096, 4096), (2048, 1024, 4096), (1024, 512, 2048)):
+        assert R(*shape) == R(*shape, rule="measured")
+    assert R(4096, 4096, 4096, rule="measured") == G.GemmLaunch(3, G.BIG_TILES_V3)
+    # proposed: variant 5 at 4 warps of 64 x 64 from 3/4 of a wave (2 blocks per SM) up
+    big = G.GemmLaunch(5, G.PROPOSED_TILES)
+    for shape in ((4096, 4096, 4096), (2048, 4096, 4096), (2048, 11008, 4096), (2048, 4096, 11008),
+                  (4096, 1024, 2048)):  # the 7B block's forward shapes, dw of k/v (256 tiles)
+        assert R(*shape, rule="proposed") == big
+    # k/v with GQA8: 128 tiles, split in 2 (256 blocks); 1152 x 1024: 72 tiles, split in 3
+    assert R(2048, 1024, 4096, rule="proposed") == G.GemmLaunch(5, G.PROPOSED_TILES, 2)
+    assert R(1152, 1024, 4096, rule="proposed") == G.GemmLaunch(5, G.PROPOSED_TILES, 3)
+    # each split keeps >= MIN_SPLIT_SLICES k slices: K = 512 is 32 slices, 2 splits at most
+    assert R(1152, 1024, 512, rule="proposed").splits == 2
+    # under half an SM's worth of tiles: the measured small-tile path
+    assert R(1024, 512, 2048, rule="proposed") == R(1024, 512, 2048, rule="measured")
+    assert R(1, 4096, 4096, rule="proposed").tiles == G.SMALL_TILES
+    assert R(2048, 1024, 4096, splits=3, rule="proposed") == G.GemmLaunch(5, G.PROPOSED_TILES, 3)
+
+
+def test_unknown_rule_raises():
+    with pytest.raises(ValueError, match="unknown GEMM launch rule 'fast'"):
+        G.choose(64, 64, 64, rule="fast")
 
 
 def test_choose_follows_the_measured_rule():

@@ -43,7 +43,19 @@ over the micro-tile: with row-major order the same PTX needs 128 registers and s
 under ptxas 13.0; offline, sm_90.)
 
 Variants: ``3`` caps registers for two blocks per SM, ``4`` does not (one block per SM, for
-deeper k slices whose capped build would spill). Warp tiling is a property of the tile shape
+deeper k slices whose capped build would spill). ``5`` is ``3`` with the shared-to-register
+fragments double-buffered: k step ``k + 1``'s fragments load into a second set of registers
+before step ``k``'s FMAs issue, and a slice's last step multiplies after the barrier, while the
+next slice's first fragments load (offline, sm_90, not yet timed). Why: ncu on the H200 at 4096^3
+(``experiments/results/kernels-h200/run3-ncu/``) shows variant 3's best shape (4 warps of 64x64,
+two blocks per SM: two warps per scheduler) executing as many instructions as cuBLAS but with no
+warp ready 28% of cycles against cuBLAS's 10%; in its SASS the first LDS of each 4-step trip is
+read 5 instructions after it issues, so the warp waits for shared memory at every trip. In
+variant 5 every LDS is read at least 33 instructions later (median 79), at the cost of 24
+registers (246 at that shape, no spill) and 1.086 instead of 1.072 instructions per FFMA in the
+FMA loop (``scripts/sass_report.py``). ``6`` is ``5`` with every k slice unrolled (a chain of
+inlined device functions, one per k step, each with its k a constant): no loop counter, a few
+percent fewer instructions, a larger build. Warp tiling is a property of the tile shape
 (``GemmTiles.wm`` / ``wn``): the block's threads are grouped by warp, each warp covering a
 ``wm x wn`` sub-tile with its 32 threads' micro-tiles strided inside it instead of across the
 whole block tile. A warp then reads fewer distinct shared-memory words per load (e.g. 8 + 4
@@ -168,9 +180,11 @@ def _operand_map(trans: bool, rows: int, bk: int, nt: int):
 
 @lru_cache(maxsize=None)
 def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumulate: bool = False,
-              blocks_per_sm: int = 2):
+              blocks_per_sm: int = 2, frag_db: bool = False, unroll: bool = False):
     """The kernel ``kernel(a, b, acc_in, c, split_steps)`` computing ``c = [acc_in +] A @ B`` for
-    the layouts in the module docstring; ``split_steps`` k slices per block along grid z."""
+    the layouts in the module docstring; ``split_steps`` k slices per block along grid z.
+    ``frag_db``: double-buffer the shared-to-register fragments (variant 5, module docstring);
+    ``unroll``: with ``frag_db``, unroll each k slice wholly (variant 6)."""
     t.check()
     BM, BN, BK, TM, TN = t.bm, t.bn, t.bk, t.tm, t.tn
     NT = t.threads
@@ -185,31 +199,96 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     AV, AG, APER, ASTR = _operand_map(a_trans, BM, BK, NT)
     BV, BG, BPER, BSTR = _operand_map(b_trans, BN, BK, NT)
     A_LOADS, B_LOADS = AV * AG, BV * BG  # elements of A and of B per thread per slice
-    AT, BT, ACC = a_trans, b_trans, accumulate
+    AT, BT, ACC, FDB, UNROLL = a_trans, b_trans, accumulate, frag_db, unroll
     # The simulator accepts neither option; alignment only matters to the vectoriser anyway.
     opts = {} if simulating() else {"max_registers": max_registers(NT, blocks_per_sm)}
     ALIGN = None if simulating() else 16
 
     @cuda.jit(device=True, inline="always")
-    def k_step(As, Bs, buf, kk, ra, cb, acc, a_reg, b_reg):
-        """acc += outer(A column kk, B row kk) over this thread's rows and columns."""
+    def load_frags(As, Bs, buf, kk, ra, cb, a_reg, b_reg):
+        """(a_reg, b_reg) <- this thread's rows of A column kk and columns of B row kk."""
         for i in range(TM):
             a_reg[i] = As[buf, kk, ra + uint64((i // VM) * SM + i % VM)]
         for j in range(TN):
             b_reg[j] = Bs[buf, kk, cb + uint64((j // VN) * SN + j % VN)]
+
+    @cuda.jit(device=True, inline="always")
+    def fma_frags(acc, a_reg, b_reg):
+        """acc += outer(a_reg, b_reg), column by column (see the module docstring)."""
         for j in range(TN):
             for i in range(TM):
                 acc[i, j] += a_reg[i] * b_reg[j]
 
+    def unrolled_steps(k: int):
+        """Variant 6: steps k .. BK-2 of a slice as a chain of inlined device functions, each with
+        its k a constant: the whole slice unrolled, no loop counter."""
+        if k == BK - 1:
+            @cuda.jit(device=True, inline="always")
+            def done(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1):
+                return
+
+            return done
+        nxt, kn = unrolled_steps(k + 1), k + 1
+
+        @cuda.jit(device=True, inline="always")
+        def step(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1):
+            load_frags(As, Bs, buf, uint64(kn), ra, cb, a1, b1)
+            fma_frags(acc, a0, b0)
+            nxt(As, Bs, buf, ra, cb, acc, a1, b1, a0, b0)
+
+        return step
+
+    slice_steps = unrolled_steps(0)
+
     @cuda.jit(device=True, inline="always")
-    def multiply(As, Bs, buf, ra, cb, acc, a_reg, b_reg):
-        """acc += the product of the slices in shared buffer ``buf``, 4 k columns per trip."""
+    def multiply_db(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1):
+        """Variant 5: k = 0 .. BK-2 of shared buffer ``buf``, each step's FMAs issued after the
+        next step's fragment loads. On entry (a0, b0) hold k = 0's fragments; on return (a1, b1)
+        hold k = BK-1's, whose FMAs the caller issues after the barrier (so that the loads of the
+        next slice's first fragments overlap them)."""
+        if UNROLL:
+            slice_steps(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1)
+            return
+        for k2 in range(0, BK - 2, 2):
+            kk = uint64(k2)
+            load_frags(As, Bs, buf, kk + uint64(1), ra, cb, a1, b1)
+            fma_frags(acc, a0, b0)
+            load_frags(As, Bs, buf, kk + uint64(2), ra, cb, a0, b0)
+            fma_frags(acc, a1, b1)
+        load_frags(As, Bs, buf, uint64(BK - 1), ra, cb, a1, b1)
+        fma_frags(acc, a0, b0)
+
+    @cuda.jit(device=True, inline="always")
+    def k_step(As, Bs, buf, kk, ra, cb, acc, a_reg, b_reg):
+        """acc += outer(A column kk, B row kk) over this thread's rows and columns."""
+        load_frags(As, Bs, buf, kk, ra, cb, a_reg, b_reg)
+        fma_frags(acc, a_reg, b_reg)
+
+    @cuda.jit(device=True, inline="always")
+    def multiply_plain(As, Bs, buf, ra, cb, acc, a_reg, b_reg, a_nx, b_nx):
+        """Variants 3, 4: acc += the product of the slices in shared buffer ``buf``, 4 k columns
+        per trip (``a_nx``, ``b_nx`` unused)."""
         for k4 in range(0, BK, 4):
             kk = uint64(k4)
             k_step(As, Bs, buf, kk, ra, cb, acc, a_reg, b_reg)
             k_step(As, Bs, buf, kk + uint64(1), ra, cb, acc, a_reg, b_reg)
             k_step(As, Bs, buf, kk + uint64(2), ra, cb, acc, a_reg, b_reg)
             k_step(As, Bs, buf, kk + uint64(3), ra, cb, acc, a_reg, b_reg)
+
+    @cuda.jit(device=True, inline="always")
+    def after_barrier_db(As, Bs, nbuf, ra, cb, acc, a0, b0, a1, b1):
+        """Variants 5, 6, after a slice's barrier: the next slice's first fragments (stale and
+        unused after the last slice) load from buffer ``nbuf`` while the slice's last step
+        multiplies: one basic block, no branch between."""
+        load_frags(As, Bs, nbuf, uint64(0), ra, cb, a0, b0)
+        fma_frags(acc, a1, b1)
+
+    @cuda.jit(device=True, inline="always")
+    def after_barrier_plain(As, Bs, nbuf, ra, cb, acc, a0, b0, a1, b1):
+        return
+
+    multiply = multiply_db if frag_db else multiply_plain
+    after_barrier = after_barrier_db if frag_db else after_barrier_plain
 
     @cuda.jit(device=True, inline="always")
     def fetch_origin(trans, per, vw, tid):
@@ -274,6 +353,8 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         acc = cuda.local.array((TM, TN), float32)  # (tm, tn)
         a_reg = cuda.local.array(TM, float32)
         b_reg = cuda.local.array(TN, float32)
+        a_nx = cuda.local.array(TM, float32)  # variants 5, 6: the next k's fragments
+        b_nx = cuda.local.array(TN, float32)
         a_pf = cuda.local.array(A_LOADS, float32)  # this thread's share of the next A slice
         b_pf = cuda.local.array(B_LOADS, float32)  # and of the next B slice
         tid = cuda.threadIdx.x
@@ -294,22 +375,26 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         fetch(a, b, m0, n0, s0 * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
         stash(As, Bs, 0, fa, ka, fb, kb, a_pf, b_pf)
         cuda.syncthreads()
+        if FDB:  # variants 5, 6: the first slice's first fragments
+            load_frags(As, Bs, 0, uint64(0), ra, cb, a_reg, b_reg)
         # Two k slices per trip so that the buffer indices are constants: slice s0 + i is in
         # buffer i % 2. A buffer is overwritten only after the barrier that ends the step reading it.
         for s in range(s0, s1, uint64(2)):
             if s + uint64(1) < s1:
                 fetch(a, b, m0, n0, (s + uint64(1)) * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
-            multiply(As, Bs, 0, ra, cb, acc, a_reg, b_reg)
+            multiply(As, Bs, 0, ra, cb, acc, a_reg, b_reg, a_nx, b_nx)
             if s + uint64(1) < s1:
                 stash(As, Bs, 1, fa, ka, fb, kb, a_pf, b_pf)
             cuda.syncthreads()
+            after_barrier(As, Bs, 1, ra, cb, acc, a_reg, b_reg, a_nx, b_nx)
             if s + uint64(1) < s1:
                 if s + uint64(2) < s1:
                     fetch(a, b, m0, n0, (s + uint64(2)) * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
-                multiply(As, Bs, 1, ra, cb, acc, a_reg, b_reg)
+                multiply(As, Bs, 1, ra, cb, acc, a_reg, b_reg, a_nx, b_nx)
                 if s + uint64(2) < s1:
                     stash(As, Bs, 0, fa, ka, fb, kb, a_pf, b_pf)
                 cuda.syncthreads()
+                after_barrier(As, Bs, 0, ra, cb, acc, a_reg, b_reg, a_nx, b_nx)
         split = cuda.gridDim.z > 1
         for i in range(TM):
             r = m0 + ra + uint64((i // VM) * SM + i % VM)
@@ -337,9 +422,19 @@ def make_gemm_v4(t: GemmTiles):
     return make_gemm(t, blocks_per_sm=1)
 
 
-BLOCKS_PER_SM = {3: 2, 4: 1}  # variant -> the blocks per SM its register cap allows
-VARIANTS = {3: make_gemm_v3, 4: make_gemm_v4}
-SPLIT_K_VARIANTS = (3, 4)  # every variant takes the split-K argument
+def make_gemm_v5(t: GemmTiles):
+    """The forward kernel with double-buffered fragments, registers capped for two blocks per SM."""
+    return make_gemm(t, blocks_per_sm=2, frag_db=True)
+
+
+def make_gemm_v6(t: GemmTiles):
+    """Variant 5 with each k slice wholly unrolled."""
+    return make_gemm(t, blocks_per_sm=2, frag_db=True, unroll=True)
+
+
+BLOCKS_PER_SM = {3: 2, 4: 1, 5: 2, 6: 2}  # variant -> the blocks per SM its register cap allows
+VARIANTS = {3: make_gemm_v3, 4: make_gemm_v4, 5: make_gemm_v5, 6: make_gemm_v6}
+SPLIT_K_VARIANTS = (3, 4, 5, 6)  # every variant takes the split-K argument
 DEFAULT_VARIANT = 3
 
 
@@ -380,7 +475,7 @@ V3_TILES = (
     SMALL_TILES,  # 96 registers
     GemmTiles(bm=64, bn=64, bk=32, tm=4, tn=4),  # 108 registers, 34 KiB shared memory
 )
-# Warp-tiled candidates, not yet measured on a GPU. Registers from ptxas -v for sm_90 offline
+# Warp-tiled candidates of variants 3 and 4. Registers from ptxas -v for sm_90 offline
 # (CUDA 13.0 NVVM; the V3_TILES figures above came from 12.9 and differ by a few), forward layout.
 # NVVM turns 20 of the 32 runs of 4 shared loads per k slice pair into 128-bit loads here, against
 # 28 of 32 for V3_TILES' 8x8 shapes: it leaves some B runs scalar (same PTX whatever the order of
@@ -393,22 +488,91 @@ WARP_TILES = (
     GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=8, wm=32, wn=64),
     # 4 warps of 64x64, 8x16 outputs per thread (the shape of the public SIMT write-up's best
     # kernel): 128 FMAs per 24 operands loaded, 16 global loads per thread per slice; 254
-    # registers, no spill, two 128-thread blocks per SM.
+    # registers, no spill, two 128-thread blocks per SM. H200 (ncu, 2026-12-01, 4096^3): v3 3.43
+    # ms, 79% of cuBLAS, the best measured; a warp has no instruction ready 28% of cycles.
     GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=16, wm=64, wn=64),
     # 4 warps of 64x32 over a 128x64 tile: twice the blocks, for outputs of a few waves; 162 registers.
     GemmTiles(bm=128, bn=64, bk=16, tm=8, tn=8, wm=64, wn=32),
 )
 
 
+# Variant 5's candidates (offline, sm_90, ptxas 13.0, not yet timed). Figures: registers for the
+# nn / nt / tt layouts (none spills), the inner FMA loop's SASS instructions per FFMA, and the
+# fewest instructions between an LDS and the first FFMA using what it loaded (sass_report.py's
+# "LDS -> first use"; LDS latency is ~30 cycles). Variant 3 at [0]'s shape: 254 registers, 1.072
+# instructions per FFMA, an LDS used 5 instructions after it issues (loop top).
+V5_TILES = (
+    # 4 warps of 64x64, 8x16 per thread: 246 / 236 / 223 registers, 1.086 per FFMA (the 2-step
+    # loop's 64-bit counter: 22 instructions per 256 FFMA), first use >= 33 (median 79)
+    GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=16, wm=64, wn=64),
+    # the same at bk 8 (cuBLAS's depth; half the shared memory, a barrier twice as often):
+    # 220 / 218 / 213 registers, 1.086 per FFMA, first use >= 33 (median 87)
+    GemmTiles(bm=128, bn=128, bk=8, tm=8, tn=16, wm=64, wn=64),
+    # 8 warps of 32x64, 8x8 per thread: four warps per scheduler at two blocks per SM instead of
+    # two; 128 / 127 / 125 registers (the cap), 1.148 per FFMA, first use >= 34 (median 43-73)
+    GemmTiles(bm=128, bn=128, bk=8, tm=8, tn=8, wm=32, wn=64),
+)
+# Variant 6's (offline, sm_90, not yet timed): the bk 8 shape of 8x16 per thread with each slice
+# unrolled; 244 / 227 / 221 registers, no spill; per pair of k slices 2449 SASS instructions for
+# 2048 FFMA against variant 5's ~2535 (its 2-step loop runs 3 trips per slice: ~3% more executed
+# instructions); but in nt and tt ptxas leaves 2 of 48 LDS per slice read 4 instructions after
+# they issue (nn: none under 33). At bk 16 the unrolled build takes ~60 s and reads some LDS 4
+# instructions on: not a candidate.
+V6_TILES = (V5_TILES[1],)
+
+
 def _blocks(m: int, n: int, t: GemmTiles) -> int:
     return -(-m // t.bm) * -(-n // t.bn)
 
 
-def choose(m: int, n: int, k: int, splits: int | None = None) -> GemmLaunch:
-    """The launch for an (m, n, k) problem (rule and measurements above). Under the simulator:
-    v3 on the tiny tiles. ``splits`` forces the small-tile path with that many k splits."""
+# The proposed rule (offline, sm_90, not yet timed; experiments/gemm_sweep.py times it as
+# "proposed" beside "auto"): variant 5 on 4 warps of 64x64 (8x16 outputs per thread) at 128x128
+# tiles, two blocks per SM; when those tiles give under 3/4 of a wave (2 blocks per SM), split k
+# until there are about two blocks per SM, each split keeping at least MIN_SPLIT_SLICES k slices;
+# below half an SM's worth of tiles, the measured small-tile split-K path. ``RULE`` picks which
+# rule the launchers follow: the lead sets it to "proposed" once the sweep shows it winning.
+PROPOSED_TILES = V5_TILES[0]
+PROPOSED_VARIANT = 5
+MIN_SPLIT_SLICES = 16
+RULES = ("measured", "proposed")
+RULE = "measured"
+
+
+def _choose_proposed(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
+    t = PROPOSED_TILES
+    blocks = _blocks(m, n, t)
+    if blocks < SM_COUNT // 2:
+        return _choose_measured(m, n, k, splits)
+    if splits is None:
+        splits = 1
+        if 4 * blocks < 3 * SPLIT_TARGET_BLOCKS:
+            k_steps = -(-k // t.bk)
+            splits = max(1, min(SPLIT_TARGET_BLOCKS // blocks, k_steps // MIN_SPLIT_SLICES))
+    return GemmLaunch(PROPOSED_VARIANT, t, splits)
+
+
+def choose(m: int, n: int, k: int, splits: int | None = None, rule: str | None = None) -> GemmLaunch:
+    """The launch for an (m, n, k) problem by ``rule`` (default :data:`RULE`; the rules and their
+    measurements are above). Under the simulator: the default variant on the tiny tiles.
+    ``splits`` forces that many k splits (the measured rule: on the small tiles)."""
     if simulating():
+        rule_launch(m, n, k, splits, rule)  # the same checks
         return GemmLaunch(DEFAULT_VARIANT, SIM_TILES, splits or 1)
+    return rule_launch(m, n, k, splits, rule)
+
+
+def rule_launch(m: int, n: int, k: int, splits: int | None = None, rule: str | None = None) -> GemmLaunch:
+    """What ``rule`` (default :data:`RULE`) launches on a GPU for an (m, n, k) problem, also
+    under the simulator (where :func:`choose` runs tiny tiles instead)."""
+    rule = rule or RULE
+    if rule not in RULES:
+        raise KernelError(f"unknown GEMM launch rule {rule!r}; known: {', '.join(RULES)}")
+    if rule == "proposed":
+        return _choose_proposed(m, n, k, splits)
+    return _choose_measured(m, n, k, splits)
+
+
+def _choose_measured(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
     big = _blocks(m, n, BIG_TILES_V3)
     if splits is None and big >= 4 * SM_COUNT:
         return GemmLaunch(3, BIG_TILES_V3)
@@ -431,7 +595,8 @@ def get_kernel(variant: int, tiles: GemmTiles, layout: str = "nn", accumulate: b
     if variant not in VARIANTS:
         raise KernelError(f"unknown GEMM variant {variant}; known: {sorted(VARIANTS)}")
     a_trans, b_trans = LAYOUTS[layout]
-    return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant])
+    return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant], frag_db=variant >= 5,
+                     unroll=variant == 6)
 
 
 def check_args(x, w, y) -> tuple[int, int, int]:
