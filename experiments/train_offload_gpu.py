@@ -111,7 +111,7 @@ def run_ours(tg, values, emit, a, variant):
                budget) for name, budget in budgets.items()]
     for row in sweep_budgets(graph, fields, make_backend, lower_bound, repeats=1 if a.dry_run else a.repeats,
                              reference=want, read=lambda be: grads_from_updates(tg, values, be.result()), rtol=1e-4,
-                             keep_going=True):
+                             keep_going=True, check_runs=1):
         if "lower_bound_s" in row:
             row["transfer_bound"] = max(row["h2d_s"], row["d2h_s"]) > row["compute_s"]
         if "makespan_s" in row:  # a training step: its makespan is the step time

@@ -191,6 +191,26 @@ def test_sweep_compares_every_run_with_the_reference_and_keeps_each_makespan():
     assert not bad["equal"] and abs(bad["max_abs_err"] - 1.0) < 1e-3
 
 
+def test_sweep_reads_back_only_the_runs_it_is_asked_to_check():
+    from vmstoolkit.exec.backends.sim import SimBackend
+    from vmstoolkit.exec.experiment import sweep_budgets
+
+    graph, values, ref, ws, lb = _sweep_setup()
+    reads: list = []
+
+    def read(be):
+        reads.append(be)
+        return be.result()
+
+    def make(rep):
+        return SimBackend(seed=rep, numerics=True, values=values)
+    rows = list(sweep_budgets(graph, [({}, ws // 2)], make, lb, repeats=3, reference=ref, read=read, check_runs=1))
+    assert len(reads) == 2 and all(len(r["makespans_s"]) == 3 for r in rows)  # one read per executor
+    assert all(r["equal"] and r["checked_runs"] == 1 for r in rows)
+    rows = list(sweep_budgets(graph, [({}, ws // 2)], make, lb, repeats=2, reference=ref, read=read))
+    assert len(reads) == 2 + 4 and all(r["checked_runs"] == 2 for r in rows)
+
+
 def test_sweep_closes_a_failed_run_and_records_it_when_asked_to_keep_going():
     import pytest
 

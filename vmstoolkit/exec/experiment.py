@@ -149,7 +149,7 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
 def sweep_budgets(graph: TaskGraph, budgets: Iterable[tuple[dict, int]], make_backend: Callable[[int], object],
                   lower_bound: Callable[[MemoryGraph], dict], *, executors=EXECUTORS, repeats: int = 1,
                   reference: Mapping | None = None, read: Callable[[object], Mapping] | None = None,
-                  rtol: float = 1e-3, keep_going: bool = False) -> Iterator[dict]:
+                  rtol: float = 1e-3, keep_going: bool = False, check_runs: int | None = None) -> Iterator[dict]:
     """Compile ``graph`` at each budget and run the memory graph with each executor, ``repeats``
     times, each run on a fresh ``make_backend(repeat)`` closed afterwards even when the run fails
     (a GPU backend gives its region back). Yields one row per (budget, executor), as it is measured.
@@ -166,6 +166,9 @@ def sweep_budgets(graph: TaskGraph, budgets: Iterable[tuple[dict, int]], make_ba
     with it on the reference's keys:
     the row gets ``max_abs_err`` (largest over runs and tensors), ``ref_max_abs`` (the reference's
     largest magnitude) and ``equal`` (``max_abs_err <= rtol * max(1, ref_max_abs)``).
+    ``check_runs``: read and compare only the first that many runs of each (budget, executor)
+    (default: every run; reading back a full fine-tuning step's 39 GB of weights and moments costs
+    more host time than the step); the row's ``checked_runs`` says how many were.
 
     ``keep_going``: a run or compile that raises gives its row ``error`` (type and message) and
     ``traceback`` and the sweep goes on (a long GPU session keeps its other results); otherwise the
@@ -194,7 +197,7 @@ def sweep_budgets(graph: TaskGraph, budgets: Iterable[tuple[dict, int]], make_ba
                     be = make_backend(i)
                     try:
                         spans.append(execute(mg, be, ex).makespan_s)
-                        if reference is not None:
+                        if reference is not None and (check_runs is None or i < check_runs):
                             got = read(be)
                             err = max(err, max(float(np.max(np.abs(got[t] - ref))) for t, ref in reference.items()))
                     finally:
@@ -208,7 +211,8 @@ def sweep_budgets(graph: TaskGraph, budgets: Iterable[tuple[dict, int]], make_ba
                        reloaded_bytes=mg.reloaded_bytes, vertices=len(mg.vertices), compile_s=compile_s,
                        makespans_s=spans, peak_bytes=max(mg.peak_bytes))
             if reference is not None:
-                row.update(max_abs_err=err, ref_max_abs=scale, equal=bool(err <= rtol * max(1.0, scale)))
+                row.update(max_abs_err=err, ref_max_abs=scale, equal=bool(err <= rtol * max(1.0, scale)),
+                           checked_runs=repeats if check_runs is None else min(repeats, check_runs))
             yield row
 
 
