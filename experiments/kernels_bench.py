@@ -193,17 +193,16 @@ def time_torch_best(fn, reps: int) -> tuple[float, float]:
 ATT_T = (1024, 2048, 4096, 8192)
 ATT_SHAPE = (1, 32, 8, 128)  # (B, nh, nkv, hd)
 ATT_REPS_T = 8192  # a timed batch is ATT_REPS_T // T launches
-# (label, launch keywords of A.attention): the launcher's choice (the default FlashTiles(), measured
-# at 1.58-1.84x SDPA in run3-ncu), then attention.FLASH_CANDIDATES, compiled offline for sm_90 but
-# not yet timed (scripts/sass_report.py attention): register double buffering of the score and
-# P @ V loops, the base-2 softmax, a 200-register cap for 5 blocks per SM, 4x8 output tiles.
+# (label, launch keywords of A.attention): the launcher's choice (the default FlashTiles(): 4x4
+# scores, both loops double-buffered; run4 of experiments/results/kernels-h200/), then
+# attention.FLASH_CANDIDATES (its comment has their last timings). A label names the switches on.
 def _flash_label(t) -> str:
     parts = [tag for name, tag in (("dbuf", "db"), ("pv_dbuf", "pv"), ("exp2", "e2")) if getattr(t, name)]
     if t.blocks_per_sm != 4:
         parts.append(f"{t.blocks_per_sm}blk")
     if t.to != 4:
         parts.append(f"to{t.to}")
-    return "v2 " + "+".join(parts)
+    return "v2 " + ("+".join(parts) or "plain")
 
 
 ATT_CONFIGS = [("v2 auto", {})] + [(_flash_label(t), {"tiles": t}) for t in A.FLASH_CANDIDATES]

@@ -447,7 +447,8 @@ class GemmLaunch:
     splits: int = 1
 
 
-# The launch rule, from experiments/gemm_sweep.py on the H200 (experiments/results/gemm-h200/;
+# The measured rule ("measured", the backward layouts' launcher), from experiments/gemm_sweep.py on
+# the H200 (experiments/results/gemm-h200/;
 # % of cuBLAS fp32 with TF32 off; blocks of 128 x 128 tiles in brackets):
 #                      4096^3 [1024]  1024x2048x2048 [128]  1024x5632x2048 [352]  1024x2048x5632 [128]  1024x512x2048 [32]
 #   v3 128x128x8/8x8       61.4             55.6                 44.0                  53.2                 18.4
@@ -459,7 +460,8 @@ class GemmLaunch:
 # and 64 x 64 tiles still leave a 1024 x 512 output at 128 blocks of 8 warps: split-K
 # multiplies the blocks (partial tiles added atomically into a zeroed y). Two blocks per SM
 # (rounding the split count down) measured best: 3 splits leave 384 blocks, 2.9 per SM.
-# The backward layouts (n/t, t/t) follow the same rule until gemm_sweep.py measures them apart.
+# The backward layouts (n/t, t/t) follow this rule until gemm_sweep.py measures them apart; the
+# forward follows the proposed rule below (RULE_BY_LAYOUT).
 BIG_TILES_V3 = GemmTiles(bm=128, bn=128, bk=8, tm=8, tn=8)
 BIG_TILES_V4 = GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=8)
 SMALL_TILES = GemmTiles(bm=64, bn=64, bk=16, tm=4, tn=4)
@@ -525,17 +527,23 @@ def _blocks(m: int, n: int, t: GemmTiles) -> int:
     return -(-m // t.bm) * -(-n // t.bn)
 
 
-# The proposed rule (offline, sm_90, not yet timed; experiments/gemm_sweep.py times it as
-# "proposed" beside "auto"): variant 5 on 4 warps of 64x64 (8x16 outputs per thread) at 128x128
-# tiles, two blocks per SM; when those tiles give under 3/4 of a wave (2 blocks per SM), split k
-# until there are about two blocks per SM, each split keeping at least MIN_SPLIT_SLICES k slices;
-# below half an SM's worth of tiles, the measured small-tile split-K path. ``RULE`` picks which
-# rule the launchers follow: the lead sets it to "proposed" once the sweep shows it winning.
+# The proposed rule: variant 5 on 4 warps of 64x64 (8x16 outputs per thread) at 128x128 tiles,
+# two blocks per SM; when those tiles give under 3/4 of a wave (2 blocks per SM), split k until
+# there are about two blocks per SM, each split keeping at least MIN_SPLIT_SLICES k slices; below
+# half an SM's worth of tiles, the measured rule's small-tile split-K path.
+# H200, experiments/gemm_sweep.py --quick, 2026-12-01 (experiments/results/gemm-h200/run4/), % of
+# cuBLAS fp32 (TF32 off), best of 7 batches of 5 launches, the forward layout:
+#                     4096^3   q/o 2048x4096x4096   k/v GQA8 2048x1024x4096   gate/up 2048x11008x4096   down 2048x4096x11008
+#   "measured"          60.8         67.0                   71.2                      63.7                     67.7
+#   "proposed"          82.4         82.1                   79.9 (split 2)            82.0                     82.5
+# So the forward ("nn") follows "proposed". The backward layouts ("nt" for linear_dx, "tt" for
+# linear_dw) keep "measured" until the sweep times them (their candidates pass the simulator tests
+# but have not run on a GPU). RULE_BY_LAYOUT is what the launchers follow.
 PROPOSED_TILES = V5_TILES[0]
 PROPOSED_VARIANT = 5
 MIN_SPLIT_SLICES = 16
 RULES = ("measured", "proposed")
-RULE = "measured"
+RULE_BY_LAYOUT = {"nn": "proposed", "nt": "measured", "tt": "measured", "tn": "measured"}
 
 
 def _choose_proposed(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
@@ -551,20 +559,24 @@ def _choose_proposed(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
     return GemmLaunch(PROPOSED_VARIANT, t, splits)
 
 
-def choose(m: int, n: int, k: int, splits: int | None = None, rule: str | None = None) -> GemmLaunch:
-    """The launch for an (m, n, k) problem by ``rule`` (default :data:`RULE`; the rules and their
-    measurements are above). Under the simulator: the default variant on the tiny tiles.
-    ``splits`` forces that many k splits (the measured rule: on the small tiles)."""
-    if simulating():
-        rule_launch(m, n, k, splits, rule)  # the same checks
-        return GemmLaunch(DEFAULT_VARIANT, SIM_TILES, splits or 1)
-    return rule_launch(m, n, k, splits, rule)
+def choose(m: int, n: int, k: int, splits: int | None = None, rule: str | None = None,
+           layout: str = "nn") -> GemmLaunch:
+    """The launch for an (m, n, k) problem of ``layout`` by ``rule`` (default: the layout's in
+    :data:`RULE_BY_LAYOUT`; the rules and their measurements are above). Under the simulator: the
+    rule's variant on the tiny tiles. ``splits`` forces that many k splits."""
+    launch = rule_launch(m, n, k, splits, rule, layout)
+    if simulating():  # the rule's variant on the tiny tiles: the simulator runs the GPU's code path
+        return GemmLaunch(launch.variant, SIM_TILES, splits or 1)
+    return launch
 
 
-def rule_launch(m: int, n: int, k: int, splits: int | None = None, rule: str | None = None) -> GemmLaunch:
-    """What ``rule`` (default :data:`RULE`) launches on a GPU for an (m, n, k) problem, also
-    under the simulator (where :func:`choose` runs tiny tiles instead)."""
-    rule = rule or RULE
+def rule_launch(m: int, n: int, k: int, splits: int | None = None, rule: str | None = None,
+                layout: str = "nn") -> GemmLaunch:
+    """What ``rule`` (default: ``layout``'s in :data:`RULE_BY_LAYOUT`) launches on a GPU for an
+    (m, n, k) problem, also under the simulator (where :func:`choose` runs tiny tiles instead)."""
+    if layout not in RULE_BY_LAYOUT:
+        raise KernelError(f"unknown GEMM layout {layout!r}; known: {', '.join(RULE_BY_LAYOUT)}")
+    rule = rule or RULE_BY_LAYOUT[layout]
     if rule not in RULES:
         raise KernelError(f"unknown GEMM launch rule {rule!r}; known: {', '.join(RULES)}")
     if rule == "proposed":
@@ -618,7 +630,7 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, variant, splits) -
     m, n = c.shape
     if m == 0 or n == 0:
         return
-    auto = choose(m, n, k, splits)
+    auto = choose(m, n, k, splits, layout=layout)
     tiles = tiles or auto.tiles
     variant = auto.variant if variant is None else variant
     splits = auto.splits if splits is None else splits
