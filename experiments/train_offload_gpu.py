@@ -47,7 +47,8 @@ from vmstoolkit.exec.compiler import working_set
 from vmstoolkit.exec.experiment import sweep_budgets
 from vmstoolkit.exec.graph import LlamaConfig
 from vmstoolkit.exec.ops import reference_forward
-from vmstoolkit.exec.train_graph import build_train_step, grads_from_updates, random_train_values
+from vmstoolkit.exec.graph import TensorKind
+from vmstoolkit.exec.train_graph import build_train_step, gradient_sources, grads_from_updates, random_train_values
 
 FRACTIONS = {"half": 0.5, "quarter": 0.25}
 
@@ -68,6 +69,43 @@ def max_grad_err(a: dict, b: dict) -> float:
     return max(float(np.max(np.abs(a[n] - b[n]))) for n in b)
 
 
+def host_bytes_needed(tg) -> int:
+    """Host memory this script holds for one variant at once, at most: the weights, inputs and
+    moments (pinned in place, shared with the runtime), a pinned slot for every output (a step's
+    updated state leaves the GPU at small budgets), and two sets of gradients (the reference and
+    one run's). Before this count the full variant at 16 x 4096 kept four copies of its 39 GB of
+    state and the H200 machine's 128 GB host killed the process."""
+    g = tg.graph
+    state = sum(t.nbytes for t in g.tensors if t.kind is not TensorKind.ACTIVATION)
+    outs = sum(g.tensors[t].nbytes for t in g.outputs)
+    return state + outs + 2 * tg.trainable_bytes()
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def pin_in_place(graph, values: dict) -> dict:
+    """Replace every host value by a pinned copy and return those copies by tensor id: the
+    CUDA backend's host copies and ``values`` are then one set of arrays, not two."""
+    from vmstoolkit.exec.backends.cuda import pinned
+
+    host = {}
+    for t in graph.tensors:
+        if t.id in values:
+            h = pinned(t.shape, t.dtype)
+            h[...] = values[t.id]
+            values[t.id] = host[t.id] = h
+    return host
+
+
 def run_ours(tg, values, emit, a, variant):
     """direct, then each budget x executor; returns {budget_name: budget bytes}."""
     graph = tg.graph
@@ -79,20 +117,20 @@ def run_ours(tg, values, emit, a, variant):
         from vmstoolkit.exec.backends.sim import CostModel, SimBackend
 
         ref = reference_forward(graph, values)
-        compute_s, bw = None, None
+        compute_s, bw, host = None, None, {}
     else:
         from numba import cuda
 
         from vmstoolkit.exec.backends.cuda import copy_bandwidth, direct_forward
 
-        ref, compute_s = direct_forward(graph, values, repeats=a.repeats)
-        ref = {t: ref[t] for t in graph.outputs}
+        host = pin_in_place(graph, values)  # shared by every run of this graph
+        ref, compute_s = direct_forward(graph, values, repeats=a.repeats, outputs=gradient_sources(tg))
         gc.collect()
         cuda.current_context().deallocations.clear()  # give the direct run's memory back now
         bw = copy_bandwidth()
         emit({"kind": "direct", "variant": variant, "compute_s": compute_s, **bw})
     want = grads_from_updates(tg, values, ref)
-    host: dict = {}  # pinned host copies shared by every run of this graph
+    del ref
 
     def make_backend(rep: int):
         if a.dry_run:
@@ -110,7 +148,7 @@ def run_ours(tg, values, emit, a, variant):
     fields = [({"kind": "runtime", "variant": variant, "budget_name": name, "budget": budget, "working_set": ws},
                budget) for name, budget in budgets.items()]
     for row in sweep_budgets(graph, fields, make_backend, lower_bound, repeats=1 if a.dry_run else a.repeats,
-                             reference=want, read=lambda be: grads_from_updates(tg, values, be.result()), rtol=1e-4,
+                             reference=want, read=lambda be: grads_from_updates(tg, values, be.result(gradient_sources(tg))), rtol=1e-4,
                              keep_going=True, check_runs=1):
         if "lower_bound_s" in row:
             row["transfer_bound"] = max(row["h2d_s"], row["d2h_s"]) > row["compute_s"]
@@ -289,6 +327,12 @@ def main(argv=None) -> int:
         cfg = config(a, seq)
         for variant in a.variants:
             tg = build_train_step(cfg, variant, rank=a.rank)
+            need, have = host_bytes_needed(tg), available_host_bytes()
+            if not a.dry_run and have is not None and need > have:
+                emit({"kind": "skipped", "variant": variant,
+                      "error": f"{variant} at seq {seq} needs about {need / 1e9:.1f} GB of host memory "
+                               f"and {have / 1e9:.1f} GB are available"})
+                continue
             values = random_train_values(tg, a.seed)
             budgets, want = run_ours(tg, values, emit, a, variant)
             del values

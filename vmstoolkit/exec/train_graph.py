@@ -304,13 +304,22 @@ def random_train_values(tg: TrainGraph, seed: int = 0, lora_b_scale: float = 0.1
     return out
 
 
+def gradient_sources(tg: TrainGraph) -> list[int]:
+    """The output tensors :func:`grads_from_updates` reads (each trainable's updated first moment):
+    what a check of the gradients needs back from a run, a third of the updated state."""
+    return [m_new for _, m_new, _ in tg.updates.values()]
+
+
 def grads_from_updates(tg: TrainGraph, values: dict[int, np.ndarray], outputs: dict[int, np.ndarray]) -> dict[str, np.ndarray]:
     """Each trainable tensor's gradient, read back from the updated first moment:
-    ``m' = beta1 m + (1 - beta1) g``, so ``g = (m' - beta1 m) / (1 - beta1)`` (exact for m = 0
-    up to one rounding of m'). Lets a run check gradients without keeping them alive."""
+    ``m' = beta1 m + (1 - beta1) g``, so ``g = (m' - beta1 m) / (1 - beta1)``, computed in float64
+    one tensor at a time and returned in the moment's dtype (exact for m = 0 up to two roundings).
+    Lets a run check gradients without keeping them alive; ``outputs`` needs only
+    :func:`gradient_sources`."""
     b1 = tg.adamw.beta1
     out = {}
     for name, (_, m_new, _) in tg.updates.items():
         m_old = values[tg.moments[name][0]].astype(np.float64)
-        out[name] = (outputs[m_new].astype(np.float64) - b1 * m_old) / (1.0 - b1)
+        g = (outputs[m_new].astype(np.float64) - b1 * m_old) / (1.0 - b1)
+        out[name] = g.astype(outputs[m_new].dtype, copy=False)
     return out

@@ -12,6 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from vmstoolkit.exec.errors import InvalidOptionError
+
 
 @runtime_checkable
 class Backend(Protocol):
@@ -37,8 +39,20 @@ class Backend(Protocol):
         clock here; a GPU backend only waits). Returning before ``done`` resolves means the
         backend failed: the executor then ends the run with this loop's error."""
 
-    def result(self) -> dict[int, np.ndarray]:
-        """Values of the graph's output tensors after a run that computed them."""
+    def result(self, ids=None) -> dict[int, np.ndarray]:
+        """Values of the graph's output tensors (only those in ``ids``, when given) after a run
+        that computed them, as host arrays of their own."""
 
     def close(self) -> None:
         """Give back what :meth:`setup` took (GPU regions); may be called more than once."""
+
+
+def select_outputs(locations: dict, ids=None) -> list:
+    """``locations``' (tensor, buffer) items for :meth:`Backend.result`: all, or those of ``ids``
+    in their order; an id that is not an output is an error naming it."""
+    if ids is None:
+        return list(locations.items())
+    missing = [t for t in ids if t not in locations]
+    if missing:
+        raise InvalidOptionError(f"result(): tensors {missing[:5]} are not outputs of the graph")
+    return [(t, locations[t]) for t in ids]

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from vmstoolkit.exec.backends.base import select_outputs
 from vmstoolkit.exec.backends.host_callbacks import HostCallbacks, raw_stream
 from vmstoolkit.exec.backends.numba_exit import guard_library_unload
 from vmstoolkit.exec.errors import CudaCallError, InvalidOptionError
@@ -268,11 +269,11 @@ class CudaBackend:
         exception, if any, is the executor's to report."""
         await asyncio.wait((done,))
 
-    def result(self) -> dict[int, np.ndarray]:
+    def result(self, ids=None) -> dict[int, np.ndarray]:
         from numba import cuda
 
         out = {}
-        for t, bid in self.mg.output_location.items():
+        for t, bid in select_outputs(self.mg.output_location, ids):
             if bid >= 0:
                 with cuda.gpus[self.mg.buffers[bid].gpu]:
                     out[t] = self.view(bid).copy_to_host()
@@ -290,10 +291,11 @@ class CudaBackend:
         self._release = []
 
 
-def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int = 3):
+def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int = 3, outputs=None):
     """The block-by-block forward with the same kernels, every tensor its own device array,
     every weight resident, launched back to back on one stream per GPU with no events.
-    Returns ``(outputs, best seconds)``: the equality reference and the compute time."""
+    Returns ``(outputs, best seconds)``: the equality reference (the graph's outputs, or those in
+    ``outputs``) and the compute time."""
     from numba import cuda
 
     n_gpus = graph.n_gpus
@@ -327,7 +329,7 @@ def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int
         t0 = time.perf_counter()
         once()
         best = min(best, time.perf_counter() - t0)
-    outs = {t: dev[t].copy_to_host() for t in graph.outputs}
+    outs = {t: dev[t].copy_to_host() for t in (graph.outputs if outputs is None else outputs)}
     return outs, best
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vmstoolkit.exec.errors import ExecutionError, InvalidOptionError
+from vmstoolkit.exec.backends.base import select_outputs
 from vmstoolkit.exec.ops import run_op
 
 
@@ -174,10 +175,10 @@ class SimBackend:
                     view = self._view(b)
                     view[...] = a.reshape(view.shape)
 
-    def result(self) -> dict[int, np.ndarray]:
-        """Values of the graph's output tensors after a numeric run."""
+    def result(self, ids=None) -> dict[int, np.ndarray]:
+        """Values of the graph's output tensors (those in ``ids``, when given) after a numeric run."""
         out = {}
-        for t, bid in self.mg.output_location.items():
+        for t, bid in select_outputs(self.mg.output_location, ids):
             out[t] = self._view(bid).copy() if bid >= 0 else self.host[t].copy()
         return out
 
