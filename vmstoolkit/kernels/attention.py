@@ -353,6 +353,36 @@ FLASH_CANDIDATES = (
 )
 
 
+def _double_buffered(load, fma, n: int):
+    """A device function ``run(X, Y, r, c, acc, a, b, a2, b2)`` adding ``fma(acc, fragments of
+    step j)`` over steps j = 0 .. n - 1, where ``load(X, Y, j, r, c, a, b)`` fetches step j's
+    fragments from shared memory: register double buffering, step j + 1's fragments loaded into
+    the other set (a2, b2 or a, b) while step j's FMAs run, across the loop's back edge too (the
+    last 4 steps are peeled so that no load runs past n - 1; n % 4 == 0). The score loop (over d)
+    and the P @ V loop (over keys) of variant 2 are two such loops."""
+
+    @cuda.jit(device=True, inline="always")
+    def pair(X, Y, j, r, c, acc, a, b, a2, b2):
+        """Steps j and j + 1, step j's fragments in (a, b) on entry, step j + 2's on exit."""
+        load(X, Y, j + uint64(1), r, c, a2, b2)
+        fma(acc, a, b)
+        load(X, Y, j + uint64(2), r, c, a, b)
+        fma(acc, a2, b2)
+
+    @cuda.jit(device=True, inline="always")
+    def run(X, Y, r, c, acc, a, b, a2, b2):
+        load(X, Y, uint64(0), r, c, a, b)
+        for j4 in range(0, n - 4, 4):
+            pair(X, Y, uint64(j4), r, c, acc, a, b, a2, b2)
+            pair(X, Y, uint64(j4 + 2), r, c, acc, a, b, a2, b2)
+        pair(X, Y, uint64(n - 4), r, c, acc, a, b, a2, b2)
+        load(X, Y, uint64(n - 1), r, c, a2, b2)
+        fma(acc, a, b)
+        fma(acc, a2, b2)
+
+    return run
+
+
 @lru_cache(maxsize=None)
 def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = False):
     """Variant 2 for head_dim ``hd`` and ``heads`` query heads per block (see the module
@@ -392,17 +422,6 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
         "max_registers": min(255, 65536 // (tiles.blocks_per_sm * NT) // 8 * 8)}
 
     @cuda.jit(device=True, inline="always")
-    def s_step(QsT, KV, d, ra, kb, s, a_reg, k_reg):
-        """s += outer(Q[rows, d], K[keys, d])."""
-        for i in range(TR):
-            a_reg[i] = QsT[d, ra + uint64((i // VR) * SR + i % VR)]
-        for j in range(TK):
-            k_reg[j] = KV[d * uint64(BKVP) + kb + uint64(j)]
-        for j in range(TK):
-            for i in range(TR):
-                s[i, j] += a_reg[i] * k_reg[j]
-
-    @cuda.jit(device=True, inline="always")
     def expo(x):
         if EXP2:
             return math.exp2(x)
@@ -423,13 +442,12 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
                 s[i, j] += a_reg[i] * k_reg[j]
 
     @cuda.jit(device=True, inline="always")
-    def s_pair(QsT, KV, d, ra, kb, s, a_reg, k_reg, a2, k2):
-        """Steps d and d + 1 with step d's fragments in (a_reg, k_reg) on entry, step d + 2's
-        on exit (the caller keeps d + 2 < hd)."""
-        s_load(QsT, KV, d + uint64(1), ra, kb, a2, k2)
+    def s_step(QsT, KV, d, ra, kb, s, a_reg, k_reg):
+        """s += outer(Q[rows, d], K[keys, d])."""
+        s_load(QsT, KV, d, ra, kb, a_reg, k_reg)
         s_fma(s, a_reg, k_reg)
-        s_load(QsT, KV, d + uint64(2), ra, kb, a_reg, k_reg)
-        s_fma(s, a2, k2)
+
+    s_dbuf = _double_buffered(s_load, s_fma, HD)
 
     @cuda.jit(device=True, inline="always")
     def scores(QsT, KV, ra, kb, s, a_reg, k_reg, a2, k2):
@@ -437,17 +455,7 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
             for j in range(TK):
                 s[i, j] = float32(0.0)
         if DBUF:
-            # register double buffering: step d + 1's fragments are loaded while step d's FMAs
-            # run, across the loop's back edge too (the last 4 steps are peeled off so that no
-            # load runs past d = hd - 1)
-            s_load(QsT, KV, uint64(0), ra, kb, a_reg, k_reg)
-            for d0 in range(0, HD - 4, 4):
-                s_pair(QsT, KV, uint64(d0), ra, kb, s, a_reg, k_reg, a2, k2)
-                s_pair(QsT, KV, uint64(d0 + 2), ra, kb, s, a_reg, k_reg, a2, k2)
-            s_pair(QsT, KV, uint64(HD - 4), ra, kb, s, a_reg, k_reg, a2, k2)
-            s_load(QsT, KV, uint64(HD - 1), ra, kb, a2, k2)
-            s_fma(s, a_reg, k_reg)
-            s_fma(s, a2, k2)
+            s_dbuf(QsT, KV, ra, kb, s, a_reg, k_reg, a2, k2)
             return
         for d0 in range(0, HD, UD):
             d = uint64(d0)
@@ -477,26 +485,7 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
         pv_load(Ps, KV, j, ro, cc, p_reg, v_reg)
         pv_fma(acc, p_reg, v_reg)
 
-    @cuda.jit(device=True, inline="always")
-    def pv_pair(Ps, KV, j, ro, cc, acc, p_reg, v_reg, p2, v2):
-        """Keys j and j + 1 (as ``s_pair``)."""
-        pv_load(Ps, KV, j + uint64(1), ro, cc, p2, v2)
-        pv_fma(acc, p_reg, v_reg)
-        pv_load(Ps, KV, j + uint64(2), ro, cc, p_reg, v_reg)
-        pv_fma(acc, p2, v2)
-
-    @cuda.jit(device=True, inline="always")
-    def pv_dbuf(Ps, KV, ro, cc, acc, p_reg, v_reg, p2, v2):
-        """acc += P V over the tile, key j + 1's fragments loaded while key j's FMAs run (as in
-        ``scores``; bkv % 4 == 0)."""
-        pv_load(Ps, KV, uint64(0), ro, cc, p_reg, v_reg)
-        for j4 in range(0, BKV - 4, 4):
-            pv_pair(Ps, KV, uint64(j4), ro, cc, acc, p_reg, v_reg, p2, v2)
-            pv_pair(Ps, KV, uint64(j4 + 2), ro, cc, acc, p_reg, v_reg, p2, v2)
-        pv_pair(Ps, KV, uint64(BKV - 4), ro, cc, acc, p_reg, v_reg, p2, v2)
-        pv_load(Ps, KV, uint64(BKV - 1), ro, cc, p2, v2)
-        pv_fma(acc, p_reg, v_reg)
-        pv_fma(acc, p2, v2)
+    pv_dbuf = _double_buffered(pv_load, pv_fma, BKV)
 
     @cuda.jit(device=True, inline="always")
     def fetch_kv(src, b, hk, k0, T, dw, kw, tid, pf):
