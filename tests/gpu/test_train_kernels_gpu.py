@@ -113,20 +113,21 @@ def test_rope_backward():
     close(dx, x.grad)
 
 
-@pytest.mark.parametrize("t, nh, nkv", [(1000, 8, 2), (257, 4, 4)])
-def test_attention_backward_gqa(t, nh, nkv):
+@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("t, nh, nkv, hd", [(1000, 8, 2, 128), (257, 4, 4, 128), (333, 8, 1, 64), (70, 4, 2, 100)])
+def test_attention_backward_gqa(t, nh, nkv, hd, variant):
     from vmstoolkit.kernels.attention import attention
     from vmstoolkit.kernels.attention_backward import attention_backward
 
-    q, k, v = dev(1, t, nh, 128), dev(1, t, nkv, 128), dev(1, t, nkv, 128)
-    do = torch.randn(1, t, nh, 128, device="cuda")
+    q, k, v = dev(1, t, nh, hd), dev(1, t, nkv, hd), dev(1, t, nkv, hd)
+    do = torch.randn(1, t, nh, hd, device="cuda")
     ref = attention_torch(q, k, v)
     ref.backward(do)
-    o = torch.empty(1, t, nh, 128, device="cuda")
+    o = torch.empty(1, t, nh, hd, device="cuda")
     lse = torch.empty(1, nh, t, device="cuda")
     attention(nb(q), nb(k), nb(v), nb(o), lse=nb(lse))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    attention_backward(nb(q), nb(k), nb(v), nb(o), nb(lse), nb(do), nb(dq), nb(dk), nb(dv))
+    attention_backward(nb(q), nb(k), nb(v), nb(o), nb(lse), nb(do), nb(dq), nb(dk), nb(dv), variant=variant)
     sync()
     close(o, ref.detach())
     close(dq, q.grad)

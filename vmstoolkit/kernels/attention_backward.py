@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint64
 
 from vmstoolkit.errors import KernelError
 
@@ -196,8 +196,386 @@ def make_backward_kernels(hd: int, tiles: BackwardTiles):
     return attention_dq_kernel, attention_dkv_kernel
 
 
-def attention_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: BackwardTiles | None = None):
-    """Enqueue the gradients dq, dk, dv of causal attention (shapes in the module docstring)."""
+# ---- variant 2 ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FlashBackwardTiles:
+    """Tile shape of variant 2 (see the module docstring).
+
+    dq kernel: ``rows`` query rows per block (``rows / heads`` positions of ``heads`` query heads
+    of one GQA group), key tiles of ``bkv``; S and dP as ``tr x tk`` tiles per thread, dQ as
+    ``to x hd/ncg`` per thread. dkv kernel: ``keys`` keys per block, query tiles of ``bq``; S^T
+    and dP^T as ``tkk x tq`` per thread, dK and dV as ``tko x hd/ncg`` each.
+
+    Defaults (hd = 128): both kernels 64 threads; shared memory (words)
+    2 (rows + bkv)(hd + 1) + bkv (rows + 1) + 2 rows + rows * parts = 35.7 KB for dq and
+    2 (keys + bq)(hd + 1) + 2 bq (keys + 1) + bq (parts + 1) = 35.6 KB for dkv: a fifth tile of
+    16 x 129 words would not fit the 48 KiB, so the tiles stay at 16 x 16 and the outer products
+    are 2 x 2 (scores) and 4 x 8 (gradients: 2 x 32 accumulators per thread in dkv)."""
+
+    rows: int = 16  # query rows per dq block (positions x heads)
+    heads: int = 4  # at most this many query heads of one group per dq block
+    bkv: int = 16  # keys per dq step
+    tr: int = 2  # dq: score rows per thread
+    tk: int = 2  # dq: score keys per thread
+    to: int = 4  # dq: dQ rows per thread
+    keys: int = 16  # keys per dkv block
+    bq: int = 16  # queries per dkv step
+    tkk: int = 2  # dkv: score keys per thread
+    tq: int = 2  # dkv: score queries per thread
+    tko: int = 4  # dkv: dK / dV rows (keys) per thread
+
+    @property
+    def dq_threads(self) -> int:
+        return (self.rows // self.tr) * (self.bkv // self.tk)
+
+    @property
+    def dkv_threads(self) -> int:
+        return (self.keys // self.tkk) * (self.bq // self.tq)
+
+    def heads_for(self, group: int) -> int:
+        """Largest divisor of ``group`` that is at most ``heads`` and divides ``rows``."""
+        for g in range(min(self.heads, group), 0, -1):
+            if group % g == 0 and self.rows % g == 0:
+                return g
+        return 1
+
+    def _parts(self, rows: int, threads: int) -> int:
+        return max(1, threads // rows)  # threads per row of the D = rowsum(do * o) products
+
+    def shared_bytes(self, hd: int) -> int:
+        dq = (2 * (self.rows + self.bkv) * (hd + 1) + self.bkv * (self.rows + 1) + self.rows
+              + self.rows * self._parts(self.rows, self.dq_threads))
+        dkv = (2 * (self.keys + self.bq) * (hd + 1) + 2 * self.bq * (self.keys + 1) + self.bq
+               + self.bq * self._parts(self.bq, self.dkv_threads))
+        return 4 * max(dq, dkv)
+
+    def check(self, hd: int) -> None:
+        bad = []
+        if min(self.rows, self.heads, self.bkv, self.tr, self.tk, self.to, self.keys, self.bq,
+               self.tkk, self.tq, self.tko) <= 0:
+            bad.append("every field must be positive")
+        elif (self.rows % self.tr or self.bkv % self.tk or self.rows % self.to or self.keys % self.tkk
+              or self.bq % self.tq or self.keys % self.tko):
+            bad.append("rows % tr, bkv % tk, rows % to, keys % tkk, bq % tq and keys % tko must be 0")
+        elif self.dq_threads % (self.rows // self.to) or self.dkv_threads % (self.keys // self.tko):
+            bad.append("the threads must split into whole column groups of the gradient phases")
+        elif max(self.dq_threads, self.dkv_threads) > 1024:
+            bad.append(f"needs {max(self.dq_threads, self.dkv_threads)} threads (> 1024)")
+        if self.shared_bytes(hd) > STATIC_SHARED_LIMIT:
+            bad.append(f"needs {self.shared_bytes(hd)} bytes of shared memory (> {STATIC_SHARED_LIMIT})")
+        if bad:
+            raise KernelError(f"attention backward tiles {self} with head_dim={hd}: " + "; ".join(bad))
+
+
+# Simulator: 4 threads per kernel, 4 x 4 tiles (2 positions x 2 heads in dq).
+SIM_FLASH_TILES = FlashBackwardTiles(rows=4, heads=2, bkv=4, tr=2, tk=2, to=2, keys=4, bq=4, tkk=2, tq=2, tko=2)
+
+
+@lru_cache(maxsize=None)
+def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
+    """Variant 2's dq and dkv kernels for head_dim ``hd`` and ``heads`` query heads per dq block.
+    Arguments of both: q, k, v, o, lse, do, then dq (dq kernel) or dk, dv (dkv kernel), scale."""
+    tiles.check(hd)
+    if tiles.rows % heads:
+        raise KernelError(f"{heads} heads per block do not divide the {tiles.rows} rows of {tiles}")
+    HD = hd
+    # Shared rows of hd + 4 words (hd % 4 == 0: 16-byte aligned rows, and the 8 rows of a quarter
+    # warp's 128-bit loads start 4 banks apart) or hd + 1 (odd: a column read by many rows is
+    # conflict-free); the d loops then go by 4 (128-bit loads) or by 1.
+    UD = 4 if hd % 4 == 0 else 1
+    HDP = hd + 4 if UD == 4 else hd + 1
+    ALIGN = None if simulating() else 16
+    # loop unrolling (trip counts are constants): 4 steps of the d loops (16 d with 128-bit
+    # loads), 4 keys / queries of the gradient loops, when they divide
+    NU = 4 if hd % (4 * UD) == 0 else 1
+    R, BKV, TR, TK, TO = tiles.rows, tiles.bkv, tiles.tr, tiles.tk, tiles.to
+    HEADS = heads
+    BQ = R // HEADS  # positions per dq block
+    NT = tiles.dq_threads
+    NKG = BKV // TK  # key groups of dq's score phase
+    NRG = R // TR  # row groups of dq's score phase
+    NOG = R // TO  # row groups of dq's gradient phase
+    NCG = NT // NOG  # column groups of dq's gradient phase
+    TD = -(-HD // NCG)  # dQ columns per thread
+    PARTS = tiles._parts(R, NT)
+    RP = R + 1  # odd row lengths again (dS^T in dq, P and dS in dkv)
+    KEYS, QB, TKK, TQ, TKO = tiles.keys, tiles.bq, tiles.tkk, tiles.tq, tiles.tko
+    NT2 = tiles.dkv_threads
+    NQG2 = QB // TQ  # query groups of dkv's score phase
+    NKG2 = KEYS // TKK  # key groups of dkv's score phase
+    NOG2 = KEYS // TKO  # key groups of dkv's gradient phase
+    NCG2 = NT2 // NOG2  # column groups of dkv's gradient phase
+    TD2 = -(-HD // NCG2)
+    PARTS2 = tiles._parts(QB, NT2)
+    KP = KEYS + 1
+    # shared array sizes (words) as constants: Numba needs literal shapes
+    W_R, W_BKV, W_DS, W_DP = R * HDP, BKV * HDP, BKV * RP, R * PARTS
+    W_KEYS, W_QB, W_P, W_DP2 = KEYS * HDP, QB * HDP, QB * KP, QB * PARTS2
+    UJ = 4 if BKV % 4 == 0 else 1
+    UQ = 4 if QB % 4 == 0 else 1
+    EXACT, EXACT2 = TD * NCG == HD, TD2 * NCG2 == HD  # no column past hd in the gradient phases
+
+    U = uint64
+
+    @cuda.jit(device=True, inline="always")
+    def dot_step(acc, A, B, ao, sa, bo, sb, d, a_reg, b_reg):
+        """acc[i, j] += sum over d .. d + UD - 1 of A[ao + i sa + d] B[bo + j sb + d]: each row's
+        UD adjacent words are one 128-bit shared load (hd % 4 == 0: rows of hd + 4 words)."""
+        ni = a_reg.shape[0]
+        nj = b_reg.shape[0]
+        for i in range(ni):
+            for u in range(UD):
+                a_reg[i, u] = A[ao + U(i * sa) + d + U(u)]
+        for j in range(nj):
+            for u in range(UD):
+                b_reg[j, u] = B[bo + U(j * sb) + d + U(u)]
+        for u in range(UD):
+            for i in range(ni):
+                for j in range(nj):
+                    acc[i, j] += a_reg[i, u] * b_reg[j, u]
+
+    @cuda.jit(device=True, inline="always")
+    def dot_tile(acc, A, B, ao, sa, bo, sb, a_reg, b_reg):
+        """acc[i, j] = sum_d A[ao + i sa + d] B[bo + j sb + d] (flat row-major tiles of HDP
+        words per row), as outer products of the register fragments a_reg (ni x UD) and b_reg
+        (nj x UD): ni + nj shared loads (128-bit when UD = 4) per ni nj UD FMAs."""
+        ni = a_reg.shape[0]
+        nj = b_reg.shape[0]
+        for i in range(ni):
+            for j in range(nj):
+                acc[i, j] = float32(0.0)
+        for d0 in range(0, HD, UD * NU):  # unrolled by hand: Numba's range loops stay loops
+            d = U(d0)
+            dot_step(acc, A, B, ao, sa, bo, sb, d, a_reg, b_reg)
+            if NU == 4:
+                dot_step(acc, A, B, ao, sa, bo, sb, d + U(UD), a_reg, b_reg)
+                dot_step(acc, A, B, ao, sa, bo, sb, d + U(2 * UD), a_reg, b_reg)
+                dot_step(acc, A, B, ao, sa, bo, sb, d + U(3 * UD), a_reg, b_reg)
+
+    @cuda.jit(device=True, inline="always")
+    def outer_step(acc, A, ao, sa, B, bo, sb, a_reg, b_reg, exact):
+        """acc[i, c] += A[ao + i sa] B[bo + c sb]; columns past hd read 0 unless ``exact``."""
+        ni = a_reg.shape[0]
+        nc = b_reg.shape[0]
+        for i in range(ni):
+            a_reg[i] = A[ao + U(i * sa)]
+        for c in range(nc):
+            val = float32(0.0)
+            if exact or bo % U(HDP) + U(c * sb) < U(HD):
+                val = B[bo + U(c * sb)]
+            b_reg[c] = val
+        for i in range(ni):
+            for c in range(nc):
+                acc[i, c] += a_reg[i] * b_reg[c]
+
+    @cuda.jit(device=True, inline="always")
+    def grad_step(dva, dka, Ps, dSs, DOs, Qs, r, og, cg, a_reg, x_reg):
+        """dkv's gradient phase for query r: dV += P[r, keys] (x) dO[r, cols], dK += dS (x) Q."""
+        outer_step(dva, Ps, r * U(KP) + og, NOG2, DOs, r * U(HDP) + cg, NCG2, a_reg, x_reg, EXACT2)
+        outer_step(dka, dSs, r * U(KP) + og, NOG2, Qs, r * U(HDP) + cg, NCG2, a_reg, x_reg, EXACT2)
+
+    @cuda.jit(device=True, inline="always")
+    def stage_rows(dst, src, b, pos0, n_pos, h0, n_rows, T, mul, tid, nt):
+        """dst[r (hd + 1) + d] <- src[b, pos0 + r % n_pos, h0 + r // n_pos, d] * mul for r < n_rows;
+        zero past T. Consecutive threads take consecutive d: coalesced loads, conflict-free stores."""
+        for e in range(tid, n_rows * HD, nt):
+            r = e // HD
+            d = e % HD
+            pos = pos0 + r % n_pos
+            val = float32(0.0)
+            if pos < T:
+                val = src[b, pos, h0 + r // n_pos, d] * mul
+            dst[r * HDP + d] = val
+
+    @cuda.jit(device=True, inline="always")
+    def row_dots(Dp, DOs, o, b, pos0, n_pos, h0, n_rows, T, parts, tid, nt):
+        """Dp[r parts + p] <- partial sums of D = rowsum(do * o) of row r (do staged in DOs):
+        thread (r, p) takes d = p, p + parts, ... (the reader sums the parts)."""
+        for e in range(tid, n_rows * parts, nt):
+            r = e // parts
+            p = e % parts
+            pos = pos0 + r % n_pos
+            acc = float32(0.0)
+            if pos < T:
+                h = h0 + r // n_pos
+                for d in range(p, HD, parts):
+                    acc += DOs[r * HDP + d] * o[b, pos, h, d]
+            Dp[e] = acc
+
+    @cuda.jit
+    def flash_dq_kernel(q, k, v, o, lse, do, dq, scale):
+        T = q.shape[1]
+        group = q.shape[2] // k.shape[2]
+        sub = group // HEADS
+        n_qt = (T + BQ - 1) // BQ
+        q0 = (n_qt - 1 - cuda.blockIdx.x) * BQ  # longest tiles first
+        hk = cuda.blockIdx.y // sub
+        h0 = hk * group + (cuda.blockIdx.y % sub) * HEADS
+        b = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        Qs = cuda.shared.array(W_R, float32, alignment=ALIGN)  # (rows, hd + 1) scaled queries
+        DOs = cuda.shared.array(W_R, float32, alignment=ALIGN)  # (rows, hd + 1) output gradients
+        Ks = cuda.shared.array(W_BKV, float32, alignment=ALIGN)  # (bkv, hd + 1)
+        Vs = cuda.shared.array(W_BKV, float32, alignment=ALIGN)
+        dSs = cuda.shared.array(W_DS, float32, alignment=ALIGN)  # (bkv, rows + 1) dS^T of this tile
+        Ls = cuda.shared.array(R, float32)  # lse of the rows
+        Dp = cuda.shared.array(W_DP, float32, alignment=ALIGN)  # partial sums of D
+        s = cuda.local.array((TR, TK), float32)
+        dp = cuda.local.array((TR, TK), float32)
+        acc = cuda.local.array((TO, TD), float32)
+        k_reg = cuda.local.array(TD, float32)
+        p_reg = cuda.local.array(TO, float32)
+        a_reg = cuda.local.array((TR, UD), float32)
+        b_reg = cuda.local.array((TK, UD), float32)
+        rg = tid // NKG  # score phase: rows rg + i NRG, keys kg + j NKG
+        kg = tid % NKG
+        og = U(tid // NCG)  # gradient phase: rows og + i NOG, columns cg + c NCG
+        cg = U(tid % NCG)
+        qo, ko = U(rg * HDP), U(kg * HDP)
+
+        stage_rows(Qs, q, b, q0, BQ, h0, R, T, scale, tid, NT)
+        stage_rows(DOs, do, b, q0, BQ, h0, R, T, float32(1.0), tid, NT)
+        for r in range(tid, R, NT):
+            pos = q0 + r % BQ
+            Ls[r] = lse[b, h0 + r // BQ, pos] if pos < T else float32(0.0)
+        cuda.syncthreads()
+        row_dots(Dp, DOs, o, b, q0, BQ, h0, R, T, PARTS, tid, NT)
+        for i in range(TO):
+            for c in range(TD):
+                acc[i, c] = float32(0.0)
+        kv_end = min(T, q0 + BQ)
+        for k0 in range(0, kv_end, BKV):
+            stage_rows(Ks, k, b, k0, BKV, hk, BKV, T, float32(1.0), tid, NT)
+            stage_rows(Vs, v, b, k0, BKV, hk, BKV, T, float32(1.0), tid, NT)
+            cuda.syncthreads()
+            dot_tile(s, Qs, Ks, qo, NRG * HDP, ko, NKG * HDP, a_reg, b_reg)
+            dot_tile(dp, DOs, Vs, qo, NRG * HDP, ko, NKG * HDP, a_reg, b_reg)
+            masked = k0 + BKV > q0 + 1  # the diagonal (and ragged) tiles; the others skip the test
+            for i in range(TR):
+                r = rg + i * NRG
+                pos = q0 + r % BQ
+                l_r = Ls[r]
+                d_r = float32(0.0)
+                for p in range(PARTS):
+                    d_r += Dp[r * PARTS + p]
+                for j in range(TK):
+                    key = kg + j * NKG
+                    ds = math.exp(s[i, j] - l_r) * (dp[i, j] - d_r)
+                    if masked and k0 + key > pos:
+                        ds = float32(0.0)
+                    dSs[key * RP + r] = ds
+            cuda.syncthreads()
+            for j0 in range(0, BKV, UJ):  # dQ += dS K, unrolled by hand
+                j = U(j0)
+                outer_step(acc, dSs, j * U(RP) + og, NOG, Ks, j * U(HDP) + cg, NCG, p_reg, k_reg, EXACT)
+                if UJ == 4:
+                    for u in (1, 2, 3):
+                        outer_step(acc, dSs, (j + U(u)) * U(RP) + og, NOG, Ks, (j + U(u)) * U(HDP) + cg, NCG,
+                                   p_reg, k_reg, EXACT)
+            cuda.syncthreads()
+        for i in range(TO):
+            r = og + U(i * NOG)
+            pos = q0 + r % BQ
+            if pos < T:
+                h = h0 + r // BQ
+                for c in range(TD):
+                    col = cg + U(c * NCG)
+                    if EXACT or col < HD:
+                        dq[b, pos, h, col] = acc[i, c] * scale
+
+    @cuda.jit
+    def flash_dkv_kernel(q, k, v, o, lse, do, dk, dv, scale):
+        T = q.shape[1]
+        group = q.shape[2] // k.shape[2]
+        k0 = cuda.blockIdx.x * KEYS  # earliest keys see the most queries: they start first
+        hk = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        Ks = cuda.shared.array(W_KEYS, float32, alignment=ALIGN)  # (keys, hd + 1)
+        Vs = cuda.shared.array(W_KEYS, float32, alignment=ALIGN)
+        Qs = cuda.shared.array(W_QB, float32, alignment=ALIGN)  # (bq, hd + 1) scaled queries of this step
+        DOs = cuda.shared.array(W_QB, float32, alignment=ALIGN)  # (bq, hd + 1) their output gradients
+        Ps = cuda.shared.array(W_P, float32, alignment=ALIGN)  # (bq, keys + 1) probabilities
+        dSs = cuda.shared.array(W_P, float32, alignment=ALIGN)  # (bq, keys + 1) dS
+        Ls = cuda.shared.array(QB, float32)
+        Dp = cuda.shared.array(W_DP2, float32, alignment=ALIGN)
+        s = cuda.local.array((TKK, TQ), float32)  # S^T
+        dp = cuda.local.array((TKK, TQ), float32)  # dP^T
+        dka = cuda.local.array((TKO, TD2), float32)
+        dva = cuda.local.array((TKO, TD2), float32)
+        a_reg = cuda.local.array(TKO, float32)
+        x_reg = cuda.local.array(TD2, float32)
+        k_frag = cuda.local.array((TKK, UD), float32)
+        q_frag = cuda.local.array((TQ, UD), float32)
+        qg = tid // NKG2  # score phase: keys kg + j NKG2, queries qg + i NQG2
+        kg = tid % NKG2
+        og = U(tid // NCG2)  # gradient phase: keys og + j NOG2, columns cg + c NCG2
+        cg = U(tid % NCG2)
+        ko, qo = U(kg * HDP), U(qg * HDP)
+
+        stage_rows(Ks, k, b, k0, KEYS, hk, KEYS, T, float32(1.0), tid, NT2)
+        stage_rows(Vs, v, b, k0, KEYS, hk, KEYS, T, float32(1.0), tid, NT2)
+        for j in range(TKO):
+            for c in range(TD2):
+                dka[j, c] = float32(0.0)
+                dva[j, c] = float32(0.0)
+        for g in range(group):
+            h = hk * group + g
+            for q0 in range(k0 - k0 % QB, T, QB):
+                stage_rows(Qs, q, b, q0, QB, h, QB, T, scale, tid, NT2)
+                stage_rows(DOs, do, b, q0, QB, h, QB, T, float32(1.0), tid, NT2)
+                for r in range(tid, QB, NT2):
+                    Ls[r] = lse[b, h, q0 + r] if q0 + r < T else float32(0.0)
+                cuda.syncthreads()
+                row_dots(Dp, DOs, o, b, q0, QB, h, QB, T, PARTS2, tid, NT2)
+                dot_tile(s, Ks, Qs, ko, NKG2 * HDP, qo, NQG2 * HDP, k_frag, q_frag)
+                dot_tile(dp, Vs, DOs, ko, NKG2 * HDP, qo, NQG2 * HDP, k_frag, q_frag)
+                cuda.syncthreads()  # Dp written
+                # rows below the diagonal and inside T skip the mask (zeroed rows past T would
+                # add nothing anyway: q = do = 0, lse = D = 0 give p = 1 and dS = 0 x p)
+                masked = q0 < k0 + KEYS - 1 or q0 + QB > T
+                for i in range(TQ):
+                    r = qg + i * NQG2
+                    l_r = Ls[r]
+                    d_r = float32(0.0)
+                    for p in range(PARTS2):
+                        d_r += Dp[r * PARTS2 + p]
+                    for j in range(TKK):
+                        key = kg + j * NKG2
+                        p_ = math.exp(s[j, i] - l_r)
+                        if masked and (q0 + r < k0 + key or q0 + r >= T):
+                            p_ = float32(0.0)
+                        Ps[r * KP + key] = p_
+                        dSs[r * KP + key] = p_ * (dp[j, i] - d_r)
+                cuda.syncthreads()
+                for r0 in range(0, QB, UQ):  # dV += P^T dO, dK += dS^T Q (Q pre-scaled), unrolled
+                    ru = U(r0)
+                    grad_step(dva, dka, Ps, dSs, DOs, Qs, ru, og, cg, a_reg, x_reg)
+                    if UQ == 4:
+                        for u in (1, 2, 3):
+                            grad_step(dva, dka, Ps, dSs, DOs, Qs, ru + U(u), og, cg, a_reg, x_reg)
+                cuda.syncthreads()
+        for j in range(TKO):
+            key = k0 + og + U(j * NOG2)
+            if key < T:
+                for c in range(TD2):
+                    col = cg + U(c * NCG2)
+                    if EXACT2 or col < HD:
+                        dk[b, key, hk, col] = dka[j, c]
+                        dv[b, key, hk, col] = dva[j, c]
+
+    return flash_dq_kernel, flash_dkv_kernel
+
+
+DEFAULT_VARIANT = 1  # variant 2 waits for the H200 to time it
+
+
+def attention_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0,
+                       tiles: BackwardTiles | FlashBackwardTiles | None = None, variant: int | None = None):
+    """Enqueue the gradients dq, dk, dv of causal attention (shapes in the module docstring).
+    ``variant`` 1 (default) or 2 (register-blocked); ``tiles`` of the matching class picks the
+    variant when ``variant`` is not given."""
     b, t, nh, nkv, hd = check_args(q, k, v, o)
     for name, a, like in (("do", do, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
         check_float32(name, a)
@@ -207,17 +585,33 @@ def attention_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: Backwar
     check_ndim("lse", lse, 3)
     if tuple(lse.shape) != (b, nh, t):
         raise KernelError(f"attention backward: lse has shape {tuple(lse.shape)}, expected (B, nh, T) = {(b, nh, t)}")
+    if variant is None:
+        variant = 2 if isinstance(tiles, FlashBackwardTiles) else DEFAULT_VARIANT
+    if variant not in (1, 2):
+        raise KernelError(f"attention backward: variant={variant} is not 1 or 2")
+    want = BackwardTiles if variant == 1 else FlashBackwardTiles
+    if tiles is not None and not isinstance(tiles, want):
+        raise KernelError(f"attention backward: variant {variant} takes {want.__name__}, got {type(tiles).__name__}")
     if b * t * nh == 0:
+        return
+    scale = np.float32(1.0 / math.sqrt(hd))
+    if variant == 2:
+        tiles = tiles or (SIM_FLASH_TILES if simulating() else FlashBackwardTiles())
+        heads = tiles.heads_for(nh // nkv)
+        k_dq, k_dkv = make_flash_backward_kernels(hd, tiles, heads)
+        bq = tiles.rows // heads
+        k_dq[(-(-t // bq), nh // heads, b), tiles.dq_threads, stream](q, k, v, o, lse, do, dq, scale)
+        k_dkv[(-(-t // tiles.keys), nkv, b), tiles.dkv_threads, stream](q, k, v, o, lse, do, dk, dv, scale)
         return
     tiles = tiles or (SIM_TILES if simulating() else BackwardTiles())
     k_dq, k_dkv = make_backward_kernels(hd, tiles)
-    scale = np.float32(1.0 / math.sqrt(hd))
     k_dq[(-(-t // tiles.bq), nh, b), tiles.bq, stream](q, k, v, o, lse, do, dq, scale)
     k_dkv[(-(-t // tiles.bkv), nkv, b), tiles.bkv, stream](q, k, v, o, lse, do, dk, dv, scale)
 
 
-def validate(shapes=((1, 5, 2, 2, 4), (2, 9, 4, 2, 8), (1, 7, 3, 1, 6)), tiles: BackwardTiles | None = None,
-             rtol: float = 1e-5, seed: int = 0) -> list[dict]:
+def validate(shapes=((1, 5, 2, 2, 4), (2, 9, 4, 2, 8), (1, 7, 3, 1, 6)),
+             tiles: BackwardTiles | FlashBackwardTiles | None = None, rtol: float = 1e-5, seed: int = 0,
+             variant: int | None = None) -> list[dict]:
     """Each shape is (B, T, nh, nkv, hd); the forward kernel's lse feeds the backward."""
     from .attention import attention
 
@@ -235,7 +629,7 @@ def validate(shapes=((1, 5, 2, 2, 4), (2, 9, 4, 2, 8), (1, 7, 3, 1, 6)), tiles: 
         d_lse = cuda.device_array((b, nh, t), dtype=np.float32)
         attention(d_q, d_k, d_v, d_o, lse=d_lse)
         outs = [cuda.device_array(a.shape, dtype=np.float32) for a in (q, k, v)]
-        attention_backward(d_q, d_k, d_v, d_o, d_lse, d_do, *outs, tiles=tiles)
+        attention_backward(d_q, d_k, d_v, d_o, d_lse, d_do, *outs, tiles=tiles, variant=variant)
         for name, got, w in (("o", d_o, o), ("lse", d_lse, lse), *zip(("dq", "dk", "dv"), outs, want)):
             err = float(np.max(np.abs(got.copy_to_host() - w)) / np.max(np.abs(w)))
             records.append({"shape": (b, t, nh, nkv, hd), "out": name, "max_rel_err": err})
