@@ -299,6 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--breakdown", action="store_true",
                     help="time the direct run's vertices with CUDA events: seconds per op kind (op_s)")
+    ap.add_argument("--attn-bwd-variant", type=int, default=None, choices=[1, 2],
+                    help="attention backward kernels of every run (default: the kernel module's)")
     ap.add_argument("--torch-budgets", nargs="+", default=list(FRACTIONS), choices=list(FRACTIONS),
                     help="budgets at which the PyTorch baseline runs (each is a process of its own)")
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
@@ -306,6 +308,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--npz", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.attn_bwd_variant is not None:
+        from vmstoolkit.kernels import attention_backward
+
+        attention_backward.DEFAULT_VARIANT = a.attn_bwd_variant
     faulthandler.enable()
     a.out.mkdir(parents=True, exist_ok=True)
     cfg = config(a, a.seq[0])

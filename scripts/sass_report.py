@@ -280,18 +280,6 @@ def attention_reports(args) -> list[Report]:
     return out
 
 
-def parse_backward_tiles(text: str):
-    """``rows/heads/bkv/tr/tk/to/keys/bq/tkk/tq/tko`` -> FlashBackwardTiles (attention backward, variant 2)."""
-    from dataclasses import fields
-
-    from vmstoolkit.kernels.attention_backward import FlashBackwardTiles
-
-    parts = text.strip().split("/")
-    if len(parts) != len(fields(FlashBackwardTiles)) or not all(p.isdigit() for p in parts):
-        raise SystemExit(f"sass_report: backward tiles {text!r} is not rows/heads/bkv/tr/tk/to/keys/bq/tkk/tq/tko")
-    return FlashBackwardTiles(*map(int, parts))
-
-
 def attention_backward_reports(args) -> list[Report]:
     """The attention backward's dq and dkv kernels at hd = 128, GQA group 4: variant 1
     (``BackwardTiles``, the default) and variant 2 (``FlashBackwardTiles``, or ``--tiles``)."""
@@ -308,7 +296,7 @@ def attention_backward_reports(args) -> list[Report]:
         k_dq, k_dkv = AB.make_backward_kernels(128, t)
         out.append(_dispatcher_report(f"bwd v1 dq {t.bq}q/{t.bkv}k", k_dq, sig_dq))
         out.append(_dispatcher_report(f"bwd v1 dkv {t.bkv}k/{t.bq_dkv}q", k_dkv, sig_dkv))
-    for t in [parse_backward_tiles(x) for x in args.tiles] if args.tiles else [AB.FlashBackwardTiles()]:
+    for t in [AB.FlashBackwardTiles.parse(x) for x in args.tiles] if args.tiles else [AB.FlashBackwardTiles()]:
         k_dq, k_dkv = AB.make_flash_backward_kernels(128, t, t.heads_for(4))
         out.append(_dispatcher_report(f"bwd v2 dq {t.rows}r/{t.heads}h/{t.bkv}k {t.tr}x{t.tk}/{t.to} "
                                       f"{t.dq_threads}thr", k_dq, sig_dq))

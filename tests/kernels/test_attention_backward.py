@@ -82,3 +82,10 @@ def test_flash_backward_tiles_errors():
         AB.FlashBackwardTiles(rows=32, bkv=32, tr=4, tk=4).check(128)
     with pytest.raises(ValueError, match="rows % tr"):
         AB.FlashBackwardTiles(tr=3).check(128)
+
+
+def test_flash_backward_tiles_parse():
+    t = AB.FlashBackwardTiles.parse("8/2/4/2/2/2/4/8/2/2/2")
+    assert (t.rows, t.heads, t.bkv, t.keys, t.bq) == (8, 2, 4, 4, 8)
+    with pytest.raises(ValueError, match="'8/2' are not rows/heads/bkv"):
+        AB.FlashBackwardTiles.parse("8/2")
