@@ -33,6 +33,13 @@ def test_variant2_other_tiles(tiles):
     AB.validate(shapes=((1, 10, 4, 1, 8), (1, 7, 2, 2, 5)), tiles=tiles)
 
 
+def test_variant2_runs_of_four_in_the_gradient_phases():
+    """4 rows (keys) per thread and, at hd 16, 4 columns: the 128-bit loads of dS / P and of K, dO, Q
+    (hd 6: runs of rows only)."""
+    tiles = AB.FlashBackwardTiles(rows=8, heads=2, bkv=4, tr=2, tk=2, to=4, keys=8, bq=4, tkk=2, tq=2, tko=4)
+    AB.validate(shapes=((1, 11, 4, 2, 16), (1, 9, 4, 1, 6)), tiles=tiles)
+
+
 def test_variant2_is_deterministic(rng):
     """dk and dv are sums over the group computed by one block each (no atomics): bit-equal runs."""
     b, t, nh, nkv, hd = 1, 9, 4, 1, 4

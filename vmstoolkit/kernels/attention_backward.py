@@ -252,9 +252,12 @@ class FlashBackwardTiles:
         return max(1, threads // rows)  # threads per row of the D = rowsum(do * o) products
 
     def shared_bytes(self, hd: int) -> int:
-        dq = (2 * (self.rows + self.bkv) * (hd + 1) + self.bkv * (self.rows + 1) + self.rows
+        hdp = hd + 4 if hd % 4 == 0 else hd + 1  # padded row lengths, as make_flash_backward_kernels
+        rp = self.rows + 4 if self.to % 4 == 0 else self.rows + 1
+        kp = self.keys + 4 if self.tko % 4 == 0 else self.keys + 1
+        dq = (2 * (self.rows + self.bkv) * hdp + self.bkv * rp + self.rows
               + self.rows * self._parts(self.rows, self.dq_threads))
-        dkv = (2 * (self.keys + self.bq) * (hd + 1) + 2 * self.bq * (self.keys + 1) + self.bq
+        dkv = (2 * (self.keys + self.bq) * hdp + 2 * self.bq * kp + self.bq
                + self.bq * self._parts(self.bq, self.dkv_threads))
         return 4 * max(dq, dkv)
 
@@ -307,7 +310,12 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
     NCG = NT // NOG  # column groups of dq's gradient phase
     TD = -(-HD // NCG)  # dQ columns per thread
     PARTS = tiles._parts(R, NT)
-    RP = R + 1  # odd row lengths again (dS^T in dq, P and dS in dkv)
+    # Gradient phases: a thread's rows (keys) and columns come in runs of 4 adjacent ones when it
+    # has a multiple of 4 (one 128-bit shared load per run: dS / P rows padded to a multiple of
+    # 4 words, 16-byte aligned), else one by one (rows padded to an odd length: conflict-free).
+    VO = 4 if TO % 4 == 0 else 1
+    VC = 4 if TD % 4 == 0 and UD == 4 else 1
+    RP = R + 4 if VO == 4 else R + 1  # row length of dS^T in dq
     KEYS, QB, TKK, TQ, TKO = tiles.keys, tiles.bq, tiles.tkk, tiles.tq, tiles.tko
     NT2 = tiles.dkv_threads
     NQG2 = QB // TQ  # query groups of dkv's score phase
@@ -316,7 +324,9 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
     NCG2 = NT2 // NOG2  # column groups of dkv's gradient phase
     TD2 = -(-HD // NCG2)
     PARTS2 = tiles._parts(QB, NT2)
-    KP = KEYS + 1
+    VO2 = 4 if TKO % 4 == 0 else 1
+    VC2 = 4 if TD2 % 4 == 0 and UD == 4 else 1
+    KP = KEYS + 4 if VO2 == 4 else KEYS + 1  # row length of P and dS in dkv
     # shared array sizes (words) as constants: Numba needs literal shapes
     W_R, W_BKV, W_DS, W_DP = R * HDP, BKV * HDP, BKV * RP, R * PARTS
     W_KEYS, W_QB, W_P, W_DP2 = KEYS * HDP, QB * HDP, QB * KP, QB * PARTS2
@@ -363,26 +373,36 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
                 dot_step(acc, A, B, ao, sa, bo, sb, d + U(3 * UD), a_reg, b_reg)
 
     @cuda.jit(device=True, inline="always")
-    def outer_step(acc, A, ao, sa, B, bo, sb, a_reg, b_reg, exact):
-        """acc[i, c] += A[ao + i sa] B[bo + c sb]; columns past hd read 0 unless ``exact``."""
+    def outer_step(acc, A, ao, va, sa, B, bo, vb, sb, col0, a_reg, b_reg, exact):
+        """acc[i, c] += A[ao + run(i)] B[bo + run(c)], run(i) = (i // va) sa + i % va: runs of
+        va (vb) adjacent words, one 128-bit shared load each when 4; B's column col0 + run(c)
+        past hd reads 0 unless ``exact``."""
         ni = a_reg.shape[0]
         nc = b_reg.shape[0]
         for i in range(ni):
-            a_reg[i] = A[ao + U(i * sa)]
+            a_reg[i] = A[ao + U((i // va) * sa + i % va)]
         for c in range(nc):
+            off = U((c // vb) * sb + c % vb)
             val = float32(0.0)
-            if exact or bo % U(HDP) + U(c * sb) < U(HD):
-                val = B[bo + U(c * sb)]
+            if exact or col0 + off < U(HD):
+                val = B[bo + off]
             b_reg[c] = val
         for i in range(ni):
             for c in range(nc):
                 acc[i, c] += a_reg[i] * b_reg[c]
 
     @cuda.jit(device=True, inline="always")
+    def dq_step(acc, dSs, Ks, j, og, cg, p_reg, k_reg):
+        """dq's gradient phase for key j: dQ[rows, cols] += dS^T[j, rows] (x) K[j, cols]."""
+        outer_step(acc, dSs, j * U(RP) + og * U(VO), VO, NOG * VO, Ks, j * U(HDP) + cg * U(VC), VC, NCG * VC,
+                   cg * U(VC), p_reg, k_reg, EXACT)
+
+    @cuda.jit(device=True, inline="always")
     def grad_step(dva, dka, Ps, dSs, DOs, Qs, r, og, cg, a_reg, x_reg):
         """dkv's gradient phase for query r: dV += P[r, keys] (x) dO[r, cols], dK += dS (x) Q."""
-        outer_step(dva, Ps, r * U(KP) + og, NOG2, DOs, r * U(HDP) + cg, NCG2, a_reg, x_reg, EXACT2)
-        outer_step(dka, dSs, r * U(KP) + og, NOG2, Qs, r * U(HDP) + cg, NCG2, a_reg, x_reg, EXACT2)
+        ao, bo = r * U(KP) + og * U(VO2), r * U(HDP) + cg * U(VC2)
+        outer_step(dva, Ps, ao, VO2, NOG2 * VO2, DOs, bo, VC2, NCG2 * VC2, cg * U(VC2), a_reg, x_reg, EXACT2)
+        outer_step(dka, dSs, ao, VO2, NOG2 * VO2, Qs, bo, VC2, NCG2 * VC2, cg * U(VC2), a_reg, x_reg, EXACT2)
 
     @cuda.jit(device=True, inline="always")
     def stage_one(dst, src, b, pos0, n_pos, h0, T, mul, e, buf, u):
@@ -483,7 +503,7 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
         buf = cuda.local.array(BUF, float32)  # staging loads in flight
         rg = tid // NKG  # score phase: rows rg + i NRG, keys kg + j NKG
         kg = tid % NKG
-        og = U(tid // NCG)  # gradient phase: rows og + i NOG, columns cg + c NCG
+        og = U(tid // NCG)  # gradient phase: row group og and column group cg (runs of VO, VC)
         cg = U(tid % NCG)
         qo, ko = U(rg * HDP), U(kg * HDP)
 
@@ -523,19 +543,18 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
             cuda.syncthreads()
             for j0 in range(0, BKV, UJ):  # dQ += dS K, unrolled by hand
                 j = U(j0)
-                outer_step(acc, dSs, j * U(RP) + og, NOG, Ks, j * U(HDP) + cg, NCG, p_reg, k_reg, EXACT)
+                dq_step(acc, dSs, Ks, j, og, cg, p_reg, k_reg)
                 if UJ == 4:
                     for u in (1, 2, 3):
-                        outer_step(acc, dSs, (j + U(u)) * U(RP) + og, NOG, Ks, (j + U(u)) * U(HDP) + cg, NCG,
-                                   p_reg, k_reg, EXACT)
+                        dq_step(acc, dSs, Ks, j + U(u), og, cg, p_reg, k_reg)
             cuda.syncthreads()
         for i in range(TO):
-            r = og + U(i * NOG)
+            r = og * U(VO) + U((i // VO) * NOG * VO + i % VO)
             pos = q0 + r % U(BQ)
             if pos < T:
                 h = h0 + r // U(BQ)
                 for c in range(TD):
-                    col = cg + U(c * NCG)
+                    col = cg * U(VC) + U((c // VC) * NCG * VC + c % VC)
                     if EXACT or col < U(HD):
                         dq[b, pos, h, col] = acc[i, c] * scale
 
@@ -566,7 +585,7 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
         buf = cuda.local.array(BUF, float32)
         qg = tid // NKG2  # score phase: keys kg + j NKG2, queries qg + i NQG2
         kg = tid % NKG2
-        og = U(tid // NCG2)  # gradient phase: keys og + j NOG2, columns cg + c NCG2
+        og = U(tid // NCG2)  # gradient phase: key group og and column group cg (runs of VO2, VC2)
         cg = U(tid % NCG2)
         ko, qo = U(kg * HDP), U(qg * HDP)
 
@@ -615,10 +634,10 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
                             grad_step(dva, dka, Ps, dSs, DOs, Qs, ru + U(u), og, cg, a_reg, x_reg)
                 cuda.syncthreads()
         for j in range(TKO):
-            key = k0 + og + U(j * NOG2)
+            key = k0 + og * U(VO2) + U((j // VO2) * NOG2 * VO2 + j % VO2)
             if key < T:
                 for c in range(TD2):
-                    col = cg + U(c * NCG2)
+                    col = cg * U(VC2) + U((c // VC2) * NCG2 * VC2 + c % VC2)
                     if EXACT2 or col < U(HD):
                         dk[b, key, hk, col] = dka[j, c]
                         dv[b, key, hk, col] = dva[j, c]
