@@ -7,8 +7,10 @@ dq (B, T, nh, hd), dk, dv (B, T, nkv, hd). With ``P = exp(q.k / sqrt(hd) - lse)`
 ``D_i = sum_d do[i, d] o[i, d]``: ``dv_j = sum_i P_ij do_i``, ``dS_ij = P_ij (do_i . v_j - D_i)``,
 ``dq_i = sum_j dS_ij k_j / sqrt(hd)``, ``dk_j = sum_i dS_ij q_i / sqrt(hd)``.
 
-Recipe: the numpy reference (``reference.attention_backward``), two kernels, a launcher,
-``validate()``.
+Recipe: the numpy reference (``reference.attention_backward``), two numbered variants of two
+kernels each, a launcher (``attention_backward(..., variant=)``), ``validate()``.
+
+Variant 1 (``BackwardTiles``, the default):
 
 - ``dq`` kernel: one block per (query tile of ``bq`` rows, head, batch), one thread per query
   row holding its q, do and dq (hd floats each, local memory); the block stages ``bkv`` keys
@@ -21,7 +23,37 @@ Recipe: the numpy reference (``reference.attention_backward``), two kernels, a l
 
 Each recomputes P: 2 x the forward's exps, and 4 hd multiply-adds per (query, key) pair per
 kernel on top. Simple rather than fast: one row per thread keeps 3-4 x hd floats per thread in
-local memory (L1). Issue 18 owns attention speed; this is the correct baseline.
+local memory (L1). Offline ptxas (sm_90, ``scripts/sass_report.py attention-backward``): 255
+registers and 1,272 / 2,344 B of spills per thread (dq / dkv), 2.06 / 2.38 instructions per FMA in
+the inner loops, and dkv runs one warp per 32 keys (about 3.9 warps per SM at T = 2048).
+
+Variant 2 (``FlashBackwardTiles``, ``variant=2``): the same two kernels as register-blocked
+outer products from shared memory, like the forward's variant 2.
+
+- **dq kernel**: one block per (``rows / heads`` positions, ``heads`` query heads of one GQA
+  group, batch): Q (pre-scaled) and dO of its rows stay in shared memory, and its D = rowsum(do o)
+  is summed there once. Per key tile (``bkv`` keys of the group's key head, up to the diagonal):
+  stage K and V; S = Q K^T and dP = dO V^T as ``tr x tk`` register tiles per thread; P =
+  exp(S - lse) and dS = P (dP - D), masked on the diagonal tiles only, stored as dS^T; then
+  dQ += dS K as ``to x hd/ncg`` per thread.
+- **dkv kernel**: one block per (``keys`` keys, key head, batch): K and V stay in shared memory;
+  it walks the query heads of its group and the query tiles of ``bq`` from the diagonal on
+  (the tiles above it are skipped, those wholly below skip the mask): stage Q, dO (and D);
+  S^T and dP^T as ``tkk x tq`` per thread; P and dS stored; dV += P^T dO and dK += dS^T Q as
+  ``tko x hd/ncg`` each. Each key head's gradient is summed over its group by one block: no
+  atomics, the result is deterministic.
+- **Layouts**: every staged tile is row-major with rows of hd + 4 words (16-byte aligned, a
+  quarter warp's 128-bit loads 4 banks apart) when hd % 4 == 0, else hd + 1 (odd: conflict-free
+  scalar loads). The score loops read 4 adjacent d of a row per 128-bit load (``dot_tile``:
+  ``tr + tk`` loads per ``4 tr tk`` FMAs); the gradient loops read runs of 4 rows of dS / P and
+  of 4 columns of K, dO, Q per load. Indices are unsigned (no negative-index wrap-around code);
+  staging computes one global address per row and keeps 4 rows' loads in flight.
+- **Shared memory** at hd = 128 is the bound: Q, dO, K, V tiles of 16 rows each (about 34 KB)
+  leave no room for larger tiles under the 48 KiB of static shared memory, hence 2 x 2 score tiles
+  on 64 threads. Offline ptxas (sm_90) of the defaults: dq 106 registers, dkv 129, no spills;
+  inner loops at 1.45 (scores) and 1.18-1.20 (gradients) instructions per FMA.
+
+Variant 2 is not the default until the H200 has timed it (``experiments/attention_backward_gpu.py``).
 """
 
 from __future__ import annotations
@@ -207,11 +239,13 @@ class FlashBackwardTiles:
     ``to x hd/ncg`` per thread. dkv kernel: ``keys`` keys per block, query tiles of ``bq``; S^T
     and dP^T as ``tkk x tq`` per thread, dK and dV as ``tko x hd/ncg`` each.
 
-    Defaults (hd = 128): both kernels 64 threads; shared memory (words)
-    2 (rows + bkv)(hd + 1) + bkv (rows + 1) + 2 rows + rows * parts = 35.7 KB for dq and
-    2 (keys + bq)(hd + 1) + 2 bq (keys + 1) + bq (parts + 1) = 35.6 KB for dkv: a fifth tile of
-    16 x 129 words would not fit the 48 KiB, so the tiles stay at 16 x 16 and the outer products
-    are 2 x 2 (scores) and 4 x 8 (gradients: 2 x 32 accumulators per thread in dkv)."""
+    Defaults (hd = 128): both kernels 64 threads; shared memory (words, rows of hd + 4)
+    2 (rows + bkv)(hd + 4) + bkv (rows + 4) + rows (1 + parts) = 35.4 KB for dq and
+    2 (keys + bq)(hd + 4) + 2 bq (keys + 4) + bq (1 + parts) = 36.7 KB for dkv: tiles of 32 rows
+    would not fit the 48 KiB, so the tiles stay at 16 x 16 and the outer products are 2 x 2
+    (scores) and 4 x 8 (gradients: 2 x 32 accumulators per thread in dkv). Offline ptxas also
+    compiles 32-thread shapes without spills (``16/4/16/4/2/4/16/16/2/4/4``: 4 x 2 scores, 174 /
+    254 registers, 1.12-1.15 instructions per FMA in the inner loops); untimed."""
 
     rows: int = 16  # query rows per dq block (positions x heads)
     heads: int = 4  # at most this many query heads of one group per dq block
