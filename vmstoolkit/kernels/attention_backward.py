@@ -520,11 +520,11 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
         h0 = hk * group + (U(cuda.blockIdx.y) % sub) * U(HEADS)
         b = U(cuda.blockIdx.z)
         tid = cuda.threadIdx.x
-        Qs = cuda.shared.array(W_R, float32, alignment=ALIGN)  # (rows, hd + 1) scaled queries
-        DOs = cuda.shared.array(W_R, float32, alignment=ALIGN)  # (rows, hd + 1) output gradients
-        Ks = cuda.shared.array(W_BKV, float32, alignment=ALIGN)  # (bkv, hd + 1)
+        Qs = cuda.shared.array(W_R, float32, alignment=ALIGN)  # (rows, HDP) scaled queries
+        DOs = cuda.shared.array(W_R, float32, alignment=ALIGN)  # (rows, HDP) output gradients
+        Ks = cuda.shared.array(W_BKV, float32, alignment=ALIGN)  # (bkv, HDP)
         Vs = cuda.shared.array(W_BKV, float32, alignment=ALIGN)
-        dSs = cuda.shared.array(W_DS, float32, alignment=ALIGN)  # (bkv, rows + 1) dS^T of this tile
+        dSs = cuda.shared.array(W_DS, float32, alignment=ALIGN)  # (bkv, RP) dS^T of this tile
         Ls = cuda.shared.array(R, float32)  # lse of the rows
         Dp = cuda.shared.array(W_DP, float32, alignment=ALIGN)  # partial sums of D
         s = cuda.local.array((TR, TK), float32)
@@ -600,12 +600,12 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
         hk = U(cuda.blockIdx.y)
         b = U(cuda.blockIdx.z)
         tid = cuda.threadIdx.x
-        Ks = cuda.shared.array(W_KEYS, float32, alignment=ALIGN)  # (keys, hd + 1)
+        Ks = cuda.shared.array(W_KEYS, float32, alignment=ALIGN)  # (keys, HDP)
         Vs = cuda.shared.array(W_KEYS, float32, alignment=ALIGN)
-        Qs = cuda.shared.array(W_QB, float32, alignment=ALIGN)  # (bq, hd + 1) scaled queries of this step
-        DOs = cuda.shared.array(W_QB, float32, alignment=ALIGN)  # (bq, hd + 1) their output gradients
-        Ps = cuda.shared.array(W_P, float32, alignment=ALIGN)  # (bq, keys + 1) probabilities
-        dSs = cuda.shared.array(W_P, float32, alignment=ALIGN)  # (bq, keys + 1) dS
+        Qs = cuda.shared.array(W_QB, float32, alignment=ALIGN)  # (bq, HDP) scaled queries of this step
+        DOs = cuda.shared.array(W_QB, float32, alignment=ALIGN)  # (bq, HDP) their output gradients
+        Ps = cuda.shared.array(W_P, float32, alignment=ALIGN)  # (bq, KP) probabilities
+        dSs = cuda.shared.array(W_P, float32, alignment=ALIGN)  # (bq, KP) dS
         Ls = cuda.shared.array(QB, float32)
         Dp = cuda.shared.array(W_DP2, float32, alignment=ALIGN)
         s = cuda.local.array((TKK, TQ), float32)  # S^T
