@@ -293,9 +293,9 @@ class CudaBackend:
 
 def op_seconds(graph: TaskGraph, vertex_seconds) -> dict[str, float]:
     """Seconds summed per op kind (``v.op``) from one time per vertex (in ``graph.vertices``
-    order), the largest first. Raises ValueError when the counts differ."""
+    order), the largest first. Raises InvalidOptionError when the counts differ."""
     if len(vertex_seconds) != len(graph.vertices):
-        raise ValueError(f"{len(vertex_seconds)} vertex times for {len(graph.vertices)} vertices")
+        raise InvalidOptionError(f"{len(vertex_seconds)} vertex times for {len(graph.vertices)} vertices")
     total: dict[str, float] = {}
     for v, sec in zip(graph.vertices, vertex_seconds):
         total[v.op] = total.get(v.op, 0.0) + float(sec)
