@@ -72,10 +72,10 @@ def main() -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--t", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--tiles", nargs="+", default=[], help="variant 2 tiles rows/heads/bkv/tr/tk/to/keys/bq/tkk/tq/tko "
-                    "(default: FlashBackwardTiles())")
+                    "(default: FlashBackwardTiles() and FLASH_BACKWARD_CANDIDATES)")
     a = ap.parse_args()
     tf32_off()
-    tiles = [AB.FlashBackwardTiles.parse(x) for x in a.tiles] or [AB.FlashBackwardTiles()]
+    tiles = [AB.FlashBackwardTiles.parse(x) for x in a.tiles] or [AB.FlashBackwardTiles(), *AB.FLASH_BACKWARD_CANDIDATES]
     recs = [bench(t, tiles) for t in a.t]
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "attention_backward.json").write_text(json.dumps({"env": run_env(), "results": recs}, indent=1, default=str))

@@ -296,7 +296,9 @@ def attention_backward_reports(args) -> list[Report]:
         k_dq, k_dkv = AB.make_backward_kernels(128, t)
         out.append(_dispatcher_report(f"bwd v1 dq {t.bq}q/{t.bkv}k", k_dq, sig_dq))
         out.append(_dispatcher_report(f"bwd v1 dkv {t.bkv}k/{t.bq_dkv}q", k_dkv, sig_dkv))
-    for t in [AB.FlashBackwardTiles.parse(x) for x in args.tiles] if args.tiles else [AB.FlashBackwardTiles()]:
+    cands = [AB.FlashBackwardTiles.parse(x) for x in args.tiles] if args.tiles else [
+        AB.FlashBackwardTiles(), *AB.FLASH_BACKWARD_CANDIDATES]
+    for t in cands:
         k_dq, k_dkv = AB.make_flash_backward_kernels(128, t, t.heads_for(4))
         out.append(_dispatcher_report(f"bwd v2 dq {t.rows}r/{t.heads}h/{t.bkv}k {t.tr}x{t.tk}/{t.to} "
                                       f"{t.dq_threads}thr", k_dq, sig_dq))

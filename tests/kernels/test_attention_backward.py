@@ -96,3 +96,9 @@ def test_flash_backward_tiles_parse():
     assert (t.rows, t.heads, t.bkv, t.keys, t.bq) == (8, 2, 4, 4, 8)
     with pytest.raises(ValueError, match="'8/2' are not rows/heads/bkv"):
         AB.FlashBackwardTiles.parse("8/2")
+
+
+@pytest.mark.parametrize("tiles", [AB.FlashBackwardTiles(), *AB.FLASH_BACKWARD_CANDIDATES])
+def test_variant2_h200_tile_shapes(tiles):
+    """The tile shapes the H200 runs (16 x 16 tiles, 32-64 threads) at a small head dim."""
+    AB.validate(shapes=((1, 21, 8, 2, 8),), tiles=tiles)

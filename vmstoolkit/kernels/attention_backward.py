@@ -313,6 +313,12 @@ class FlashBackwardTiles:
             raise KernelError(f"attention backward tiles {self} with head_dim={hd}: " + "; ".join(bad))
 
 
+# Candidates beside the default (experiments/attention_backward_gpu.py times them; untimed yet):
+# 32 threads, 4 x 2 score tiles in dq and 2 x 4 in dkv (ptxas sm_90: 174 / 254 registers, no spill).
+FLASH_BACKWARD_CANDIDATES = (
+    FlashBackwardTiles(tr=4, tk=2, tq=4),
+)
+
 # Simulator: 4 threads per kernel, 4 x 4 tiles (2 positions x 2 heads in dq).
 SIM_FLASH_TILES = FlashBackwardTiles(rows=4, heads=2, bkv=4, tr=2, tk=2, to=2, keys=4, bq=4, tkk=2, tq=2, tko=2)
 
