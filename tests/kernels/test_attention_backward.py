@@ -16,6 +16,7 @@ from vmstoolkit.kernels import reference
     (2, 9, 4, 2, 8),  # group 2, batch 2, ragged T
     (1, 11, 4, 1, 5),  # group 4, hd odd
     (1, 13, 8, 2, 6),  # group 4, hd even, not a multiple of 4
+    (1, 6, 2, 1, 32),  # hd 32: the score loops unrolled by 8 steps of 4
 ])
 def test_variant2_matches_reference(shape):
     recs = AB.validate(shapes=(shape,), variant=2)

@@ -50,8 +50,10 @@ outer products from shared memory, like the forward's variant 2.
   staging computes one global address per row and keeps 4 rows' loads in flight.
 - **Shared memory** at hd = 128 is the bound: Q, dO, K, V tiles of 16 rows each (about 34 KB)
   leave no room for larger tiles under the 48 KiB of static shared memory, hence 2 x 2 score tiles
-  on 64 threads. Offline ptxas (sm_90) of the defaults: dq 106 registers, dkv 129, no spills;
-  inner loops at 1.45 (scores) and 1.18-1.20 (gradients) instructions per FMA.
+  on 64 threads. Offline ptxas (sm_90) of the defaults: dq 108 registers, dkv 137, no spills;
+  inner loops at 1.36-1.44 (scores, 8 steps of 4 d unrolled) and 1.18-1.20 (gradients)
+  instructions per FMA; whole per-tile loops (staging, exps, barriers included, every cold path
+  counted) at 2.5 (dq) and 3.0 (dkv).
 
 Variant 2 is not the default until the H200 has timed it (``experiments/attention_backward_gpu.py``).
 """
@@ -245,7 +247,7 @@ class FlashBackwardTiles:
     would not fit the 48 KiB, so the tiles stay at 16 x 16 and the outer products are 2 x 2
     (scores) and 4 x 8 (gradients: 2 x 32 accumulators per thread in dkv). Offline ptxas also
     compiles 32-thread shapes without spills (``16/4/16/4/2/4/16/16/2/4/4``: 4 x 2 scores, 174 /
-    254 registers, 1.12-1.15 instructions per FMA in the inner loops); untimed."""
+    245 registers, 1.12-1.15 instructions per FMA in the inner loops); untimed."""
 
     rows: int = 16  # query rows per dq block (positions x heads)
     heads: int = 4  # at most this many query heads of one group per dq block
@@ -314,7 +316,7 @@ class FlashBackwardTiles:
 
 
 # Candidates beside the default (experiments/attention_backward_gpu.py times them; untimed yet):
-# 32 threads, 4 x 2 score tiles in dq and 2 x 4 in dkv (ptxas sm_90: 174 / 254 registers, no spill).
+# 32 threads, 4 x 2 score tiles in dq and 2 x 4 in dkv (ptxas sm_90: 174 / 245 registers, no spill).
 FLASH_BACKWARD_CANDIDATES = (
     FlashBackwardTiles(tr=4, tk=2, tq=4),
 )
@@ -337,9 +339,10 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
     UD = 4 if hd % 4 == 0 else 1
     HDP = hd + 4 if UD == 4 else hd + 1
     ALIGN = None if simulating() else 16
-    # loop unrolling (trip counts are constants): 4 steps of the d loops (16 d with 128-bit
-    # loads), 4 keys / queries of the gradient loops, when they divide
-    NU = 4 if hd % (4 * UD) == 0 else 1
+    # loop unrolling (trip counts are constants): 8 steps of the d loops (32 d with 128-bit
+    # loads; 4 steps took 1.45 instructions per FMA, 8 take 1.36-1.44), 4 keys / queries of the
+    # gradient loops, when they divide
+    NU = 8 if hd % (8 * UD) == 0 else 4 if hd % (4 * UD) == 0 else 1
     R, BKV, TR, TK, TO = tiles.rows, tiles.bkv, tiles.tr, tiles.tk, tiles.to
     HEADS = heads
     BQ = R // HEADS  # positions per dq block
@@ -407,10 +410,13 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
         for d0 in range(0, HD, UD * NU):  # unrolled by hand: Numba's range loops stay loops
             d = U(d0)
             dot_step(acc, A, B, ao, sa, bo, sb, d, a_reg, b_reg)
-            if NU == 4:
+            if NU >= 4:
                 dot_step(acc, A, B, ao, sa, bo, sb, d + U(UD), a_reg, b_reg)
                 dot_step(acc, A, B, ao, sa, bo, sb, d + U(2 * UD), a_reg, b_reg)
                 dot_step(acc, A, B, ao, sa, bo, sb, d + U(3 * UD), a_reg, b_reg)
+            if NU == 8:
+                for u in (4, 5, 6, 7):
+                    dot_step(acc, A, B, ao, sa, bo, sb, d + U(u * UD), a_reg, b_reg)
 
     @cuda.jit(device=True, inline="always")
     def outer_step(acc, A, ao, va, sa, B, bo, vb, sb, col0, a_reg, b_reg, exact):
