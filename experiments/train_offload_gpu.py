@@ -10,7 +10,8 @@ For each variant (LoRA, full fine-tuning) of a 16-block, 4096-wide LLaMA (LLaMA-
 batch 1, sequence 2048, writes to ``<out>/train_offload.jsonl`` one JSON object per measurement:
 
 - ``direct``: the whole training graph with our Numba kernels, every tensor its own device
-  array, launched back to back on one stream (the equality reference and the compute time);
+  array, launched back to back on one stream (the equality reference and the compute time;
+  with ``--breakdown``, ``op_s``: seconds per op kind from one more pass timed with CUDA events);
 - ``runtime``: our memory graph at half and a quarter of the no-offload working set, event-driven
   and fixed-order: step time (best and all ``--repeats``), lower bound (max of the direct compute
   time, H2D bytes / measured bandwidth, D2H bytes / bandwidth) and which term bounds it
@@ -124,11 +125,13 @@ def run_ours(tg, values, emit, a, variant):
         from vmstoolkit.exec.backends.cuda import copy_bandwidth, direct_forward
 
         host = pin_in_place(graph, values)  # shared by every run of this graph
-        ref, compute_s = direct_forward(graph, values, repeats=a.repeats, outputs=gradient_sources(tg))
+        ref, compute_s, *per_op = direct_forward(graph, values, repeats=a.repeats, outputs=gradient_sources(tg),
+                                                 breakdown=a.breakdown)
         gc.collect()
         cuda.current_context().deallocations.clear()  # give the direct run's memory back now
         bw = copy_bandwidth()
-        emit({"kind": "direct", "variant": variant, "compute_s": compute_s, **bw})
+        emit({"kind": "direct", "variant": variant, "compute_s": compute_s, **bw,
+              **({"op_s": per_op[0]} if per_op else {})})
     want = grads_from_updates(tg, values, ref)
     del ref
 
@@ -294,6 +297,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time the direct run's vertices with CUDA events: seconds per op kind (op_s)")
+    ap.add_argument("--attn-bwd-variant", type=int, default=None, choices=[1, 2],
+                    help="attention backward kernels of every run (default: the kernel module's)")
     ap.add_argument("--torch-budgets", nargs="+", default=list(FRACTIONS), choices=list(FRACTIONS),
                     help="budgets at which the PyTorch baseline runs (each is a process of its own)")
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
@@ -301,6 +308,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--npz", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.attn_bwd_variant is not None:
+        from vmstoolkit.kernels import attention_backward
+
+        attention_backward.DEFAULT_VARIANT = a.attn_bwd_variant
     faulthandler.enable()
     a.out.mkdir(parents=True, exist_ok=True)
     cfg = config(a, a.seq[0])

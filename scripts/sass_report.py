@@ -280,19 +280,48 @@ def attention_reports(args) -> list[Report]:
     return out
 
 
+def attention_backward_reports(args) -> list[Report]:
+    """The attention backward's dq and dkv kernels at hd = 128, GQA group 4: variant 1
+    (``BackwardTiles``, the default) and variant 2 (``FlashBackwardTiles``, or ``--tiles``)."""
+    from numba import float32, types
+
+    from vmstoolkit.kernels import attention_backward as AB
+
+    a3, a4 = (types.Array(types.float32, n, "C") for n in (3, 4))
+    sig_dq = (a4, a4, a4, a4, a3, a4, a4, float32)
+    sig_dkv = (a4, a4, a4, a4, a3, a4, a4, a4, float32)
+    out = []
+    if not args.tiles:
+        t = AB.BackwardTiles()
+        k_dq, k_dkv = AB.make_backward_kernels(128, t)
+        out.append(_dispatcher_report(f"bwd v1 dq {t.bq}q/{t.bkv}k", k_dq, sig_dq))
+        out.append(_dispatcher_report(f"bwd v1 dkv {t.bkv}k/{t.bq_dkv}q", k_dkv, sig_dkv))
+    cands = [AB.FlashBackwardTiles.parse(x) for x in args.tiles] if args.tiles else [
+        AB.FlashBackwardTiles(), *AB.FLASH_BACKWARD_CANDIDATES]
+    for t in cands:
+        k_dq, k_dkv = AB.make_flash_backward_kernels(128, t, t.heads_for(4))
+        out.append(_dispatcher_report(f"bwd v2 dq {t.rows}r/{t.heads}h/{t.bkv}k {t.tr}x{t.tk}/{t.to} "
+                                      f"{t.dq_threads}thr", k_dq, sig_dq))
+        out.append(_dispatcher_report(f"bwd v2 dkv {t.keys}k/{t.bq}q {t.tkk}x{t.tq}/{t.tko} "
+                                      f"{t.dkv_threads}thr", k_dkv, sig_dkv))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["gemm", "attention"])
+    ap.add_argument("what", choices=["gemm", "attention", "attention-backward"])
     ap.add_argument("--layout", nargs="+", default=["nn"], choices=["nn", "nt", "tt"])
     ap.add_argument("--tiles", nargs="+", help="GEMM tile shapes BMxBNxBK/TMxTN[wWMxWN], or attention's "
-                    "rows/heads/bkv/tr/tk/to[/blocks_per_sm] (default: the candidates)")
+                    "rows/heads/bkv/tr/tk/to[/blocks_per_sm], or attention-backward's "
+                    "rows/heads/bkv/tr/tk/to/keys/bq/tkk/tq/tko (default: the candidates)")
     ap.add_argument("--variant", type=int, default=3,
                     help="GEMM variant for --tiles (3: capped registers, 4: not, 5: double-buffered "
                          "fragments, 6: 5 with unrolled slices)")
     ap.add_argument("--dump", action="store_true", help="print the main loop's SASS")
     args = ap.parse_args(argv)
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
-    reports = gemm_reports(args) if args.what == "gemm" else attention_reports(args)
+    reports = {"gemm": gemm_reports, "attention": attention_reports,
+               "attention-backward": attention_backward_reports}[args.what](args)
     for rep in reports:
         print(rep.line(), flush=True)
         if args.dump and rep.main_loop() is not None:

@@ -113,20 +113,21 @@ def test_rope_backward():
     close(dx, x.grad)
 
 
-@pytest.mark.parametrize("t, nh, nkv", [(1000, 8, 2), (257, 4, 4)])
-def test_attention_backward_gqa(t, nh, nkv):
+@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("t, nh, nkv, hd", [(1000, 8, 2, 128), (257, 4, 4, 128), (333, 8, 1, 64), (70, 4, 2, 66)])
+def test_attention_backward_gqa(t, nh, nkv, hd, variant):
     from vmstoolkit.kernels.attention import attention
     from vmstoolkit.kernels.attention_backward import attention_backward
 
-    q, k, v = dev(1, t, nh, 128), dev(1, t, nkv, 128), dev(1, t, nkv, 128)
-    do = torch.randn(1, t, nh, 128, device="cuda")
+    q, k, v = dev(1, t, nh, hd), dev(1, t, nkv, hd), dev(1, t, nkv, hd)
+    do = torch.randn(1, t, nh, hd, device="cuda")
     ref = attention_torch(q, k, v)
     ref.backward(do)
-    o = torch.empty(1, t, nh, 128, device="cuda")
+    o = torch.empty(1, t, nh, hd, device="cuda")
     lse = torch.empty(1, nh, t, device="cuda")
     attention(nb(q), nb(k), nb(v), nb(o), lse=nb(lse))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    attention_backward(nb(q), nb(k), nb(v), nb(o), nb(lse), nb(do), nb(dq), nb(dk), nb(dv))
+    attention_backward(nb(q), nb(k), nb(v), nb(o), nb(lse), nb(do), nb(dq), nb(dk), nb(dv), variant=variant)
     sync()
     close(o, ref.detach())
     close(dq, q.grad)
@@ -224,3 +225,26 @@ def test_two_block_training_step_equals_torch_autograd(variant):
     (x * p["dout"]).sum().backward()
     for name, g in ours.items():
         close(torch.tensor(g, device="cuda", dtype=torch.float32), p[name].grad)
+
+
+def test_direct_step_breakdown_and_variant2_backward_gradients(monkeypatch):
+    """direct_forward(breakdown=True) on a 2-block LoRA step: CUDA events give a positive time to
+    every op kind, summing to about the step's time; the step with attention backward variant 2
+    gives the same gradients as with variant 1."""
+    from vmstoolkit.exec.backends.cuda import direct_forward
+    from vmstoolkit.exec.graph import LlamaConfig
+    from vmstoolkit.exec.train_graph import build_train_step, grads_from_updates, random_train_values
+    from vmstoolkit.kernels import attention_backward
+
+    cfg = LlamaConfig(n_blocks=2, seq=300, hidden=512, heads=4, kv_heads=2, ffn=1024)
+    tg = build_train_step(cfg, "lora", rank=8)
+    values = random_train_values(tg, seed=1)
+    out1, best, per_op = direct_forward(tg.graph, values, repeats=2, breakdown=True)
+    assert set(per_op) == {v.op for v in tg.graph.vertices} and "attention_backward" in per_op
+    assert all(s > 0 for s in per_op.values())
+    assert 0.3 * best <= sum(per_op.values()) <= 3 * best
+    monkeypatch.setattr(attention_backward, "DEFAULT_VARIANT", 2)
+    out2, _ = direct_forward(tg.graph, values, repeats=1)
+    g1, g2 = grads_from_updates(tg, values, out1), grads_from_updates(tg, values, out2)
+    for name in g1:
+        close(torch.tensor(g2[name]), torch.tensor(g1[name]), 1e-4)

@@ -291,11 +291,26 @@ class CudaBackend:
         self._release = []
 
 
-def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int = 3, outputs=None):
+def op_seconds(graph: TaskGraph, vertex_seconds) -> dict[str, float]:
+    """Seconds summed per op kind (``v.op``) from one time per vertex (in ``graph.vertices``
+    order), the largest first. Raises InvalidOptionError when the counts differ."""
+    if len(vertex_seconds) != len(graph.vertices):
+        raise InvalidOptionError(f"{len(vertex_seconds)} vertex times for {len(graph.vertices)} vertices")
+    total: dict[str, float] = {}
+    for v, sec in zip(graph.vertices, vertex_seconds):
+        total[v.op] = total.get(v.op, 0.0) + float(sec)
+    return dict(sorted(total.items(), key=lambda kv: -kv[1]))
+
+
+def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int = 3, outputs=None,
+                   breakdown: bool = False):
     """The block-by-block forward with the same kernels, every tensor its own device array,
     every weight resident, launched back to back on one stream per GPU with no events.
     Returns ``(outputs, best seconds)``: the equality reference (the graph's outputs, or those in
-    ``outputs``) and the compute time."""
+    ``outputs``) and the compute time. With ``breakdown``, one more pass brackets every vertex
+    with CUDA events on its stream and the result is ``(outputs, best seconds, seconds per op
+    kind)`` (:func:`op_seconds`; the events add a little time that the best time does not see;
+    in the CUDA simulator events time nothing and every figure is meaningless)."""
     from numba import cuda
 
     n_gpus = graph.n_gpus
@@ -310,16 +325,19 @@ def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int
         with cuda.gpus[t.gpu]:
             dev[t.id] = cuda.to_device(values[t.id]) if t.id in values else cuda.device_array(t.shape, t.dtype)
 
+    def launch(v):
+        n_in = len(v.inputs)
+        if v.op == "copy":
+            src_gpu = graph.tensors[v.inputs[0]].gpu
+            streams[src_gpu].synchronize()
+        ins = [dev[t].reshape(v.views[i]) for i, t in enumerate(v.inputs)]
+        outs = [dev[t].reshape(v.views[n_in + i]) for i, t in enumerate(v.outputs)]
+        run_kernel(v, streams[v.gpu], ins, outs)
+
     def once():
         for v in graph.vertices:
             with cuda.gpus[v.gpu]:
-                n_in = len(v.inputs)
-                if v.op == "copy":
-                    src_gpu = graph.tensors[v.inputs[0]].gpu
-                    streams[src_gpu].synchronize()
-                ins = [dev[t].reshape(v.views[i]) for i, t in enumerate(v.inputs)]
-                outs = [dev[t].reshape(v.views[n_in + i]) for i, t in enumerate(v.outputs)]
-                run_kernel(v, streams[v.gpu], ins, outs)
+                launch(v)
         for gpu in range(n_gpus):
             streams[gpu].synchronize()
 
@@ -329,8 +347,21 @@ def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int
         t0 = time.perf_counter()
         once()
         best = min(best, time.perf_counter() - t0)
+    per_op = None
+    if breakdown:
+        marks = []
+        for v in graph.vertices:
+            with cuda.gpus[v.gpu]:
+                start, end = cuda.event(), cuda.event()
+                start.record(streams[v.gpu])
+                launch(v)
+                end.record(streams[v.gpu])
+                marks.append((start, end))
+        for gpu in range(n_gpus):
+            streams[gpu].synchronize()
+        per_op = op_seconds(graph, [start.elapsed_time(end) / 1e3 for start, end in marks])
     outs = {t: dev[t].copy_to_host() for t in (graph.outputs if outputs is None else outputs)}
-    return outs, best
+    return (outs, best) if per_op is None else (outs, best, per_op)
 
 
 def copy_bandwidth(nbytes: int = 1 << 28, gpu: int = 0) -> dict[str, float]:
