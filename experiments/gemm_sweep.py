@@ -99,12 +99,16 @@ W64 = G.WARP_TILES[2]  # 128x128x16/8x16 w64x64: variant 3's best measured shape
 CANDIDATES = [  # (variant, tiles[, splits]); a rule's name: that launch rule's choice
     ("auto", None),  # the measured rule (the launchers' for "nt" / "tt"; G.RULE_BY_LAYOUT)
     ("proposed", None),  # variant 5 on G.PROPOSED_TILES, split k when few tiles (the launcher's for "nn")
-    (3, W64),  # variant 3 on the same tiles: the control for variants 5 and 7
-    (7, G.PROPOSED_TILES),  # variant 5 with 4 k steps per fragment-loop trip (1.141 vs 1.165 instr/FFMA)
+    (3, W64),  # variant 3 on the same tiles: the control for variants 5, 7-9
+    # interior-tile instructions per FFMA in nn (sass_report.py gemm --hot): v5 1.165, v7 1.141,
+    # v8 1.139, v9 1.118 (cuBLAS executes 1.139); see gemm.py's docstring for nt / tt
+    (7, G.PROPOSED_TILES),  # 4 k steps per fragment-loop trip
+    (8, G.PROPOSED_TILES),  # flat-index fetches of interior tiles
+    (9, G.PROPOSED_TILES),  # both
 ]
-# for outputs under 3/4 of a wave of 128 x 128 tiles (two per SM): variant 7 with the proposed
-# rule's split of k in 2 (variant 5's is timed as "proposed")
-SPLIT_CANDIDATES = [(7, G.PROPOSED_TILES, 2)]
+# for outputs under 3/4 of a wave of 128 x 128 tiles (two per SM): variants 8 and 9 with the
+# proposed rule's split of k in 2 (variant 5's is timed as "proposed"); 8 candidates at most
+SPLIT_CANDIDATES = [(8, G.PROPOSED_TILES, 2), (9, G.PROPOSED_TILES, 2)]
 REPS = 5  # launches per timed batch
 SAMPLES = 7  # batches; the best is reported
 
@@ -256,11 +260,13 @@ def out_dims(kind: str, dims) -> tuple[int, int, int]:
 def candidates_for(kind: str, dims) -> list:
     out_m, out_n, red = out_dims(kind, dims)
     few = 4 * (-(-out_m // 128) * -(-out_n // 128)) < 3 * G.SPLIT_TARGET_BLOCKS  # < 3/4 wave of big tiles
-    cands = CANDIDATES + (SPLIT_CANDIDATES if few else [])
     skinny = G.rule_launch(out_m, out_n, red, rule="skinny")
-    if skinny != G.rule_launch(out_m, out_n, red, rule="proposed"):  # a 16-wide output: its tiles, two splits
-        cands += [("skinny", None), (skinny.variant, skinny.tiles, max(1, skinny.splits // 2))]
-    return cands
+    if skinny != G.rule_launch(out_m, out_n, red, rule="proposed"):
+        # a 16-wide output (LoRA): the rules, the skinny tiles with half the splits, and with
+        # flat-index fetches (variant 8); the 128 x 128 candidates would be 7/8 padding
+        return [("auto", None), ("proposed", None), ("skinny", None),
+                (skinny.variant, skinny.tiles, max(1, skinny.splits // 2)), (8, skinny.tiles, skinny.splits)]
+    return CANDIDATES + (SPLIT_CANDIDATES if few else [])
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -324,7 +330,7 @@ def main():
         if args.set == "lora":
             dims = RAGGED_SKINNY[kind]
             res["ragged"] += run_shape(f"ragged {kind} {'x'.join(map(str, dims))}", kind, dims,
-                                       candidates_for(kind, dims)[-2:], False, deadline)
+                                       candidates_for(kind, dims)[2:], False, deadline)
         for v, t in dict.fromkeys((c[0], c[1]) for c in cands if c[1] is not None):
             info = kernel_resources(v, t, LAYOUT[kind])
             res["kernels"][f"{label(v, t)} {LAYOUT[kind]}"] = info

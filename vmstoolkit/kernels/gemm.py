@@ -46,16 +46,34 @@ Variants: ``3`` caps registers for two blocks per SM, ``4`` does not (one block 
 deeper k slices whose capped build would spill). ``5`` is ``3`` with the shared-to-register
 fragments double-buffered: k step ``k + 1``'s fragments load into a second set of registers
 before step ``k``'s FMAs issue, and a slice's last step multiplies after the barrier, while the
-next slice's first fragments load (offline, sm_90, not yet timed). Why: ncu on the H200 at 4096^3
+next slice's first fragments load (H200 run4: 80-82.5% of cuBLAS at the 7B block's forward
+shapes, against variant 3's 73-79.6% on the same tiles). Why: ncu on the H200 at 4096^3
 (``experiments/results/kernels-h200/run3-ncu/``) shows variant 3's best shape (4 warps of 64x64,
 two blocks per SM: two warps per scheduler) executing as many instructions as cuBLAS but with no
 warp ready 28% of cycles against cuBLAS's 10%; in its SASS the first LDS of each 4-step trip is
 read 5 instructions after it issues, so the warp waits for shared memory at every trip. In
 variant 5 every LDS is read at least 33 instructions later (median 79), at the cost of 24
 registers (246 at that shape, no spill) and 1.086 instead of 1.072 instructions per FFMA in the
-FMA loop (``scripts/sass_report.py``). ``6`` is ``5`` with every k slice unrolled (a chain of
-inlined device functions, one per k step, each with its k a constant): no loop counter, a few
-percent fewer instructions, a larger build. Warp tiling is a property of the tile shape
+FMA loop (``scripts/sass_report.py``).
+
+Variants 7-9 (offline, not yet timed) cut what an interior tile executes besides its FFMAs
+(``sass_report.py gemm --hot``: instructions per FFMA over an interior tile's pair of k slices at
+128x128x16/8x16 w64x64, nn / nt / tt; cuBLAS executes 1.139 at 4096^3 by ncu):
+
+* ``5``: 1.165 / 1.145 / 1.133; the 2-step fragment loop spends 10 instructions per trip on its
+  counter, and each slice recomputes every fetched row's 64-bit address (ptxas rematerialises
+  them rather than hold 8 address pairs at 246 registers);
+* ``7``: ``5`` with 4 k steps per trip of the fragment loop (the slice's other 3 steps unrolled
+  after it): 1.141 / 1.120 / 1.111, but an LDS read 25 / 10 / 33 instructions after it issues;
+* ``8``: ``5`` fetching interior tiles by flat indices from one base per operand, its vectors at a
+  uniform stride: 1.139 / 1.142 / 1.132, every LDS read >= 33 instructions on (the gain is the
+  nn layout's, whose two operands are both fetched along k);
+* ``9``: ``7`` and ``8`` together: 1.118 / 1.117 / 1.111, an LDS read 17 / 10 / 33 instructions on.
+
+In every layout variant 5 keeps the same hot-loop quality (246 / 236 / 223 registers, no spill,
+every LDS read >= 33 instructions on, median 79 / 70 / 86): the backward layouts need no fix.
+
+Warp tiling is a property of the tile shape
 (``GemmTiles.wm`` / ``wn``): the block's threads are grouped by warp, each warp covering a
 ``wm x wn`` sub-tile with its 32 threads' micro-tiles strided inside it instead of across the
 whole block tile. A warp then reads fewer distinct shared-memory words per load (e.g. 8 + 4
@@ -180,12 +198,14 @@ def _operand_map(trans: bool, rows: int, bk: int, nt: int):
 
 @lru_cache(maxsize=None)
 def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumulate: bool = False,
-              blocks_per_sm: int = 2, frag_db: bool = False, steps: int = 2, edge_checks: bool = True):
+              blocks_per_sm: int = 2, frag_db: bool = False, steps: int = 2, edge_checks: bool = True,
+              flat: bool = False):
     """The kernel ``kernel(a, b, acc_in, c, split_steps)`` computing ``c = [acc_in +] A @ B`` for
     the layouts in the module docstring; ``split_steps`` k slices per block along grid z.
     ``frag_db``: double-buffer the shared-to-register fragments (variant 5, module docstring);
     ``steps``: with ``frag_db``, k steps per trip of the fragment loop (even; 2: variant 5, 4:
-    variant 7), the slice's remaining steps unrolled after it. ``edge_checks=False`` drops the
+    variant 7), the slice's remaining steps unrolled after it. ``flat``: interior tiles fetch
+    by flat indices from one per-thread base per operand (variants 8, 9). ``edge_checks=False`` drops the
     bounds-checked fetch: only for ``scripts/sass_report.py``'s interior-tile (hot path) build,
     wrong on any tile not wholly inside the matrices."""
     t.check()
@@ -204,7 +224,7 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     AV, AG, APER, ASTR = _operand_map(a_trans, BM, BK, NT)
     BV, BG, BPER, BSTR = _operand_map(b_trans, BN, BK, NT)
     A_LOADS, B_LOADS = AV * AG, BV * BG  # elements of A and of B per thread per slice
-    AT, BT, ACC, FDB, EDGE = a_trans, b_trans, accumulate, frag_db, edge_checks
+    AT, BT, ACC, FDB, EDGE, FLAT = a_trans, b_trans, accumulate, frag_db, edge_checks, flat
     # the fragment loop: TRIPS trips of STEPS k steps, then TAIL (odd: BK - 1 is) unrolled steps
     STEPS = steps
     TRIPS = (BK - 1) // STEPS
@@ -320,6 +340,18 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     multiply = multiply_db if frag_db else multiply_plain
     after_barrier = after_barrier_db if frag_db else after_barrier_plain
 
+    if simulating():  # the simulator checks each index against its dimension
+        @cuda.jit(device=True, inline="always")
+        def flat_get(src, i):
+            """``src``'s element at flat index ``i`` (C order)."""
+            return src[i // uint64(src.shape[1]), i % uint64(src.shape[1])]
+    else:
+        @cuda.jit(device=True, inline="always")
+        def flat_get(src, i):
+            """``src``'s element at flat index ``i`` (C order): row 0, column ``i`` (kernels do no
+            bounds checks; ``reshape()`` would call a host helper)."""
+            return src[uint64(0), i]
+
     @cuda.jit(device=True, inline="always")
     def fetch_origin(trans, per, vw, tid):
         """(row, k) of the first element a thread fetches: vector ``tid % per`` of row (of k,
@@ -333,6 +365,17 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         """reg <- this thread's ng vectors of vw elements of the (rows_tile x BK) slice at
         (r0, k0): row fr (+ g * stride for "n"), k fk (+ g * stride for "t"); zero outside."""
         if not EDGE or (r0 + uint64(rows_tile) <= n_rows and k0 + uint64(BK) <= K):  # whole slice inside
+            if FLAT:  # one 64-bit base per operand, vectors g at a uniform stride from it
+                if trans:  # src (K, rows): element (k, r) at k * n_rows + r
+                    base = (k0 + fk) * n_rows + r0 + fr
+                    step = uint64(stride) * n_rows
+                else:  # src (rows, K)
+                    base = (r0 + fr) * K + k0 + fk
+                    step = uint64(stride) * K
+                for g in range(ng):
+                    for e in range(vw):
+                        reg[g * vw + e] = flat_get(src, base + uint64(g) * step + uint64(e))
+                return
             for g in range(ng):
                 for e in range(vw):
                     if trans:
@@ -462,10 +505,22 @@ def make_gemm_v7(t: GemmTiles):
     return make_gemm(t, blocks_per_sm=2, frag_db=True, steps=4)
 
 
-BLOCKS_PER_SM = {3: 2, 4: 1, 5: 2, 7: 2}  # variant -> the blocks per SM its register cap allows
-FRAG_STEPS = {5: 2, 7: 4}  # double-buffered variants -> k steps per trip of the fragment loop
-VARIANTS = {3: make_gemm_v3, 4: make_gemm_v4, 5: make_gemm_v5, 7: make_gemm_v7}
-SPLIT_K_VARIANTS = (3, 4, 5, 7)  # every variant takes the split-K argument
+def make_gemm_v8(t: GemmTiles):
+    """Variant 5 fetching interior tiles by flat indices from one base per operand."""
+    return make_gemm(t, blocks_per_sm=2, frag_db=True, flat=True)
+
+
+def make_gemm_v9(t: GemmTiles):
+    """Variant 7 fetching interior tiles by flat indices (variants 7 and 8 together)."""
+    return make_gemm(t, blocks_per_sm=2, frag_db=True, steps=4, flat=True)
+
+
+BLOCKS_PER_SM = {3: 2, 4: 1, 5: 2, 7: 2, 8: 2, 9: 2}  # variant -> the blocks per SM its register cap allows
+FRAG_STEPS = {5: 2, 7: 4, 8: 2, 9: 4}  # double-buffered variants -> k steps per trip of the fragment loop
+VARIANTS = {3: make_gemm_v3, 4: make_gemm_v4, 5: make_gemm_v5, 7: make_gemm_v7, 8: make_gemm_v8,
+            9: make_gemm_v9}
+FLAT_VARIANTS = (8, 9)  # variants whose interior tiles fetch by flat indices
+SPLIT_K_VARIANTS = (3, 4, 5, 7, 8, 9)  # every variant takes the split-K argument
 DEFAULT_VARIANT = 3
 
 
@@ -660,7 +715,7 @@ def get_kernel(variant: int, tiles: GemmTiles, layout: str = "nn", accumulate: b
         raise KernelError(f"unknown GEMM variant {variant}; known: {sorted(VARIANTS)}")
     a_trans, b_trans = LAYOUTS[layout]
     return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant], frag_db=variant in FRAG_STEPS,
-                     steps=FRAG_STEPS.get(variant, 2), edge_checks=edge_checks)
+                     steps=FRAG_STEPS.get(variant, 2), edge_checks=edge_checks, flat=variant in FLAT_VARIANTS)
 
 
 def check_args(x, w, y) -> tuple[int, int, int]:
