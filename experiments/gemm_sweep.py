@@ -25,6 +25,7 @@ skipped and listed; about 25 kernel builds of 1-5 s each and ~15 shapes fit in i
 
     python3 experiments/gemm_sweep.py --out DIR            # writes DIR/gemm_sweep.json
     python3 experiments/gemm_sweep.py --out DIR --quick    # forward shapes only
+    python3 experiments/gemm_sweep.py --out DIR --kinds dx dw  # the backward layouts only
     python3 experiments/gemm_sweep.py --out DIR --set lora # LoRA's skinny GEMMs
 """
 
@@ -305,7 +306,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--set", choices=sorted(SETS), default="7b", help="which model's shapes")
-    ap.add_argument("--quick", action="store_true", help="forward shapes only")
+    ap.add_argument("--quick", action="store_true", help="forward shapes only (--kinds fwd)")
+    ap.add_argument("--kinds", nargs="+", choices=sorted(LAYOUT), help="only these GEMMs (fwd: y = x w^T, "
+                    "dx: dy w, dw: dy^T x), e.g. --kinds dx dw for the backward layouts in a call of their own")
     ap.add_argument("--budget-s", type=float, default=270.0, help="stop starting new timings after this")
     args = ap.parse_args()
     tf32_off()
@@ -317,7 +320,8 @@ def main():
     res = {"env": run_env(reps=REPS, samples=SAMPLES, statistic="best of samples", set=args.set)}
     say(f"== {dev}, torch {torch.__version__}, numba {numba.__version__}, "
         f"TF32 {torch.backends.cuda.matmul.allow_tf32}, shapes {args.set}")
-    shapes = [s for s in SETS[args.set] if not args.quick or s[1] == "fwd"]
+    kinds = ["fwd"] if args.quick else args.kinds or list(LAYOUT)
+    shapes = [s for s in SETS[args.set] if s[1] in kinds]
     kinds = list(dict.fromkeys(kind for _, kind, _ in shapes))
 
     say("== ragged shape per layout (correctness, and the builds): registers / local memory per thread")
