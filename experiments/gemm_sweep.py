@@ -4,10 +4,12 @@ Shapes (``--set 7b``, the default: the runtime's LLaMA-2-7B-wide block at 2048 t
 of 128, GQA with 8 key/value heads): 4096^3, the block's forward GEMMs y = x w^T (q/o, which is
 also k/v without GQA; k/v with GQA; gate/up; down), and the backward's transposed GEMMs
 dx = dy w and dw = dy^T x of each (and of 4096^3). ``--set 1b`` takes the earlier 2048-wide,
-1024-token shapes of experiments/results/gemm-h200/ instead.
+1024-token shapes of experiments/results/gemm-h200/ instead; ``--set lora`` LoRA's rank-16 GEMMs
+(forward and backward) on the 7B block's projections, with the "skinny" rule's candidates.
 
 For each shape and candidate (variant, tile shape, split-K; and the choices of the two launch
-rules: "auto", the launchers' measured rule, and "proposed", ``gemm.choose(rule="proposed")``)
+rules: "auto", the measured rule, "proposed", ``gemm.choose(rule="proposed")``, and for outputs
+16 wide "skinny")
 prints the time, TFLOP/s, the percentage of cuBLAS fp32 (torch.matmul, TF32 off, timed in the
 same run) and the max relative error against it (max |ours - cuBLAS| / max |cuBLAS|); then one
 summary line per shape (cuBLAS, both rules and the best candidate) and a table of every
@@ -23,6 +25,8 @@ skipped and listed; about 25 kernel builds of 1-5 s each and ~15 shapes fit in i
 
     python3 experiments/gemm_sweep.py --out DIR            # writes DIR/gemm_sweep.json
     python3 experiments/gemm_sweep.py --out DIR --quick    # forward shapes only
+    python3 experiments/gemm_sweep.py --out DIR --kinds dx dw  # the backward layouts only
+    python3 experiments/gemm_sweep.py --out DIR --set lora # LoRA's skinny GEMMs
 """
 
 from __future__ import annotations
@@ -60,6 +64,17 @@ SETS = {
         ("dx down", "dx", (2048, 4096, 11008)),
         ("dw down", "dw", (2048, 4096, 11008)),
     ],
+    # LoRA rank 16 on the 7B block's 4096-wide projections at 2048 tokens: y += (x A^T) B^T with
+    # A (16, 4096), B (4096, 16); forward x A^T and h B^T (h = x A^T), and each one's dx and dw.
+    # Each LoRA'd projection runs all six per step (7 projections x 16 blocks).
+    "lora": [
+        ("lora x A^T 2048x16x4096", "fwd", (2048, 16, 4096)),
+        ("lora h B^T 2048x4096x16", "fwd", (2048, 4096, 16)),
+        ("lora dx of x A^T: dy A", "dx", (2048, 16, 4096)),
+        ("lora dw of x A^T: dy^T x", "dw", (2048, 16, 4096)),
+        ("lora dx of h B^T: dy B", "dx", (2048, 4096, 16)),
+        ("lora dw of h B^T: dy^T h", "dw", (2048, 4096, 16)),
+    ],
     "1b": [
         ("4096^3", "fwd", (4096, 4096, 4096)),
         ("q/o proj 1024x2048x2048", "fwd", (1024, 2048, 2048)),
@@ -77,19 +92,24 @@ SETS = {
     ],
 }
 RAGGED = (1001, 517, 1027)  # correctness of the edge paths only (and the builds)
+# --set lora: a ragged output 13 wide (fwd, dx) or 13 high (dw), for the skinny rule's tiles
+RAGGED_SKINNY = {"fwd": (1001, 13, 1027), "dx": (1001, 1027, 13), "dw": (1027, 13, 1001)}
 LAYOUT = {"fwd": "nn", "dx": "nt", "dw": "tt"}
 
 W64 = G.WARP_TILES[2]  # 128x128x16/8x16 w64x64: variant 3's best measured shape (79% at 4096^3)
-CANDIDATES = [  # (variant, tiles[, splits]); variant "auto" / "proposed": that launch rule's choice
-    ("auto", None),  # the launchers' rule today (G.RULE = "measured")
-    ("proposed", None),  # G.choose(rule="proposed"): variant 5 on G.PROPOSED_TILES, split k when few tiles
-    (3, W64),
-    *[(5, t) for t in G.V5_TILES],
-    *[(6, t) for t in G.V6_TILES],
+CANDIDATES = [  # (variant, tiles[, splits]); a rule's name: that launch rule's choice
+    ("auto", None),  # the measured rule (the launchers' for "nt" / "tt"; G.RULE_BY_LAYOUT)
+    ("proposed", None),  # variant 5 on G.PROPOSED_TILES, split k when few tiles (the launcher's for "nn")
+    (3, W64),  # variant 3 on the same tiles: the control for variants 5, 7-9
+    # interior-tile instructions per FFMA in nn (sass_report.py gemm --hot): v5 1.165, v7 1.141,
+    # v8 1.139, v9 1.118 (cuBLAS executes 1.139); see gemm.py's docstring for nt / tt
+    (7, G.PROPOSED_TILES),  # 4 k steps per fragment-loop trip
+    (8, G.PROPOSED_TILES),  # flat-index fetches of interior tiles
+    (9, G.PROPOSED_TILES),  # both
 ]
-# for outputs under 3/4 of a wave of 128 x 128 tiles (two per SM): the bk 8 shape with k split in
-# 2 (the proposed rule's own split of the bk 16 shape is timed as "proposed"); 8 candidates at most
-SPLIT_CANDIDATES = [(5, G.V5_TILES[1], 2)]
+# for outputs under 3/4 of a wave of 128 x 128 tiles (two per SM): variants 8 and 9 with the
+# proposed rule's split of k in 2 (variant 5's is timed as "proposed"); 8 candidates at most
+SPLIT_CANDIDATES = [(8, G.PROPOSED_TILES, 2), (9, G.PROPOSED_TILES, 2)]
 REPS = 5  # launches per timed batch
 SAMPLES = 7  # batches; the best is reported
 
@@ -201,7 +221,7 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
             continue
         v, t, splits = (tuple(cand) + (None,))[:3]
         lab = label(v, t, splits)
-        if v in ("auto", "proposed"):  # a launch rule's choice, recorded as what it ran
+        if v in ("auto",) + G.RULES:  # a launch rule's choice, recorded as what it ran
             auto = G.choose(out_m, out_n, red, rule="measured" if v == "auto" else v)
             lab = f"{v} = " + label(auto.variant, auto.tiles, auto.splits)
             v, t, splits = auto.variant, auto.tiles, auto.splits
@@ -232,10 +252,21 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
     return rows
 
 
-def candidates_for(kind: str, dims) -> list:
+def out_dims(kind: str, dims) -> tuple[int, int, int]:
+    """(rows, columns, reduction length) of the GEMM that ``kind`` runs for x (M, K), w (N, K)."""
     m, n, k = dims
-    out_m, out_n = {"fwd": (m, n), "dx": (m, k), "dw": (n, k)}[kind]
+    return {"fwd": (m, n, k), "dx": (m, k, n), "dw": (n, k, m)}[kind]
+
+
+def candidates_for(kind: str, dims) -> list:
+    out_m, out_n, red = out_dims(kind, dims)
     few = 4 * (-(-out_m // 128) * -(-out_n // 128)) < 3 * G.SPLIT_TARGET_BLOCKS  # < 3/4 wave of big tiles
+    skinny = G.rule_launch(out_m, out_n, red, rule="skinny")
+    if skinny != G.rule_launch(out_m, out_n, red, rule="proposed"):
+        # a 16-wide output (LoRA): the rules, the skinny tiles with half the splits, and with
+        # flat-index fetches (variant 8); the 128 x 128 candidates would be 7/8 padding
+        return [("auto", None), ("proposed", None), ("skinny", None),
+                (skinny.variant, skinny.tiles, max(1, skinny.splits // 2)), (8, skinny.tiles, skinny.splits)]
     return CANDIDATES + (SPLIT_CANDIDATES if few else [])
 
 
@@ -275,7 +306,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--set", choices=sorted(SETS), default="7b", help="which model's shapes")
-    ap.add_argument("--quick", action="store_true", help="forward shapes only")
+    ap.add_argument("--quick", action="store_true", help="forward shapes only (--kinds fwd)")
+    ap.add_argument("--kinds", nargs="+", choices=sorted(LAYOUT), help="only these GEMMs (fwd: y = x w^T, "
+                    "dx: dy w, dw: dy^T x), e.g. --kinds dx dw for the backward layouts in a call of their own")
     ap.add_argument("--budget-s", type=float, default=270.0, help="stop starting new timings after this")
     args = ap.parse_args()
     tf32_off()
@@ -287,7 +320,8 @@ def main():
     res = {"env": run_env(reps=REPS, samples=SAMPLES, statistic="best of samples", set=args.set)}
     say(f"== {dev}, torch {torch.__version__}, numba {numba.__version__}, "
         f"TF32 {torch.backends.cuda.matmul.allow_tf32}, shapes {args.set}")
-    shapes = [s for s in SETS[args.set] if not args.quick or s[1] == "fwd"]
+    kinds = ["fwd"] if args.quick else args.kinds or list(LAYOUT)
+    shapes = [s for s in SETS[args.set] if s[1] in kinds]
     kinds = list(dict.fromkeys(kind for _, kind, _ in shapes))
 
     say("== ragged shape per layout (correctness, and the builds): registers / local memory per thread")
@@ -297,6 +331,10 @@ def main():
         cands = CANDIDATES + SPLIT_CANDIDATES
         res["ragged"] += run_shape(f"ragged {kind} {'x'.join(map(str, RAGGED))}", kind, RAGGED, cands,
                                    False, deadline)
+        if args.set == "lora":
+            dims = RAGGED_SKINNY[kind]
+            res["ragged"] += run_shape(f"ragged {kind} {'x'.join(map(str, dims))}", kind, dims,
+                                       candidates_for(kind, dims)[2:], False, deadline)
         for v, t in dict.fromkeys((c[0], c[1]) for c in cands if c[1] is not None):
             info = kernel_resources(v, t, LAYOUT[kind])
             res["kernels"][f"{label(v, t)} {LAYOUT[kind]}"] = info

@@ -88,6 +88,7 @@ class Report:
     loops: list[Loop]
     sass: str
     instrs: list = field(default_factory=list)  # (address, opcode, operands)
+    extra: str = ""  # appended to line()
 
     def load_use(self, lp: Loop, op: str = "LDS") -> list[int]:
         """For each ``op`` load in loop ``lp``: how many instructions issue between it and the
@@ -130,6 +131,16 @@ class Report:
         fma = [lp for lp in self.loops if lp.ops["FFMA"]]
         return min(fma, key=Loop.per_ffma, default=None)
 
+    def hot_path(self, trips: int) -> tuple[int, int]:
+        """(instructions, FFMAs) one pass of the main loop executes when each FMA loop nested in
+        it runs ``trips`` times and every other branch of the body is taken once: for a build
+        without cold paths (a GEMM's ``edge_checks=False``), an interior tile's pair of k slices."""
+        lp = self.main_loop()
+        nested = [x for x in self.loops if x is not lp and lp.start <= x.start and x.end <= lp.end and x.ops["FFMA"]]
+        n = lp.n + sum((trips - 1) * x.n for x in nested)
+        f = lp.ops["FFMA"] + sum((trips - 1) * x.ops["FFMA"] for x in nested)
+        return n, f
+
     def line(self) -> str:
         lp = self.main_loop()
         loop = "no loop"
@@ -144,7 +155,7 @@ class Report:
             if dist:
                 loop += f"; LDS -> first use: min {min(dist)}, median {sorted(dist)[len(dist) // 2]} instr"
         spill = f"spill {self.spill_stores}/{self.spill_loads} B" if self.spill_stores or self.spill_loads else "no spill"
-        return f"{self.name:<44} {self.regs:3d} regs  {spill:<16} smem {self.smem:6d} B  {loop}"
+        return f"{self.name:<44} {self.regs:3d} regs  {spill:<16} smem {self.smem:6d} B  {loop}{self.extra}"
 
 
 def _parse_ptxas(text: str) -> dict:
@@ -231,13 +242,24 @@ def gemm_reports(args) -> list[Report]:
     else:
         cands = [(3, t) for t in G.V3_TILES] + [(4, G.BIG_TILES_V4)]
         cands += [(v, t) for t in G.WARP_TILES for v in ((3, 4) if t.threads > 128 else (3,))]
-        cands += [(5, t) for t in G.V5_TILES] + [(6, t) for t in G.V6_TILES]
+        cands += [(v, t) for t in G.V5_TILES for v in sorted(G.FRAG_STEPS)]
     out = []
     for layout in args.layout:
         for v, t in dict.fromkeys(cands):
             k = G.get_kernel(v, t, layout)
             out.append(_dispatcher_report(f"gemm v{v} {t.label()} {layout}", k, sig))
+            if args.hot:  # the interior-only build: its main loop is the hot path
+                hot = _dispatcher_report("", G.get_kernel(v, t, layout, edge_checks=False), sig)
+                n, f = hot.hot_path(_fma_trips(G, v, t))
+                out[-1].extra = (f"; hot path (interior tile, 2 k slices, {hot.regs} regs): {n} instr, "
+                                 f"{f} FFMA, {n / f:.3f} instr/FFMA")
     return out
+
+
+def _fma_trips(G, v: int, t) -> int:
+    """Trips of the FMA loop per k slice: variants 3, 4 take 4 k steps per trip, the
+    double-buffered ones FRAG_STEPS[v] (the rest of the slice unrolled)."""
+    return (t.bk - 1) // G.FRAG_STEPS[v] if v in G.FRAG_STEPS else t.bk // 4
 
 
 def parse_flash_tiles(text: str):
@@ -316,8 +338,10 @@ def main(argv=None) -> int:
                     "rows/heads/bkv/tr/tk/to/keys/bq/tkk/tq/tko (default: the candidates)")
     ap.add_argument("--variant", type=int, default=3,
                     help="GEMM variant for --tiles (3: capped registers, 4: not, 5: double-buffered "
-                         "fragments, 6: 5 with unrolled slices)")
+                         "fragments, 7: 5 with 4 k steps per loop trip)")
     ap.add_argument("--dump", action="store_true", help="print the main loop's SASS")
+    ap.add_argument("--hot", action="store_true", help="GEMM: also build without the edge tiles' bounds "
+                    "checks and count the instructions an interior tile executes per pair of k slices")
     args = ap.parse_args(argv)
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
     reports = {"gemm": gemm_reports, "attention": attention_reports,

@@ -44,9 +44,9 @@ def test_warp_tiled_candidates_forward_and_backward(tiles):
     G.validate_backward(shapes=((m, 7, n),), tiles=tiles)
 
 
-@pytest.mark.parametrize("variant, tiles", [(5, t) for t in G.V5_TILES] + [(6, t) for t in G.V6_TILES],
+@pytest.mark.parametrize("variant, tiles", [(v, t) for t in G.V5_TILES for v in sorted(G.FRAG_STEPS)],
                          ids=lambda x: x.label() if isinstance(x, G.GemmTiles) else f"v{x}")
-def test_variant_5_and_6_candidates_forward_and_backward(variant, tiles):
+def test_double_buffered_variants_on_the_proposed_tiles_forward_and_backward(variant, tiles):
     # double-buffered fragments on the shapes the sweep times: one ragged block, 2 k slices and a
     # part-full third (forward), 1 slice (dx: K = 7 rows of w), a part-full one (dw)
     m, n = tiles.bm - 3, tiles.bn - 1
@@ -54,24 +54,76 @@ def test_variant_5_and_6_candidates_forward_and_backward(variant, tiles):
     G.validate_backward(shapes=((m, 7, n),), tiles=tiles, variant=variant)
 
 
-@pytest.mark.parametrize("variant", (5, 6))
+@pytest.mark.parametrize("variant", (5, 7, 8, 9))
 @pytest.mark.parametrize("bk", (4, 8, 16))
-def test_variant_5_and_6_slice_depths_and_counts(bk, variant):
-    # bk 4: one trip of the 2-step fragment loop, 8: 3 trips, 16: 7; 1 to 4 k slices (the
-    # two-slice loop ending on either buffer) on interior and edge tiles of a 3 x 3 grid
+def test_double_buffered_variants_slice_depths_and_counts(bk, variant):
+    # variants 5, 8: 1, 3, 7 trips of the 2-step fragment loop then 1 unrolled step; 7, 9: 0, 1,
+    # 3 trips of 4 steps then 3 unrolled; 1 to 4 k slices (the two-slice loop ending on either
+    # buffer) on interior tiles (8, 9: flat-index fetches) and edge tiles of a 3 x 3 grid
     tiles = G.GemmTiles(bm=16, bn=32, bk=bk, tm=4, tn=4)
     shapes = ((40, 70, 4 * bk), (40, 70, 3 * bk - 1), (32, 64, 2 * bk), (17, 33, bk - 2))
     G.validate(shapes=shapes, tiles=tiles, variants=(variant,))
     G.validate_backward(shapes=((32, 70, 40), (9, 3 * bk + 1, 17)), tiles=tiles, variant=variant)
 
 
-@pytest.mark.parametrize("variant", (5, 6))
+@pytest.mark.parametrize("variant", (5, 7, 9))
 @pytest.mark.parametrize("splits", (2, 3))
-def test_variant_5_and_6_split_k_forward_and_backward(splits, variant):
+def test_double_buffered_variants_split_k_forward_and_backward(splits, variant):
     tiles = G.GemmTiles(bm=16, bn=32, bk=8, tm=4, tn=4)
     G.validate(shapes=((21, 35, 5 * 8 + 3), (16, 32, 6 * 8)), tiles=tiles, variants=(variant,), splits=splits)
     G.validate_backward(shapes=((6 * 8 + 5, 19, 33), (9, 4 * 8, 17)), tiles=tiles, variant=variant,
                         splits=splits)
+
+
+def test_fragment_loop_steps_must_be_even():
+    with pytest.raises(ValueError, match="steps=3"):
+        G.make_gemm(G.SIM_TILES, frag_db=True, steps=3)
+
+
+def test_interior_only_build_matches_on_whole_tiles(rng, rel_err):
+    # scripts/sass_report.py --hot counts this build's main loop: it must compute the same GEMM
+    # wherever every tile lies inside the matrices (2 x 2 tiles, 3 k slices)
+    t = G.GemmTiles(bm=16, bn=32, bk=8, tm=4, tn=4)
+    x = rng.standard_normal((32, 24), dtype=np.float32)  # (M, K)
+    w = rng.standard_normal((64, 24), dtype=np.float32)  # (N, K)
+    for v in (3, 5, 7, 8, 9):
+        k = G.get_kernel(v, t, "nn", edge_checks=False)
+        d_y = cuda.device_array((32, 64), np.float32)
+        k[(2, 2, 1), t.threads](cuda.to_device(x), cuda.to_device(w), d_y, d_y, 3)
+        assert rel_err(d_y.copy_to_host(), x @ w.T) <= 1e-5
+
+
+@pytest.mark.parametrize("tiles", (G.SKINNY_N_TILES, G.SKINNY_M_TILES), ids=G.GemmTiles.label)
+@pytest.mark.parametrize("variant, splits", ((G.SKINNY_VARIANT, None), (G.SKINNY_VARIANT, 2), (8, 2)))
+def test_skinny_tiles_forward_and_backward_on_ragged_shapes(tiles, variant, splits):
+    # the "skinny" rule's 128 x 16 / 16 x 128 tiles (128 threads of 4 x 4) on a ragged 16-wide
+    # output: 2 tiles along the long side (the second part-full), 3 k slices (the last part-full);
+    # variant 8 as the sweep times it there
+    long_, thin = 2 * max(tiles.bm, tiles.bn) - 5, 13
+    m, n = (long_, thin) if tiles.bn < tiles.bm else (thin, long_)
+    k = 2 * tiles.bk + 5
+    whole = (long_, 16, 2 * tiles.bk) if tiles.bn < tiles.bm else (16, long_, 2 * tiles.bk)  # 1 interior tile
+    G.validate(shapes=((m, n, k), whole), tiles=tiles, variants=(variant,), splits=splits)
+    # dx = dy w: output (m, k') with reduction n'; dw = dy^T x: output (n', k') with reduction m'
+    G.validate_backward(shapes=((m, k, n),) if tiles.bn < tiles.bm else ((k, m, n),), tiles=tiles,
+                        variant=variant, splits=splits)
+
+
+def test_skinny_rule_on_lora_shapes():
+    R = G.rule_launch
+    # rank-16 LoRA at 2048 tokens, 4096 features: x A^T (and dy B) are 2048 x 16 with K = 4096:
+    # the measured / proposed rules put them on 64 x 64 tiles, 3/4 of the FMAs on padding
+    assert R(2048, 16, 4096, layout="nn").tiles == G.SMALL_TILES == R(2048, 16, 4096, layout="nt").tiles
+    assert R(2048, 16, 4096, rule="skinny") == G.GemmLaunch(5, G.SKINNY_N_TILES, 32)  # 16 tiles x 32 splits
+    assert R(4096, 16, 2048, rule="skinny") == G.GemmLaunch(5, G.SKINNY_N_TILES, 16)  # dw of h B^T
+    assert R(16, 4096, 2048, rule="skinny") == G.GemmLaunch(5, G.SKINNY_M_TILES, 16)  # dw of x A^T
+    # K = 16 (h B^T and dx of x A^T) and wide outputs: the proposed rule's choice
+    for shape in ((2048, 4096, 16), (4096, 4096, 4096), (2048, 1024, 4096), (33, 4096, 4096)):
+        assert R(*shape, rule="skinny") == R(*shape, rule="proposed")
+    # a split keeps >= MIN_SKINNY_SLICES slices; forced splits are kept
+    assert R(2048, 16, 256, rule="skinny").splits == 2
+    assert R(2048, 16, 16, rule="skinny").splits == 1
+    assert R(2048, 16, 4096, splits=3, rule="skinny").splits == 3
 
 
 def test_small_warp_tiles_with_strided_vectors():

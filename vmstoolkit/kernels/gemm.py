@@ -46,16 +46,34 @@ Variants: ``3`` caps registers for two blocks per SM, ``4`` does not (one block 
 deeper k slices whose capped build would spill). ``5`` is ``3`` with the shared-to-register
 fragments double-buffered: k step ``k + 1``'s fragments load into a second set of registers
 before step ``k``'s FMAs issue, and a slice's last step multiplies after the barrier, while the
-next slice's first fragments load (offline, sm_90, not yet timed). Why: ncu on the H200 at 4096^3
+next slice's first fragments load (H200 run4: 80-82.5% of cuBLAS at the 7B block's forward
+shapes, against variant 3's 73-79.6% on the same tiles). Why: ncu on the H200 at 4096^3
 (``experiments/results/kernels-h200/run3-ncu/``) shows variant 3's best shape (4 warps of 64x64,
 two blocks per SM: two warps per scheduler) executing as many instructions as cuBLAS but with no
 warp ready 28% of cycles against cuBLAS's 10%; in its SASS the first LDS of each 4-step trip is
 read 5 instructions after it issues, so the warp waits for shared memory at every trip. In
 variant 5 every LDS is read at least 33 instructions later (median 79), at the cost of 24
 registers (246 at that shape, no spill) and 1.086 instead of 1.072 instructions per FFMA in the
-FMA loop (``scripts/sass_report.py``). ``6`` is ``5`` with every k slice unrolled (a chain of
-inlined device functions, one per k step, each with its k a constant): no loop counter, a few
-percent fewer instructions, a larger build. Warp tiling is a property of the tile shape
+FMA loop (``scripts/sass_report.py``).
+
+Variants 7-9 (offline, not yet timed) cut what an interior tile executes besides its FFMAs
+(``sass_report.py gemm --hot``: instructions per FFMA over an interior tile's pair of k slices at
+128x128x16/8x16 w64x64, nn / nt / tt; cuBLAS executes 1.139 at 4096^3 by ncu):
+
+* ``5``: 1.165 / 1.145 / 1.133; the 2-step fragment loop spends 10 instructions per trip on its
+  counter, and each slice recomputes every fetched row's 64-bit address (ptxas rematerialises
+  them rather than hold 8 address pairs at 246 registers);
+* ``7``: ``5`` with 4 k steps per trip of the fragment loop (the slice's other 3 steps unrolled
+  after it): 1.141 / 1.120 / 1.111, but an LDS read 25 / 10 / 33 instructions after it issues;
+* ``8``: ``5`` fetching interior tiles by flat indices from one base per operand, its vectors at a
+  uniform stride: 1.139 / 1.142 / 1.132, every LDS read >= 33 instructions on (the gain is the
+  nn layout's, whose two operands are both fetched along k);
+* ``9``: ``7`` and ``8`` together: 1.118 / 1.117 / 1.111, an LDS read 17 / 10 / 33 instructions on.
+
+In every layout variant 5 keeps the same hot-loop quality (246 / 236 / 223 registers, no spill,
+every LDS read >= 33 instructions on, median 79 / 70 / 86): the backward layouts need no fix.
+
+Warp tiling is a property of the tile shape
 (``GemmTiles.wm`` / ``wn``): the block's threads are grouped by warp, each warp covering a
 ``wm x wn`` sub-tile with its 32 threads' micro-tiles strided inside it instead of across the
 whole block tile. A warp then reads fewer distinct shared-memory words per load (e.g. 8 + 4
@@ -180,12 +198,19 @@ def _operand_map(trans: bool, rows: int, bk: int, nt: int):
 
 @lru_cache(maxsize=None)
 def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumulate: bool = False,
-              blocks_per_sm: int = 2, frag_db: bool = False, unroll: bool = False):
+              blocks_per_sm: int = 2, frag_db: bool = False, steps: int = 2, edge_checks: bool = True,
+              flat: bool = False):
     """The kernel ``kernel(a, b, acc_in, c, split_steps)`` computing ``c = [acc_in +] A @ B`` for
     the layouts in the module docstring; ``split_steps`` k slices per block along grid z.
     ``frag_db``: double-buffer the shared-to-register fragments (variant 5, module docstring);
-    ``unroll``: with ``frag_db``, unroll each k slice wholly (variant 6)."""
+    ``steps``: with ``frag_db``, k steps per trip of the fragment loop (even; 2: variant 5, 4:
+    variant 7), the slice's remaining steps unrolled after it. ``flat``: interior tiles fetch
+    by flat indices from one per-thread base per operand (variants 8, 9). ``edge_checks=False`` drops the
+    bounds-checked fetch: only for ``scripts/sass_report.py``'s interior-tile (hot path) build,
+    wrong on any tile not wholly inside the matrices."""
     t.check()
+    if steps < 2 or steps % 2:
+        raise KernelError(f"steps={steps}: the fragment loop takes an even number (>= 2) of k steps per trip")
     BM, BN, BK, TM, TN = t.bm, t.bn, t.bk, t.tm, t.tn
     NT = t.threads
     GM, GN = t.group_tile  # rows / columns of one interleaved group of threads
@@ -199,7 +224,11 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     AV, AG, APER, ASTR = _operand_map(a_trans, BM, BK, NT)
     BV, BG, BPER, BSTR = _operand_map(b_trans, BN, BK, NT)
     A_LOADS, B_LOADS = AV * AG, BV * BG  # elements of A and of B per thread per slice
-    AT, BT, ACC, FDB, UNROLL = a_trans, b_trans, accumulate, frag_db, unroll
+    AT, BT, ACC, FDB, EDGE, FLAT = a_trans, b_trans, accumulate, frag_db, edge_checks, flat
+    # the fragment loop: TRIPS trips of STEPS k steps, then TAIL (odd: BK - 1 is) unrolled steps
+    STEPS = steps
+    TRIPS = (BK - 1) // STEPS
+    LOOP_K = TRIPS * STEPS
     # The simulator accepts neither option; alignment only matters to the vectoriser anyway.
     opts = {} if simulating() else {"max_registers": max_registers(NT, blocks_per_sm)}
     ALIGN = None if simulating() else 16
@@ -220,8 +249,8 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
                 acc[i, j] += a_reg[i] * b_reg[j]
 
     def unrolled_steps(k: int):
-        """Variant 6: steps k .. BK-2 of a slice as a chain of inlined device functions, each with
-        its k a constant: the whole slice unrolled, no loop counter."""
+        """Steps k .. BK-2 of a slice as a chain of inlined device functions, each with its k a
+        constant (the fragment loop's tail): no loop counter."""
         if k == BK - 1:
             @cuda.jit(device=True, inline="always")
             def done(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1):
@@ -238,25 +267,46 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
 
         return step
 
-    slice_steps = unrolled_steps(0)
+    tail_steps = unrolled_steps(LOOP_K)
+
+    @cuda.jit(device=True, inline="always")
+    def two_steps(As, Bs, buf, kk, ra, cb, acc, a0, b0, a1, b1):
+        """Steps kk and kk + 1: (a0, b0) hold kk's fragments on entry and on return kk + 2's."""
+        load_frags(As, Bs, buf, kk + uint64(1), ra, cb, a1, b1)
+        fma_frags(acc, a0, b0)
+        load_frags(As, Bs, buf, kk + uint64(2), ra, cb, a0, b0)
+        fma_frags(acc, a1, b1)
+
+    def trip_steps(h: int):
+        """Steps 2h .. STEPS-1 of one loop trip from kk: a chain of inlined ``two_steps`` with
+        constant offsets (NVVM does not unroll a loop of 256 FMAs)."""
+        if 2 * h == STEPS:
+            @cuda.jit(device=True, inline="always")
+            def trip_done(As, Bs, buf, kk, ra, cb, acc, a0, b0, a1, b1):
+                return
+
+            return trip_done
+        nxt, off = trip_steps(h + 1), 2 * h
+
+        @cuda.jit(device=True, inline="always")
+        def trip(As, Bs, buf, kk, ra, cb, acc, a0, b0, a1, b1):
+            two_steps(As, Bs, buf, kk + uint64(off), ra, cb, acc, a0, b0, a1, b1)
+            nxt(As, Bs, buf, kk, ra, cb, acc, a0, b0, a1, b1)
+
+        return trip
+
+    one_trip = trip_steps(0)
 
     @cuda.jit(device=True, inline="always")
     def multiply_db(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1):
-        """Variant 5: k = 0 .. BK-2 of shared buffer ``buf``, each step's FMAs issued after the
-        next step's fragment loads. On entry (a0, b0) hold k = 0's fragments; on return (a1, b1)
-        hold k = BK-1's, whose FMAs the caller issues after the barrier (so that the loads of the
-        next slice's first fragments overlap them)."""
-        if UNROLL:
-            slice_steps(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1)
-            return
-        for k2 in range(0, BK - 2, 2):
-            kk = uint64(k2)
-            load_frags(As, Bs, buf, kk + uint64(1), ra, cb, a1, b1)
-            fma_frags(acc, a0, b0)
-            load_frags(As, Bs, buf, kk + uint64(2), ra, cb, a0, b0)
-            fma_frags(acc, a1, b1)
-        load_frags(As, Bs, buf, uint64(BK - 1), ra, cb, a1, b1)
-        fma_frags(acc, a0, b0)
+        """Variants 5, 7: k = 0 .. BK-2 of shared buffer ``buf``, each step's FMAs issued after the
+        next step's fragment loads, STEPS steps per loop trip and the rest unrolled. On entry
+        (a0, b0) hold k = 0's fragments; on return (a1, b1) hold k = BK-1's, whose FMAs the caller
+        issues after the barrier (so that the loads of the next slice's first fragments overlap
+        them)."""
+        for k0 in range(0, LOOP_K, STEPS):
+            one_trip(As, Bs, buf, uint64(k0), ra, cb, acc, a0, b0, a1, b1)
+        tail_steps(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1)
 
     @cuda.jit(device=True, inline="always")
     def k_step(As, Bs, buf, kk, ra, cb, acc, a_reg, b_reg):
@@ -277,7 +327,7 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
 
     @cuda.jit(device=True, inline="always")
     def after_barrier_db(As, Bs, nbuf, ra, cb, acc, a0, b0, a1, b1):
-        """Variants 5, 6, after a slice's barrier: the next slice's first fragments (stale and
+        """Variants 5, 7, after a slice's barrier: the next slice's first fragments (stale and
         unused after the last slice) load from buffer ``nbuf`` while the slice's last step
         multiplies: one basic block, no branch between."""
         load_frags(As, Bs, nbuf, uint64(0), ra, cb, a0, b0)
@@ -289,6 +339,18 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
 
     multiply = multiply_db if frag_db else multiply_plain
     after_barrier = after_barrier_db if frag_db else after_barrier_plain
+
+    if simulating():  # the simulator checks each index against its dimension
+        @cuda.jit(device=True, inline="always")
+        def flat_get(src, i):
+            """``src``'s element at flat index ``i`` (C order)."""
+            return src[i // uint64(src.shape[1]), i % uint64(src.shape[1])]
+    else:
+        @cuda.jit(device=True, inline="always")
+        def flat_get(src, i):
+            """``src``'s element at flat index ``i`` (C order): row 0, column ``i`` (kernels do no
+            bounds checks; ``reshape()`` would call a host helper)."""
+            return src[uint64(0), i]
 
     @cuda.jit(device=True, inline="always")
     def fetch_origin(trans, per, vw, tid):
@@ -302,7 +364,18 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     def fetch_one(src, trans, vw, ng, stride, rows_tile, r0, k0, fr, fk, n_rows, K, reg):
         """reg <- this thread's ng vectors of vw elements of the (rows_tile x BK) slice at
         (r0, k0): row fr (+ g * stride for "n"), k fk (+ g * stride for "t"); zero outside."""
-        if r0 + uint64(rows_tile) <= n_rows and k0 + uint64(BK) <= K:  # whole slice inside
+        if not EDGE or (r0 + uint64(rows_tile) <= n_rows and k0 + uint64(BK) <= K):  # whole slice inside
+            if FLAT:  # one 64-bit base per operand, vectors g at a uniform stride from it
+                if trans:  # src (K, rows): element (k, r) at k * n_rows + r
+                    base = (k0 + fk) * n_rows + r0 + fr
+                    step = uint64(stride) * n_rows
+                else:  # src (rows, K)
+                    base = (r0 + fr) * K + k0 + fk
+                    step = uint64(stride) * K
+                for g in range(ng):
+                    for e in range(vw):
+                        reg[g * vw + e] = flat_get(src, base + uint64(g) * step + uint64(e))
+                return
             for g in range(ng):
                 for e in range(vw):
                     if trans:
@@ -353,7 +426,7 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         acc = cuda.local.array((TM, TN), float32)  # (tm, tn)
         a_reg = cuda.local.array(TM, float32)
         b_reg = cuda.local.array(TN, float32)
-        a_nx = cuda.local.array(TM, float32)  # variants 5, 6: the next k's fragments
+        a_nx = cuda.local.array(TM, float32)  # variants 5, 7: the next k's fragments
         b_nx = cuda.local.array(TN, float32)
         a_pf = cuda.local.array(A_LOADS, float32)  # this thread's share of the next A slice
         b_pf = cuda.local.array(B_LOADS, float32)  # and of the next B slice
@@ -375,7 +448,7 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         fetch(a, b, m0, n0, s0 * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
         stash(As, Bs, 0, fa, ka, fb, kb, a_pf, b_pf)
         cuda.syncthreads()
-        if FDB:  # variants 5, 6: the first slice's first fragments
+        if FDB:  # variants 5, 7: the first slice's first fragments
             load_frags(As, Bs, 0, uint64(0), ra, cb, a_reg, b_reg)
         # Two k slices per trip so that the buffer indices are constants: slice s0 + i is in
         # buffer i % 2. A buffer is overwritten only after the barrier that ends the step reading it.
@@ -427,14 +500,27 @@ def make_gemm_v5(t: GemmTiles):
     return make_gemm(t, blocks_per_sm=2, frag_db=True)
 
 
-def make_gemm_v6(t: GemmTiles):
-    """Variant 5 with each k slice wholly unrolled."""
-    return make_gemm(t, blocks_per_sm=2, frag_db=True, unroll=True)
+def make_gemm_v7(t: GemmTiles):
+    """Variant 5 with 4 k steps per trip of the fragment loop (half its loop overhead)."""
+    return make_gemm(t, blocks_per_sm=2, frag_db=True, steps=4)
 
 
-BLOCKS_PER_SM = {3: 2, 4: 1, 5: 2, 6: 2}  # variant -> the blocks per SM its register cap allows
-VARIANTS = {3: make_gemm_v3, 4: make_gemm_v4, 5: make_gemm_v5, 6: make_gemm_v6}
-SPLIT_K_VARIANTS = (3, 4, 5, 6)  # every variant takes the split-K argument
+def make_gemm_v8(t: GemmTiles):
+    """Variant 5 fetching interior tiles by flat indices from one base per operand."""
+    return make_gemm(t, blocks_per_sm=2, frag_db=True, flat=True)
+
+
+def make_gemm_v9(t: GemmTiles):
+    """Variant 7 fetching interior tiles by flat indices (variants 7 and 8 together)."""
+    return make_gemm(t, blocks_per_sm=2, frag_db=True, steps=4, flat=True)
+
+
+BLOCKS_PER_SM = {3: 2, 4: 1, 5: 2, 7: 2, 8: 2, 9: 2}  # variant -> the blocks per SM its register cap allows
+FRAG_STEPS = {5: 2, 7: 4, 8: 2, 9: 4}  # double-buffered variants -> k steps per trip of the fragment loop
+VARIANTS = {3: make_gemm_v3, 4: make_gemm_v4, 5: make_gemm_v5, 7: make_gemm_v7, 8: make_gemm_v8,
+            9: make_gemm_v9}
+FLAT_VARIANTS = (8, 9)  # variants whose interior tiles fetch by flat indices
+SPLIT_K_VARIANTS = (3, 4, 5, 7, 8, 9)  # every variant takes the split-K argument
 DEFAULT_VARIANT = 3
 
 
@@ -498,29 +584,17 @@ WARP_TILES = (
 )
 
 
-# Variant 5's candidates (offline, sm_90, ptxas 13.0, not yet timed). Figures: registers for the
-# nn / nt / tt layouts (none spills), the inner FMA loop's SASS instructions per FFMA, and the
-# fewest instructions between an LDS and the first FFMA using what it loaded (sass_report.py's
-# "LDS -> first use"; LDS latency is ~30 cycles). Variant 3 at [0]'s shape: 254 registers, 1.072
+# Variant 5's candidates (offline, sm_90, ptxas 13.0). Figures: registers for the nn / nt / tt
+# layouts (none spills), the inner FMA loop's SASS instructions per FFMA, and the fewest
+# instructions between an LDS and the first FFMA using what it loaded (sass_report.py's "LDS ->
+# first use"; LDS latency is ~30 cycles). Variant 3 at this shape: 254 registers, 1.072
 # instructions per FFMA, an LDS used 5 instructions after it issues (loop top).
-V5_TILES = (
-    # 4 warps of 64x64, 8x16 per thread: 246 / 236 / 223 registers, 1.086 per FFMA (the 2-step
-    # loop's 64-bit counter: 22 instructions per 256 FFMA), first use >= 33 (median 79)
-    GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=16, wm=64, wn=64),
-    # the same at bk 8 (cuBLAS's depth; half the shared memory, a barrier twice as often):
-    # 220 / 218 / 213 registers, 1.086 per FFMA, first use >= 33 (median 87)
-    GemmTiles(bm=128, bn=128, bk=8, tm=8, tn=16, wm=64, wn=64),
-    # 8 warps of 32x64, 8x8 per thread: four warps per scheduler at two blocks per SM instead of
-    # two; 128 / 127 / 125 registers (the cap), 1.148 per FFMA, first use >= 34 (median 43-73)
-    GemmTiles(bm=128, bn=128, bk=8, tm=8, tn=8, wm=32, wn=64),
-)
-# Variant 6's (offline, sm_90, not yet timed): the bk 8 shape of 8x16 per thread with each slice
-# unrolled; 244 / 227 / 221 registers, no spill; per pair of k slices 2449 SASS instructions for
-# 2048 FFMA against variant 5's ~2535 (its 2-step loop runs 3 trips per slice: ~3% more executed
-# instructions); but in nt and tt ptxas leaves 2 of 48 LDS per slice read 4 instructions after
-# they issue (nn: none under 33). At bk 16 the unrolled build takes ~60 s and reads some LDS 4
-# instructions on: not a candidate.
-V6_TILES = (V5_TILES[1],)
+# 4 warps of 64x64, 8x16 per thread: 246 / 236 / 223 registers, 1.086 per FFMA (the 2-step loop's
+# 64-bit counter: 10 instructions per 256 FFMA besides the 12 LDS), first use >= 33 (median 79).
+# Run4 (H200) also timed this shape at bk 8 (70.8-75.5% of cuBLAS at the big shapes, against
+# 79.5-82.5%), 8 warps of 32x64 / 8x8 per thread at bk 8 (65-71%) and a variant 6 (variant 5 with
+# whole slices unrolled, bk 8: 42-71%): all slower than bk 16 at every shape, removed.
+V5_TILES = (GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=16, wm=64, wn=64),)
 
 
 def _blocks(m: int, n: int, t: GemmTiles) -> int:
@@ -542,7 +616,7 @@ def _blocks(m: int, n: int, t: GemmTiles) -> int:
 PROPOSED_TILES = V5_TILES[0]
 PROPOSED_VARIANT = 5
 MIN_SPLIT_SLICES = 16
-RULES = ("measured", "proposed")
+RULES = ("measured", "proposed", "skinny")
 RULE_BY_LAYOUT = {"nn": "proposed", "nt": "measured", "tt": "measured", "tn": "measured"}
 
 
@@ -557,6 +631,35 @@ def _choose_proposed(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
             k_steps = -(-k // t.bk)
             splits = max(1, min(SPLIT_TARGET_BLOCKS // blocks, k_steps // MIN_SPLIT_SLICES))
     return GemmLaunch(PROPOSED_VARIANT, t, splits)
+
+
+# The "skinny" rule (offline, not yet timed): "proposed", except for outputs at most SKINNY_MAX
+# columns (rows) wide, e.g. LoRA's rank-16 GEMMs at 2048 tokens and 4096 features: x A^T (2048 x 16,
+# K = 4096), its dx's dy B (2048 x 16, K = 4096), dw's dy^T x (16 x 4096, K = 2048) and (4096 x 16,
+# K = 2048). "measured" and "proposed" run those on 64 x 64 tiles (3/4 of every FMA on padding)
+# with k split 4-8 ways: ~1.07 GFLOP issued for 0.27 useful. Their lower bound is reading the
+# 32 MiB operand (~8 us on the H200); at the small tiles' ~45% of cuBLAS (~22 TFLOP/s) they take
+# ~50 us. The skinny tiles (128 x 16 or 16 x 128, 4 x 4 per thread, 128 threads) waste nothing
+# on a 16-wide output, read the wide operand once, and split k until about SKINNY_TARGET_BLOCKS
+# blocks (4 of 128 threads per SM: these are memory-bound), each split at least MIN_SKINNY_SLICES
+# slices deep. The K = 16 GEMMs (h B^T: 2048 x 4096 x 16, dx of x A^T) keep "proposed" (512
+# tiles of 128 x 128, one k slice each; bound by writing the 32 MiB output).
+SKINNY_MAX = 32
+SKINNY_N_TILES = GemmTiles(bm=128, bn=16, bk=16, tm=4, tn=4)  # 32 x 4 threads, each 4 x 4
+SKINNY_M_TILES = GemmTiles(bm=16, bn=128, bk=16, tm=4, tn=4)  # 4 x 32 threads
+SKINNY_VARIANT = 5
+SKINNY_TARGET_BLOCKS = 4 * SM_COUNT
+MIN_SKINNY_SLICES = 8
+
+
+def _choose_skinny(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
+    if min(m, n) > SKINNY_MAX:
+        return _choose_proposed(m, n, k, splits)
+    t = SKINNY_N_TILES if n <= m else SKINNY_M_TILES
+    if splits is None:
+        k_steps = -(-k // t.bk)
+        splits = max(1, min(SKINNY_TARGET_BLOCKS // _blocks(m, n, t), k_steps // MIN_SKINNY_SLICES))
+    return GemmLaunch(SKINNY_VARIANT, t, splits)
 
 
 def choose(m: int, n: int, k: int, splits: int | None = None, rule: str | None = None,
@@ -581,6 +684,8 @@ def rule_launch(m: int, n: int, k: int, splits: int | None = None, rule: str | N
         raise KernelError(f"unknown GEMM launch rule {rule!r}; known: {', '.join(RULES)}")
     if rule == "proposed":
         return _choose_proposed(m, n, k, splits)
+    if rule == "skinny":
+        return _choose_skinny(m, n, k, splits)
     return _choose_measured(m, n, k, splits)
 
 
@@ -602,13 +707,15 @@ def choose_tiles(m: int, n: int, k: int) -> GemmTiles:
 
 
 @lru_cache(maxsize=None)
-def get_kernel(variant: int, tiles: GemmTiles, layout: str = "nn", accumulate: bool = False):
-    """The compiled-on-first-launch kernel of ``variant`` for ``tiles`` and ``layout``."""
+def get_kernel(variant: int, tiles: GemmTiles, layout: str = "nn", accumulate: bool = False,
+               edge_checks: bool = True):
+    """The compiled-on-first-launch kernel of ``variant`` for ``tiles`` and ``layout``
+    (``edge_checks=False``: :func:`make_gemm`'s interior-only build, for SASS reports only)."""
     if variant not in VARIANTS:
         raise KernelError(f"unknown GEMM variant {variant}; known: {sorted(VARIANTS)}")
     a_trans, b_trans = LAYOUTS[layout]
-    return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant], frag_db=variant >= 5,
-                     unroll=variant == 6)
+    return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant], frag_db=variant in FRAG_STEPS,
+                     steps=FRAG_STEPS.get(variant, 2), edge_checks=edge_checks, flat=variant in FLAT_VARIANTS)
 
 
 def check_args(x, w, y) -> tuple[int, int, int]:
