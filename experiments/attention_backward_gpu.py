@@ -19,8 +19,7 @@ import json
 from pathlib import Path
 
 import torch
-from common import run_env, say, tf32_off
-from kernels_bench import time_numba_best, time_torch_best
+from common import run_env, say, tf32_off, time_best
 
 from vmstoolkit.kernels import attention_backward as AB
 from vmstoolkit.kernels.attention import attention
@@ -43,7 +42,7 @@ def bench(t: int, tiles: list, nh: int = 32, nkv: int = 8, hd: int = 128) -> dic
     o_ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
     doh = do.transpose(1, 2)
     want = torch.autograd.grad(o_ref, (q, k, v), doh, retain_graph=True)
-    sdpa_ms, _ = time_torch_best(lambda: torch.autograd.grad(o_ref, (q, k, v), doh, retain_graph=True), 3)
+    sdpa_ms, _ = time_best(lambda: torch.autograd.grad(o_ref, (q, k, v), doh, retain_graph=True), 3, events="torch")
     nb = lambda x: cuda.as_cuda_array(x.detach())  # noqa: E731
     o = torch.empty(1, t, nh, hd, device="cuda")
     lse = torch.empty(1, nh, t, device="cuda")
@@ -56,7 +55,7 @@ def bench(t: int, tiles: list, nh: int = 32, nkv: int = 8, hd: int = 128) -> dic
         def run(kw=kw):
             AB.attention_backward(nb(q), nb(k), nb(v), nb(o), nb(lse), nb(do), *map(nb, grads), **kw)
         try:
-            ms, _ = time_numba_best(run, 3)
+            ms, _ = time_best(run, 3)
         except Exception as e:  # a tile shape that does not compile or launch: say so, go on
             rec["runs"][label] = {"error": f"{type(e).__name__}: {e}"[:300]}
             say(f"  {label:<50} {rec['runs'][label]['error']}")

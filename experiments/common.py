@@ -333,6 +333,24 @@ def tf32_off() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
+def _events(kind: str):
+    """(synchronize, pair) for CUDA-event timing: ``pair()`` makes two events and a function
+    giving the milliseconds between them. ``kind``: ``"torch"`` or ``"numba"``."""
+    if kind == "torch":
+        import torch
+
+        def pair():
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            return e0, e1, lambda: e0.elapsed_time(e1)
+        return torch.cuda.synchronize, pair
+    from numba import cuda
+
+    def pair():
+        e0, e1 = cuda.event(), cuda.event()
+        return e0, e1, lambda: cuda.event_elapsed_time(e0, e1)
+    return cuda.synchronize, pair
+
+
 def time_events(fn: Callable[[], object], iters: int, warmup: int = 2, *, per_event: int = 1,
                 events: str = "torch") -> float:
     """Median milliseconds per call of ``fn()`` (enqueued on the default stream), timed by CUDA
@@ -340,22 +358,7 @@ def time_events(fn: Callable[[], object], iters: int, warmup: int = 2, *, per_ev
     ``events``: ``"torch"`` (``torch.cuda.Event``) or ``"numba"`` (``numba.cuda.event``)."""
     import numpy as np
 
-    if events == "torch":
-        import torch
-
-        sync = torch.cuda.synchronize
-
-        def pair():
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            return e0, e1, lambda: e0.elapsed_time(e1)
-    else:
-        from numba import cuda
-
-        sync = cuda.synchronize
-
-        def pair():
-            e0, e1 = cuda.event(), cuda.event()
-            return e0, e1, lambda: cuda.event_elapsed_time(e0, e1)
+    sync, pair = _events(events)
     for _ in range(warmup):
         fn()
     sync()
@@ -369,3 +372,26 @@ def time_events(fn: Callable[[], object], iters: int, warmup: int = 2, *, per_ev
         e1.synchronize()
         times.append(elapsed() / per_event)
     return float(np.median(times))
+
+
+def time_best(fn: Callable[[], object], reps: int, samples: int = 5, warmup: int = 1, *,
+              events: str = "numba") -> tuple[float, float]:
+    """(best, median) milliseconds per call of ``fn()``: CUDA events around ``reps`` back-to-back
+    calls (a Numba launch's host cost then overlaps the kernels instead of being timed),
+    ``samples`` such batches after ``warmup`` calls. ``events``: ``"numba"`` or ``"torch"``."""
+    import numpy as np
+
+    sync, pair = _events(events)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(samples):
+        e0, e1, elapsed = pair()
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        e1.synchronize()
+        times.append(elapsed() / reps)
+    return float(np.min(times)), float(np.median(times))

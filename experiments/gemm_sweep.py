@@ -36,11 +36,10 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from numba import cuda
 
-from common import run_env, say, tf32_off
+from common import run_env, say, tf32_off, time_best
 
 from vmstoolkit.kernels import gemm as G
 
@@ -120,42 +119,6 @@ def label(v, t, splits=None) -> str:
     return f"v{v} {t.label()}" + (f" split{splits}" if splits and splits > 1 else "")
 
 
-def time_batched(launch, synchronize, event_pair) -> tuple[float, float]:
-    """(best, median) milliseconds per call of ``launch()``, by events around REPS calls."""
-    for _ in range(3):
-        launch()
-    synchronize()
-    times = []
-    for _ in range(SAMPLES):
-        record0, record1, elapsed = event_pair()
-        record0()
-        for _ in range(REPS):
-            launch()
-        record1()
-        times.append(elapsed() / REPS)
-    return float(np.min(times)), float(np.median(times))
-
-
-def torch_events():
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def elapsed():
-        e1.synchronize()
-        return e0.elapsed_time(e1)
-
-    return e0.record, e1.record, elapsed
-
-
-def numba_events():
-    e0, e1 = cuda.event(), cuda.event()
-
-    def elapsed():
-        e1.synchronize()
-        return cuda.event_elapsed_time(e0, e1)
-
-    return e0.record, e1.record, elapsed
-
-
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).abs().max() / want.double().abs().max())
 
@@ -212,7 +175,7 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
     p = Problem(kind, m, n, k)
     out_m, out_n, red = p.dims
     if time_it:
-        c_best, c_med = time_batched(p.cublas, torch.cuda.synchronize, torch_events)
+        c_best, c_med = time_best(p.cublas, REPS, SAMPLES, 3, events="torch")
         say(f"  {name:<30} {'cuBLAS fp32':<30} {p.flops / c_best / 1e9:6.2f} TFLOP/s  {c_best:8.4f} ms")
     rows = []
     for cand in candidates:
@@ -230,7 +193,7 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
             p.ours(v, t, splits)
             cuda.synchronize()
             err = rel_err(p.out, p.want)
-            best, med = (time_batched(lambda: p.ours(v, t, splits), cuda.synchronize, numba_events)
+            best, med = (time_best(lambda: p.ours(v, t, splits), REPS, SAMPLES, 3)
                          if time_it else (float("nan"), float("nan")))
         except Exception as e:  # noqa: BLE001 - keep the sweep going, record the failure
             say(f"  {name:<30} {lab:<30} FAILED: {type(e).__name__}: {e}")

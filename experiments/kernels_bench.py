@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from numba import cuda
 
-from common import run_env, say, tf32_off, time_events
+from common import run_env, say, tf32_off, time_best, time_events
 
 from vmstoolkit.kernels import LlamaBlock, LlamaBlockConfig, llama_block_forward
 from vmstoolkit.kernels import attention as A
@@ -164,32 +164,6 @@ def bench_gemm(shapes) -> list[dict]:
 
 # ---- 3. attention -----------------------------------------------------------------------------
 
-def time_batched(fn, synchronize, event, elapsed, reps: int, samples: int = 5) -> tuple[float, float]:
-    """(best, median) milliseconds per call of ``fn()``: events around ``reps`` back-to-back calls
-    (a Numba launch's host cost then overlaps the kernels), ``samples`` batches after warm-up."""
-    fn()
-    synchronize()
-    times = []
-    for _ in range(samples):
-        e0, e1 = event(), event()
-        e0.record()
-        for _ in range(reps):
-            fn()
-        e1.record()
-        e1.synchronize()
-        times.append(elapsed(e0, e1) / reps)
-    return float(np.min(times)), float(np.median(times))
-
-
-def time_numba_best(fn, reps: int) -> tuple[float, float]:
-    return time_batched(fn, cuda.synchronize, cuda.event, cuda.event_elapsed_time, reps)
-
-
-def time_torch_best(fn, reps: int) -> tuple[float, float]:
-    return time_batched(fn, torch.cuda.synchronize, lambda: torch.cuda.Event(enable_timing=True),
-                        lambda e0, e1: e0.elapsed_time(e1), reps)
-
-
 ATT_T = (1024, 2048, 4096, 8192)
 ATT_SHAPE = (1, 32, 8, 128)  # (B, nh, nkv, hd)
 ATT_REPS_T = 8192  # a timed batch is ATT_REPS_T // T launches
@@ -230,7 +204,7 @@ def bench_attention(ts=ATT_T, configs=ATT_CONFIGS) -> list[dict]:
         sd_ms = {}
         for name, fn in sdpa.items():
             try:
-                sd_ms[name] = time_torch_best(fn, reps)[0]
+                sd_ms[name] = time_best(fn, reps, events="torch")[0]
             except Exception as e:  # noqa: BLE001 - e.g. out of memory: compare with the other
                 say(f"  T{t}: SDPA {name} FAILED: {type(e).__name__}: {e}")
                 sd_ms[name] = float("inf")
@@ -255,7 +229,7 @@ def bench_attention(ts=ATT_T, configs=ATT_CONFIGS) -> list[dict]:
                 run()
                 cuda.synchronize()
                 err = rel(o, want)
-                best, med = time_numba_best(run, reps)
+                best, med = time_best(run, reps)
             except Exception as e:  # noqa: BLE001 - keep the table going, record the failure
                 say(f"    {label:<20} FAILED: {type(e).__name__}: {e}")
                 rec["configs"][label] = {"error": f"{type(e).__name__}: {e}"}

@@ -521,7 +521,6 @@ VARIANTS = {3: make_gemm_v3, 4: make_gemm_v4, 5: make_gemm_v5, 7: make_gemm_v7, 
             9: make_gemm_v9}
 FLAT_VARIANTS = (8, 9)  # variants whose interior tiles fetch by flat indices
 SPLIT_K_VARIANTS = (3, 4, 5, 7, 8, 9)  # every variant takes the split-K argument
-DEFAULT_VARIANT = 3
 
 
 @dataclass(frozen=True)
