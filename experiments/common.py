@@ -356,22 +356,7 @@ def time_events(fn: Callable[[], object], iters: int, warmup: int = 2, *, per_ev
     """Median milliseconds per call of ``fn()`` (enqueued on the default stream), timed by CUDA
     events around ``per_event`` calls at a time, ``iters`` times, after ``warmup`` calls.
     ``events``: ``"torch"`` (``torch.cuda.Event``) or ``"numba"`` (``numba.cuda.event``)."""
-    import numpy as np
-
-    sync, pair = _events(events)
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(iters):
-        e0, e1, elapsed = pair()
-        e0.record()
-        for _ in range(per_event):
-            fn()
-        e1.record()
-        e1.synchronize()
-        times.append(elapsed() / per_event)
-    return float(np.median(times))
+    return time_best(fn, per_event, iters, warmup, events=events)[1]
 
 
 def time_best(fn: Callable[[], object], reps: int, samples: int = 5, warmup: int = 1, *,
