@@ -353,6 +353,19 @@ FLASH_CANDIDATES = (
 )
 
 
+def _step(load, fma):
+    """A device function ``step(X, Y, j, r, c, acc, a, b)``: ``load`` step j's fragments into
+    (a, b), then ``fma`` them into ``acc`` (the loops of :func:`_double_buffered`, one step at a
+    time)."""
+
+    @cuda.jit(device=True, inline="always")
+    def step(X, Y, j, r, c, acc, a, b):
+        load(X, Y, j, r, c, a, b)
+        fma(acc, a, b)
+
+    return step
+
+
 def _double_buffered(load, fma, n: int):
     """A device function ``run(X, Y, r, c, acc, a, b, a2, b2)`` adding ``fma(acc, fragments of
     step j)`` over steps j = 0 .. n - 1, where ``load(X, Y, j, r, c, a, b)`` fetches step j's
@@ -441,12 +454,7 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
             for i in range(TR):
                 s[i, j] += a_reg[i] * k_reg[j]
 
-    @cuda.jit(device=True, inline="always")
-    def s_step(QsT, KV, d, ra, kb, s, a_reg, k_reg):
-        """s += outer(Q[rows, d], K[keys, d])."""
-        s_load(QsT, KV, d, ra, kb, a_reg, k_reg)
-        s_fma(s, a_reg, k_reg)
-
+    s_step = _step(s_load, s_fma)  # s += outer(Q[rows, d], K[keys, d])
     s_dbuf = _double_buffered(s_load, s_fma, HD)
 
     @cuda.jit(device=True, inline="always")
@@ -479,12 +487,7 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
             for i in range(TO):
                 acc[i, c] += p_reg[i] * v_reg[c]
 
-    @cuda.jit(device=True, inline="always")
-    def pv_step(Ps, KV, j, ro, cc, acc, p_reg, v_reg):
-        """acc += outer(P[key j, rows], V[key j, cols])."""
-        pv_load(Ps, KV, j, ro, cc, p_reg, v_reg)
-        pv_fma(acc, p_reg, v_reg)
-
+    pv_step = _step(pv_load, pv_fma)  # acc += outer(P[key j, rows], V[key j, cols])
     pv_dbuf = _double_buffered(pv_load, pv_fma, BKV)
 
     @cuda.jit(device=True, inline="always")
