@@ -342,3 +342,49 @@ def test_the_runtime_never_writes_a_weight_or_input_of_a_training_step():
         mg = compile_memory_graph(g, int(working_set(g) * 0.25))
         offloaded = [v.tensor for v in mg.vertices if v.kind == "offload"]
         assert offloaded and all(g.tensors[t].kind is TensorKind.ACTIVATION for t in offloaded)
+
+
+class SpyBackends:
+    """``CudaBackend`` replaced by the simulated backend, recording the host-memory options of
+    every backend the product's sweeps make."""
+
+    def __init__(self, monkeypatch):
+        from vmstoolkit.exec.backends.sim import CostModel, SimBackend
+
+        self.made = []
+        cost = CostModel()
+
+        def make(values, **kw):
+            self.made.append(kw)
+            return SimBackend(cost, numerics=True, values=values)
+
+        monkeypatch.setattr(cuda_backend, "CudaBackend", make)
+        monkeypatch.setattr(cuda_backend, "measure_lower_bound", lambda mg, values: cost.lower_bound(mg))
+
+    def one_pool_closed(self, pin):
+        pools = {id(kw["pool"]) for kw in self.made}
+        assert len(self.made) > 1 and len(pools) == 1 and all(kw["pin"] == pin for kw in self.made)
+        assert self.made[0]["pool"].closed
+
+
+def test_the_offload_experiment_shares_one_pool_over_its_runs(monkeypatch):
+    import vmstoolkit.exec.experiment as experiment
+    from tests.exec.helpers import TINY
+
+    spy = SpyBackends(monkeypatch)
+    monkeypatch.setattr(experiment, "require_gpus", lambda n: None)
+    rows = experiment.run_offload_experiment("cuda", config=TINY, fractions=(1.0, 0.5), repeats=2)
+    assert all("makespan_s" in r for r in rows)
+    spy.one_pool_closed("in_place")  # its values are its own: pinned in place once
+
+
+def test_the_training_loop_shares_one_pool_over_its_steps(monkeypatch):
+    from vmstoolkit.exec.graph import LlamaConfig
+    from vmstoolkit.exec.train_experiment import run_train_experiment
+
+    spy = SpyBackends(monkeypatch)
+    cfg = LlamaConfig(n_blocks=1, seq=8, hidden=32, heads=4, kv_heads=2, ffn=48)
+    rows = run_train_experiment("cuda", "lora", ("0.5",), config=cfg, seq_range=(4, 16), steps=3, rank=4,
+                                check_grads=False, executors=("event-driven",))
+    assert len(rows) == 1
+    spy.one_pool_closed("register")  # a step's values are a new dict: registered, not replaced
