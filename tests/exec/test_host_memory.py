@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import vmstoolkit.exec.backends.cuda as cuda_backend
+from tests.exec.helpers import weighted_chain
 from vmstoolkit.errors import InvalidFreeError
 from vmstoolkit.exec.backends import host_memory
 from vmstoolkit.exec.backends.cuda import CudaBackend
@@ -24,7 +25,7 @@ from vmstoolkit.exec.backends.host_memory import PinFallbackWarning, PinnedPool
 from vmstoolkit.exec.compiler import compile_memory_graph, working_set
 from vmstoolkit.exec.errors import CudaCallError, ExecutionError, InvalidGraphError, InvalidOptionError
 from vmstoolkit.exec.executor import execute
-from vmstoolkit.exec.graph import TaskGraph, TensorKind, random_weights
+from vmstoolkit.exec.graph import TensorKind, random_weights
 from vmstoolkit.exec.ops import reference_forward
 
 
@@ -100,27 +101,9 @@ def sim_gpu(monkeypatch):
     return regions
 
 
-def chain(n: int = 8, width: int = 16) -> TaskGraph:
-    """Elementwise ops (fast in the simulator) over (8, width) weights and skip connections, so
-    that half the working set offloads activations and reloads weights."""
-    g = TaskGraph()
-    shape = (8, width)
-    acts = [g.tensor("x", shape, kind=TensorKind.INPUT)]
-    for i in range(n):
-        w = g.tensor(f"w{i}", shape, kind=TensorKind.WEIGHT)
-        y = g.tensor(f"t{i}", shape)
-        if i % 2:
-            g.add(f"add{i}", "residual_add", [acts[-1], w], [y], flops=8 * width)
-        else:
-            g.add(f"swiglu{i}", "swiglu", [acts[-1], acts[max(0, i - 3)]], [y], flops=40 * width)
-        acts.append(y)
-    g.outputs = [acts[-1], acts[n // 2]]
-    return g
-
-
 @pytest.fixture(scope="module")
 def case():
-    g = chain()
+    g = weighted_chain()
     values = random_weights(g, 0)
     mg = compile_memory_graph(g, int(working_set(g) * 0.5))
     assert mg.offloaded_bytes > 0 and mg.reloaded_bytes > 0  # slots and reloads are exercised

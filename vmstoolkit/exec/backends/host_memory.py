@@ -174,7 +174,8 @@ class CudaHostMemory:
         host = int(cu.CUmemorytype.CU_MEMORYTYPE_HOST)
         with cuda.gpus[self.gpu]:
             for addr in _first_last(array):
-                err, kind = cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr)
+                err, kind = cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                                     cu.CUdeviceptr(addr))
                 if err != cu.CUresult.CUDA_SUCCESS or int(kind) != host:
                     return False
         return True
