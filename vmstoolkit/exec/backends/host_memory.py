@@ -187,6 +187,10 @@ class CudaHostMemory:
             cuda.current_context().deallocations.clear()
 
 
+def _range(array: np.ndarray) -> tuple[int, int]:
+    return array.__array_interface__["data"][0], array.nbytes
+
+
 def _shaped(buf: np.ndarray, shape, dtype) -> np.ndarray:
     return buf.view(dtype).reshape(shape)
 
@@ -214,7 +218,7 @@ class PinnedPool:
         self.stats = PinnedStats()
         self._idle: dict[int, list[np.ndarray]] = {}  # byte size -> idle slot buffers (uint8)
         self._lent: dict[int, np.ndarray] = {}  # id(view handed out) -> its slot buffer
-        self._registered: dict[int, np.ndarray] = {}  # address -> the registered array (kept alive)
+        self._registered: dict[tuple[int, int], np.ndarray] = {}  # (address, bytes) -> the array (kept alive)
         self.closed = False
 
     @property
@@ -282,21 +286,21 @@ class PinnedPool:
     # -- caller values ----------------------------------------------------------------------
 
     def is_pinned(self, array: np.ndarray) -> bool:
-        return array.__array_interface__["data"][0] in self._registered or self.memory.is_pinned(array)
+        return _range(array) in self._registered or self.memory.is_pinned(array)
 
     def register(self, array: np.ndarray) -> str | None:
         """Page-lock ``array`` where it is, until :meth:`close` (the pool keeps it alive); a
-        second call for the same buffer does nothing. Returns ``None``, or why it could not
+        second call for the same range (address and size) does nothing. Returns ``None``, or why it could not
         (the CUresult name and message)."""
         self._open()
-        addr = array.__array_interface__["data"][0]
-        if addr in self._registered:
+        key = _range(array)
+        if key in self._registered:
             return None
         try:
             self.memory.register(array)
         except CudaCallError as e:
             return str(e)
-        self._registered[addr] = array
+        self._registered[key] = array
         self.stats.register_calls += 1
         self.stats.registered_bytes += array.nbytes
         return None
