@@ -17,22 +17,10 @@ import numpy as np
 import pytest
 
 from tests.exec.helpers import TINY, weighted_chain
-from vmstoolkit.errors import NoGPUError
-from vmstoolkit.pools import make_driver
+from tests.gpu.test_real_gpu import _gpu
 
 SHAPE = (2048, 8192)  # 64 MiB a tensor: host-memory changes of hundreds of MiB, far above RSS noise
 N_WEIGHTS = 8  # 512 MiB of weights, plus a 64 MiB input
-
-
-def _gpu() -> bool:
-    if os.environ.get("VMSTOOLKIT_REAL_GPU") != "1":
-        return False
-    try:
-        make_driver("cuda").close()
-        return True
-    except NoGPUError:
-        return False
-
 
 pytestmark = pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU and VMSTOOLKIT_REAL_GPU=1")
 
