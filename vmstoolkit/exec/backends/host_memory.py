@@ -68,7 +68,7 @@ from typing import Protocol
 
 import numpy as np
 
-from vmstoolkit.errors import InvalidFreeError
+from vmstoolkit.errors import InvalidFreeError, VmsError
 from vmstoolkit.exec.errors import CudaCallError, ExecutionError, InvalidGraphError, InvalidOptionError
 from vmstoolkit.exec.graph import TensorKind
 
@@ -83,9 +83,10 @@ PIN_MODES = ("copy", "in_place", "register")
 REGISTER_MIN_BYTES = 1 << 20
 
 
-class PinFallbackWarning(UserWarning):
+class PinFallbackWarning(VmsError, UserWarning):
     """``pin="register"`` copied some arrays instead of registering them (the message says which
-    and why)."""
+    and why). A member of the error family, like every exception vmstoolkit defines (raised as
+    one under ``warnings.simplefilter("error")``)."""
 
 
 @dataclass
