@@ -40,3 +40,20 @@ def random_graph(seed: int, n: int = 30, width: int = 16) -> TaskGraph:
         acts.append(y)
     g.outputs = [acts[-1], acts[n // 2]]
     return g
+
+
+def weighted_chain(n: int = 8, shape: tuple[int, int] = (8, 16)) -> TaskGraph:
+    """Elementwise ops only (fast in Numba's CUDA simulator) over weights and skip connections
+    of one shape, so that half the working set offloads activations and reloads weights."""
+    g = TaskGraph()
+    acts = [g.tensor("x", shape, kind=TensorKind.INPUT)]
+    for i in range(n):
+        w = g.tensor(f"w{i}", shape, kind=TensorKind.WEIGHT)
+        y = g.tensor(f"t{i}", shape)
+        if i % 2:
+            g.add(f"add{i}", "residual_add", [acts[-1], w], [y], flops=2 * shape[0] * shape[1])
+        else:
+            g.add(f"swiglu{i}", "swiglu", [acts[-1], acts[max(0, i - 3)]], [y], flops=5 * shape[0] * shape[1])
+        acts.append(y)
+    g.outputs = [acts[-1], acts[n // 2]]
+    return g

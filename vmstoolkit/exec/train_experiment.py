@@ -90,6 +90,9 @@ class _Sim:
         self.cost, self.seed, self.jitter, self.check = CostModel(), seed, jitter, check
         self.needs_values = check  # timing alone needs no numbers
 
+    def close(self) -> None:
+        pass
+
     def run(self, plan, executor, values, i):
         from vmstoolkit.exec.backends.sim import SimBackend
 
@@ -110,11 +113,20 @@ class _Cuda:
         self.check = check
         self.needs_values = True
         self._direct: dict[tuple[int, int], dict] = {}
+        self.pool = None  # PinnedPool: each bucket's weights registered once, slots pinned once
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
     def run(self, plan, executor, values, i):
         from vmstoolkit.exec.backends.cuda import CudaBackend, direct_forward, measure_lower_bound
+        from vmstoolkit.exec.backends.host_memory import PinnedPool
 
-        be = CudaBackend(values)
+        self.pool = self.pool or PinnedPool()
+        # register, not in place: a step's values are a new dict, so replacing its entries would pin the
+        # bucket's weights again every step; registered, they are pinned once
+        be = CudaBackend(values, pin="register", pool=self.pool)
         try:
             res = execute(plan.memory, be, executor)
             out = be.result()
@@ -226,9 +238,12 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
     else:
         raise InvalidOptionError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
     rows = []
-    for budget in resolved:
-        for ex in executors:
-            cache = PlanCache(cfg, variant, budget, rank=rank, adamw=adamw, recompute=recompute, **buckets)
-            recs = run_steps(cache, seqs, runner, ex, seed)
-            rows.append(summarize(budget, ex, variant, recs))
+    try:
+        for budget in resolved:
+            for ex in executors:
+                cache = PlanCache(cfg, variant, budget, rank=rank, adamw=adamw, recompute=recompute, **buckets)
+                recs = run_steps(cache, seqs, runner, ex, seed)
+                rows.append(summarize(budget, ex, variant, recs))
+    finally:
+        runner.close()
     return rows

@@ -1,6 +1,11 @@
 """CUDA backend: the Numba kernels on numba streams, one budgeted region per GPU, pinned host
 buffers, completions delivered to the asyncio loop by a host callback or by polling events.
 
+Host memory: weights, inputs and offload slots are pinned as ``pin=`` says (a copy, the
+caller's arrays replaced in place, or registered where they are) from a ``PinnedPool`` that
+successive backends may share (:mod:`~vmstoolkit.exec.backends.host_memory`, Note [Pinned host
+memory]).
+
 Importable without a GPU: numba.cuda, cuda-bindings and the kernels are imported when a backend
 is set up. Measured on the H200 by ``experiments/offload_gpu.py`` (``docs/results.md#offload-h200``).
 
@@ -28,9 +33,10 @@ import numpy as np
 
 from vmstoolkit.exec.backends.base import select_outputs
 from vmstoolkit.exec.backends.host_callbacks import HostCallbacks, raw_stream
+from vmstoolkit.exec.backends.host_memory import PIN_MODES, CudaHostMemory, PinnedPool
 from vmstoolkit.exec.backends.numba_exit import guard_library_unload
 from vmstoolkit.exec.errors import CudaCallError, InvalidOptionError
-from vmstoolkit.exec.graph import TaskGraph, TensorKind, random_weights
+from vmstoolkit.exec.graph import TaskGraph, random_weights
 
 SPIN_POLLS = 2000  # sleep(0) rounds before backing off; asyncio timers are 1 ms granular
 
@@ -56,14 +62,11 @@ def take_region(gpu: int, nbytes: int, peers: tuple[int, ...] = (), *, allocator
     return addr, release
 
 
-def pinned(shape, dtype) -> np.ndarray:
-    """A page-locked host array usable by every context (portable)."""
-    from numba import cuda
-
+def pinned(shape, dtype, gpu: int = 0) -> np.ndarray:
+    """A page-locked host array usable by every context (portable), allocated in ``gpu``'s,
+    freed when the array is collected (:class:`~vmstoolkit.exec.backends.host_memory.CudaHostMemory`)."""
     dtype = np.dtype(dtype)
-    nbytes = max(1, int(np.prod(shape)) * dtype.itemsize)
-    mem = cuda.current_context().memhostalloc(nbytes, mapped=False, portable=True)
-    return np.ndarray(shape=tuple(shape), dtype=dtype, buffer=mem)
+    return CudaHostMemory(gpu).alloc(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
 
 
 def random_host_values(graph: TaskGraph, seed: int = 0) -> dict[int, np.ndarray]:
@@ -136,21 +139,53 @@ class CudaBackend:
     """The :class:`~vmstoolkit.exec.backends.base.Backend` of a real GPU (module docstring)."""
 
     def __init__(self, values: dict[int, np.ndarray], *, notify: str = "poll", host: dict | None = None,
-                 allocator: str = "vms", allocator_options: dict | None = None):
-        """``notify``: ``"poll"`` (default: 7-13% shorter makespans than ``"callback"`` on the
+                 pin: str = "copy", pool: PinnedPool | None = None, allocator: str = "vms",
+                 allocator_options: dict | None = None):
+        """``values``: the host value of every weight and input, by tensor id.
+
+        ``notify``: ``"poll"`` (default: 7-13% shorter makespans than ``"callback"`` on the
         H200, where each host function holds its stream for a GIL hand-off;
-        ``docs/results.md#offload-h200``). ``host``: pinned host arrays by tensor id, kept
-        by the caller to share between runs of the same graph (pinning 13 GiB of weights takes
-        seconds); filled on first use. ``allocator`` and ``allocator_options``: the vmstoolkit
-        allocator each GPU's region comes from (:func:`take_region`), checked here by the
-        registry without a GPU (:class:`~vmstoolkit.errors.ConfigError` naming a bad one)."""
+        ``docs/results.md#offload-h200``).
+
+        Host memory (:mod:`~vmstoolkit.exec.backends.host_memory`, Note [Pinned host memory]):
+        ``pin`` says how ``values`` become pinned: ``"copy"`` (default: a pinned copy per
+        backend, ``values`` untouched, host memory doubled), ``"in_place"`` (entries of
+        ``values`` that are not pinned are *replaced* by pinned copies, once: the dict is
+        mutated), ``"register"`` (the arrays are page-locked where they are with
+        ``cuMemHostRegister``: no copy; arrays that cannot be are copied, with a
+        :class:`~vmstoolkit.exec.backends.host_memory.PinFallbackWarning`). ``pool``: a
+        :class:`~vmstoolkit.exec.backends.host_memory.PinnedPool` shared by successive backends
+        (offload slots and registrations are made once; the caller closes it); without one the
+        backend frees what it pinned when it closes. The runtime never writes a value: every
+        run starts from the same weights (a step's updates are new tensors, read back by
+        :meth:`result`).
+
+        ``host``: the older way to share pinned host arrays between runs of one graph (a dict
+        by tensor id the backend fills on first use and reads ever after: values changed later
+        are not seen); not with ``pool`` or another ``pin``.
+
+        ``allocator`` and ``allocator_options``: the vmstoolkit allocator each GPU's region
+        comes from (:func:`take_region`), checked here by the registry without a GPU
+        (:class:`~vmstoolkit.errors.ConfigError` naming a bad one)."""
         from vmstoolkit.pools.registry import check_allocator
 
         if notify not in ("callback", "poll"):
             raise InvalidOptionError(f"notify must be 'callback' or 'poll', not {notify!r}")
+        if pin not in PIN_MODES:
+            raise InvalidOptionError(f"pin must be one of {', '.join(map(repr, PIN_MODES))}, not {pin!r}")
+        if host is not None and (pool is not None or pin != "copy"):
+            raise InvalidOptionError("host= (pinned copies kept by the caller) cannot be combined with pool= or "
+                                     f"pin={pin!r}: a PinnedPool replaces it")
+        if pool is not None and pool.closed:
+            raise InvalidOptionError("this PinnedPool is closed; make a new one")
         self.values = values
         self.notify = notify
-        self._host: dict[int, np.ndarray] = {} if host is None else host
+        self.pin = pin
+        self._legacy = host
+        self.pool = pool if pool is not None else PinnedPool()
+        self._own_pool = pool is None
+        self._lent: list[np.ndarray] = []
+        self._host: dict[int, np.ndarray] = {}
         self.allocator = allocator
         self.allocator_options = check_allocator(allocator, dict(allocator_options or {}))
         self._release: list = []
@@ -172,15 +207,9 @@ class CudaBackend:
                 self.base.append(addr)
                 self._release.append(rel)
                 self.streams.append({k: cuda.stream() for k in ("compute", "h2d", "d2h")})
-        with cuda.gpus[0]:
-            for t in g.tensors:  # host copies: weights, inputs, and a slot for each offload
-                if t.kind is not TensorKind.ACTIVATION and t.id not in self._host:
-                    self._host[t.id] = pinned(t.shape, t.dtype)
-                    self._host[t.id][...] = self.values[t.id]
-            for v in mg.vertices:
-                if v.kind == "offload" and v.tensor not in self._host:
-                    t = g.tensors[v.tensor]
-                    self._host[v.tensor] = pinned(t.shape, t.dtype)
+        with cuda.gpus[0]:  # weights and inputs, and a slot for each offload
+            offloaded = list(dict.fromkeys(v.tensor for v in mg.vertices if v.kind == "offload"))
+            self._host = self.pool.place(g, offloaded, self.values, self.pin, self._lent, legacy=self._legacy)
         self._views: dict[int, object] = {}
         for b in mg.preloaded:
             with cuda.gpus[mg.buffers[b].gpu]:
@@ -282,6 +311,8 @@ class CudaBackend:
         return out
 
     def close(self) -> None:
+        """Wait for the GPUs, give each region back, then the host slots (to a shared pool, or
+        freed with a private one). Idempotent."""
         from numba import cuda
 
         for gpu, rel in enumerate(self._release):
@@ -289,6 +320,10 @@ class CudaBackend:
                 cuda.synchronize()
                 rel()
         self._release = []
+        lent, self._lent, self._host = self._lent, [], {}
+        self.pool.give_back(lent)
+        if self._own_pool:
+            self.pool.close()
 
 
 def op_seconds(graph: TaskGraph, vertex_seconds) -> dict[str, float]:
@@ -369,7 +404,7 @@ def copy_bandwidth(nbytes: int = 1 << 28, gpu: int = 0) -> dict[str, float]:
     from numba import cuda
 
     with cuda.gpus[gpu]:
-        h = pinned((nbytes,), np.uint8)
+        h = pinned((nbytes,), np.uint8, gpu)
         d = cuda.device_array(nbytes, np.uint8)
         s = cuda.stream()
         res = {}
