@@ -7,12 +7,11 @@ dx = dy w and dw = dy^T x of each (and of 4096^3). ``--set 1b`` takes the earlie
 1024-token shapes of experiments/results/gemm-h200/ instead; ``--set lora`` LoRA's rank-16 GEMMs
 (forward and backward) on the 7B block's projections, with the "skinny" rule's candidates.
 
-For each shape and candidate (variant, tile shape, split-K; and the choices of the two launch
-rules: "auto", the measured rule, "proposed", ``gemm.choose(rule="proposed")``, and for outputs
-16 wide "skinny")
+For each shape and candidate (variant, tile shape, split-K; and the choices of the launch rules:
+"proposed", ``gemm.choose(rule="proposed")``, every layout's, and for outputs 16 wide "skinny")
 prints the time, TFLOP/s, the percentage of cuBLAS fp32 (torch.matmul, TF32 off, timed in the
 same run) and the max relative error against it (max |ours - cuBLAS| / max |cuBLAS|); then one
-summary line per shape (cuBLAS, both rules and the best candidate) and a table of every
+summary line per shape (cuBLAS, the proposed rule and the best candidate) and a table of every
 candidate's % of cuBLAS per shape. A ragged problem
 per layout (no dimension a multiple of a tile) checks every candidate's bounds-checked paths on
 the hardware first, which also compiles it; registers and local memory per thread are printed.
@@ -21,7 +20,7 @@ Timing: CUDA events around REPS back-to-back launches (so the ~10-30 us host cos
 launch overlaps the kernels instead of being timed); the best of SAMPLES such batches, after
 warm-up (the median is in the JSON too); cuBLAS is timed the same way. Time-bounded: shapes run
 in the order above and whatever is left when ``--budget-s`` (default 270 s) has passed is
-skipped and listed; about 25 kernel builds of 1-5 s each and ~15 shapes fit in it on an H200.
+skipped and listed; sweep 5 (8 candidates, 15 shapes) took 265 s on an H200.
 
     python3 experiments/gemm_sweep.py --out DIR            # writes DIR/gemm_sweep.json
     python3 experiments/gemm_sweep.py --out DIR --quick    # forward shapes only
@@ -95,26 +94,19 @@ RAGGED = (1001, 517, 1027)  # correctness of the edge paths only (and the builds
 RAGGED_SKINNY = {"fwd": (1001, 13, 1027), "dx": (1001, 1027, 13), "dw": (1027, 13, 1001)}
 LAYOUT = {"fwd": "nn", "dx": "nt", "dw": "tt"}
 
-W64 = G.WARP_TILES[2]  # 128x128x16/8x16 w64x64: variant 3's best measured shape (79% at 4096^3)
 CANDIDATES = [  # (variant, tiles[, splits]); a rule's name: that launch rule's choice
-    ("auto", None),  # the measured rule (the launchers' for "nt" / "tt"; G.RULE_BY_LAYOUT)
-    ("proposed", None),  # variant 5 on G.PROPOSED_TILES, split k when few tiles (the launcher's for "nn")
-    (3, W64),  # variant 3 on the same tiles: the control for variants 5, 7-9
-    # interior-tile instructions per FFMA in nn (sass_report.py gemm --hot): v5 1.165, v7 1.141,
-    # v8 1.139, v9 1.118 (cuBLAS executes 1.139); see gemm.py's docstring for nt / tt
-    (7, G.PROPOSED_TILES),  # 4 k steps per fragment-loop trip
-    (8, G.PROPOSED_TILES),  # flat-index fetches of interior tiles
-    (9, G.PROPOSED_TILES),  # both
+    ("proposed", None),  # the launchers' rule in every layout (G.RULE_BY_LAYOUT)
+    (3, G.PROPOSED_TILES),  # variant 3 on the same tiles: the control for variant 5's fragments
 ]
-# for outputs under 3/4 of a wave of 128 x 128 tiles (two per SM): variants 8 and 9 with the
-# proposed rule's split of k in 2 (variant 5's is timed as "proposed"); 8 candidates at most
-SPLIT_CANDIDATES = [(8, G.PROPOSED_TILES, 2), (9, G.PROPOSED_TILES, 2)]
+# for outputs under 3/4 of a wave of 128 x 128 tiles (two per SM): the unsplit launch beside the
+# rule's split one
+SPLIT_CANDIDATES = [(5, G.PROPOSED_TILES, 1)]
 REPS = 5  # launches per timed batch
 SAMPLES = 7  # batches; the best is reported
 
 
 def label(v, t, splits=None) -> str:
-    if v in G.RULES + ("auto",):
+    if v in G.RULES:
         return v
     return f"v{v} {t.label()}" + (f" split{splits}" if splits and splits > 1 else "")
 
@@ -184,8 +176,8 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
             continue
         v, t, splits = (tuple(cand) + (None,))[:3]
         lab = label(v, t, splits)
-        if v in ("auto",) + G.RULES:  # a launch rule's choice, recorded as what it ran
-            auto = G.choose(out_m, out_n, red, rule="measured" if v == "auto" else v)
+        if v in G.RULES:  # a launch rule's choice, recorded as what it ran
+            auto = G.choose(out_m, out_n, red, rule=v)
             lab = f"{v} = " + label(auto.variant, auto.tiles, auto.splits)
             v, t, splits = auto.variant, auto.tiles, auto.splits
         try:
@@ -226,15 +218,14 @@ def candidates_for(kind: str, dims) -> list:
     few = 4 * (-(-out_m // 128) * -(-out_n // 128)) < 3 * G.SPLIT_TARGET_BLOCKS  # < 3/4 wave of big tiles
     skinny = G.rule_launch(out_m, out_n, red, rule="skinny")
     if skinny != G.rule_launch(out_m, out_n, red, rule="proposed"):
-        # a 16-wide output (LoRA): the rules, the skinny tiles with half the splits, and with
-        # flat-index fetches (variant 8); the 128 x 128 candidates would be 7/8 padding
-        return [("auto", None), ("proposed", None), ("skinny", None),
-                (skinny.variant, skinny.tiles, max(1, skinny.splits // 2)), (8, skinny.tiles, skinny.splits)]
+        # a 16-wide output (LoRA): the rules and the skinny tiles with half the splits; the
+        # 128 x 128 candidates would be 7/8 padding
+        return [("proposed", None), ("skinny", None), (skinny.variant, skinny.tiles, max(1, skinny.splits // 2))]
     return CANDIDATES + (SPLIT_CANDIDATES if few else [])
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per shape: cuBLAS, both rules' choices and the best candidate."""
+    """Per shape: cuBLAS, the proposed rule's choice and the best candidate."""
     out = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
         timed = [r for r in rows if r["shape"] == shape and "ms" in r]
@@ -242,10 +233,8 @@ def summary(rows: list[dict]) -> list[dict]:
             out.append({"shape": shape, "skipped": True})
             continue
         best = min(timed, key=lambda r: r["ms"])
-        auto = next((r for r in timed if r["config"].startswith("auto")), None)
         prop = next((r for r in timed if r["config"].startswith("proposed")), None)
         out.append({"shape": shape, "cublas_tflops": best["cublas_tflops"],
-                    "auto": auto and {"config": auto["config"], "pct_of_cublas": auto["pct_of_cublas"]},
                     "proposed": prop and {"config": prop["config"], "pct_of_cublas": prop["pct_of_cublas"]},
                     "best": {"config": best["config"], "tflops": best["tflops"],
                              "pct_of_cublas": best["pct_of_cublas"]}})
@@ -297,7 +286,7 @@ def main():
         if args.set == "lora":
             dims = RAGGED_SKINNY[kind]
             res["ragged"] += run_shape(f"ragged {kind} {'x'.join(map(str, dims))}", kind, dims,
-                                       candidates_for(kind, dims)[2:], False, deadline)
+                                       candidates_for(kind, dims)[1:], False, deadline)
         for v, t in dict.fromkeys((c[0], c[1]) for c in cands if c[1] is not None):
             info = kernel_resources(v, t, LAYOUT[kind])
             res["kernels"][f"{label(v, t)} {LAYOUT[kind]}"] = info
@@ -311,14 +300,13 @@ def main():
         say(f"  ({time.time() - t0:.0f} s)")
 
     res["summary"] = summary(res["gemm"])
-    say("== per shape: cuBLAS, the two rules' choices, the best candidate (% of cuBLAS fp32)")
+    say("== per shape: cuBLAS, the proposed rule's choice, the best candidate (% of cuBLAS fp32)")
     for s in res["summary"]:
         if s.get("skipped"):
             say(f"  {s['shape']:<30} skipped (time budget)")
             continue
-        a, p = s["auto"], s["proposed"]
-        say(f"  {s['shape']:<30} cuBLAS {s['cublas_tflops']:6.2f} TFLOP/s  auto "
-            f"{a['pct_of_cublas'] if a else float('nan'):5.1f}%  proposed "
+        p = s["proposed"]
+        say(f"  {s['shape']:<30} cuBLAS {s['cublas_tflops']:6.2f} TFLOP/s  proposed "
             f"{p['pct_of_cublas'] if p else float('nan'):5.1f}%  best {s['best']['pct_of_cublas']:5.1f}% "
             f"({s['best']['config']})")
     say("== % of cuBLAS fp32, candidate x shape (columns: the shapes above, in order)")

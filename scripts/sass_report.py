@@ -240,9 +240,8 @@ def gemm_reports(args) -> list[Report]:
     if args.tiles:
         cands = [(args.variant, parse_tiles(t)) for t in args.tiles]
     else:
-        cands = [(3, t) for t in G.V3_TILES] + [(4, G.BIG_TILES_V4)]
-        cands += [(v, t) for t in G.WARP_TILES for v in ((3, 4) if t.threads > 128 else (3,))]
-        cands += [(v, t) for t in G.V5_TILES for v in sorted(G.FRAG_STEPS)]
+        cands = [(3, G.SMALL_TILES)] + [(5, t) for t in G.V5_TILES]  # what the launch rules run
+        cands += [(G.SKINNY_VARIANT, G.SKINNY_N_TILES), (G.SKINNY_VARIANT, G.SKINNY_M_TILES)]
     out = []
     for layout in args.layout:
         for v, t in dict.fromkeys(cands):
@@ -257,9 +256,9 @@ def gemm_reports(args) -> list[Report]:
 
 
 def _fma_trips(G, v: int, t) -> int:
-    """Trips of the FMA loop per k slice: variants 3, 4 take 4 k steps per trip, the
-    double-buffered ones FRAG_STEPS[v] (the rest of the slice unrolled)."""
-    return (t.bk - 1) // G.FRAG_STEPS[v] if v in G.FRAG_STEPS else t.bk // 4
+    """Trips of the FMA loop per k slice: variant 3 takes 4 k steps per trip, the
+    double-buffered variant 2 (the rest of the slice unrolled)."""
+    return (t.bk - 1) // 2 if v in G.FRAG_DB_VARIANTS else t.bk // 4
 
 
 def parse_flash_tiles(text: str):

@@ -17,8 +17,7 @@ Register blocking: a block of ``(bm // tm) * (bn // tn)`` threads computes a ``b
 Each k step stages a ``bk``-deep slice of A and of B in shared memory (k-major) and every thread
 accumulates a ``tm x tn`` micro-tile in registers: ``tm + tn`` shared loads per ``tm * tn`` FMAs.
 
-Pipeline (the measured winner, ``gemm_v3`` / ``gemm_v4`` of issue 5; the simpler ``v1`` / ``v2``
-were slower at every H200 shape and are gone, see ``experiments/results/gemm-h200/``):
+Pipeline (issue 5's measured winner, kept by every variant since):
 
 * two shared buffers; the next k slice is fetched from global memory into registers while the
   current one is multiplied, then stored into the other buffer: one barrier per k step and the
@@ -42,43 +41,33 @@ per FFMA), 126 registers, no spills: two 256-thread blocks per SM. (The FMA loop
 over the micro-tile: with row-major order the same PTX needs 128 registers and spills 128 bytes
 under ptxas 13.0; offline, sm_90.)
 
-Variants: ``3`` caps registers for two blocks per SM, ``4`` does not (one block per SM, for
-deeper k slices whose capped build would spill). ``5`` is ``3`` with the shared-to-register
-fragments double-buffered: k step ``k + 1``'s fragments load into a second set of registers
-before step ``k``'s FMAs issue, and a slice's last step multiplies after the barrier, while the
-next slice's first fragments load (H200 run4: 80-82.5% of cuBLAS at the 7B block's forward
-shapes, against variant 3's 73-79.6% on the same tiles). Why: ncu on the H200 at 4096^3
-(``experiments/results/kernels-h200/run3-ncu/``) shows variant 3's best shape (4 warps of 64x64,
-two blocks per SM: two warps per scheduler) executing as many instructions as cuBLAS but with no
-warp ready 28% of cycles against cuBLAS's 10%; in its SASS the first LDS of each 4-step trip is
-read 5 instructions after it issues, so the warp waits for shared memory at every trip. In
-variant 5 every LDS is read at least 33 instructions later (median 79), at the cost of 24
-registers (246 at that shape, no spill) and 1.086 instead of 1.072 instructions per FFMA in the
-FMA loop (``scripts/sass_report.py``).
+Variants: ``3`` caps registers for two blocks per SM (the small-tile path: outputs under half an
+SM's worth of 128 x 128 tiles). ``5`` is ``3`` with the shared-to-register fragments
+double-buffered: k step ``k + 1``'s fragments load into a second set of registers before step
+``k``'s FMAs issue, and a slice's last step multiplies after the barrier, while the next slice's
+first fragments load. Why: ncu on the H200 at 4096^3 (``experiments/results/kernels-h200/run3-ncu/``)
+shows variant 3's best shape (4 warps of 64x64, two blocks per SM: two warps per scheduler)
+executing as many instructions as cuBLAS but with no warp ready 28% of cycles against cuBLAS's
+10%; in its SASS the first LDS of each 4-step trip is read 5 instructions after it issues, so the
+warp waits for shared memory at every trip. In variant 5 every LDS is read at least 33
+instructions later (median 79 / 70 / 86 in the nn / nt / tt layouts), at the cost of 24 registers
+(246 / 236 / 223 at that shape, no spill) and 1.086 instead of 1.072 instructions per FFMA in the
+FMA loop (``scripts/sass_report.py``). H200, sweep 5 (``experiments/results/gemm-h200/run5/``):
+79.7-82.4% of cuBLAS fp32 at the 7B block's forward shapes, 78.9-89.1% at its backward ones.
 
-Variants 7-9 (offline, not yet timed) cut what an interior tile executes besides its FFMAs
-(``sass_report.py gemm --hot``: instructions per FFMA over an interior tile's pair of k slices at
-128x128x16/8x16 w64x64, nn / nt / tt; cuBLAS executes 1.139 at 4096^3 by ncu):
-
-* ``5``: 1.165 / 1.145 / 1.133; the 2-step fragment loop spends 10 instructions per trip on its
-  counter, and each slice recomputes every fetched row's 64-bit address (ptxas rematerialises
-  them rather than hold 8 address pairs at 246 registers);
-* ``7``: ``5`` with 4 k steps per trip of the fragment loop (the slice's other 3 steps unrolled
-  after it): 1.141 / 1.120 / 1.111, but an LDS read 25 / 10 / 33 instructions after it issues;
-* ``8``: ``5`` fetching interior tiles by flat indices from one base per operand, its vectors at a
-  uniform stride: 1.139 / 1.142 / 1.132, every LDS read >= 33 instructions on (the gain is the
-  nn layout's, whose two operands are both fetched along k);
-* ``9``: ``7`` and ``8`` together: 1.118 / 1.117 / 1.111, an LDS read 17 / 10 / 33 instructions on.
-
-In every layout variant 5 keeps the same hot-loop quality (246 / 236 / 223 registers, no spill,
-every LDS read >= 33 instructions on, median 79 / 70 / 86): the backward layouts need no fix.
+Gone, each slower on the H200 than what stayed (``experiments/results/gemm-h200/``): ``1`` and ``2``
+(issue 5's first kernels); ``4`` (``3`` without the register cap, one block per SM: the old rule's
+choice for one to three waves); ``6`` (``5`` with whole slices unrolled, bk 8); ``7`` (4 k steps
+per fragment-loop trip), ``8`` (interior tiles fetched by flat indices) and ``9`` (both): fewer
+instructions per FFMA offline (1.118-1.141 against 1.165), within -2.3 / +1.2 points of ``5`` on
+the GPU, so not worth their code.
 
 Warp tiling is a property of the tile shape
 (``GemmTiles.wm`` / ``wn``): the block's threads are grouped by warp, each warp covering a
 ``wm x wn`` sub-tile with its 32 threads' micro-tiles strided inside it instead of across the
 whole block tile. A warp then reads fewer distinct shared-memory words per load (e.g. 8 + 4
 float4 instead of 2 + 16 at 128x128/8x8 with 32x64 warp tiles). ``WARP_TILES`` are candidates
-that ``experiments/gemm_sweep.py`` measures; the launcher does not use them until they win there.
+that won on the H200 (the proposed rule's tiles).
 
 Split-K: with ``splits`` > 1 each output tile's k slices are shared among that many blocks, which
 add their partial tiles atomically into C (zeroed, or set to ``acc``, by the launcher first).
@@ -198,19 +187,15 @@ def _operand_map(trans: bool, rows: int, bk: int, nt: int):
 
 @lru_cache(maxsize=None)
 def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumulate: bool = False,
-              blocks_per_sm: int = 2, frag_db: bool = False, steps: int = 2, edge_checks: bool = True,
-              flat: bool = False):
+              blocks_per_sm: int = 2, frag_db: bool = False, edge_checks: bool = True):
     """The kernel ``kernel(a, b, acc_in, c, split_steps)`` computing ``c = [acc_in +] A @ B`` for
     the layouts in the module docstring; ``split_steps`` k slices per block along grid z.
-    ``frag_db``: double-buffer the shared-to-register fragments (variant 5, module docstring);
-    ``steps``: with ``frag_db``, k steps per trip of the fragment loop (even; 2: variant 5, 4:
-    variant 7), the slice's remaining steps unrolled after it. ``flat``: interior tiles fetch
-    by flat indices from one per-thread base per operand (variants 8, 9). ``edge_checks=False`` drops the
+    ``frag_db``: double-buffer the shared-to-register fragments (variant 5, module docstring),
+    two k steps per trip of the fragment loop, the slice's remaining steps unrolled after it.
+    ``edge_checks=False`` drops the
     bounds-checked fetch: only for ``scripts/sass_report.py``'s interior-tile (hot path) build,
     wrong on any tile not wholly inside the matrices."""
     t.check()
-    if steps < 2 or steps % 2:
-        raise KernelError(f"steps={steps}: the fragment loop takes an even number (>= 2) of k steps per trip")
     BM, BN, BK, TM, TN = t.bm, t.bn, t.bk, t.tm, t.tn
     NT = t.threads
     GM, GN = t.group_tile  # rows / columns of one interleaved group of threads
@@ -224,9 +209,9 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     AV, AG, APER, ASTR = _operand_map(a_trans, BM, BK, NT)
     BV, BG, BPER, BSTR = _operand_map(b_trans, BN, BK, NT)
     A_LOADS, B_LOADS = AV * AG, BV * BG  # elements of A and of B per thread per slice
-    AT, BT, ACC, FDB, EDGE, FLAT = a_trans, b_trans, accumulate, frag_db, edge_checks, flat
-    # the fragment loop: TRIPS trips of STEPS k steps, then TAIL (odd: BK - 1 is) unrolled steps
-    STEPS = steps
+    AT, BT, ACC, FDB, EDGE = a_trans, b_trans, accumulate, frag_db, edge_checks
+    # the fragment loop: TRIPS trips of STEPS k steps, then the rest (odd: BK - 1 is) unrolled
+    STEPS = 2
     TRIPS = (BK - 1) // STEPS
     LOOP_K = TRIPS * STEPS
     # The simulator accepts neither option; alignment only matters to the vectoriser anyway.
@@ -277,35 +262,15 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         load_frags(As, Bs, buf, kk + uint64(2), ra, cb, a0, b0)
         fma_frags(acc, a1, b1)
 
-    def trip_steps(h: int):
-        """Steps 2h .. STEPS-1 of one loop trip from kk: a chain of inlined ``two_steps`` with
-        constant offsets (NVVM does not unroll a loop of 256 FMAs)."""
-        if 2 * h == STEPS:
-            @cuda.jit(device=True, inline="always")
-            def trip_done(As, Bs, buf, kk, ra, cb, acc, a0, b0, a1, b1):
-                return
-
-            return trip_done
-        nxt, off = trip_steps(h + 1), 2 * h
-
-        @cuda.jit(device=True, inline="always")
-        def trip(As, Bs, buf, kk, ra, cb, acc, a0, b0, a1, b1):
-            two_steps(As, Bs, buf, kk + uint64(off), ra, cb, acc, a0, b0, a1, b1)
-            nxt(As, Bs, buf, kk, ra, cb, acc, a0, b0, a1, b1)
-
-        return trip
-
-    one_trip = trip_steps(0)
-
     @cuda.jit(device=True, inline="always")
     def multiply_db(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1):
-        """Variants 5, 7: k = 0 .. BK-2 of shared buffer ``buf``, each step's FMAs issued after the
+        """Variant 5: k = 0 .. BK-2 of shared buffer ``buf``, each step's FMAs issued after the
         next step's fragment loads, STEPS steps per loop trip and the rest unrolled. On entry
         (a0, b0) hold k = 0's fragments; on return (a1, b1) hold k = BK-1's, whose FMAs the caller
         issues after the barrier (so that the loads of the next slice's first fragments overlap
         them)."""
         for k0 in range(0, LOOP_K, STEPS):
-            one_trip(As, Bs, buf, uint64(k0), ra, cb, acc, a0, b0, a1, b1)
+            two_steps(As, Bs, buf, uint64(k0), ra, cb, acc, a0, b0, a1, b1)
         tail_steps(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1)
 
     @cuda.jit(device=True, inline="always")
@@ -316,7 +281,7 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
 
     @cuda.jit(device=True, inline="always")
     def multiply_plain(As, Bs, buf, ra, cb, acc, a_reg, b_reg, a_nx, b_nx):
-        """Variants 3, 4: acc += the product of the slices in shared buffer ``buf``, 4 k columns
+        """Variant 3: acc += the product of the slices in shared buffer ``buf``, 4 k columns
         per trip (``a_nx``, ``b_nx`` unused)."""
         for k4 in range(0, BK, 4):
             kk = uint64(k4)
@@ -327,7 +292,7 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
 
     @cuda.jit(device=True, inline="always")
     def after_barrier_db(As, Bs, nbuf, ra, cb, acc, a0, b0, a1, b1):
-        """Variants 5, 7, after a slice's barrier: the next slice's first fragments (stale and
+        """Variant 5, after a slice's barrier: the next slice's first fragments (stale and
         unused after the last slice) load from buffer ``nbuf`` while the slice's last step
         multiplies: one basic block, no branch between."""
         load_frags(As, Bs, nbuf, uint64(0), ra, cb, a0, b0)
@@ -339,18 +304,6 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
 
     multiply = multiply_db if frag_db else multiply_plain
     after_barrier = after_barrier_db if frag_db else after_barrier_plain
-
-    if simulating():  # the simulator checks each index against its dimension
-        @cuda.jit(device=True, inline="always")
-        def flat_get(src, i):
-            """``src``'s element at flat index ``i`` (C order)."""
-            return src[i // uint64(src.shape[1]), i % uint64(src.shape[1])]
-    else:
-        @cuda.jit(device=True, inline="always")
-        def flat_get(src, i):
-            """``src``'s element at flat index ``i`` (C order): row 0, column ``i`` (kernels do no
-            bounds checks; ``reshape()`` would call a host helper)."""
-            return src[uint64(0), i]
 
     @cuda.jit(device=True, inline="always")
     def fetch_origin(trans, per, vw, tid):
@@ -365,17 +318,6 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         """reg <- this thread's ng vectors of vw elements of the (rows_tile x BK) slice at
         (r0, k0): row fr (+ g * stride for "n"), k fk (+ g * stride for "t"); zero outside."""
         if not EDGE or (r0 + uint64(rows_tile) <= n_rows and k0 + uint64(BK) <= K):  # whole slice inside
-            if FLAT:  # one 64-bit base per operand, vectors g at a uniform stride from it
-                if trans:  # src (K, rows): element (k, r) at k * n_rows + r
-                    base = (k0 + fk) * n_rows + r0 + fr
-                    step = uint64(stride) * n_rows
-                else:  # src (rows, K)
-                    base = (r0 + fr) * K + k0 + fk
-                    step = uint64(stride) * K
-                for g in range(ng):
-                    for e in range(vw):
-                        reg[g * vw + e] = flat_get(src, base + uint64(g) * step + uint64(e))
-                return
             for g in range(ng):
                 for e in range(vw):
                     if trans:
@@ -426,7 +368,7 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         acc = cuda.local.array((TM, TN), float32)  # (tm, tn)
         a_reg = cuda.local.array(TM, float32)
         b_reg = cuda.local.array(TN, float32)
-        a_nx = cuda.local.array(TM, float32)  # variants 5, 7: the next k's fragments
+        a_nx = cuda.local.array(TM, float32)  # variant 5: the next k's fragments
         b_nx = cuda.local.array(TN, float32)
         a_pf = cuda.local.array(A_LOADS, float32)  # this thread's share of the next A slice
         b_pf = cuda.local.array(B_LOADS, float32)  # and of the next B slice
@@ -448,7 +390,7 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         fetch(a, b, m0, n0, s0 * uint64(BK), M, N, K, fa, ka, fb, kb, a_pf, b_pf)
         stash(As, Bs, 0, fa, ka, fb, kb, a_pf, b_pf)
         cuda.syncthreads()
-        if FDB:  # variants 5, 7: the first slice's first fragments
+        if FDB:  # variant 5: the first slice's first fragments
             load_frags(As, Bs, 0, uint64(0), ra, cb, a_reg, b_reg)
         # Two k slices per trip so that the buffer indices are constants: slice s0 + i is in
         # buffer i % 2. A buffer is overwritten only after the barrier that ends the step reading it.
@@ -485,42 +427,20 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     return gemm_kernel
 
 
-def make_gemm_v3(t: GemmTiles, blocks_per_sm: int = 2):
-    """The forward (n/n) kernel with registers capped for ``blocks_per_sm`` blocks per SM."""
-    return make_gemm(t, blocks_per_sm=blocks_per_sm)
-
-
-def make_gemm_v4(t: GemmTiles):
-    """The forward kernel without the register cap: one 256-thread block per SM, no spills at 8 x 8."""
-    return make_gemm(t, blocks_per_sm=1)
+def make_gemm_v3(t: GemmTiles):
+    """The kernel with registers capped for two blocks per SM."""
+    return make_gemm(t, blocks_per_sm=2)
 
 
 def make_gemm_v5(t: GemmTiles):
-    """The forward kernel with double-buffered fragments, registers capped for two blocks per SM."""
+    """The kernel with double-buffered fragments, registers capped for two blocks per SM."""
     return make_gemm(t, blocks_per_sm=2, frag_db=True)
 
 
-def make_gemm_v7(t: GemmTiles):
-    """Variant 5 with 4 k steps per trip of the fragment loop (half its loop overhead)."""
-    return make_gemm(t, blocks_per_sm=2, frag_db=True, steps=4)
-
-
-def make_gemm_v8(t: GemmTiles):
-    """Variant 5 fetching interior tiles by flat indices from one base per operand."""
-    return make_gemm(t, blocks_per_sm=2, frag_db=True, flat=True)
-
-
-def make_gemm_v9(t: GemmTiles):
-    """Variant 7 fetching interior tiles by flat indices (variants 7 and 8 together)."""
-    return make_gemm(t, blocks_per_sm=2, frag_db=True, steps=4, flat=True)
-
-
-BLOCKS_PER_SM = {3: 2, 4: 1, 5: 2, 7: 2, 8: 2, 9: 2}  # variant -> the blocks per SM its register cap allows
-FRAG_STEPS = {5: 2, 7: 4, 8: 2, 9: 4}  # double-buffered variants -> k steps per trip of the fragment loop
-VARIANTS = {3: make_gemm_v3, 4: make_gemm_v4, 5: make_gemm_v5, 7: make_gemm_v7, 8: make_gemm_v8,
-            9: make_gemm_v9}
-FLAT_VARIANTS = (8, 9)  # variants whose interior tiles fetch by flat indices
-SPLIT_K_VARIANTS = (3, 4, 5, 7, 8, 9)  # every variant takes the split-K argument
+BLOCKS_PER_SM = {3: 2, 5: 2}  # variant -> the blocks per SM its register cap allows
+VARIANTS = {3: make_gemm_v3, 5: make_gemm_v5}
+FRAG_DB_VARIANTS = (5,)  # variants whose shared-to-register fragments are double-buffered
+SPLIT_K_VARIANTS = (3, 5)  # every variant takes the split-K argument
 
 
 @dataclass(frozen=True)
@@ -532,67 +452,23 @@ class GemmLaunch:
     splits: int = 1
 
 
-# The measured rule ("measured", the backward layouts' launcher), from experiments/gemm_sweep.py on
-# the H200 (experiments/results/gemm-h200/;
-# % of cuBLAS fp32 with TF32 off; blocks of 128 x 128 tiles in brackets):
-#                      4096^3 [1024]  1024x2048x2048 [128]  1024x5632x2048 [352]  1024x2048x5632 [128]  1024x512x2048 [32]
-#   v3 128x128x8/8x8       61.4             55.6                 44.0                  53.2                 18.4
-#   v4 128x128x16/8x8      57.8             60.3                 55.1                  57.1                 19.9
-#   v3 64x64x16/4x4        44.1             46.4                 44.7                  43.1                 46.7
-#    same, split-K 2 / 3 / 4                                                                        50.0 / 39.3 / 48.9
-# v3 at 128 x 128 (two blocks per SM) wins when there are several waves of blocks; v4 (one
-# deeper-k block per SM) when there are about one to three; below that the tiles must shrink,
-# and 64 x 64 tiles still leave a 1024 x 512 output at 128 blocks of 8 warps: split-K
-# multiplies the blocks (partial tiles added atomically into a zeroed y). Two blocks per SM
-# (rounding the split count down) measured best: 3 splits leave 384 blocks, 2.9 per SM.
-# The backward layouts (n/t, t/t) follow this rule until gemm_sweep.py measures them apart; the
-# forward follows the proposed rule below (RULE_BY_LAYOUT).
-BIG_TILES_V3 = GemmTiles(bm=128, bn=128, bk=8, tm=8, tn=8)
-BIG_TILES_V4 = GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=8)
-SMALL_TILES = GemmTiles(bm=64, bn=64, bk=16, tm=4, tn=4)
 SM_COUNT = 132  # the H200's; it only sets the thresholds below
 SPLIT_TARGET_BLOCKS = 2 * SM_COUNT  # split k up to this many blocks (two per SM)
+# The small-tile path, for outputs under half an SM's worth of 128 x 128 tiles: variant 3 on 64 x 64
+# tiles (96 registers), k split until about SPLIT_TARGET_BLOCKS blocks, each split at least
+# MIN_SMALL_SLICES slices deep; partial tiles are added atomically into a zeroed y. H200
+# (experiments/results/gemm-h200/, 1024 x 512 x 2048): 44-47% of cuBLAS unsplit, 50.0% split 2
+# (two blocks per SM; rounding the split count down measured best: 3 splits left 384 blocks).
+SMALL_TILES = GemmTiles(bm=64, bn=64, bk=16, tm=4, tn=4)
+MIN_SMALL_SLICES = 8
 
-# Candidates that experiments/gemm_sweep.py times (registers per thread for sm_90, ptxas -v).
-V3_TILES = (
-    BIG_TILES_V3,  # v3: 126 registers, 2 blocks per SM
-    BIG_TILES_V4,  # v4: 161 registers (v3 would spill)
-    GemmTiles(bm=64, bn=128, bk=8, tm=4, tn=8),  # 105 registers
-    GemmTiles(bm=128, bn=64, bk=8, tm=8, tn=4),  # 109 registers
-    SMALL_TILES,  # 96 registers
-    GemmTiles(bm=64, bn=64, bk=32, tm=4, tn=4),  # 108 registers, 34 KiB shared memory
-)
-# Warp-tiled candidates of variants 3 and 4. Registers from ptxas -v for sm_90 offline
-# (CUDA 13.0 NVVM; the V3_TILES figures above came from 12.9 and differ by a few), forward layout.
-# NVVM turns 20 of the 32 runs of 4 shared loads per k slice pair into 128-bit loads here, against
-# 28 of 32 for V3_TILES' 8x8 shapes: it leaves some B runs scalar (same PTX whatever the order of
-# the loads or of the FMA loops), which costs up to 3 instructions per 64 FMAs.
-WARP_TILES = (
-    # v3's two big shapes with 8 warps of 32x64: per k a warp reads 8 + 4 float4 (1 + 1
-    # shared-memory wavefronts) instead of 2 + 16 (1 + 2). bk 8: v3 128 registers (28 B spilled),
-    # v4 126; bk 16: v3 128 (no spill), v4 139.
-    GemmTiles(bm=128, bn=128, bk=8, tm=8, tn=8, wm=32, wn=64),
-    GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=8, wm=32, wn=64),
-    # 4 warps of 64x64, 8x16 outputs per thread (the shape of the public SIMT write-up's best
-    # kernel): 128 FMAs per 24 operands loaded, 16 global loads per thread per slice; 254
-    # registers, no spill, two 128-thread blocks per SM. H200 (ncu, 2026-12-01, 4096^3): v3 3.43
-    # ms, 79% of cuBLAS, the best measured; a warp has no instruction ready 28% of cycles.
-    GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=16, wm=64, wn=64),
-    # 4 warps of 64x32 over a 128x64 tile: twice the blocks, for outputs of a few waves; 162 registers.
-    GemmTiles(bm=128, bn=64, bk=16, tm=8, tn=8, wm=64, wn=32),
-)
-
-
-# Variant 5's candidates (offline, sm_90, ptxas 13.0). Figures: registers for the nn / nt / tt
-# layouts (none spills), the inner FMA loop's SASS instructions per FFMA, and the fewest
-# instructions between an LDS and the first FFMA using what it loaded (sass_report.py's "LDS ->
-# first use"; LDS latency is ~30 cycles). Variant 3 at this shape: 254 registers, 1.072
-# instructions per FFMA, an LDS used 5 instructions after it issues (loop top).
-# 4 warps of 64x64, 8x16 per thread: 246 / 236 / 223 registers, 1.086 per FFMA (the 2-step loop's
-# 64-bit counter: 10 instructions per 256 FFMA besides the 12 LDS), first use >= 33 (median 79).
-# Run4 (H200) also timed this shape at bk 8 (70.8-75.5% of cuBLAS at the big shapes, against
-# 79.5-82.5%), 8 warps of 32x64 / 8x8 per thread at bk 8 (65-71%) and a variant 6 (variant 5 with
-# whole slices unrolled, bk 8: 42-71%): all slower than bk 16 at every shape, removed.
+# Variant 5's tiles (offline, sm_90, ptxas 13.0): 4 warps of 64x64, 8x16 outputs per thread:
+# 128 FMAs per 24 operands loaded, 246 / 236 / 223 registers in the nn / nt / tt layouts (no
+# spill, two 128-thread blocks per SM), 1.086 SASS instructions per FFMA in the FMA loop (the
+# 2-step loop's 64-bit counter: 10 instructions per 256 FFMA besides the 12 LDS), every LDS read
+# >= 33 instructions after it issues. The H200 also timed (runs 4 and 5, all slower at every
+# shape, removed): this shape at bk 8; 8 warps of 32x64 / 8x8 per thread at bk 8 and 16; 4 warps
+# of 64x32 over 128x64 tiles; 128x128x8/8x8 and 128x128x16/8x8 without warp tiles (the old rule's).
 V5_TILES = (GemmTiles(bm=128, bn=128, bk=16, tm=8, tn=16, wm=64, wn=64),)
 
 
@@ -600,30 +476,30 @@ def _blocks(m: int, n: int, t: GemmTiles) -> int:
     return -(-m // t.bm) * -(-n // t.bn)
 
 
-# The proposed rule: variant 5 on 4 warps of 64x64 (8x16 outputs per thread) at 128x128 tiles,
-# two blocks per SM; when those tiles give under 3/4 of a wave (2 blocks per SM), split k until
-# there are about two blocks per SM, each split keeping at least MIN_SPLIT_SLICES k slices; below
-# half an SM's worth of tiles, the measured rule's small-tile split-K path.
-# H200, experiments/gemm_sweep.py --quick, 2026-12-01 (experiments/results/gemm-h200/run4/), % of
-# cuBLAS fp32 (TF32 off), best of 7 batches of 5 launches, the forward layout:
-#                     4096^3   q/o 2048x4096x4096   k/v GQA8 2048x1024x4096   gate/up 2048x11008x4096   down 2048x4096x11008
-#   "measured"          60.8         67.0                   71.2                      63.7                     67.7
-#   "proposed"          82.4         82.1                   79.9 (split 2)            82.0                     82.5
-# So the forward ("nn") follows "proposed". The backward layouts ("nt" for linear_dx, "tt" for
-# linear_dw) keep "measured" until the sweep times them (their candidates pass the simulator tests
-# but have not run on a GPU). RULE_BY_LAYOUT is what the launchers follow.
+# The proposed rule, every layout's: variant 5 on 4 warps of 64x64 (8x16 outputs per thread) at
+# 128x128 tiles, two blocks per SM; when those tiles give under 3/4 of a wave (2 blocks per SM),
+# split k until there are about two blocks per SM, each split keeping at least MIN_SPLIT_SLICES k
+# slices; below half an SM's worth of tiles, the small-tile path.
+# H200, experiments/gemm_sweep.py, 2026-12-01 (experiments/results/gemm-h200/run5/), % of cuBLAS
+# fp32 (TF32 off), best of 7 batches of 5 launches, the 7B block at 2048 tokens (GQA8: 8 kv heads):
+#                4096^3   q/o 2048x4096x4096   k/v GQA8 2048x1024x4096   gate/up 2048x11008x4096   down 2048x4096x11008
+#   forward        82.1        80.9                 79.7 (split 2)             81.8                      82.4
+#   dx (nt)        86.0        84.9                 78.9                       87.2                      79.4
+#   dw (tt)        89.1        85.7                 82.1                       87.3                      86.6
+# The rule it replaced ("measured": variant 3 at 128x128x8/8x8 for several waves, variant 4 at
+# 128x128x16/8x8 for one to three) reached 60.8-70.7% forward, 63.0-84.4% backward in that run.
 PROPOSED_TILES = V5_TILES[0]
 PROPOSED_VARIANT = 5
 MIN_SPLIT_SLICES = 16
-RULES = ("measured", "proposed", "skinny")
-RULE_BY_LAYOUT = {"nn": "proposed", "nt": "measured", "tt": "measured", "tn": "measured"}
+RULES = ("proposed", "skinny")
+RULE_BY_LAYOUT = {"nn": "proposed", "nt": "proposed", "tt": "proposed", "tn": "proposed"}
 
 
 def _choose_proposed(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
     t = PROPOSED_TILES
     blocks = _blocks(m, n, t)
     if blocks < SM_COUNT // 2:
-        return _choose_measured(m, n, k, splits)
+        return _choose_small(m, n, k, splits)
     if splits is None:
         splits = 1
         if 4 * blocks < 3 * SPLIT_TARGET_BLOCKS:
@@ -635,7 +511,7 @@ def _choose_proposed(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
 # The "skinny" rule (offline, not yet timed): "proposed", except for outputs at most SKINNY_MAX
 # columns (rows) wide, e.g. LoRA's rank-16 GEMMs at 2048 tokens and 4096 features: x A^T (2048 x 16,
 # K = 4096), its dx's dy B (2048 x 16, K = 4096), dw's dy^T x (16 x 4096, K = 2048) and (4096 x 16,
-# K = 2048). "measured" and "proposed" run those on 64 x 64 tiles (3/4 of every FMA on padding)
+# K = 2048). "proposed" runs those on 64 x 64 tiles (3/4 of every FMA on padding)
 # with k split 4-8 ways: ~1.07 GFLOP issued for 0.27 useful. Their lower bound is reading the
 # 32 MiB operand (~8 us on the H200); at the small tiles' ~45% of cuBLAS (~22 TFLOP/s) they take
 # ~50 us. The skinny tiles (128 x 16 or 16 x 128, 4 x 4 per thread, 128 threads) waste nothing
@@ -683,20 +559,13 @@ def rule_launch(m: int, n: int, k: int, splits: int | None = None, rule: str | N
         raise KernelError(f"unknown GEMM launch rule {rule!r}; known: {', '.join(RULES)}")
     if rule == "proposed":
         return _choose_proposed(m, n, k, splits)
-    if rule == "skinny":
-        return _choose_skinny(m, n, k, splits)
-    return _choose_measured(m, n, k, splits)
+    return _choose_skinny(m, n, k, splits)
 
 
-def _choose_measured(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
-    big = _blocks(m, n, BIG_TILES_V3)
-    if splits is None and big >= 4 * SM_COUNT:
-        return GemmLaunch(3, BIG_TILES_V3)
-    if splits is None and big >= SM_COUNT // 2:
-        return GemmLaunch(4, BIG_TILES_V4)
+def _choose_small(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
     if splits is None:
         k_steps = -(-k // SMALL_TILES.bk)
-        splits = max(1, min(SPLIT_TARGET_BLOCKS // _blocks(m, n, SMALL_TILES), k_steps // 8))
+        splits = max(1, min(SPLIT_TARGET_BLOCKS // _blocks(m, n, SMALL_TILES), k_steps // MIN_SMALL_SLICES))
     return GemmLaunch(3, SMALL_TILES, splits)
 
 
@@ -713,8 +582,8 @@ def get_kernel(variant: int, tiles: GemmTiles, layout: str = "nn", accumulate: b
     if variant not in VARIANTS:
         raise KernelError(f"unknown GEMM variant {variant}; known: {sorted(VARIANTS)}")
     a_trans, b_trans = LAYOUTS[layout]
-    return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant], frag_db=variant in FRAG_STEPS,
-                     steps=FRAG_STEPS.get(variant, 2), edge_checks=edge_checks, flat=variant in FLAT_VARIANTS)
+    return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant],
+                     frag_db=variant in FRAG_DB_VARIANTS, edge_checks=edge_checks)
 
 
 def check_args(x, w, y) -> tuple[int, int, int]:
