@@ -185,6 +185,23 @@ def test_in_place_replaces_the_callers_arrays_once(sim_gpu, case):
     assert_equal_outputs(out, want)
 
 
+def test_in_place_copies_once_even_if_the_driver_cannot_tell_pinned_memory(sim_gpu, case, monkeypatch):
+    # the pool knows the copies it made: a driver query that answers "pageable" for them (or
+    # fails) must not make every later backend pin the values again (two sets of host memory)
+    g, mg, values, want = case
+    values = fresh(values)
+    mem = FakeHostMemory()
+    monkeypatch.setattr(mem, "is_pinned", lambda array: False)
+    with PinnedPool(mem) as pool:
+        pool.pin(values)
+        pinned = dict(values)
+        n = pool.stats.in_place_bytes
+        for _ in range(2):
+            out = run(mg, CudaBackend(values, pin="in_place", pool=pool))
+            assert all(values[k] is pinned[k] for k in values) and pool.stats.in_place_bytes == n
+    assert_equal_outputs(out, want)
+
+
 def test_pool_pin_before_any_backend_serves_a_reference_run_too(sim_gpu, case):
     g, mg, values, want = case
     values = fresh(values)

@@ -63,6 +63,7 @@ keep the host memory of a sweep at one set of values plus the slots, and ``"copy
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -220,6 +221,10 @@ class PinnedPool:
         self._idle: dict[int, list[np.ndarray]] = {}  # byte size -> idle slot buffers (uint8)
         self._lent: dict[int, np.ndarray] = {}  # id(view handed out) -> its slot buffer
         self._registered: dict[tuple[int, int], np.ndarray] = {}  # (address, bytes) -> the array (kept alive)
+        # (address, bytes) -> the pinned copy this pool handed out (weakly: it is the caller's): known
+        # pinned without asking the driver, so in-place values are never copied twice even if the
+        # driver's pointer query says otherwise
+        self._copies: dict[tuple[int, int], weakref.ref] = {}
         self.closed = False
 
     @property
@@ -287,7 +292,11 @@ class PinnedPool:
     # -- caller values ----------------------------------------------------------------------
 
     def is_pinned(self, array: np.ndarray) -> bool:
-        return _range(array) in self._registered or self.memory.is_pinned(array)
+        """Whether ``array`` is page-locked: registered or copied by this pool (known here), or
+        else as the driver says."""
+        key = _range(array)
+        ref = self._copies.get(key)
+        return key in self._registered or (ref is not None and ref() is not None) or self.memory.is_pinned(array)
 
     def register(self, array: np.ndarray) -> str | None:
         """Page-lock ``array`` where it is, until :meth:`close` (the pool keeps it alive); a
@@ -315,6 +324,7 @@ class PinnedPool:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         h = _shaped(self._alloc(nbytes), shape, dtype)
         h[...] = value
+        self._copies[_range(h)] = weakref.ref(h)
         self.stats.in_place_bytes += nbytes
         self.stats.copied_bytes += nbytes
         return h
