@@ -13,12 +13,16 @@ Prints, in one run:
    ways, on the GQA inputs (``enable_gqa=True``) and on K/V repeated to 32 heads beforehand (the
    repeat not timed: it lets PyTorch pick its memory-efficient kernel); the ratio is to the
    faster of the two. Best of several batches of back-to-back launches, all in this process;
-4. the whole block against the transformers layer in fp32, with the per-kernel breakdown.
+4. the whole block against the transformers layer in fp32, with the per-kernel breakdown;
+5. the RMSNorm backward (dx, and dw at each of ``RMS_DW_TILES``) at R = 2048 and 256 rows of 4096:
+   milliseconds, the GB/s of reading x and dy once, the error against ``torch.autograd`` and
+   whether two runs give the same bits.
 
 Relative error everywhere: max |ours - theirs| / max |theirs|. About 3 minutes on an H200.
 
     python3 experiments/kernels_bench.py --out DIR                    # writes DIR/kernels_bench.json
     python3 experiments/kernels_bench.py --out DIR --only attention   # section 3 alone
+    python3 experiments/kernels_bench.py --out DIR --only rmsnorm     # section 5 alone (seconds)
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from vmstoolkit.kernels import attention as A
 from vmstoolkit.kernels import gemm as G
 from vmstoolkit.kernels import reference as R
 from vmstoolkit.kernels.residual import residual_add
-from vmstoolkit.kernels.rmsnorm import rmsnorm
+from vmstoolkit.kernels.rmsnorm import DwTiles, rmsnorm, rmsnorm_backward_dw, rmsnorm_backward_dx
 from vmstoolkit.kernels.rope import rope
 from vmstoolkit.kernels.swiglu import swiglu
 
@@ -303,13 +307,56 @@ def bench_block(c: LlamaBlockConfig, b: int, t: int) -> dict:
     return rec
 
 
+# ---- 5. RMSNorm backward ----------------------------------------------------------------------
+
+# The launcher's tiles first, then spans of 64 and 256 columns, fewer row lanes, no unroll.
+RMS_DW_TILES = (DwTiles(), DwTiles(cols=2), DwTiles(cols=8), DwTiles(row_lanes=8, rows=32), DwTiles(unroll=1))
+
+
+def bench_rmsnorm_backward(shapes=((2048, 4096), (256, 4096)), eps: float = 1e-5) -> list[dict]:
+    rows = []
+    for r, h in shapes:
+        x = torch.randn(r, h, device="cuda", requires_grad=True)  # (R, H)
+        w = (1 + 0.1 * torch.randn(h, device="cuda")).requires_grad_()  # (H,)
+        dy = torch.randn(r, h, device="cuda")
+        (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w).backward(dy)
+        nb = lambda t: cuda.as_cuda_array(t.detach())  # noqa: E731
+        dx, dw, dw2 = torch.empty_like(x), torch.empty_like(w), torch.empty_like(w)
+        gb = 2 * r * h * 4 / 1e9  # x and dy read once
+        rec = {"R": r, "H": h, "dx_ms": time_numba(lambda: rmsnorm_backward_dx(nb(x), nb(w), nb(dy), nb(dx), eps), 20)}
+        rec["dx_rel_err"] = rel(dx, x.grad)
+        say(f"  R{r} H{h}: dx {rec['dx_ms']:.4f} ms ({gb / rec['dx_ms'] * 1e3:.0f} GB/s), err {rec['dx_rel_err']:.1e}")
+        rec["dw"] = []
+        for t in RMS_DW_TILES:
+            def run(t=t, out=dw):
+                rmsnorm_backward_dw(nb(x), nb(dy), nb(out), eps, tiles=t)
+            try:
+                ms = time_numba(run, 20)
+            except Exception as e:  # a tile shape that does not compile or launch: say so, go on
+                rec["dw"].append({"tiles": t.__dict__, "error": f"{type(e).__name__}: {e}"[:300]})
+                say(f"    dw {t}: {rec['dw'][-1]['error']}")
+                continue
+            run(out=dw2)
+            cuda.synchronize()
+            d = {"tiles": t.__dict__, "ms": ms, "gb_per_s": gb / ms * 1e3, "rel_err": rel(dw, w.grad),
+                 "same_bits_twice": bool(torch.equal(dw, dw2))}
+            rec["dw"].append(d)
+            say(f"    dw {t}: {ms:.4f} ms ({d['gb_per_s']:.0f} GB/s), err {d['rel_err']:.1e}, "
+                f"same bits twice {d['same_bits_twice']}")
+        rows.append(rec)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", choices=("all", "correctness", "gemm", "attention", "block"), default="all",
+    ap.add_argument("--only", choices=("all", "correctness", "gemm", "attention", "block", "rmsnorm"), default="all",
                     help="run one section only")
     args = ap.parse_args()
     run = lambda section: args.only in ("all", section)  # noqa: E731
+    if not torch.cuda.is_available():
+        say("kernels_bench: no CUDA GPU here, nothing to measure")
+        return
     tf32_off()
     t0 = time.time()
     dev = torch.cuda.get_device_name()
@@ -331,6 +378,10 @@ def main():
     if run("block"):
         say("== 4. whole block, fp32, vs transformers LlamaDecoderLayer (eager)")
         RESULTS["block"] = [bench_block(LlamaBlockConfig(), 1, 1024)]
+        say(f"  ({time.time() - t0:.0f} s)")
+    if run("rmsnorm"):
+        say("== 5. RMSNorm backward, fp32, vs torch.autograd")
+        RESULTS["rmsnorm_backward"] = bench_rmsnorm_backward()
         say(f"  ({time.time() - t0:.0f} s)")
 
     out = Path(args.out)

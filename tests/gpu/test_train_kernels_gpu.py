@@ -239,6 +239,7 @@ def test_direct_step_breakdown_and_variant2_backward_gradients(monkeypatch):
     cfg = LlamaConfig(n_blocks=2, seq=300, hidden=512, heads=4, kv_heads=2, ffn=1024)
     tg = build_train_step(cfg, "lora", rank=8)
     values = random_train_values(tg, seed=1)
+    monkeypatch.setattr(attention_backward, "DEFAULT_VARIANT", 1)
     out1, best, per_op = direct_forward(tg.graph, values, repeats=2, breakdown=True)
     assert set(per_op) == {v.op for v in tg.graph.vertices} and "attention_backward" in per_op
     assert all(s > 0 for s in per_op.values())

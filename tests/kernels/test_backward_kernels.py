@@ -10,7 +10,36 @@ from vmstoolkit.kernels import adamw, attention_backward, rmsnorm, rope, swiglu
 
 
 def test_rmsnorm_backward():
-    assert {r["grad"] for r in rmsnorm.validate_backward()} == {"dx", "dw"}
+    """Ragged for the simulator's dw tiles: H 5, 19, 33 against a span of 8 and 8 columns per
+    row-factor trip, R 1, 3, 4, 9 against batches of 4."""
+    assert {r["grad"] for r in rmsnorm.validate_backward()} == {"dx", "dw", "dw+acc", "dw+="}
+
+
+def test_rmsnorm_dw_other_tiles():
+    """More row lanes, 4 rows per thread, an unroll that leaves a tail of columns (40 = 24 + 16),
+    3 batches of 8 rows (the last one of 1), 3 blocks of 16 columns (the last one of 8)."""
+    rmsnorm.validate_backward(shapes=((17, 40),), tiles=rmsnorm.DwTiles(8, 2, 2, 8, 3))
+
+
+def test_rmsnorm_dw_without_rows_is_acc_or_zero():
+    x = cuda.to_device(np.zeros((0, 5), np.float32))
+    acc = np.arange(5, dtype=np.float32)
+    dw = cuda.to_device(np.full(5, np.nan, np.float32))
+    rmsnorm.rmsnorm_backward_dw(x, x, dw)
+    assert not dw.copy_to_host().any()
+    rmsnorm.rmsnorm_backward_dw(x, x, dw, acc=cuda.to_device(acc))
+    assert (dw.copy_to_host() == acc).all()
+
+
+@pytest.mark.parametrize("tiles, match", [
+    (dict(rows=6, row_lanes=4), "rows must be a multiple of row_lanes"),
+    (dict(col_lanes=64, row_lanes=32), "at most 1024"),
+    (dict(unroll=0), "at least 1"),
+])
+def test_rmsnorm_dw_tiles_errors(tiles, match):
+    x = cuda.to_device(np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match=match):
+        rmsnorm.rmsnorm_backward_dw(x, x, cuda.to_device(np.zeros(4, np.float32)), tiles=rmsnorm.DwTiles(**tiles))
 
 
 def test_rope_backward_undoes_the_rotation(rng, rel_err):

@@ -37,30 +37,35 @@ def test_small_tiles_on_a_tiny_ragged_problem():
                          ids=lambda x: x.label() if isinstance(x, G.GemmTiles) else f"v{x}")
 def test_double_buffered_variant_on_the_proposed_tiles_forward_and_backward(variant, tiles):
     # double-buffered fragments on the shapes the sweep times: one ragged block, 2 k slices and a
-    # part-full third (forward), 1 slice (dx: K = 7 rows of w), a part-full one (dw)
+    # part-full third (forward), 1 slice (dx: K = 7 rows of w), 2 and a part-full third (dw)
     m, n = tiles.bm - 3, tiles.bn - 1
     G.validate(shapes=((m, n, 2 * tiles.bk + 3),), tiles=tiles, variants=(variant,))
-    G.validate_backward(shapes=((m, 7, n),), tiles=tiles, variant=variant)
+    G.validate_backward(shapes=((2 * tiles.bk + 3, 7, n),), tiles=tiles, variant=variant)
 
 
 @pytest.mark.parametrize("variant", (5,))
 @pytest.mark.parametrize("bk", (4, 8, 16))
 def test_double_buffered_variants_slice_depths_and_counts(bk, variant):
     # 1, 3, 7 trips of the 2-step fragment loop then 1 unrolled step; 1 to 4 k slices (the
-    # two-slice loop ending on either buffer) on interior and edge tiles of a 3 x 3 grid
-    tiles = G.GemmTiles(bm=16, bn=32, bk=bk, tm=4, tn=4)
-    shapes = ((40, 70, 4 * bk), (40, 70, 3 * bk - 1), (32, 64, 2 * bk), (17, 33, bk - 2))
+    # two-slice loop ending on either buffer): 4 on a 2 x 2 grid of interior tiles, 3, 2 and 1 on
+    # a 2 x 2 grid of one interior tile and three edge ones. Backward: dx over 2 x 2 tiles (two
+    # interior) and dw over 3 x 2 (two interior), 1 to 10 slices. 8 x 16 tiles of 8 threads: the
+    # paths of 16 x 32 at a quarter of the simulator's work.
+    tiles = G.GemmTiles(bm=8, bn=16, bk=bk, tm=4, tn=4)
+    shapes = ((16, 32, 4 * bk), (9, 17, 3 * bk - 1), (9, 17, 2 * bk), (9, 17, bk - 2))
     G.validate(shapes=shapes, tiles=tiles, variants=(variant,))
-    G.validate_backward(shapes=((32, 70, 40), (9, 3 * bk + 1, 17)), tiles=tiles, variant=variant)
+    G.validate_backward(shapes=((16, 20, 18), (5, 3 * bk + 1, 9)), tiles=tiles, variant=variant)
 
 
 @pytest.mark.parametrize("variant", (5,))
-@pytest.mark.parametrize("splits", (2, 3))
-def test_double_buffered_variants_split_k_forward_and_backward(splits, variant):
-    tiles = G.GemmTiles(bm=16, bn=32, bk=8, tm=4, tn=4)
-    G.validate(shapes=((21, 35, 5 * 8 + 3), (16, 32, 6 * 8)), tiles=tiles, variants=(variant,), splits=splits)
-    G.validate_backward(shapes=((6 * 8 + 5, 19, 33), (9, 4 * 8, 17)), tiles=tiles, variant=variant,
-                        splits=splits)
+def test_double_buffered_variants_split_k_forward_and_backward(variant):
+    # 3 splits of 5 k slices hold 2, 2 and 1 (a first, a middle and a last split; an even and an
+    # odd count): forward on 2 x 2 ragged tiles (the last slice part-full) and on whole tiles,
+    # backward dw over 3 splits of 2, 2, 1 and dx over 3 of 1 (35 x 19 x 9), then dx over 2, 2, 1
+    # and dw over 2 of 1 (9 x 40 x 17)
+    tiles = G.GemmTiles(bm=8, bn=16, bk=8, tm=4, tn=4)
+    G.validate(shapes=((11, 19, 4 * 8 + 3), (16, 32, 5 * 8)), tiles=tiles, variants=(variant,), splits=3)
+    G.validate_backward(shapes=((4 * 8 + 3, 19, 9), (9, 5 * 8, 17)), tiles=tiles, variant=variant, splits=3)
 
 
 def test_interior_only_build_matches_on_whole_tiles(rng, rel_err):
@@ -80,15 +85,18 @@ def test_interior_only_build_matches_on_whole_tiles(rng, rel_err):
 @pytest.mark.parametrize("variant, splits", ((G.SKINNY_VARIANT, None), (G.SKINNY_VARIANT, 2)))
 def test_skinny_tiles_forward_and_backward_on_ragged_shapes(tiles, variant, splits):
     # the "skinny" rule's 128 x 16 / 16 x 128 tiles (128 threads of 4 x 4) on a ragged 16-wide
-    # output: 2 tiles along the long side (the second part-full), 3 k slices (the last part-full);
-    # variant 8 as the sweep times it there
-    long_, thin = 2 * max(tiles.bm, tiles.bn) - 5, 13
+    # output: 2 tiles along the long side (the second part-full), 3 k slices (the last part-full).
+    # Outputs kept small: under the simulator a split launch's zero or copy fill costs ~0.3 ms
+    # per output element.
+    long_, thin = max(tiles.bm, tiles.bn) + 5, 5
     m, n = (long_, thin) if tiles.bn < tiles.bm else (thin, long_)
     k = 2 * tiles.bk + 5
     whole = (long_, 16, 2 * tiles.bk) if tiles.bn < tiles.bm else (16, long_, 2 * tiles.bk)  # 1 interior tile
     G.validate(shapes=((m, n, k), whole), tiles=tiles, variants=(variant,), splits=splits)
-    # dx = dy w: output (m, k') with reduction n'; dw = dy^T x: output (n', k') with reduction m'
-    G.validate_backward(shapes=((m, k, n),) if tiles.bn < tiles.bm else ((k, m, n),), tiles=tiles,
+    # dx = dy w: output (m, k') with reduction n'; dw = dy^T x: output (n', k') with reduction m'.
+    # The short side k' = 21 gives 2 k slices (the second part-full) where it is the reduction.
+    kb = tiles.bk + 5
+    G.validate_backward(shapes=((m, kb, n),) if tiles.bn < tiles.bm else ((kb, m, n),), tiles=tiles,
                         variant=variant, splits=splits)
 
 

@@ -691,14 +691,30 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
     return flash_dq_kernel, flash_dkv_kernel
 
 
-DEFAULT_VARIANT = 1  # variant 2 waits for the H200 to time it
+# Variant 2 since the H200 timed it (experiments/results/kernels-h200/run5-attn-bwd/): 8-12x faster
+# than variant 1 at T = 1024-4096 (32 heads of 128, 8 kv heads), the same error against SDPA's
+# gradients. Variant 1 stays for head dims whose variant-2 tiles exceed static shared memory.
+DEFAULT_VARIANT = 2
+
+
+def default_variant(hd: int, tiles=None) -> int:
+    """The variant ``attention_backward`` runs when none is given: the one ``tiles`` belong to,
+    else :data:`DEFAULT_VARIANT` where its default tiles fit ``hd``, else variant 1."""
+    if isinstance(tiles, FlashBackwardTiles):
+        return 2
+    if isinstance(tiles, BackwardTiles):
+        return 1
+    if DEFAULT_VARIANT == 2:
+        flash = SIM_FLASH_TILES if simulating() else FlashBackwardTiles()
+        return 2 if flash.shared_bytes(hd) <= STATIC_SHARED_LIMIT else 1
+    return DEFAULT_VARIANT
 
 
 def attention_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0,
                        tiles: BackwardTiles | FlashBackwardTiles | None = None, variant: int | None = None):
     """Enqueue the gradients dq, dk, dv of causal attention (shapes in the module docstring).
-    ``variant`` 1 (default) or 2 (register-blocked); ``tiles`` of the matching class picks the
-    variant when ``variant`` is not given."""
+    ``variant`` 1 or 2 (register-blocked; default :func:`default_variant`: the class of
+    ``tiles``, else 2 where its tiles fit ``hd``)."""
     b, t, nh, nkv, hd = check_args(q, k, v, o)
     for name, a, like in (("do", do, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
         check_float32(name, a)
@@ -709,7 +725,7 @@ def attention_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0,
     if tuple(lse.shape) != (b, nh, t):
         raise KernelError(f"attention backward: lse has shape {tuple(lse.shape)}, expected (B, nh, T) = {(b, nh, t)}")
     if variant is None:
-        variant = 2 if isinstance(tiles, FlashBackwardTiles) else DEFAULT_VARIANT
+        variant = default_variant(hd, tiles)
     if variant not in (1, 2):
         raise KernelError(f"attention backward: variant={variant} is not 1 or 2")
     want = BackwardTiles if variant == 1 else FlashBackwardTiles
