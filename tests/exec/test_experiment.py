@@ -228,3 +228,27 @@ def test_sweep_closes_a_failed_run_and_records_it_when_asked_to_keep_going():
     rows = list(sweep_budgets(graph, [({}, ws), ({}, 1)], make, lb, keep_going=True))
     assert [r["error"][:20] for r in rows[:2]] == ["RuntimeError: the de"] * 2 and "fell over" in rows[0]["traceback"]
     assert all("no schedule fits" in r["error"] for r in rows[2:]) and len(rows) == 4
+
+
+def test_sweep_rows_say_where_the_host_time_went():
+    # making backends, executing, checking and closing are timed apart: a slow check shows as
+    # ``check`` (and none is counted when nothing is compared)
+    import time
+
+    from vmstoolkit.exec.backends.sim import SimBackend
+    from vmstoolkit.exec.experiment import sweep_budgets
+
+    graph, values, ref, ws, lb = _sweep_setup()
+
+    def slow_read(be):
+        time.sleep(0.05)
+        return be.result()
+
+    def make(rep):
+        return SimBackend(seed=rep, numerics=True, values=values)
+    rows = list(sweep_budgets(graph, [({}, ws // 2)], make, lb, repeats=2, reference=ref, read=slow_read, check_runs=1))
+    for r in rows:
+        assert set(r["host_s"]) == {"backend", "execute", "check", "close"}
+        assert r["host_s"]["check"] >= 0.05 and all(v >= 0 for v in r["host_s"].values())
+    rows = list(sweep_budgets(graph, [({}, ws // 2)], make, lb, repeats=2))
+    assert all(r["host_s"]["check"] == 0 and r["host_s"]["execute"] > 0 for r in rows)

@@ -167,8 +167,10 @@ def sweep_budgets(graph: TaskGraph, budgets: Iterable[tuple[dict, int]], make_ba
     ``budgets``: ``(fields, nbytes)`` pairs; ``fields`` start each row of that budget. A row then
     has ``executor``, ``makespan_s`` (the best run), ``makespans_s`` (every run), the fields of
     ``lower_bound(memory_graph)`` (``lower_bound_s`` and its terms), ``offloaded_bytes``,
-    ``reloaded_bytes``, ``vertices``, ``compile_s`` and ``peak_bytes`` (most bytes in use at once
-    on one GPU). A budget below one vertex's needs gives rows with ``error`` (the reason) and no
+    ``reloaded_bytes``, ``vertices``, ``compile_s``, ``peak_bytes`` (most bytes in use at once
+    on one GPU) and ``host_s``: wall seconds spent over all runs in making backends, executing,
+    reading and checking, and closing (``backend``, ``execute``, ``check``, ``close``): where a
+    sweep's time goes besides the steps themselves. A budget below one vertex's needs gives rows with ``error`` (the reason) and no
     timings.
 
     ``reference``: key -> expected array (tensor ids, for the default ``read``). Each run's
@@ -201,17 +203,29 @@ def sweep_budgets(graph: TaskGraph, budgets: Iterable[tuple[dict, int]], make_ba
         lb = lower_bound(mg)
         for ex in executors:
             row = {**fields, "executor": ex}
+            host = dict.fromkeys(("backend", "execute", "check", "close"), 0.0)
+
+            def lap(phase: str, since: float) -> float:
+                now = time.perf_counter()
+                host[phase] += now - since
+                return now
+
             try:
                 spans, err = [], 0.0
                 for i in range(repeats):
+                    clock = time.perf_counter()
                     be = make_backend(i)
+                    clock = lap("backend", clock)
                     try:
                         spans.append(execute(mg, be, ex).makespan_s)
+                        clock = lap("execute", clock)
                         if reference is not None and (check_runs is None or i < check_runs):
                             got = read(be)
                             err = max(err, max(float(np.max(np.abs(got[t] - ref))) for t, ref in reference.items()))
+                            clock = lap("check", clock)
                     finally:
                         be.close()  # give the GPU region back
+                        lap("close", clock)
             except Exception as e:
                 if not keep_going:
                     raise
@@ -219,7 +233,7 @@ def sweep_budgets(graph: TaskGraph, budgets: Iterable[tuple[dict, int]], make_ba
                 continue
             row.update(makespan_s=min(spans), **lb, offloaded_bytes=mg.offloaded_bytes,
                        reloaded_bytes=mg.reloaded_bytes, vertices=len(mg.vertices), compile_s=compile_s,
-                       makespans_s=spans, peak_bytes=max(mg.peak_bytes))
+                       makespans_s=spans, peak_bytes=max(mg.peak_bytes), host_s=host)
             if reference is not None:
                 row.update(max_abs_err=err, ref_max_abs=scale, equal=bool(err <= rtol * max(1.0, scale)),
                            checked_runs=repeats if check_runs is None else min(repeats, check_runs))
