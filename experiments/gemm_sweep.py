@@ -97,10 +97,11 @@ LAYOUT = {"fwd": "nn", "dx": "nt", "dw": "tt"}
 CANDIDATES = [  # (variant, tiles[, splits]); a rule's name: that launch rule's choice
     ("proposed", None),  # the launchers' rule in every layout (G.RULE_BY_LAYOUT)
     (3, G.PROPOSED_TILES),  # variant 3 on the same tiles: the control for variant 5's fragments
+    (10, G.PROPOSED_TILES),  # variant 5 with conflict-free (swizzled) "n" slices; in tt it equals 5
 ]
 # for outputs under 3/4 of a wave of 128 x 128 tiles (two per SM): the unsplit launch beside the
-# rule's split one
-SPLIT_CANDIDATES = [(5, G.PROPOSED_TILES, 1)]
+# rule's split one, and variant 10 split as the rule splits variant 5 there (k/v GQA8: 2)
+SPLIT_CANDIDATES = [(5, G.PROPOSED_TILES, 1), (10, G.PROPOSED_TILES, 2)]
 REPS = 5  # launches per timed batch
 SAMPLES = 7  # batches; the best is reported
 

@@ -131,14 +131,19 @@ class Report:
         fma = [lp for lp in self.loops if lp.ops["FFMA"]]
         return min(fma, key=Loop.per_ffma, default=None)
 
-    def hot_path(self, trips: int) -> tuple[int, int]:
+    def hot_path(self, trips) -> tuple[int, int]:
         """(instructions, FFMAs) one pass of the main loop executes when each FMA loop nested in
-        it runs ``trips`` times and every other branch of the body is taken once: for a build
-        without cold paths (a GEMM's ``edge_checks=False``), an interior tile's pair of k slices."""
+        it runs ``trips`` times (an int, or one count per nested loop in address order) and every
+        other branch of the body is taken once: for a build without cold paths (a GEMM's
+        ``edge_checks=False``), an interior tile's pair of k slices."""
         lp = self.main_loop()
-        nested = [x for x in self.loops if x is not lp and lp.start <= x.start and x.end <= lp.end and x.ops["FFMA"]]
-        n = lp.n + sum((trips - 1) * x.n for x in nested)
-        f = lp.ops["FFMA"] + sum((trips - 1) * x.ops["FFMA"] for x in nested)
+        nested = sorted((x for x in self.loops if x is not lp and lp.start <= x.start and x.end <= lp.end
+                         and x.ops["FFMA"]), key=lambda x: x.start)
+        counts = [trips] * len(nested) if isinstance(trips, int) else list(trips)
+        if len(counts) != len(nested):
+            raise SystemExit(f"{self.name}: {len(nested)} FMA loops in the main loop, {len(counts)} trip counts given")
+        n = lp.n + sum((c - 1) * x.n for c, x in zip(counts, nested))
+        f = lp.ops["FFMA"] + sum((c - 1) * x.ops["FFMA"] for c, x in zip(counts, nested))
         return n, f
 
     def line(self) -> str:
@@ -240,7 +245,7 @@ def gemm_reports(args) -> list[Report]:
     if args.tiles:
         cands = [(args.variant, parse_tiles(t)) for t in args.tiles]
     else:
-        cands = [(3, G.SMALL_TILES)] + [(5, t) for t in G.V5_TILES]  # what the launch rules run
+        cands = [(3, G.SMALL_TILES)] + [(v, t) for t in G.V5_TILES for v in (5, 10)]  # the rules' and v10
         cands += [(G.SKINNY_VARIANT, G.SKINNY_N_TILES), (G.SKINNY_VARIANT, G.SKINNY_M_TILES)]
     out = []
     for layout in args.layout:
@@ -255,10 +260,17 @@ def gemm_reports(args) -> list[Report]:
     return out
 
 
-def _fma_trips(G, v: int, t) -> int:
-    """Trips of the FMA loop per k slice: variant 3 takes 4 k steps per trip, the
-    double-buffered variant 2 (the rest of the slice unrolled)."""
-    return (t.bk - 1) // 2 if v in G.FRAG_DB_VARIANTS else t.bk // 4
+def _fma_trips(G, v: int, t):
+    """Trips of the FMA loops per pair of k slices: variant 3 takes 4 k steps per trip, the
+    double-buffered variants 2 (the rest of the slice unrolled); a swizzled one splits each
+    slice's loop in two at the first trip reading swizzled rows (gemm's Note [swizzled slices])."""
+    if v not in G.FRAG_DB_VARIANTS:
+        return t.bk // 4
+    loop_k = (t.bk - 1) // 2 * 2
+    if v not in G.SWIZZLED_VARIANTS:
+        return loop_k // 2
+    split = next((k0 for k0 in range(0, loop_k, 2) if (k0 + 2) & 8), loop_k)
+    return [split // 2, (loop_k - split) // 2] * 2
 
 
 def parse_flash_tiles(text: str):
