@@ -26,6 +26,10 @@ batch 1, sequence 2048, writes to ``<out>/train_offload.jsonl`` one JSON object 
   AdamW state stay on the GPU. Its step time includes the optimizer step, like ours; its
   gradients are compared with ours too.
 
+With ``--timeline``, ``<out>/timeline_<variant>_s<seq>_<budget>.json`` and ``.png``: each
+executor's first run vertex by vertex (CUDA events around every vertex; the sim backend's own
+spans in a dry run), the two schedules one above the other.
+
 ``<out>/summary.json`` collects the side-by-side step times. Needs numba-cuda and cuda-bindings
 (our kernels) and torch (the baseline; ``--skip-torch`` without it).
 """
@@ -93,7 +97,7 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def run_ours(tg, values, emit, a, variant):
+def run_ours(tg, values, emit, a, variant, seq):
     """direct, then each budget x executor; returns {budget_name: budget bytes}.
 
     On the GPU, ``values`` are pinned in place first (``PinnedPool.pin``: the dict's arrays are
@@ -135,7 +139,15 @@ def run_ours(tg, values, emit, a, variant):
             return SimBackend(seed=rep, jitter=0.05, numerics=True, values=values)
         from vmstoolkit.exec.backends.cuda import CudaBackend
 
-        return CudaBackend(values, pin="in_place", pool=pool)
+        # --timeline: CUDA events around every vertex of the first (checked) run only
+        return CudaBackend(values, pin="in_place", pool=pool, timeline=a.timeline and rep == 0)
+
+    captured = []  # spans of each (budget, executor)'s first run, read with its gradients
+
+    def read(be):
+        if a.timeline:
+            captured.append(list(be.spans))
+        return grads_from_updates(tg, values, be.result(gradient_sources(tg)))
 
     def lower_bound(mg):
         if a.dry_run:
@@ -145,10 +157,10 @@ def run_ours(tg, values, emit, a, variant):
         return {"compute_s": compute_s, "h2d_s": h2d, "d2h_s": d2h, "lower_bound_s": max(compute_s, h2d, d2h)}
     fields = [({"kind": "runtime", "variant": variant, "budget_name": name, "budget": budget, "working_set": ws},
                budget) for name, budget in budgets.items()]
+    timelines: dict[str, dict] = {}  # budget name -> executor -> (step s, spans)
     try:
         for row in sweep_budgets(graph, fields, make_backend, lower_bound, repeats=1 if a.dry_run else a.repeats,
-                                 reference=want, read=lambda be: grads_from_updates(tg, values, be.result(gradient_sources(tg))),
-                                 rtol=1e-4, keep_going=True, check_runs=1):
+                                 reference=want, read=read, rtol=1e-4, keep_going=True, check_runs=1):
             if "lower_bound_s" in row:
                 row["transfer_bound"] = max(row["h2d_s"], row["d2h_s"]) > row["compute_s"]
             if "makespan_s" in row:  # a training step: its makespan is the step time
@@ -156,11 +168,35 @@ def run_ours(tg, values, emit, a, variant):
                 row["ratio_to_lower_bound"] = row["step_s"] / row["lower_bound_s"]
             if pool is not None:
                 row["pinned_slot_bytes"] = pool.stats.allocated_bytes
+            if a.timeline and "step_s" in row:
+                timelines.setdefault(row["budget_name"], {})[row["executor"]] = (row["step_s"], captured.pop())
             emit(row)
     finally:
         if pool is not None:
             pool.close()  # the slots; the pinned values live on in ``values``
+    for name, runs in timelines.items():
+        save_timelines(a.out / f"timeline_{variant}_s{seq}_{name}", graph, budgets[name], runs, a.dry_run)
     return budgets, want
+
+
+def save_timelines(stem: Path, graph, budget: int, runs: dict, simulated: bool) -> None:
+    """``<stem>.json`` (each executor's spans: vertex, gpu, stream, start, end) and ``<stem>.png``
+    (their schedules one above the other, on one time axis)."""
+    from matplotlib.figure import Figure
+
+    from vmstoolkit.exec.compiler import compile_memory_graph
+    from vmstoolkit.exec.plots import plot_schedule
+    from vmstoolkit.units import format_size
+
+    mg = compile_memory_graph(graph, budget)  # deterministic: the plan the runs executed
+    stem.with_suffix(".json").write_text(json.dumps({ex: {"step_s": t, "spans": sp} for ex, (t, sp) in runs.items()}))
+    fig = Figure(figsize=(12, 1.8 * len(runs) + 0.6))
+    axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0]
+    clock = "simulated" if simulated else "GPU, CUDA events"
+    for ax, (ex, (t, sp)) in zip(axes, runs.items()):
+        plot_schedule(mg, sp, ax=ax, title=f"{ex}: step {t:.3f} s ({clock}), budget {format_size(budget)}")
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=110)
 
 
 # ---- PyTorch eager baseline (run in its own process: --torch-only) --------------------------
@@ -298,6 +334,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--timeline", action="store_true",
+                    help="record each (budget, executor)'s first run vertex by vertex (CUDA events on the GPU) and "
+                         "save timeline_<variant>_s<seq>_<budget>.json/.png: the executors' schedules one above the other")
     ap.add_argument("--breakdown", action="store_true",
                     help="time the direct run's vertices with CUDA events: seconds per op kind (op_s)")
     ap.add_argument("--attn-bwd-variant", type=int, default=None, choices=[1, 2],
@@ -346,7 +385,7 @@ def main(argv=None) -> int:
                                f"and {have / 1e9:.1f} GB are available"})
                 continue
             values = random_train_values(tg, a.seed)
-            budgets, want = run_ours(tg, values, emit, a, variant)
+            budgets, want = run_ours(tg, values, emit, a, variant, seq)
             del values
             gc.collect()
             if not a.dry_run:  # free our pinned host copies before the baseline takes its own

@@ -1,9 +1,12 @@
-"""Small graphs for the runtime's tests."""
+"""Small graphs for the runtime's tests, and a counting fake of pinned host memory."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
+
+from vmstoolkit.exec.errors import CudaCallError
 from vmstoolkit.exec.graph import LlamaConfig, TaskGraph, TensorKind, build_llama
 
 TINY = LlamaConfig(n_blocks=3, seq=16, hidden=64, heads=4, kv_heads=2, ffn=128)
@@ -57,3 +60,41 @@ def weighted_chain(n: int = 8, shape: tuple[int, int] = (8, 16)) -> TaskGraph:
         acts.append(y)
     g.outputs = [acts[-1], acts[n // 2]]
     return g
+
+
+class FakeHostMemory:
+    """Pinned memory as plain numpy buffers; every call counted. ``refuse`` maps an address to
+    the CUresult name its registration fails with."""
+
+    def __init__(self):
+        self.allocated: list[np.ndarray] = []  # kept alive: their addresses stay pinned
+        self.registered: dict[int, int] = {}  # address -> bytes
+        self.unregistered: list[int] = []
+        self.refuse: dict[int, str] = {}
+        self.flushes = 0
+
+    def alloc(self, nbytes):
+        a = np.empty(nbytes, np.uint8)
+        self.allocated.append(a)
+        return a
+
+    def register(self, array):
+        addr = array.__array_interface__["data"][0]
+        if addr in self.refuse:
+            raise CudaCallError(self.refuse[addr], f"cuMemHostRegister of {array.nbytes} bytes at {addr:#x}")
+        assert addr not in self.registered, "registered twice"
+        self.registered[addr] = array.nbytes
+
+    def unregister(self, array):
+        addr = array.__array_interface__["data"][0]
+        del self.registered[addr]
+        self.unregistered.append(addr)
+
+    def is_pinned(self, array):
+        lo = array.__array_interface__["data"][0]
+        hi = lo + max(array.nbytes, 1)
+        ranges = [(a.__array_interface__["data"][0], a.nbytes) for a in self.allocated] + list(self.registered.items())
+        return any(s <= lo and hi <= s + max(n, 1) for s, n in ranges)
+
+    def flush(self):
+        self.flushes += 1

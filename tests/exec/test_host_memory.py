@@ -17,88 +17,16 @@ import numpy as np
 import pytest
 
 import vmstoolkit.exec.backends.cuda as cuda_backend
-from tests.exec.helpers import weighted_chain
+from tests.exec.helpers import FakeHostMemory, weighted_chain
 from vmstoolkit.errors import InvalidFreeError
 from vmstoolkit.exec.backends import host_memory
 from vmstoolkit.exec.backends.cuda import CudaBackend
 from vmstoolkit.exec.backends.host_memory import PinFallbackWarning, PinnedPool
 from vmstoolkit.exec.compiler import compile_memory_graph, working_set
-from vmstoolkit.exec.errors import CudaCallError, ExecutionError, InvalidGraphError, InvalidOptionError
+from vmstoolkit.exec.errors import ExecutionError, InvalidGraphError, InvalidOptionError
 from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.graph import TensorKind, random_weights
 from vmstoolkit.exec.ops import reference_forward
-
-
-class FakeHostMemory:
-    """Pinned memory as plain numpy buffers; every call counted. ``refuse`` maps an address to
-    the CUresult name its registration fails with."""
-
-    def __init__(self):
-        self.allocated: list[np.ndarray] = []  # kept alive: their addresses stay pinned
-        self.registered: dict[int, int] = {}  # address -> bytes
-        self.unregistered: list[int] = []
-        self.refuse: dict[int, str] = {}
-        self.flushes = 0
-
-    def alloc(self, nbytes):
-        a = np.empty(nbytes, np.uint8)
-        self.allocated.append(a)
-        return a
-
-    def register(self, array):
-        addr = array.__array_interface__["data"][0]
-        if addr in self.refuse:
-            raise CudaCallError(self.refuse[addr], f"cuMemHostRegister of {array.nbytes} bytes at {addr:#x}")
-        assert addr not in self.registered, "registered twice"
-        self.registered[addr] = array.nbytes
-
-    def unregister(self, array):
-        addr = array.__array_interface__["data"][0]
-        del self.registered[addr]
-        self.unregistered.append(addr)
-
-    def is_pinned(self, array):
-        lo = array.__array_interface__["data"][0]
-        hi = lo + max(array.nbytes, 1)
-        ranges = [(a.__array_interface__["data"][0], a.nbytes) for a in self.allocated] + list(self.registered.items())
-        return any(s <= lo and hi <= s + max(n, 1) for s, n in ranges)
-
-    def flush(self):
-        self.flushes += 1
-
-
-@pytest.fixture
-def sim_gpu(monkeypatch):
-    """The real CudaBackend on the CUDA simulator, its region a numpy byte array."""
-    from numba import config, cuda
-
-    if not config.ENABLE_CUDASIM:
-        pytest.skip("runs on Numba's CUDA simulator (tests/gpu/test_host_memory_gpu.py is the GPU's)")
-    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-    regions: dict[int, np.ndarray] = {}
-
-    def take_region(gpu, nbytes, peers=(), *, allocator="vms", options=None):
-        addr = (len(regions) + 1) << 20
-        regions[addr] = np.zeros(nbytes, np.uint8)
-        return addr, lambda: regions.pop(addr)
-
-    def device_view(ctx, base, offset, shape, dtype):
-        dtype = np.dtype(dtype)
-        n = int(np.prod(shape)) * dtype.itemsize
-        return FakeCUDAArray(regions[base][offset:offset + n].view(dtype).reshape(shape))
-
-    class Event:
-        def record(self, stream):
-            pass
-
-        def query(self):
-            return True
-
-    monkeypatch.setattr(cuda_backend, "take_region", take_region)
-    monkeypatch.setattr(cuda_backend, "device_view", device_view)
-    monkeypatch.setattr(cuda, "event", lambda timing=True: Event())
-    return regions
 
 
 @pytest.fixture(scope="module")

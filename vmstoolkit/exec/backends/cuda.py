@@ -140,7 +140,7 @@ class CudaBackend:
 
     def __init__(self, values: dict[int, np.ndarray], *, notify: str = "poll", host: dict | None = None,
                  pin: str = "copy", pool: PinnedPool | None = None, allocator: str = "vms",
-                 allocator_options: dict | None = None):
+                 allocator_options: dict | None = None, timeline: bool = False):
         """``values``: the host value of every weight and input, by tensor id.
 
         ``notify``: ``"poll"`` (default: 7-13% shorter makespans than ``"callback"`` on the
@@ -166,7 +166,13 @@ class CudaBackend:
 
         ``allocator`` and ``allocator_options``: the vmstoolkit allocator each GPU's region
         comes from (:func:`take_region`), checked here by the registry without a GPU
-        (:class:`~vmstoolkit.errors.ConfigError` naming a bad one)."""
+        (:class:`~vmstoolkit.errors.ConfigError` naming a bad one).
+
+        ``timeline``: time every vertex on the GPU with a pair of CUDA events around it on its
+        stream; after the run :attr:`spans` holds ``(vertex, gpu, stream, start_s, end_s)`` like
+        the sim backend's, measured from the first vertex's start on each GPU: the schedule the
+        GPU really ran, to set beside the simulated one (:func:`vmstoolkit.exec.plots.plot_schedule`).
+        Costs two event records per vertex (a few microseconds of host time each)."""
         from vmstoolkit.pools.registry import check_allocator
 
         if notify not in ("callback", "poll"):
@@ -189,6 +195,9 @@ class CudaBackend:
         self.allocator = allocator
         self.allocator_options = check_allocator(allocator, dict(allocator_options or {}))
         self._release: list = []
+        self.timeline = timeline
+        self._marks: list = []  # (vertex, gpu, stream, start event, end event) with timeline
+        self._spans: list | None = None
 
     def setup(self, mg) -> None:
         from numba import cuda
@@ -220,6 +229,7 @@ class CudaBackend:
         self._pending: dict[tuple[int, str], list] = {}
         self._poller = None
         self._callbacks: HostCallbacks | None = None
+        self._marks, self._spans = [], None
 
     def view(self, bid: int, shape=None):
         key = (bid, shape)
@@ -243,6 +253,9 @@ class CudaBackend:
             cm.__enter__()
         try:
             s = self.streams[v.gpu][v.stream]
+            if self.timeline:
+                start = cuda.event(timing=True)
+                start.record(s)
             if v.kind == "reload":
                 self.view(v.writes[0]).copy_to_device(self._host[v.tensor], stream=s)
             elif v.kind == "offload":
@@ -253,6 +266,10 @@ class CudaBackend:
                 ins = [self.view(b, tv.views[i]) for i, b in enumerate(v.reads)]
                 outs = [self.view(b, tv.views[n_in + i]) for i, b in enumerate(v.writes)]
                 run_kernel(tv, s, ins, outs)
+            if self.timeline:
+                end = cuda.event(timing=True)
+                end.record(s)
+                self._marks.append((v.id, v.gpu, v.stream, start, end))
             if self.notify == "callback":
                 if self._callbacks is None:
                     self._callbacks = HostCallbacks(asyncio.get_running_loop())
@@ -297,6 +314,26 @@ class CudaBackend:
         the executor takes a drive loop that ends early for a failed backend. ``done``'s
         exception, if any, is the executor's to report."""
         await asyncio.wait((done,))
+
+    @property
+    def spans(self) -> list[tuple[int, int, str, float, float]]:
+        """With ``timeline=True``, after a run: ``(vertex, gpu, stream, start_s, end_s)`` per
+        launched vertex in launch order, seconds from the earliest start on its GPU (waits for
+        the events); empty without a timeline. Read before :meth:`close`."""
+        if self._spans is None:
+            from numba import cuda
+
+            first: dict[int, object] = {}
+            out = []
+            for vid, gpu, stream, start, end in self._marks:  # events of one GPU, in its context
+                with cuda.gpus[gpu]:
+                    end.synchronize()
+                    first.setdefault(gpu, start)
+                    t0 = first[gpu].elapsed_time(start) / 1e3
+                    out.append((vid, gpu, stream, t0, t0 + start.elapsed_time(end) / 1e3))
+            lo = {g: min((a for _, gg, _, a, _ in out if gg == g), default=0.0) for g in first}
+            self._spans = [(vid, gpu, st, a - lo[gpu], b - lo[gpu]) for vid, gpu, st, a, b in out]
+        return self._spans
 
     def result(self, ids=None) -> dict[int, np.ndarray]:
         from numba import cuda
