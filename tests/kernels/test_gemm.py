@@ -297,3 +297,15 @@ def test_swizzle_refuses_tiles_it_cannot_take():
         G.make_gemm(G.SIM_SWIZZLE_TILES, swizzle=True)
     with pytest.raises(ValueError, match="do not keep rows 16 apart"):  # 16 threads: vectors 4 rows apart
         G.make_gemm(G.GemmTiles(bm=16, bn=16, bk=16, tm=4, tn=4), frag_db=True, swizzle=True)
+
+
+def test_swizzled_variant_in_the_tn_layout(rng, rel_err):
+    # the fourth layout (A stored (K, M), B (N, K)): only B's slices are swizzled there
+    t = G.SIM_SWIZZLE_TILES
+    m, n, k = 40, 35, 3 * t.bk + 5
+    a = rng.standard_normal((k, m), dtype=np.float32)  # (K, M)
+    b = rng.standard_normal((n, k), dtype=np.float32)  # (N, K)
+    d_c = cuda.device_array((m, n), np.float32)
+    kern = G.get_kernel(10, t, "tn")
+    kern[(-(-n // t.bn), -(-m // t.bm), 1), t.threads](cuda.to_device(a), cuda.to_device(b), d_c, d_c, 4)
+    assert rel_err(d_c.copy_to_host(), a.T @ b.T) <= 1e-5
