@@ -8,17 +8,25 @@ Writes ``<out>/offload.jsonl`` (one JSON object per measurement), ``<out>/summar
 
 - ``direct``: the block-by-block forward with our Numba kernels, every weight resident, kernels
   launched back to back on one stream with no events: the equality reference and the compute time;
-- ``runtime``: our memory graph at budgets full (the no-offload working set), half and quarter
-  of the weights, and half of the working set; executors event-driven (host callback and event
-  polling) and fixed-order; each checked equal to ``direct``;
+- ``runtime``: our memory graph at budgets full (the no-offload working set), half, a quarter
+  and an eighth of the working set (issue 18's table; ``--budgets`` also takes half and a quarter
+  of the weights, the earlier runs' budgets); executors event-driven (host callback and event
+  polling) and fixed-order; each checked equal to ``direct``, with its lower bound's terms
+  (compute, H2D, D2H) and ``transfer_bound`` when a copy term exceeds compute;
 - ``accelerate``: ``infer_auto_device_map`` with GPU ``max_memory`` = the same budgets, then
-  ``dispatch_model``, forward of ``inputs_embeds`` (skipped, and said so, without torch).
+  ``dispatch_model``, forward of ``inputs_embeds`` (skipped, and said so, without torch). Its
+  ``full`` row is the all-on-GPU cuBLAS time.
+
+With ``--timeline``, ``<out>/timeline_<budget>.json`` and ``.png``: each executor's first run at
+that budget vertex by vertex (CUDA events; the sim backend's spans in a dry run), one above the
+other.
 
 The ``runtime`` rows come from the product's sweep
 (:func:`vmstoolkit.exec.experiment.sweep_budgets`, the loop of ``vmstoolkit experiment offload``),
 given what this script adds: every run's outputs checked against ``direct``, both ways of
-learning of completions (``OFFLOAD_NOTIFY``, one sweep each), pinned host copies shared between
-runs, and budgets named by weights as well as by working set.
+learning of completions (``OFFLOAD_NOTIFY``, one sweep each), and budgets named by weights as
+well as by working set. The values are pinned once, in place, and every run borrows its offload
+slots from one ``PinnedPool``.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import save_timelines
+
 from vmstoolkit.exec.compiler import working_set
 from vmstoolkit.exec.experiment import sweep_budgets
 from vmstoolkit.exec.graph import LlamaConfig, build_llama, random_weights
@@ -40,13 +50,20 @@ from vmstoolkit.exec.ops import reference_forward
 REPEATS = int(os.environ.get("OFFLOAD_REPEATS", "3"))  # makespan = best of this many runs
 
 
-def budgets(graph, ws):
+BUDGETS = ("full", "half_ws", "quarter_ws", "eighth_ws", "half_weights", "quarter_weights")
+DEFAULT_BUDGETS = BUDGETS[:4]  # issue 18's table: full, half, a quarter and an eighth of the working set
+
+
+def budgets(graph, ws, names=DEFAULT_BUDGETS):
     w = graph.weight_bytes()
-    return {"full": ws, "half_ws": ws // 2, "half_weights": w // 2, "quarter_weights": w // 4}
+    every = {"full": ws, "half_ws": ws // 2, "quarter_ws": ws // 4, "eighth_ws": ws // 8,
+             "half_weights": w // 2, "quarter_weights": w // 4}
+    return {n: every[n] for n in names}
 
 
-def run_ours(graph, values, ref, emit, dry: bool, parts: int):
+def run_ours(graph, values, ref, emit, dry: bool, parts: int, names=DEFAULT_BUDGETS, timeline_out: Path | None = None):
     ws = working_set(graph)
+    pool = None
     if dry:
         from vmstoolkit.exec.backends.sim import CostModel, SimBackend
 
@@ -58,27 +75,49 @@ def run_ours(graph, values, ref, emit, dry: bool, parts: int):
         notifies = ["sim"]
     else:
         from vmstoolkit.exec.backends.cuda import CudaBackend, measure_lower_bound
+        from vmstoolkit.exec.backends.host_memory import PinnedPool
 
-        host: dict = {}  # pinned host copies shared by every run
+        pool = PinnedPool()
+        pool.pin(values)  # in place, once: every run reads these arrays and borrows the pool's slots
 
-        def backend(notify):
-            return lambda rep: CudaBackend(values, notify=notify, host=host)
+        def backend(notify):  # --timeline: CUDA events around every vertex of the first run only
+            return lambda rep: CudaBackend(values, notify=notify, pin="in_place", pool=pool,
+                                           timeline=timeline_out is not None and rep == 0)
 
         def lb(mg):
             return measure_lower_bound(mg, values)
         # both ways of learning of completions, measured side by side (OFFLOAD_NOTIFY narrows it)
         notifies = os.environ.get("OFFLOAD_NOTIFY", "poll,callback").split(",")
+    sizes = budgets(graph, ws, names)
     fields = [({"kind": "runtime", "budget_name": name, "budget": budget, "working_set": ws, "parts": parts,
-                "fits_without_offload": budget >= ws}, budget) for name, budget in budgets(graph, ws).items()]
-    for notify in notifies:  # compiling again per notify costs milliseconds; the lower bound is cached
-        for row in sweep_budgets(graph, [({**f, "notify": notify}, b) for f, b in fields], backend(notify), lb,
-                                 repeats=1 if dry else REPEATS, reference=ref, keep_going=True):
-            if "makespan_s" in row:
-                row["ratio_to_lower_bound"] = row["makespan_s"] / row["lower_bound_s"]
-            emit(row)
+                "fits_without_offload": budget >= ws}, budget) for name, budget in sizes.items()]
+    captured: list = []  # spans of the runs of the row being measured
+
+    def read(be):
+        if timeline_out is not None and be.spans:
+            captured.append(list(be.spans))
+        return be.result()
+    timelines: dict[str, dict] = {}  # budget name -> "executor (notify)" -> (makespan, spans)
+    try:
+        for notify in notifies:  # compiling again per notify costs milliseconds; the lower bound is cached
+            for row in sweep_budgets(graph, [({**f, "notify": notify}, b) for f, b in fields], backend(notify), lb,
+                                     repeats=1 if dry else REPEATS, reference=ref, read=read, keep_going=True):
+                if "makespan_s" in row:
+                    row["ratio_to_lower_bound"] = row["makespan_s"] / row["lower_bound_s"]
+                    row["transfer_bound"] = max(row["h2d_s"], row["d2h_s"]) > row["compute_s"]
+                    if captured:
+                        label = f"{row['executor']} ({notify})"
+                        timelines.setdefault(row["budget_name"], {})[label] = (row["makespan_s"], captured[0])
+                captured.clear()
+                emit(row)
+    finally:
+        if pool is not None:
+            pool.close()  # the slots; the pinned values live on in ``values``
+    for name, runs in timelines.items():
+        save_timelines(timeline_out / f"timeline_{name}", graph, sizes[name], runs, dry)
 
 
-def run_accelerate(cfg: LlamaConfig, graph, ws, emit, seed: int):
+def run_accelerate(cfg: LlamaConfig, graph, ws, emit, seed: int, names=DEFAULT_BUDGETS):
     try:
         import torch
         from accelerate import dispatch_model, infer_auto_device_map
@@ -104,7 +143,7 @@ def run_accelerate(cfg: LlamaConfig, graph, ws, emit, seed: int):
         shapes = {k: v.shape for k, v in LlamaModel(hf).state_dict().items()}
     weights = {k: (torch.ones(shp) if k.endswith("norm.weight") else torch.empty(shp).uniform_(-0.02, 0.02))
                for k, shp in shapes.items()}
-    for name, budget in budgets(graph, ws).items():
+    for name, budget in budgets(graph, ws, names).items():
         row = {"kind": "accelerate", "budget_name": name, "budget": budget}
         try:
             with torch.device("meta"):
@@ -148,6 +187,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=None, help="prompt length (default: LlamaConfig's 2048)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-accelerate", action="store_true")
+    ap.add_argument("--budgets", nargs="+", choices=BUDGETS, default=list(DEFAULT_BUDGETS),
+                    help="budgets by name: fractions of the working set (_ws) or of the weights (_weights)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="record each executor's first run at each budget vertex by vertex (CUDA events) and save "
+                         "timeline_<budget>.json/.png")
     a = ap.parse_args(argv)
     faulthandler.enable()  # a crash (seen at exit with two GPUs) prints the Python stacks
     a.out.mkdir(parents=True, exist_ok=True)
@@ -179,11 +223,11 @@ def main(argv=None) -> int:
         ref, compute_s = direct_forward(graph, values)
         emit({"kind": "direct", "backend": "cuda", "compute_s": compute_s, **copy_bandwidth()})
     ref = {t: ref[t] for t in graph.outputs}
-    run_ours(graph, values, ref, emit, a.dry_run, a.parts)
+    run_ours(graph, values, ref, emit, a.dry_run, a.parts, a.budgets, a.out if a.timeline else None)
     if a.dry_run or a.skip_accelerate:
         emit({"kind": "accelerate", "skipped": "dry run" if a.dry_run else "--skip-accelerate"})
     else:
-        run_accelerate(cfg, graph, working_set(graph), emit, a.seed)
+        run_accelerate(cfg, graph, working_set(graph), emit, a.seed, a.budgets)
     summary = {"command": " ".join(sys.argv), "config": cfg.__dict__, "parts": a.parts, "gpus": a.gpus,
                "wall_s": time.perf_counter() - t0, "rows": len(rows),
                "all_equal": all(r.get("equal", True) for r in rows if r["kind"] == "runtime" and "error" not in r)}

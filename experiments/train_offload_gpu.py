@@ -48,6 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common import save_timelines
+
 from vmstoolkit.exec.compiler import working_set
 from vmstoolkit.exec.experiment import sweep_budgets
 from vmstoolkit.exec.graph import LlamaConfig
@@ -177,26 +179,6 @@ def run_ours(tg, values, emit, a, variant, seq):
     for name, runs in timelines.items():
         save_timelines(a.out / f"timeline_{variant}_s{seq}_{name}", graph, budgets[name], runs, a.dry_run)
     return budgets, want
-
-
-def save_timelines(stem: Path, graph, budget: int, runs: dict, simulated: bool) -> None:
-    """``<stem>.json`` (each executor's spans: vertex, gpu, stream, start, end) and ``<stem>.png``
-    (their schedules one above the other, on one time axis)."""
-    from matplotlib.figure import Figure
-
-    from vmstoolkit.exec.compiler import compile_memory_graph
-    from vmstoolkit.exec.plots import plot_schedule
-    from vmstoolkit.units import format_size
-
-    mg = compile_memory_graph(graph, budget)  # deterministic: the plan the runs executed
-    stem.with_suffix(".json").write_text(json.dumps({ex: {"step_s": t, "spans": sp} for ex, (t, sp) in runs.items()}))
-    fig = Figure(figsize=(12, 1.8 * len(runs) + 0.6))
-    axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0]
-    clock = "simulated" if simulated else "GPU, CUDA events"
-    for ax, (ex, (t, sp)) in zip(axes, runs.items()):
-        plot_schedule(mg, sp, ax=ax, title=f"{ex}: step {t:.3f} s ({clock}), budget {format_size(budget)}")
-    fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=110)
 
 
 # ---- PyTorch eager baseline (run in its own process: --torch-only) --------------------------

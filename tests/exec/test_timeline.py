@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from tests.exec.helpers import FakeHostMemory, weighted_chain
+from tests.exec.helpers import FakeHostMemory, tiny_llama, weighted_chain
 from vmstoolkit.exec.backends.host_memory import PinnedPool
 from vmstoolkit.exec.backends.sim import SimBackend
 from vmstoolkit.exec.compiler import compile_memory_graph, working_set
@@ -92,7 +92,19 @@ def test_schedule_figure_draws_every_span_in_its_lane_and_kind():
     ax = plot_schedule(mg, be.spans, title="one step")
     bars = ax.patches
     assert len(bars) == len(be.spans) and ax.get_title() == "one step"
+    assert {t.get_text() for t in ax.get_legend().get_texts()} == kinds
     lanes = dict(zip([t.get_text() for t in ax.get_yticklabels()], ax.get_yticks()))
     for bar, (vid, _, stream, start, end) in zip(bars, be.spans):
         assert bar.get_y() + bar.get_height() / 2 == pytest.approx(lanes[stream])
         assert bar.get_x() == pytest.approx(start * 1e3) and bar.get_width() == pytest.approx((end - start) * 1e3)
+
+
+def test_a_prefill_schedule_names_only_what_it_ran():
+    g = tiny_llama()
+    mg = compile_memory_graph(g, int(working_set(g) * 0.3))
+    be = SimBackend(values=random_weights(g, 0), numerics=False)
+    execute(mg, be)
+    ax = plot_schedule(mg, be.spans, unit="us")
+    assert {t.get_text() for t in ax.get_legend().get_texts()} == {"forward", "offload", "reload"} - (
+        set() if mg.offloaded_bytes else {"offload"})
+    assert ax.get_xlabel() == "time (µs)"

@@ -34,7 +34,7 @@ def vertex_kind(mg, vid: int) -> str:
 def plot_schedule(mg, spans, ax=None, title: str | None = None, unit: str = "ms"):
     """Draw ``spans`` (``(vertex, gpu, stream, start_s, end_s)``) of memory graph ``mg`` on
     ``ax`` (a new Figure's when None); returns the Axes. ``unit``: ``"ms"`` or ``"us"`` on the
-    time axis. No pyplot: the caller's backend is left alone."""
+    time axis; the legend names the kinds drawn. No pyplot: the caller's backend is left alone."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
@@ -42,13 +42,15 @@ def plot_schedule(mg, spans, ax=None, title: str | None = None, unit: str = "ms"
     if ax is None:
         ax = Figure(figsize=(11, 1.2 + 0.9 * mg.n_gpus)).subplots()
     lanes = {(g, s): g * (len(STREAM_LANES) + 1) + i for g in range(mg.n_gpus) for i, s in enumerate(STREAM_LANES)}
+    seen = set()
     for vid, gpu, stream, start, end in spans:
-        ax.barh(lanes[(gpu, stream)], (end - start) * scale, left=start * scale,
-                color=KIND_COLORS[vertex_kind(mg, vid)], height=0.8)
+        kind = vertex_kind(mg, vid)
+        seen.add(kind)
+        ax.barh(lanes[(gpu, stream)], (end - start) * scale, left=start * scale, color=KIND_COLORS[kind], height=0.8)
     ax.set_yticks(list(lanes.values()), [f"gpu{g} {s}" if mg.n_gpus > 1 else s for g, s in lanes])
     ax.set_xlabel(f"time ({'µs' if unit == 'us' else 'ms'})")
     if title:
         ax.set_title(title)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLORS.items()], loc="upper left",
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLORS.items() if k in seen], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)  # beside the lanes, not over them
     return ax
