@@ -390,19 +390,13 @@ def save_timelines(stem: Path, graph, budget: int, runs: dict, simulated: bool) 
     """``<stem>.json`` and ``<stem>.png`` for the runs of ``graph`` at ``budget``: ``runs`` maps a
     label (an executor) to ``(makespan or step seconds, spans)``, the spans a backend recorded
     (``SimBackend.spans``, ``CudaBackend(timeline=True).spans``); the figure draws their schedules
-    one above the other (:func:`vmstoolkit.exec.plots.plot_schedule`)."""
-    from matplotlib.figure import Figure
-
+    one above the other (:func:`vmstoolkit.exec.plots.schedules_figure`)."""
     from vmstoolkit.exec.compiler import compile_memory_graph
-    from vmstoolkit.exec.plots import plot_schedule
+    from vmstoolkit.exec.plots import schedules_figure
     from vmstoolkit.units import format_size
 
     mg = compile_memory_graph(graph, budget)  # deterministic: the plan the runs executed
-    stem.with_suffix(".json").write_text(json.dumps({ex: {"seconds": t, "spans": sp} for ex, (t, sp) in runs.items()}))
-    fig = Figure(figsize=(12, 1.8 * len(runs) + 0.6))
-    axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0]
+    Path(f"{stem}.json").write_text(json.dumps({ex: {"seconds": t, "spans": sp} for ex, (t, sp) in runs.items()}))
     clock = "simulated" if simulated else "GPU, CUDA events"
-    for ax, (ex, (t, sp)) in zip(axes, runs.items()):
-        plot_schedule(mg, sp, ax=ax, title=f"{ex}: {t:.3f} s ({clock}), budget {format_size(budget)}")
-    fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=110)
+    fig = schedules_figure({f"{ex}, budget {format_size(budget)}": (mg, t, sp) for ex, (t, sp) in runs.items()}, clock)
+    fig.savefig(f"{stem}.png", dpi=110)

@@ -3,6 +3,8 @@ length, and one-line errors."""
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from vmstoolkit.cli import app
@@ -68,3 +70,22 @@ def test_bad_arguments_are_one_line_errors():
         res = run(*args)
         assert res.exit_code != 0 and msg in res.output, (args, res.output)
         assert len(res.output.strip().splitlines()) == 1
+
+
+def test_schedule_saves_each_budgets_last_step_under_both_executors(tmp_path):
+    res = run("--variant", "full", "--seq", "16", "--steps", "2", "--budget", "0.5", "--budget", "0.25",
+              "--format", "json", "--schedule", str(tmp_path / "sched"))
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert all(list(r) == KEYS for r in rows)  # the rows are unchanged by the option
+    budgets = sorted({r["budget"] for r in rows})
+    assert sorted(p.name for p in (tmp_path / "sched").iterdir()) == sorted(
+        f"schedule_{b}B.{ext}" for b in budgets for ext in ("json", "png"))
+    for b in budgets:
+        sched = json.loads((tmp_path / "sched" / f"schedule_{b}B.json").read_text())
+        assert sched["budget"] == b and set(sched) == {"budget", "event-driven", "fixed-order"}
+        for ex in ("event-driven", "fixed-order"):
+            spans = sched[ex]["spans"]
+            assert spans and all(end >= start >= 0 for *_, start, end in spans)
+            assert max(end for *_, end in spans) == pytest.approx(sched[ex]["seconds"], rel=0.2)
+        assert (tmp_path / "sched" / f"schedule_{b}B.png").stat().st_size > 10_000

@@ -54,3 +54,17 @@ def plot_schedule(mg, spans, ax=None, title: str | None = None, unit: str = "ms"
     ax.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLORS.items() if k in seen], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)  # beside the lanes, not over them
     return ax
+
+
+def schedules_figure(runs: dict, clock: str):
+    """One Figure with the schedules of several runs one above the other, on one time axis:
+    ``runs`` maps a label (an executor) to ``(memory graph, seconds, spans)``; ``clock`` says
+    what measured them (``"simulated"``, ``"GPU, CUDA events"``). Returns the Figure."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 1.8 * len(runs) + 0.6))
+    axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (label, (mg, seconds, spans)) in zip(axes, runs.items()):
+        plot_schedule(mg, spans, ax=ax, title=f"{label}: {seconds:.4g} s ({clock})")
+    fig.tight_layout()
+    return fig

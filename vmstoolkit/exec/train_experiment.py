@@ -89,6 +89,8 @@ class _Sim:
 
         self.cost, self.seed, self.jitter, self.check = CostModel(), seed, jitter, check
         self.needs_values = check  # timing alone needs no numbers
+        self.timeline = False  # the sim backend records its spans anyway
+        self.last = None  # (memory graph, seconds, spans) of the last step
 
     def close(self) -> None:
         pass
@@ -98,6 +100,7 @@ class _Sim:
 
         be = SimBackend(self.cost, seed=self.seed + i, jitter=self.jitter, numerics=self.check, values=values)
         span = execute(plan.memory, be, executor).makespan_s
+        self.last = (plan.memory, span, list(be.spans))
         err = None
         if self.check:
             from vmstoolkit.exec.train_reference import reference_train_step
@@ -114,6 +117,8 @@ class _Cuda:
         self.needs_values = True
         self._direct: dict[tuple[int, int], dict] = {}
         self.pool = None  # PinnedPool: each bucket's weights registered once, slots pinned once
+        self.timeline = False  # CUDA events around every vertex (run_train_experiment's schedule_dir)
+        self.last = None  # (memory graph, seconds, spans) of the last step, with timeline
 
     def close(self) -> None:
         if self.pool is not None:
@@ -126,10 +131,11 @@ class _Cuda:
         self.pool = self.pool or PinnedPool()
         # register, not in place: a step's values are a new dict, so replacing its entries would pin the
         # bucket's weights again every step; registered, they are pinned once
-        be = CudaBackend(values, pin="register", pool=self.pool)
+        be = CudaBackend(values, pin="register", pool=self.pool, timeline=self.timeline)
         try:
             res = execute(plan.memory, be, executor)
             out = be.result()
+            self.last = (plan.memory, res.makespan_s, list(be.spans)) if self.timeline else None
         finally:
             be.close()
         err = None
@@ -203,11 +209,16 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
                          executors=EXECUTORS, seed: int = 0, jitter: float = 0.05,
                          check_grads: bool | None = None, adamw: AdamWConfig | None = None,
                          granule: int = DEFAULT_GRANULE, ratio: float = DEFAULT_RATIO,
-                         recompute: bool = False) -> list[dict]:
+                         recompute: bool = False, schedule_dir=None) -> list[dict]:
     """Rows of :data:`ROW_KEYS`, one per (budget, executor). Budget fractions are of the
     no-offload working set at the longest bucket of the run. Raises BudgetTooSmallError (naming
     the vertex, its bytes and the budget) when a budget cannot hold one vertex. ``recompute``
-    lets the compiler rerun cheap producers instead of offloading their outputs."""
+    lets the compiler rerun cheap producers instead of offloading their outputs.
+
+    ``schedule_dir``: for each budget, ``schedule_<bytes>B.png`` (the last step's schedule under
+    each executor, one above the other: :func:`vmstoolkit.exec.plots.schedules_figure`) and
+    ``.json`` (their spans) there; on the cuda backend every vertex is then timed with CUDA events
+    (``CudaBackend(timeline=True)``, a few microseconds of host time each)."""
     cfg = config or LlamaConfig()
     seqs = step_lengths(seq, seq_range, steps, seed)
     buckets = {"granule": granule, "ratio": ratio, "max_seq": max(seqs)}
@@ -237,13 +248,36 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
         runner = _Cuda(check_grads)
     else:
         raise InvalidOptionError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
+    runner.timeline = schedule_dir is not None
     rows = []
     try:
         for budget in resolved:
+            last = {}
             for ex in executors:
                 cache = PlanCache(cfg, variant, budget, rank=rank, adamw=adamw, recompute=recompute, **buckets)
                 recs = run_steps(cache, seqs, runner, ex, seed)
                 rows.append(summarize(budget, ex, variant, recs))
+                last[ex] = runner.last
+            if schedule_dir is not None:
+                save_schedules(schedule_dir, budget, last, "simulated" if backend == "sim" else "GPU, CUDA events")
     finally:
         runner.close()
     return rows
+
+
+def save_schedules(folder, budget: int, last: dict, clock: str) -> None:
+    """``<folder>/schedule_<budget bytes>B.png`` and ``.json``: each executor's ``(memory graph,
+    seconds, spans)`` of one step at ``budget`` bytes."""
+    import json
+    from pathlib import Path
+
+    from vmstoolkit.exec.plots import schedules_figure
+    from vmstoolkit.units import format_size
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"schedule_{budget}B"  # bytes: a size with a decimal point would read as a suffix
+    (folder / f"{stem}.json").write_text(json.dumps(
+        {"budget": budget, **{ex: {"seconds": s, "spans": sp} for ex, (_, s, sp) in last.items()}}))
+    fig = schedules_figure({f"{ex}, budget {format_size(budget)}": run for ex, run in last.items()}, clock)
+    fig.savefig(folder / f"{stem}.png", dpi=110)
