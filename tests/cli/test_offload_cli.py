@@ -94,3 +94,10 @@ def test_table_explains_offloaded_and_reloaded_and_why_no_schedule():
     text = " ".join(r.output.split())
     assert "offloaded" in text and "GPU -> host" in text and "host -> GPU" in text
     assert "no schedule" in text and "needs" in text  # the reason, not only the verdict
+
+
+def test_schedule_folder_gets_each_budgets_runs(tmp_path):
+    r = invoke(*OK_SHAPE, "--budget", "0.5", "--budget", "0.25", "--format", "json", "--schedule", str(tmp_path / "s"))
+    assert r.exit_code == 0, r.output
+    names = sorted(p.name for p in (tmp_path / "s").iterdir())
+    assert len(names) == 4 and all(n.startswith("schedule_") and n.endswith(("B.json", "B.png")) for n in names)

@@ -6,6 +6,7 @@ backend's. The CUDA backend runs on Numba's CUDA simulator with a clocked fake o
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -108,3 +109,17 @@ def test_a_prefill_schedule_names_only_what_it_ran():
     assert {t.get_text() for t in ax.get_legend().get_texts()} == {"forward", "offload", "reload"} - (
         set() if mg.offloaded_bytes else {"offload"})
     assert ax.get_xlabel() == "time (µs)"
+
+
+def test_offload_experiment_saves_each_budgets_first_runs(tmp_path):
+    from vmstoolkit.exec.experiment import run_offload_experiment
+
+    cfg = LlamaConfig(n_blocks=2, seq=8, hidden=32, heads=4, kv_heads=4, ffn=48)
+    rows = run_offload_experiment("sim", config=cfg, fractions=(0.5, 0.25), schedule_dir=tmp_path)
+    budgets = sorted({r["budget"] for r in rows})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"schedule_{b}B.{ext}" for b in budgets for ext in ("json", "png"))
+    for b in budgets:
+        sched = json.loads((tmp_path / f"schedule_{b}B.json").read_text())
+        made = {r["executor"]: r["makespan_s"] for r in rows if r["budget"] == b}
+        assert {ex: sched[ex]["seconds"] for ex in made} == made  # repeats=1: the first run is the row's

@@ -34,6 +34,7 @@ def offload_command(
              "no-offload working set (0.5, 50%). Default: 1, 0.75, 0.5, 0.375, 0.25, 0.125.",
         show_default=False)] = None,
     figure: Annotated[Path | None, typer.Option(help="Write a figure of makespan against budget here (.png, .pdf, .svg, ...).")] = None,
+    schedule: Annotated[Path | None, typer.Option(help="Folder for each budget's first run under both executors, one above the other (schedule_<bytes>B.png and .json); on cuda every vertex is timed with CUDA events.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the simulated jitter.")] = 0,
 ) -> None:
     """Run a LLaMA prefill at budgets from its whole working set down to an eighth of it (or those
@@ -55,7 +56,8 @@ def offload_command(
     except VmsError as e:
         fail(f"--budget: {e}", code=2)
     cfg = LlamaConfig(n_blocks=blocks, seq=seq, hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn)
-    rows = run_offload_experiment(backend.value, gpus, config=cfg, parts=parts, seed=seed, budgets=specs)
+    rows = run_offload_experiment(backend.value, gpus, config=cfg, parts=parts, seed=seed, budgets=specs,
+                                  schedule_dir=schedule)
     if figure is not None:
         plot_makespan(rows, figure)
     emit_rows(rows, format, offload_table)

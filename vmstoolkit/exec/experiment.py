@@ -22,6 +22,7 @@ from vmstoolkit.exec.compiler import MemoryGraph, compile_memory_graph, working_
 from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError, InvalidOptionError
 from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.graph import LlamaConfig, TaskGraph, build_llama
+from vmstoolkit.exec.plots import save_schedules
 
 DEFAULT_FRACTIONS = (1.0, 0.75, 0.5, 0.375, 0.25, 0.125)
 EXECUTORS = ("event-driven", "fixed-order")
@@ -82,7 +83,7 @@ class BudgetSpec:
 def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: LlamaConfig | None = None,
                            parts: int = 1, fractions=DEFAULT_FRACTIONS, executors=EXECUTORS,
                            seed: int = 0, jitter: float = 0.05, repeats: int = 1,
-                           budgets: list[BudgetSpec | str] | None = None) -> list[dict]:
+                           budgets: list[BudgetSpec | str] | None = None, schedule_dir=None) -> list[dict]:
     """Rows with ``budget``, ``budget_fraction`` (of the working set), ``budget_spec`` (as
     given), ``executor``, ``makespan_s``, ``lower_bound_s`` (max of compute time, H2D bytes /
     bandwidth, D2H bytes / bandwidth), ``compute_s``, ``h2d_s``, ``d2h_s``, ``offloaded_bytes``,
@@ -93,6 +94,10 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
 
     ``budgets`` (sizes or fractions, :class:`BudgetSpec` or its text), in the order given,
     replace ``fractions`` (fractions of the working set).
+
+    ``schedule_dir``: for each budget, the first run under each executor drawn and saved there
+    (:func:`vmstoolkit.exec.plots.save_schedules`: ``schedule_<bytes>B.png`` and ``.json``); on
+    the cuda backend that run times every vertex with CUDA events.
 
     What moves: ``offloaded_bytes`` are GPU -> host copies, made only for activations evicted
     before their last use, once each (weights and inputs have a host copy from the start, so
@@ -130,7 +135,7 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
         pool = PinnedPool()  # values pinned in place by the first run, slots pinned once: every run shares them
 
         def make_backend(i):
-            return CudaBackend(values, pin="in_place", pool=pool)
+            return CudaBackend(values, pin="in_place", pool=pool, timeline=schedule_dir is not None and i == 0)
 
         def lower_bound(mg):
             return measure_lower_bound(mg, values)
@@ -145,17 +150,27 @@ def run_offload_experiment(backend: str = "sim", n_gpus: int = 1, *, config: Lla
                              "budget_spec": spec.text, "working_set": ws, "n_gpus": n_gpus, "blocks": cfg.n_blocks,
                              "parts": parts, "seq": cfg.seq, "hidden": cfg.hidden, "heads": cfg.heads, "ffn": cfg.ffn,
                              "backend": backend, "fits_without_offload": budget >= ws}, budget))
+    first: dict[int, dict] = {}  # budget -> executor -> (memory graph, makespan, spans) of its first run
+
+    def observe(be, res, fields, ex, i):
+        if i == 0:
+            first.setdefault(fields["budget"], {})[ex] = (be.mg, res.makespan_s, list(be.spans))
     try:
-        return list(sweep_budgets(graph, budget_rows, make_backend, lower_bound, executors=executors, repeats=repeats))
+        rows = list(sweep_budgets(graph, budget_rows, make_backend, lower_bound, executors=executors, repeats=repeats,
+                                  observe=observe if schedule_dir is not None else None))
     finally:
         if backend == "cuda":
             pool.close()
+    for budget, runs in first.items():
+        save_schedules(schedule_dir, budget, runs, "simulated" if backend == "sim" else "GPU, CUDA events")
+    return rows
 
 
 def sweep_budgets(graph: TaskGraph, budgets: Iterable[tuple[dict, int]], make_backend: Callable[[int], object],
                   lower_bound: Callable[[MemoryGraph], dict], *, executors=EXECUTORS, repeats: int = 1,
                   reference: Mapping | None = None, read: Callable[[object], Mapping] | None = None,
-                  rtol: float = 1e-3, keep_going: bool = False, check_runs: int | None = None) -> Iterator[dict]:
+                  rtol: float = 1e-3, keep_going: bool = False, check_runs: int | None = None,
+                  observe: Callable | None = None) -> Iterator[dict]:
     """Compile ``graph`` at each budget and run the memory graph with each executor, ``repeats``
     times, each run on a fresh ``make_backend(repeat)`` closed afterwards even when the run fails
     (a GPU backend gives its region back). Yields one row per (budget, executor), as it is measured.
@@ -181,6 +196,9 @@ def sweep_budgets(graph: TaskGraph, budgets: Iterable[tuple[dict, int]], make_ba
     ``check_runs``: read and compare only the first that many runs of each (budget, executor)
     (default: every run; reading back a full fine-tuning step's 39 GB of weights and moments costs
     more host time than the step); the row's ``checked_runs`` says how many were.
+
+    ``observe(backend, result, fields, executor, repeat)``: called after each run that completes,
+    before the backend closes (e.g. to keep a run's ``spans``).
 
     ``keep_going``: a run or compile that raises gives its row ``error`` (type and message) and
     ``traceback`` and the sweep goes on (a long GPU session keeps its other results); otherwise the
@@ -217,8 +235,11 @@ def sweep_budgets(graph: TaskGraph, budgets: Iterable[tuple[dict, int]], make_ba
                     be = make_backend(i)
                     clock = lap("backend", clock)
                     try:
-                        spans.append(execute(mg, be, ex).makespan_s)
+                        res = execute(mg, be, ex)
+                        spans.append(res.makespan_s)
                         clock = lap("execute", clock)
+                        if observe is not None:
+                            observe(be, res, fields, ex, i)
                         if reference is not None and (check_runs is None or i < check_runs):
                             got = read(be)
                             err = max(err, max(float(np.max(np.abs(got[t] - ref))) for t, ref in reference.items()))

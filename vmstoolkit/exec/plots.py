@@ -1,4 +1,5 @@
-"""Figures of a run of the runtime: the schedule one run executed, simulated or measured.
+"""Figures of a run of the runtime: the schedule one run executed, simulated or measured, and
+:func:`save_schedules`, which writes a budget's runs under each executor (figure and spans).
 
 :func:`plot_schedule` draws the ``spans`` a backend records (``SimBackend.spans``, or
 ``CudaBackend(timeline=True).spans`` measured with CUDA events): one lane per stream of each GPU,
@@ -68,3 +69,21 @@ def schedules_figure(runs: dict, clock: str):
         plot_schedule(mg, spans, ax=ax, title=f"{label}: {seconds:.4g} s ({clock})")
     fig.tight_layout()
     return fig
+
+
+def save_schedules(folder, budget: int, last: dict, clock: str) -> None:
+    """``<folder>/schedule_<budget bytes>B.png`` and ``.json``: ``last`` maps each executor to
+    the ``(memory graph, seconds, spans)`` of one run at ``budget`` bytes; ``clock`` says what
+    measured them."""
+    import json
+    from pathlib import Path
+
+    from vmstoolkit.units import format_size
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"schedule_{budget}B"  # bytes: a size with a decimal point would read as a suffix
+    (folder / f"{stem}.json").write_text(json.dumps(
+        {"budget": budget, **{ex: {"seconds": s, "spans": sp} for ex, (_, s, sp) in last.items()}}))
+    fig = schedules_figure({f"{ex}, budget {format_size(budget)}": run for ex, run in last.items()}, clock)
+    fig.savefig(folder / f"{stem}.png", dpi=110)

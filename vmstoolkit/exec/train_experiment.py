@@ -23,6 +23,7 @@ from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.experiment import BudgetSpec
 from vmstoolkit.exec.graph import LlamaConfig
 from vmstoolkit.exec.plan_cache import DEFAULT_GRANULE, DEFAULT_RATIO, Plan, PlanCache, pad_rows
+from vmstoolkit.exec.plots import save_schedules
 from vmstoolkit.exec.train_graph import AdamWConfig, build_train_step, grads_from_updates, random_train_values
 
 EXECUTORS = ("event-driven", "fixed-order")
@@ -264,20 +265,3 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
         runner.close()
     return rows
 
-
-def save_schedules(folder, budget: int, last: dict, clock: str) -> None:
-    """``<folder>/schedule_<budget bytes>B.png`` and ``.json``: each executor's ``(memory graph,
-    seconds, spans)`` of one step at ``budget`` bytes."""
-    import json
-    from pathlib import Path
-
-    from vmstoolkit.exec.plots import schedules_figure
-    from vmstoolkit.units import format_size
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = f"schedule_{budget}B"  # bytes: a size with a decimal point would read as a suffix
-    (folder / f"{stem}.json").write_text(json.dumps(
-        {"budget": budget, **{ex: {"seconds": s, "spans": sp} for ex, (_, s, sp) in last.items()}}))
-    fig = schedules_figure({f"{ex}, budget {format_size(budget)}": run for ex, run in last.items()}, clock)
-    fig.savefig(folder / f"{stem}.png", dpi=110)
