@@ -91,24 +91,20 @@ def run_ours(graph, values, ref, emit, dry: bool, parts: int, names=DEFAULT_BUDG
     sizes = budgets(graph, ws, names)
     fields = [({"kind": "runtime", "budget_name": name, "budget": budget, "working_set": ws, "parts": parts,
                 "fits_without_offload": budget >= ws}, budget) for name, budget in sizes.items()]
-    captured: list = []  # spans of the runs of the row being measured
+    timelines: dict[str, dict] = {}  # budget name -> "executor (notify)" -> (makespan, spans) of its first run
 
-    def read(be):
-        if timeline_out is not None and be.spans:
-            captured.append(list(be.spans))
-        return be.result()
-    timelines: dict[str, dict] = {}  # budget name -> "executor (notify)" -> (makespan, spans)
+    def observe(be, res, fields, ex, i):
+        if i == 0:
+            timelines.setdefault(fields["budget_name"], {})[f"{ex} ({fields['notify']})"] = (res.makespan_s,
+                                                                                           list(be.spans))
     try:
         for notify in notifies:  # compiling again per notify costs milliseconds; the lower bound is cached
             for row in sweep_budgets(graph, [({**f, "notify": notify}, b) for f, b in fields], backend(notify), lb,
-                                     repeats=1 if dry else REPEATS, reference=ref, read=read, keep_going=True):
+                                     repeats=1 if dry else REPEATS, reference=ref, keep_going=True,
+                                     observe=observe if timeline_out is not None else None):
                 if "makespan_s" in row:
                     row["ratio_to_lower_bound"] = row["makespan_s"] / row["lower_bound_s"]
                     row["transfer_bound"] = max(row["h2d_s"], row["d2h_s"]) > row["compute_s"]
-                    if captured:
-                        label = f"{row['executor']} ({notify})"
-                        timelines.setdefault(row["budget_name"], {})[label] = (row["makespan_s"], captured[0])
-                captured.clear()
                 emit(row)
     finally:
         if pool is not None:

@@ -144,12 +144,14 @@ def run_ours(tg, values, emit, a, variant, seq):
         # --timeline: CUDA events around every vertex of the first (checked) run only
         return CudaBackend(values, pin="in_place", pool=pool, timeline=a.timeline and rep == 0)
 
-    captured = []  # spans of each (budget, executor)'s first run, read with its gradients
-
     def read(be):
-        if a.timeline:
-            captured.append(list(be.spans))
         return grads_from_updates(tg, values, be.result(gradient_sources(tg)))
+
+    timelines: dict[str, dict] = {}  # budget name -> executor -> (seconds, spans) of its first run
+
+    def observe(be, res, fields, ex, i):
+        if i == 0:
+            timelines.setdefault(fields["budget_name"], {})[ex] = (res.makespan_s, list(be.spans))
 
     def lower_bound(mg):
         if a.dry_run:
@@ -159,10 +161,10 @@ def run_ours(tg, values, emit, a, variant, seq):
         return {"compute_s": compute_s, "h2d_s": h2d, "d2h_s": d2h, "lower_bound_s": max(compute_s, h2d, d2h)}
     fields = [({"kind": "runtime", "variant": variant, "budget_name": name, "budget": budget, "working_set": ws},
                budget) for name, budget in budgets.items()]
-    timelines: dict[str, dict] = {}  # budget name -> executor -> (step s, spans)
     try:
         for row in sweep_budgets(graph, fields, make_backend, lower_bound, repeats=1 if a.dry_run else a.repeats,
-                                 reference=want, read=read, rtol=1e-4, keep_going=True, check_runs=1):
+                                 reference=want, read=read, rtol=1e-4, keep_going=True, check_runs=1,
+                                 observe=observe if a.timeline else None):
             if "lower_bound_s" in row:
                 row["transfer_bound"] = max(row["h2d_s"], row["d2h_s"]) > row["compute_s"]
             if "makespan_s" in row:  # a training step: its makespan is the step time
@@ -170,8 +172,6 @@ def run_ours(tg, values, emit, a, variant, seq):
                 row["ratio_to_lower_bound"] = row["step_s"] / row["lower_bound_s"]
             if pool is not None:
                 row["pinned_slot_bytes"] = pool.stats.allocated_bytes
-            if a.timeline and "step_s" in row:
-                timelines.setdefault(row["budget_name"], {})[row["executor"]] = (row["step_s"], captured.pop())
             emit(row)
     finally:
         if pool is not None:
