@@ -316,3 +316,23 @@ def test_the_training_loop_shares_one_pool_over_its_steps(monkeypatch):
                                 check_grads=False, executors=("event-driven",))
     assert len(rows) == 1
     spy.one_pool_closed("register")  # a step's values are a new dict: registered, not replaced
+
+
+def test_a_pinned_query_the_binding_cannot_answer_means_pageable_with_one_warning(monkeypatch):
+    # the driver's answer is only an optimisation: a binding that fails in an unexpected way makes
+    # the pool copy (safe), says so once, and does not end the run
+    from cuda.bindings import driver as cu
+    from numba import config
+
+    if not config.ENABLE_CUDASIM:
+        pytest.skip("runs on Numba's CUDA simulator")
+
+    def broken(*args):
+        raise TypeError("Argument 'ptr' is not instance of type (expected <class 'int'>)")
+
+    monkeypatch.setattr(cu, "cuPointerGetAttribute", broken)
+    mem = host_memory.CudaHostMemory()
+    with pytest.warns(PinFallbackWarning, match="cannot ask the driver whether host memory is pinned") as caught:
+        assert mem.is_pinned(np.zeros(4, np.float32)) is False
+        assert mem.is_pinned(np.zeros(8, np.float32)) is False
+    assert len(caught) == 1

@@ -170,16 +170,26 @@ class CudaHostMemory:
             raise CudaCallError(err.name, f"cuMemHostUnregister at {addr:#x}", code=int(err))
 
     def is_pinned(self, array: np.ndarray) -> bool:
+        """Asks the driver; "no" when it cannot say. A "no" is always safe (the caller copies into
+        pinned memory, or registration is refused and falls back to a copy), so a binding that
+        answers in an unexpected form costs memory, with one warning, not the run."""
         from cuda.bindings import driver as cu
         from numba import cuda
 
-        host = int(cu.CUmemorytype.CU_MEMORYTYPE_HOST)
-        with cuda.gpus[self.gpu]:
-            for addr in _first_last(array):
-                err, kind = cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                                                     cu.CUdeviceptr(addr))
-                if err != cu.CUresult.CUDA_SUCCESS or int(kind) != host:
-                    return False
+        try:
+            host = int(cu.CUmemorytype.CU_MEMORYTYPE_HOST)
+            with cuda.gpus[self.gpu]:
+                for addr in _first_last(array):
+                    err, kind = cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                                         cu.CUdeviceptr(addr))
+                    if err != cu.CUresult.CUDA_SUCCESS or int(kind) != host:
+                        return False
+        except (TypeError, ValueError, AttributeError) as e:
+            if not getattr(self, "_warned", False):
+                self._warned = True
+                warnings.warn(f"cannot ask the driver whether host memory is pinned ({type(e).__name__}: {e}); "
+                              f"treating it as pageable: pinned copies are made", PinFallbackWarning, stacklevel=2)
+            return False
         return True
 
     def flush(self) -> None:
