@@ -23,7 +23,7 @@ from vmstoolkit.exec.backends import host_memory
 from vmstoolkit.exec.backends.cuda import CudaBackend
 from vmstoolkit.exec.backends.host_memory import PinFallbackWarning, PinnedPool
 from vmstoolkit.exec.compiler import compile_memory_graph, working_set
-from vmstoolkit.exec.errors import ExecutionError, InvalidGraphError, InvalidOptionError
+from vmstoolkit.exec.errors import CudaCallError, ExecutionError, InvalidGraphError, InvalidOptionError
 from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.graph import TensorKind, random_weights
 from vmstoolkit.exec.ops import reference_forward
@@ -336,3 +336,23 @@ def test_a_pinned_query_the_binding_cannot_answer_means_pageable_with_one_warnin
         assert mem.is_pinned(np.zeros(4, np.float32)) is False
         assert mem.is_pinned(np.zeros(8, np.float32)) is False
     assert len(caught) == 1
+
+
+def test_a_registration_the_binding_rejects_falls_back_to_a_copy(monkeypatch):
+    # a binding-level failure of cuMemHostRegister (not a CUresult) is the pool's usual
+    # "could not register": a copy into a pinned slot, named in the fallback warning
+    from cuda.bindings import driver as cu
+    from numba import config
+
+    if not config.ENABLE_CUDASIM:
+        pytest.skip("runs on Numba's CUDA simulator")
+
+    def broken(*args):
+        raise TypeError("an integer is required")
+
+    monkeypatch.setattr(cu, "cuMemHostRegister", broken)
+    with pytest.raises(CudaCallError, match="TypeError: cuMemHostRegister of 16 bytes .*an integer is required"):
+        host_memory.CudaHostMemory().register(np.zeros(4, np.float32))
+    pool = PinnedPool(FakeHostMemory())
+    pool._memory.register = host_memory.CudaHostMemory().register  # the real call, failing in the binding
+    assert "TypeError" in pool.register(np.zeros(4, np.float32))

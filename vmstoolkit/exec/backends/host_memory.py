@@ -154,8 +154,11 @@ class CudaHostMemory:
         from numba import cuda
 
         addr = array.__array_interface__["data"][0]
-        with cuda.gpus[self.gpu]:
-            (err,) = cu.cuMemHostRegister(addr, array.nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE)
+        try:
+            with cuda.gpus[self.gpu]:
+                (err,) = cu.cuMemHostRegister(addr, array.nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE)
+        except (TypeError, ValueError, AttributeError) as e:  # the binding, not the driver: the pool copies
+            raise CudaCallError(type(e).__name__, f"cuMemHostRegister of {array.nbytes} bytes at {addr:#x}: {e}") from e
         if err != cu.CUresult.CUDA_SUCCESS:
             raise CudaCallError(err.name, f"cuMemHostRegister of {array.nbytes} bytes at {addr:#x}", code=int(err))
 
