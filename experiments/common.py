@@ -15,7 +15,6 @@ needs nothing more. Nothing here imports torch at import time.
 - Training histories: :func:`replay_steps` replays one step by step through ``paged`` (its
   Python allocator or the compiled hook PyTorch runs).
 - GPU timing: :func:`say`, :func:`run_env`, :func:`tf32_off`, :func:`time_events`.
-- Runtime schedules: :func:`save_timelines` saves and draws what runs of a memory graph executed.
 """
 
 from __future__ import annotations
@@ -381,22 +380,3 @@ def time_best(fn: Callable[[], object], reps: int, samples: int = 5, warmup: int
         e1.synchronize()
         times.append(elapsed() / reps)
     return float(np.min(times)), float(np.median(times))
-
-
-# -- runtime schedules ------------------------------------------------------------------------------
-
-
-def save_timelines(stem: Path, graph, budget: int, runs: dict, simulated: bool) -> None:
-    """``<stem>.json`` and ``<stem>.png`` for the runs of ``graph`` at ``budget``: ``runs`` maps a
-    label (an executor) to ``(makespan or step seconds, spans)``, the spans a backend recorded
-    (``SimBackend.spans``, ``CudaBackend(timeline=True).spans``); the figure draws their schedules
-    one above the other (:func:`vmstoolkit.exec.plots.schedules_figure`)."""
-    from vmstoolkit.exec.compiler import compile_memory_graph
-    from vmstoolkit.exec.plots import schedules_figure
-    from vmstoolkit.units import format_size
-
-    mg = compile_memory_graph(graph, budget)  # deterministic: the plan the runs executed
-    Path(f"{stem}.json").write_text(json.dumps({ex: {"seconds": t, "spans": sp} for ex, (t, sp) in runs.items()}))
-    clock = "simulated" if simulated else "GPU, CUDA events"
-    fig = schedules_figure({f"{ex}, budget {format_size(budget)}": (mg, t, sp) for ex, (t, sp) in runs.items()}, clock)
-    fig.savefig(f"{stem}.png", dpi=110)

@@ -39,12 +39,11 @@ import sys
 import time
 from pathlib import Path
 
-from common import save_timelines
-
 from vmstoolkit.exec.compiler import working_set
 from vmstoolkit.exec.experiment import sweep_budgets
 from vmstoolkit.exec.graph import LlamaConfig, build_llama, random_weights
 from vmstoolkit.exec.ops import reference_forward
+from vmstoolkit.exec.plots import save_schedules
 
 
 REPEATS = int(os.environ.get("OFFLOAD_REPEATS", "3"))  # makespan = best of this many runs
@@ -91,12 +90,12 @@ def run_ours(graph, values, ref, emit, dry: bool, parts: int, names=DEFAULT_BUDG
     sizes = budgets(graph, ws, names)
     fields = [({"kind": "runtime", "budget_name": name, "budget": budget, "working_set": ws, "parts": parts,
                 "fits_without_offload": budget >= ws}, budget) for name, budget in sizes.items()]
-    timelines: dict[str, dict] = {}  # budget name -> "executor (notify)" -> (makespan, spans) of its first run
+    timelines: dict[str, dict] = {}  # budget name -> "executor (notify)" -> (memory graph, makespan, spans), first run
 
     def observe(be, res, fields, ex, i):
         if i == 0:
-            timelines.setdefault(fields["budget_name"], {})[f"{ex} ({fields['notify']})"] = (res.makespan_s,
-                                                                                           list(be.spans))
+            label = f"{ex} ({fields['notify']})"
+            timelines.setdefault(fields["budget_name"], {})[label] = (be.mg, res.makespan_s, list(be.spans))
     try:
         for notify in notifies:  # compiling again per notify costs milliseconds; the lower bound is cached
             for row in sweep_budgets(graph, [({**f, "notify": notify}, b) for f, b in fields], backend(notify), lb,
@@ -110,7 +109,8 @@ def run_ours(graph, values, ref, emit, dry: bool, parts: int, names=DEFAULT_BUDG
         if pool is not None:
             pool.close()  # the slots; the pinned values live on in ``values``
     for name, runs in timelines.items():
-        save_timelines(timeline_out / f"timeline_{name}", graph, sizes[name], runs, dry)
+        save_schedules(timeline_out, sizes[name], runs, "simulated" if dry else "GPU, CUDA events",
+                       stem=f"timeline_{name}")
 
 
 def run_accelerate(cfg: LlamaConfig, graph, ws, emit, seed: int, names=DEFAULT_BUDGETS):

@@ -48,12 +48,11 @@ from pathlib import Path
 
 import numpy as np
 
-from common import save_timelines
-
 from vmstoolkit.exec.compiler import working_set
 from vmstoolkit.exec.experiment import sweep_budgets
 from vmstoolkit.exec.graph import LlamaConfig
 from vmstoolkit.exec.ops import reference_forward
+from vmstoolkit.exec.plots import save_schedules
 from vmstoolkit.exec.graph import TensorKind
 from vmstoolkit.exec.train_graph import build_train_step, gradient_sources, grads_from_updates, random_train_values
 
@@ -147,11 +146,11 @@ def run_ours(tg, values, emit, a, variant, seq):
     def read(be):
         return grads_from_updates(tg, values, be.result(gradient_sources(tg)))
 
-    timelines: dict[str, dict] = {}  # budget name -> executor -> (seconds, spans) of its first run
+    timelines: dict[str, dict] = {}  # budget name -> executor -> (memory graph, seconds, spans) of its first run
 
     def observe(be, res, fields, ex, i):
         if i == 0:
-            timelines.setdefault(fields["budget_name"], {})[ex] = (res.makespan_s, list(be.spans))
+            timelines.setdefault(fields["budget_name"], {})[ex] = (be.mg, res.makespan_s, list(be.spans))
 
     def lower_bound(mg):
         if a.dry_run:
@@ -177,7 +176,8 @@ def run_ours(tg, values, emit, a, variant, seq):
         if pool is not None:
             pool.close()  # the slots; the pinned values live on in ``values``
     for name, runs in timelines.items():
-        save_timelines(a.out / f"timeline_{variant}_s{seq}_{name}", graph, budgets[name], runs, a.dry_run)
+        save_schedules(a.out, budgets[name], runs, "simulated" if a.dry_run else "GPU, CUDA events",
+                       stem=f"timeline_{variant}_s{seq}_{name}")
     return budgets, want
 
 

@@ -318,19 +318,28 @@ def test_the_training_loop_shares_one_pool_over_its_steps(monkeypatch):
     spy.one_pool_closed("register")  # a step's values are a new dict: registered, not replaced
 
 
-def test_a_pinned_query_the_binding_cannot_answer_means_pageable_with_one_warning(monkeypatch):
-    # the driver's answer is only an optimisation: a binding that fails in an unexpected way makes
-    # the pool copy (safe), says so once, and does not end the run
+@pytest.fixture
+def break_binding(monkeypatch):
+    """``break_binding(name, message)``: ``cuda.bindings.driver.<name>`` raises TypeError(message),
+    as a binding does for arguments it refuses (the driver is never reached)."""
     from cuda.bindings import driver as cu
     from numba import config
 
     if not config.ENABLE_CUDASIM:
         pytest.skip("runs on Numba's CUDA simulator")
 
-    def broken(*args):
-        raise TypeError("Argument 'ptr' is not instance of type (expected <class 'int'>)")
+    def brk(name, message):
+        def broken(*args):
+            raise TypeError(message)
 
-    monkeypatch.setattr(cu, "cuPointerGetAttribute", broken)
+        monkeypatch.setattr(cu, name, broken)
+    return brk
+
+
+def test_a_pinned_query_the_binding_cannot_answer_means_pageable_with_one_warning(break_binding):
+    # the driver's answer is only an optimisation: a binding that fails in an unexpected way makes
+    # the pool copy (safe), says so once, and does not end the run
+    break_binding("cuPointerGetAttribute", "Argument 'ptr' is not instance of type (expected <class 'int'>)")
     mem = host_memory.CudaHostMemory()
     with pytest.warns(PinFallbackWarning, match="cannot ask the driver whether host memory is pinned") as caught:
         assert mem.is_pinned(np.zeros(4, np.float32)) is False
@@ -338,19 +347,10 @@ def test_a_pinned_query_the_binding_cannot_answer_means_pageable_with_one_warnin
     assert len(caught) == 1
 
 
-def test_a_registration_the_binding_rejects_falls_back_to_a_copy(monkeypatch):
+def test_a_registration_the_binding_rejects_falls_back_to_a_copy(break_binding):
     # a binding-level failure of cuMemHostRegister (not a CUresult) is the pool's usual
-    # "could not register": a copy into a pinned slot, named in the fallback warning
-    from cuda.bindings import driver as cu
-    from numba import config
-
-    if not config.ENABLE_CUDASIM:
-        pytest.skip("runs on Numba's CUDA simulator")
-
-    def broken(*args):
-        raise TypeError("an integer is required")
-
-    monkeypatch.setattr(cu, "cuMemHostRegister", broken)
+    # "could not register" (a reason returned, so the backend copies into a pinned slot)
+    break_binding("cuMemHostRegister", "an integer is required")
     with pytest.raises(CudaCallError, match="TypeError: cuMemHostRegister of 16 bytes .*an integer is required"):
         host_memory.CudaHostMemory().register(np.zeros(4, np.float32))
     pool = PinnedPool(FakeHostMemory())

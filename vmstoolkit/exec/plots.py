@@ -71,10 +71,10 @@ def schedules_figure(runs: dict, clock: str):
     return fig
 
 
-def save_schedules(folder, budget: int, last: dict, clock: str) -> None:
-    """``<folder>/schedule_<budget bytes>B.png`` and ``.json``: ``last`` maps each executor to
-    the ``(memory graph, seconds, spans)`` of one run at ``budget`` bytes; ``clock`` says what
-    measured them."""
+def save_schedules(folder, budget: int, last: dict, clock: str, stem: str | None = None) -> None:
+    """``<folder>/<stem>.png`` and ``.json`` (``stem`` default ``schedule_<budget bytes>B``):
+    ``last`` maps each executor to the ``(memory graph, seconds, spans)`` of one run at
+    ``budget`` bytes; ``clock`` says what measured them."""
     import json
     from pathlib import Path
 
@@ -82,7 +82,7 @@ def save_schedules(folder, budget: int, last: dict, clock: str) -> None:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    stem = f"schedule_{budget}B"  # bytes: a size with a decimal point would read as a suffix
+    stem = stem or f"schedule_{budget}B"  # bytes: a size with a decimal point would read as a suffix
     (folder / f"{stem}.json").write_text(json.dumps(
         {"budget": budget, **{ex: {"seconds": s, "spans": sp} for ex, (_, s, sp) in last.items()}}))
     fig = schedules_figure({f"{ex}, budget {format_size(budget)}": run for ex, run in last.items()}, clock)

@@ -82,6 +82,9 @@ PIN_MODES = ("copy", "in_place", "register")
 # refuses the second. glibc serves blocks above its mmap threshold (128 KiB, raised dynamically
 # up to 32 MiB) with mappings of their own; the weights that matter are tens of MiB.
 REGISTER_MIN_BYTES = 1 << 20
+# What a cuda.bindings call raises when the binding, not the driver, refuses its arguments or
+# answers in an unexpected form (a CUresult is an answer, these are not).
+BINDING_ERRORS = (TypeError, ValueError, AttributeError)
 
 
 class PinFallbackWarning(VmsError, UserWarning):
@@ -157,7 +160,7 @@ class CudaHostMemory:
         try:
             with cuda.gpus[self.gpu]:
                 (err,) = cu.cuMemHostRegister(addr, array.nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE)
-        except (TypeError, ValueError, AttributeError) as e:  # the binding, not the driver: the pool copies
+        except BINDING_ERRORS as e:  # the binding, not the driver: the pool copies
             raise CudaCallError(type(e).__name__, f"cuMemHostRegister of {array.nbytes} bytes at {addr:#x}: {e}") from e
         if err != cu.CUresult.CUDA_SUCCESS:
             raise CudaCallError(err.name, f"cuMemHostRegister of {array.nbytes} bytes at {addr:#x}", code=int(err))
@@ -187,7 +190,7 @@ class CudaHostMemory:
                                                          cu.CUdeviceptr(addr))
                     if err != cu.CUresult.CUDA_SUCCESS or int(kind) != host:
                         return False
-        except (TypeError, ValueError, AttributeError) as e:
+        except BINDING_ERRORS as e:
             if not getattr(self, "_warned", False):
                 self._warned = True
                 warnings.warn(f"cannot ask the driver whether host memory is pinned ({type(e).__name__}: {e}); "
