@@ -90,7 +90,14 @@ def test_two_backends_on_one_pool_share_slots_pin_nothing_new_and_equal_the_defa
         stats = (pool.stats.alloc_calls, pool.stats.register_calls, pool.stats.allocated_bytes)
         out2, addrs2, grown = run(mg, CudaBackend(vals, pin=pin, pool=pool))
         assert (pool.stats.alloc_calls, pool.stats.register_calls, pool.stats.allocated_bytes) == stats
-        assert addrs2 == addrs1  # the same slots, the same value arrays
+        # a host array is the caller's own (pinned in place or registered) or a lent slot (an
+        # offload slot, or in "register" mode a copy of an input): the caller's arrays stay
+        # tensor by tensor, the slots are the same set (which slot a tensor gets may differ)
+        own = {t for t, a in vals.items() if addrs1.get(t) == a.ctypes.data}
+        assert {t: addrs2[t] for t in own} == {t: addrs1[t] for t in own}
+        assert sorted(x for t, x in addrs2.items() if t not in own) == \
+            sorted(x for t, x in addrs1.items() if t not in own)
+        assert own, "no caller array was used in place"
         assert grown < 0.1 * value_bytes(values), grown  # the second backend pins nothing
         pool._check()
     ref = reference_forward(g, values)
