@@ -13,7 +13,8 @@ Prints, in one run:
    ways, on the GQA inputs (``enable_gqa=True``) and on K/V repeated to 32 heads beforehand (the
    repeat not timed: it lets PyTorch pick its memory-efficient kernel); the ratio is to the
    faster of the two. Best of several batches of back-to-back launches, all in this process;
-4. the whole block against the transformers layer in fp32, with the per-kernel breakdown;
+4. the whole block against the transformers layer in fp32 (its eager attention with an explicit
+   mask, and its SDPA attention), with the per-kernel breakdown, at ``BLOCK_SHAPES``;
 5. the RMSNorm backward (dx, and dw at each of ``RMS_DW_TILES``) at R = 2048 and 256 rows of 4096:
    milliseconds, the GB/s of reading x and dy once, the error against ``torch.autograd`` and
    whether two runs give the same bits.
@@ -23,6 +24,7 @@ Relative error everywhere: max |ours - theirs| / max |theirs|. About 3 minutes o
     python3 experiments/kernels_bench.py --out DIR                    # writes DIR/kernels_bench.json
     python3 experiments/kernels_bench.py --out DIR --only attention   # section 3 alone
     python3 experiments/kernels_bench.py --out DIR --only rmsnorm     # section 5 alone (seconds)
+    python3 experiments/kernels_bench.py --out DIR --only gemm block  # sections 2 and 4
 """
 
 from __future__ import annotations
@@ -90,12 +92,17 @@ def hf_layer(c: LlamaBlockConfig, seed: int):
     return layer, rot
 
 
-def hf_forward(layer, rot, x):
+def hf_forward(layer, rot, x, attn: str = "eager"):
+    """The layer's output for ``x`` with ``attn`` = "eager" (an explicit additive causal mask)
+    or "sdpa" (no mask: transformers then calls SDPA with ``is_causal=True``, as its models do)."""
     b, t, _ = x.shape
     pos = torch.arange(t, device=x.device)[None].expand(b, t)
     cos, sin = rot(x, pos)
-    mask = torch.full((t, t), torch.finfo(torch.float32).min, device=x.device).triu(1)
-    mask = mask[None, None].expand(b, 1, t, t)  # (B, 1, T, T) additive causal mask
+    layer.self_attn.config._attn_implementation = attn
+    mask = None
+    if attn == "eager":
+        mask = torch.full((t, t), torch.finfo(torch.float32).min, device=x.device).triu(1)
+        mask = mask[None, None].expand(b, 1, t, t)  # (B, 1, T, T) additive causal mask
     out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin),
                 use_cache=False)
     return out[0] if isinstance(out, tuple) else out
@@ -261,6 +268,13 @@ def bench_attention(ts=ATT_T, configs=ATT_CONFIGS) -> list[dict]:
 # ---- 4. block ---------------------------------------------------------------------------------
 
 
+# (config, T) at batch 1: the acceptance shape of issue 5 (1.1B widths), and the runtime's
+# 7B-wide block with GQA (the shapes of gemm_sweep.py's default set)
+BLOCK_SHAPES = ((LlamaBlockConfig(), 1024),
+                (LlamaBlockConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                                  intermediate_size=11008), 2048))
+
+
 def bench_block(c: LlamaBlockConfig, b: int, t: int) -> dict:
     layer, rot = hf_layer(c, 0)
     sd = {k: v.detach().contiguous() for k, v in layer.state_dict().items()}
@@ -269,13 +283,15 @@ def bench_block(c: LlamaBlockConfig, b: int, t: int) -> dict:
     blk = LlamaBlock(sd, c, b, t)
     dx, dout = cuda.as_cuda_array(x), cuda.as_cuda_array(out)
 
-    def hf():
+    def hf(attn):
         with torch.no_grad():
-            return hf_forward(layer, rot, x)
+            return hf_forward(layer, rot, x, attn)
 
-    t_hf = time_torch(hf, 10)
+    t_hf = time_torch(lambda: hf("eager"), 10)
+    t_sdpa = time_torch(lambda: hf("sdpa"), 10)
     t_ours = time_numba(lambda: blk.forward_device(dx, dout), 10)
-    err = rel(out, hf())
+    err = rel(out, hf("eager"))
+    err_sdpa = rel(out, hf("sdpa"))
     m, h, f, hd = b * t, c.hidden_size, c.ffn_size, c.head_dim
     nq, nkv = c.n_heads * hd, c.n_kv_heads * hd
     parts = {
@@ -298,10 +314,13 @@ def bench_block(c: LlamaBlockConfig, b: int, t: int) -> dict:
     att_flops = 4.0 * b * c.n_heads * hd * t * (t + 1) / 2
     rec = {"config": c.__dict__, "batch": b, "seq": t, "ours_ms": t_ours, "transformers_ms": t_hf,
            "speed_vs_transformers": t_hf / t_ours, "rel_err_vs_transformers": err,
+           "transformers_sdpa_ms": t_sdpa, "ratio_to_transformers_eager": t_ours / t_hf,
+           "ratio_to_transformers_sdpa": t_ours / t_sdpa, "rel_err_vs_transformers_sdpa": err_sdpa,
            "flops": gemm_flops + att_flops, "ours_tflops": (gemm_flops + att_flops) / t_ours / 1e9,
            "breakdown_ms": parts}
-    say(f"  block B{b} T{t}: ours {t_ours:.3f} ms, transformers {t_hf:.3f} ms "
-        f"(x{t_hf / t_ours:.2f}), err {err:.1e}")
+    say(f"  block H{h} nh{c.n_heads} nkv{c.n_kv_heads} F{f} B{b} T{t}: ours {t_ours:.3f} ms, transformers "
+        f"eager {t_hf:.3f} ms (ours x{t_ours / t_hf:.2f} its time), sdpa {t_sdpa:.3f} ms (x{t_ours / t_sdpa:.2f});"
+        f" err {err:.1e} / {err_sdpa:.1e}  (goal: at most x1.20)")
     for k, v in parts.items():
         say(f"    {k:<14} {v:8.3f} ms")
     return rec
@@ -350,10 +369,10 @@ def bench_rmsnorm_backward(shapes=((2048, 4096), (256, 4096)), eps: float = 1e-5
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", choices=("all", "correctness", "gemm", "attention", "block", "rmsnorm"), default="all",
-                    help="run one section only")
+    ap.add_argument("--only", nargs="+", choices=("all", "correctness", "gemm", "attention", "block", "rmsnorm"),
+                    default=["all"], help="run these sections only (e.g. --only gemm block)")
     args = ap.parse_args()
-    run = lambda section: args.only in ("all", section)  # noqa: E731
+    run = lambda section: "all" in args.only or section in args.only  # noqa: E731
     if not torch.cuda.is_available():
         say("kernels_bench: no CUDA GPU here, nothing to measure")
         return
@@ -376,8 +395,8 @@ def main():
         RESULTS["attention"] = bench_attention()
         say(f"  ({time.time() - t0:.0f} s)")
     if run("block"):
-        say("== 4. whole block, fp32, vs transformers LlamaDecoderLayer (eager)")
-        RESULTS["block"] = [bench_block(LlamaBlockConfig(), 1, 1024)]
+        say("== 4. whole block, fp32, vs transformers LlamaDecoderLayer (eager and sdpa)")
+        RESULTS["block"] = [bench_block(c, 1, t) for c, t in BLOCK_SHAPES]
         say(f"  ({time.time() - t0:.0f} s)")
     if run("rmsnorm"):
         say("== 5. RMSNorm backward, fp32, vs torch.autograd")
