@@ -26,6 +26,7 @@ skipped and listed; sweep 5 (8 candidates, 15 shapes) took 265 s on an H200.
     python3 experiments/gemm_sweep.py --out DIR --quick    # forward shapes only
     python3 experiments/gemm_sweep.py --out DIR --kinds dx dw  # the backward layouts only
     python3 experiments/gemm_sweep.py --out DIR --set lora # LoRA's skinny GEMMs
+    python3 experiments/gemm_sweep.py --out DIR --quick --splits 1 2 3 4  # split k against wave tails
 """
 
 from __future__ import annotations
@@ -99,9 +100,6 @@ CANDIDATES = [  # (variant, tiles[, splits]); a rule's name: that launch rule's 
     (3, G.PROPOSED_TILES),  # variant 3 on the same tiles: the control for variant 5's fragments
     (10, G.PROPOSED_TILES),  # variant 5 with conflict-free (swizzled) "n" slices; in tt it equals 5
 ]
-# for outputs under 3/4 of a wave of 128 x 128 tiles (two per SM): the unsplit launch beside the
-# rule's split one, and variant 10 split as the rule splits variant 5 there (k/v GQA8: 2)
-SPLIT_CANDIDATES = [(5, G.PROPOSED_TILES, 1), (10, G.PROPOSED_TILES, 2)]
 REPS = 5  # launches per timed batch
 SAMPLES = 7  # batches; the best is reported
 
@@ -214,15 +212,21 @@ def out_dims(kind: str, dims) -> tuple[int, int, int]:
     return {"fwd": (m, n, k), "dx": (m, k, n), "dw": (n, k, m)}[kind]
 
 
-def candidates_for(kind: str, dims) -> list:
+def candidates_for(kind: str, dims, splits: list[int] | None = None) -> list:
+    """The candidates timed at one shape; ``splits``: the proposed rule and variant 5 on its
+    tiles at each of these k split counts instead (wave quantization: ``--splits``)."""
     out_m, out_n, red = out_dims(kind, dims)
-    few = 4 * (-(-out_m // 128) * -(-out_n // 128)) < 3 * G.SPLIT_TARGET_BLOCKS  # < 3/4 wave of big tiles
+    if splits:
+        return [("proposed", None)] + [(G.PROPOSED_VARIANT, G.PROPOSED_TILES, s) for s in splits]
+    proposed = G.rule_launch(out_m, out_n, red, rule="proposed")
     skinny = G.rule_launch(out_m, out_n, red, rule="skinny")
     if skinny != G.rule_launch(out_m, out_n, red, rule="proposed"):
         # a 16-wide output (LoRA): the rules and the skinny tiles with half the splits; the
         # 128 x 128 candidates would be 7/8 padding
         return [("proposed", None), ("skinny", None), (skinny.variant, skinny.tiles, max(1, skinny.splits // 2))]
-    return CANDIDATES + (SPLIT_CANDIDATES if few else [])
+    if proposed.tiles == G.PROPOSED_TILES and proposed.splits > 1:
+        return CANDIDATES + [(G.PROPOSED_VARIANT, G.PROPOSED_TILES, 1)]  # the unsplit launch beside the rule's
+    return CANDIDATES
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -263,6 +267,8 @@ def main():
     ap.add_argument("--kinds", nargs="+", choices=sorted(LAYOUT), help="only these GEMMs (fwd: y = x w^T, "
                     "dx: dy w, dw: dy^T x), e.g. --kinds dx dw for the backward layouts in a call of their own")
     ap.add_argument("--budget-s", type=float, default=270.0, help="stop starting new timings after this")
+    ap.add_argument("--splits", type=int, nargs="+", help="time the proposed rule and variant 5 on its tiles "
+                    "split k this many ways (e.g. 1 2 3 4), at every shape, instead of the candidates")
     args = ap.parse_args()
     tf32_off()
     t0 = time.time()
@@ -281,7 +287,7 @@ def main():
     res["ragged"], res["kernels"] = [], {}
     for kind in kinds:
         t1 = time.time()
-        cands = CANDIDATES + SPLIT_CANDIDATES
+        cands = candidates_for(kind, RAGGED, args.splits) if args.splits else CANDIDATES + [(G.PROPOSED_VARIANT, G.PROPOSED_TILES, 2)]
         res["ragged"] += run_shape(f"ragged {kind} {'x'.join(map(str, RAGGED))}", kind, RAGGED, cands,
                                    False, deadline)
         if args.set == "lora":
@@ -297,7 +303,7 @@ def main():
     say(f"== GEMM fp32 vs cuBLAS (TF32 off); events around {REPS} launches, best of {SAMPLES}")
     res["gemm"] = []
     for name, kind, dims in shapes:
-        res["gemm"] += run_shape(name, kind, dims, candidates_for(kind, dims), True, deadline)
+        res["gemm"] += run_shape(name, kind, dims, candidates_for(kind, dims, args.splits), True, deadline)
         say(f"  ({time.time() - t0:.0f} s)")
 
     res["summary"] = summary(res["gemm"])

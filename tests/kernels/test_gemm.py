@@ -168,17 +168,39 @@ def test_every_layout_follows_the_proposed_rule():
     for shape in ((4096, 4096, 4096), (2048, 4096, 4096), (2048, 11008, 4096), (2048, 4096, 11008),
                   (4096, 1024, 2048)):  # the 7B block's forward shapes, dw of k/v (256 tiles)
         assert R(*shape, rule="proposed") == big
-    # k/v with GQA8: 128 tiles, split in 2 (256 blocks); 1152 x 1024: 72 tiles, split in 3
+    # under 3/4 of a wave the rule splits k where the waves it saves outweigh the splits' cost
+    # (the H200's sweep 6, experiments/results/gemm-h200/run6/): 128 tiles (k/v GQA8, 1B q/o and
+    # down) split in 2 (256 blocks, one wave); 72 tiles in 3 (216); the 1B gate/up's 352 tiles
+    # (1.33 waves unsplit) in 3 (4 full waves); the 7B gate/up's 1376 (5.2 waves) stays whole:
+    # splitting saves under SPLIT_GAIN there
     assert R(2048, 1024, 4096, rule="proposed") == G.GemmLaunch(5, G.PROPOSED_TILES, 2)
+    assert R(1024, 2048, 5632, rule="proposed") == G.GemmLaunch(5, G.PROPOSED_TILES, 2)
     assert R(1152, 1024, 4096, rule="proposed") == G.GemmLaunch(5, G.PROPOSED_TILES, 3)
+    assert R(1024, 5632, 2048, rule="proposed") == G.GemmLaunch(5, G.PROPOSED_TILES, 3)
     # each split keeps >= MIN_SPLIT_SLICES k slices: K = 512 is 32 slices, 2 splits at most
     assert R(1152, 1024, 512, rule="proposed").splits == 2
-    # under half an SM's worth of tiles (1024 x 512: 32 tiles): variant 3 on small tiles, k split
-    # to about two blocks per SM (256 / 128 small tiles = 2) keeping >= MIN_SMALL_SLICES slices
-    assert R(1024, 512, 2048, rule="proposed") == G.GemmLaunch(3, G.SMALL_TILES, 2)
+    assert R(1024, 5632, 256, rule="proposed").splits == 1
+    # 32 tiles (the 1B k/v with GQA4, 1024 x 512): the big tiles split MAX_SPLITS ways
+    assert R(1024, 512, 2048, rule="proposed") == G.GemmLaunch(5, G.PROPOSED_TILES, 4)
+    # outputs that MAX_SPLITS splits of big tiles leave under half the SMs: variant 3 on small
+    # tiles, k split to about two blocks per SM keeping >= MIN_SMALL_SLICES slices
+    assert R(512, 512, 2048, rule="proposed") == G.GemmLaunch(3, G.SMALL_TILES, 4)  # 64 small tiles
     assert R(64, 64, 2048, rule="proposed") == G.GemmLaunch(3, G.SMALL_TILES, 16)  # 128 slices / 8
-    assert R(1, 4096, 4096, rule="proposed").tiles == G.SMALL_TILES
     assert R(2048, 1024, 4096, splits=3, rule="proposed") == G.GemmLaunch(5, G.PROPOSED_TILES, 3)
+
+
+def test_proposed_splits_follow_the_wave_cost():
+    # cost(s): waves of SPLIT_TARGET_BLOCKS blocks per split, times 1 + SPLIT_COST per extra split
+    c = G.split_cost
+    t = G.SPLIT_TARGET_BLOCKS
+    assert c(t, 1) == 1.0 and c(t // 2, 2) == pytest.approx((1 + G.SPLIT_COST) / 2)  # one wave of half-deep blocks
+    assert c(t + 1, 1) == 2.0  # one block over a wave costs a wave
+    for blocks in range(G.SM_COUNT // 2, 6 * t):  # the chosen split is never worse than unsplit
+        s = G.proposed_splits(blocks, 1 << 20)
+        assert 1 <= s <= G.MAX_SPLITS
+        assert s == 1 or c(blocks, s) < (1 - G.SPLIT_GAIN) * c(blocks, 1)
+        assert all(c(blocks, s) <= c(blocks, r) for r in range(1, G.MAX_SPLITS + 1)) or s == 1
+    assert G.proposed_splits(t, 1 << 20) == 1  # whole waves are never split
 
 
 def test_unknown_rule_raises():
@@ -194,7 +216,7 @@ def test_choose_runs_the_rule_variant():
         return
     c = lambda *s: G.choose(*s, layout="nt")  # noqa: E731
     assert c(4096, 4096, 4096) == G.GemmLaunch(5, G.PROPOSED_TILES)
-    small = c(1024, 512, 2048)  # 32 big tiles: small tiles, split k
+    small = c(256, 512, 2048)  # 8 big tiles: small tiles, split k
     assert small.tiles == G.SMALL_TILES and small.splits > 1
 
 

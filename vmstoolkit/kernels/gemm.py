@@ -555,7 +555,8 @@ class GemmLaunch:
 
 SM_COUNT = 132  # the H200's; it only sets the thresholds below
 SPLIT_TARGET_BLOCKS = 2 * SM_COUNT  # split k up to this many blocks (two per SM)
-# The small-tile path, for outputs under half an SM's worth of 128 x 128 tiles: variant 3 on 64 x 64
+# The small-tile path, for outputs under half an SM's worth of 128 x 128 tiles split MAX_SPLITS
+# ways (16 tiles on the H200): variant 3 on 64 x 64
 # tiles (96 registers), k split until about SPLIT_TARGET_BLOCKS blocks, each split at least
 # MIN_SMALL_SLICES slices deep; partial tiles are added atomically into a zeroed y. H200
 # (experiments/results/gemm-h200/, 1024 x 512 x 2048): 44-47% of cuBLAS unsplit, 50.0% split 2
@@ -578,9 +579,8 @@ def _blocks(m: int, n: int, t: GemmTiles) -> int:
 
 
 # The proposed rule, every layout's: variant 5 on 4 warps of 64x64 (8x16 outputs per thread) at
-# 128x128 tiles, two blocks per SM; when those tiles give under 3/4 of a wave (2 blocks per SM),
-# split k until there are about two blocks per SM, each split keeping at least MIN_SPLIT_SLICES k
-# slices; below half an SM's worth of tiles, the small-tile path.
+# 128x128 tiles, two blocks per SM, k split in ``proposed_splits`` ways; outputs that even
+# MAX_SPLITS splits of these tiles would leave under half the SMs take the small-tile path.
 # H200, experiments/gemm_sweep.py, 2026-12-01 (experiments/results/gemm-h200/run5/), % of cuBLAS
 # fp32 (TF32 off), best of 7 batches of 5 launches, the 7B block at 2048 tokens (GQA8: 8 kv heads):
 #                4096^3   q/o 2048x4096x4096   k/v GQA8 2048x1024x4096   gate/up 2048x11008x4096   down 2048x4096x11008
@@ -595,17 +595,47 @@ MIN_SPLIT_SLICES = 16
 RULES = ("proposed", "skinny")
 RULE_BY_LAYOUT = {"nn": "proposed", "nt": "proposed", "tt": "proposed", "tn": "proposed"}
 
+# Note [split k against wave tails]
+# ---------------------------------
+# A launch of B blocks runs in ceil(B / SPLIT_TARGET_BLOCKS) waves (two blocks per SM); split k
+# in s ways and each block does 1/s of the work in ceil(B s / SPLIT_TARGET_BLOCKS) waves, at the
+# price of zeroing the output and adding s partial tiles atomically: cost(s) = ceil(B s / T) / s
+# x (1 + SPLIT_COST (s - 1)), T = SPLIT_TARGET_BLOCKS. The rule takes the cheapest s up to
+# MAX_SPLITS (each split at least MIN_SPLIT_SLICES slices deep) if it saves more than SPLIT_GAIN
+# of cost(1), else launches whole tiles (deterministic sums, no atomics).
+# H200, forward, variant 5 on PROPOSED_TILES split 1 / 2 / 3 / 4 ways, % of cuBLAS (``gemm_sweep.py
+# --quick --splits 1 2 3 4``, the 1B widths at 1024 tokens and the 7B ones at 2048; session of
+# 2026-12-01, re-measured in run6):
+#   1B gate/up 1024x5632x2048 (352 tiles)    57.7 / 69.0 / 73.0 / 63.9   rule: 3 (cost 2, 1.56, 1.44, 1.68)
+#   1B k/v GQA4 1024x512x2048 (32 tiles)     24.4 / 42.4 / 55.9 / 66.8   rule: 4 (the small-tile path: 50.2)
+#   128 tiles (1B q/o, 1B down, 7B k/v GQA8) 73.8 / 73.8 / 56.2 / 67.9, 73.0 / 79.7 / 59.4 / 76.5,
+#                                            75.6 / 79.8 / 60.2 / 76.1   rule: 2 (cost 1, 0.52, 0.72, 0.56)
+#   7B gate/up 2048x11008x4096 (1376 tiles)  82.0 / 85.2 / 85.8 / 85.4   rule: 1 (s 2 saves 4.7% < 10%)
+#   512 and 1024 tiles (7B q/o, down, 4096^3) best unsplit, 3-7 points above split 2
+SPLIT_COST = 0.04
+SPLIT_GAIN = 0.10
+MAX_SPLITS = 4
+
+
+def split_cost(blocks: int, splits: int) -> float:
+    """Relative time of ``blocks`` tiles with k split ``splits`` ways (Note [split k against wave tails])."""
+    return -(-blocks * splits // SPLIT_TARGET_BLOCKS) / splits * (1 + SPLIT_COST * (splits - 1))
+
+
+def proposed_splits(blocks: int, k_steps: int) -> int:
+    """The proposed rule's k splits for ``blocks`` big tiles ``k_steps`` slices deep."""
+    top = max(1, min(MAX_SPLITS, k_steps // MIN_SPLIT_SLICES))
+    best = min(range(1, top + 1), key=lambda s: (split_cost(blocks, s), s))
+    return best if split_cost(blocks, best) < (1 - SPLIT_GAIN) * split_cost(blocks, 1) else 1
+
 
 def _choose_proposed(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
     t = PROPOSED_TILES
     blocks = _blocks(m, n, t)
-    if blocks < SM_COUNT // 2:
+    if blocks * MAX_SPLITS < SM_COUNT // 2:
         return _choose_small(m, n, k, splits)
     if splits is None:
-        splits = 1
-        if 4 * blocks < 3 * SPLIT_TARGET_BLOCKS:
-            k_steps = -(-k // t.bk)
-            splits = max(1, min(SPLIT_TARGET_BLOCKS // blocks, k_steps // MIN_SPLIT_SLICES))
+        splits = proposed_splits(blocks, -(-k // t.bk))
     return GemmLaunch(PROPOSED_VARIANT, t, splits)
 
 
