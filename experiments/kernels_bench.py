@@ -5,7 +5,8 @@ Prints, in one run:
    attention, explicit causal mask) and against ``reference.llama_block``, at hidden 2048,
    16 heads (16 and 4 key/value heads), seq 1024; attention against SDPA; GEMM against cuBLAS;
 2. GEMM TFLOP/s of the launcher's choice against cuBLAS fp32 (torch.matmul, TF32 off) at 4096^3
-   and at the block's shapes (every candidate tile shape: ``experiments/gemm_sweep.py``);
+   and at the block's shapes, each best of 7 batches of 5 back-to-back launches (every
+   candidate tile shape: ``experiments/gemm_sweep.py``);
 3. causal GQA attention against ``torch.nn.functional.scaled_dot_product_attention`` in fp32 at
    T = 1024, 2048, 4096, 8192 (batch 1, 32 heads of 128, 8 key/value heads): attention variant 1
    (the first kernel), variant 2 as the launcher runs it and at other tile shapes, head groupings
@@ -146,8 +147,10 @@ def bench_gemm(shapes) -> list[dict]:
         w = torch.randn(n, k, device="cuda")  # (N, K)
         y = torch.empty(m, n, device="cuda")  # (M, N)
         flops = 2.0 * m * n * k
-        iters = 10 if flops > 1e11 else 30
-        t_cublas = time_torch(lambda: torch.matmul(x, w.T, out=y), iters)
+        # best of 7 batches of 5 back-to-back launches, as gemm_sweep.py times: a Numba launch's
+        # host cost (~20-40 us, a split launch's zero fill too) overlaps the kernels, which a
+        # lone launch of these 50-300 us GEMMs would time
+        t_cublas = time_best(lambda: torch.matmul(x, w.T, out=y), 5, 7, 2, events="torch")[0]
         want = y.clone()
         dx, dw, dy = cuda.as_cuda_array(x), cuda.as_cuda_array(w), cuda.as_cuda_array(y)
         configs = [("auto", None, None)]  # the launcher's choice (gemm.choose)
@@ -156,7 +159,7 @@ def bench_gemm(shapes) -> list[dict]:
             G.gemm(dx, dw, dy, tiles=tiles, variant=v)
             cuda.synchronize()
             err = rel(y, want)
-            ms = time_numba(lambda: G.gemm(dx, dw, dy, tiles=tiles, variant=v), iters)
+            ms = time_best(lambda: G.gemm(dx, dw, dy, tiles=tiles, variant=v), 5, 7, 2)[0]
             auto = G.choose(m, n, k)
             chosen = tiles or auto.tiles
             rows.append({
