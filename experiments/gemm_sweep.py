@@ -98,7 +98,6 @@ LAYOUT = {"fwd": "nn", "dx": "nt", "dw": "tt"}
 CANDIDATES = [  # (variant, tiles[, splits]); a rule's name: that launch rule's choice
     ("proposed", None),  # the launchers' rule in every layout (G.RULE_BY_LAYOUT)
     (3, G.PROPOSED_TILES),  # variant 3 on the same tiles: the control for variant 5's fragments
-    (10, G.PROPOSED_TILES),  # variant 5 with conflict-free (swizzled) "n" slices; in tt it equals 5
 ]
 REPS = 5  # launches per timed batch
 SAMPLES = 7  # batches; the best is reported

@@ -245,7 +245,7 @@ def gemm_reports(args) -> list[Report]:
     if args.tiles:
         cands = [(args.variant, parse_tiles(t)) for t in args.tiles]
     else:
-        cands = [(3, G.SMALL_TILES)] + [(v, t) for t in G.V5_TILES for v in (5, 10)]  # the rules' and v10
+        cands = [(3, G.SMALL_TILES)] + [(5, t) for t in G.V5_TILES]  # what the launch rules run
         cands += [(G.SKINNY_VARIANT, G.SKINNY_N_TILES), (G.SKINNY_VARIANT, G.SKINNY_M_TILES)]
     out = []
     for layout in args.layout:
@@ -260,17 +260,10 @@ def gemm_reports(args) -> list[Report]:
     return out
 
 
-def _fma_trips(G, v: int, t):
-    """Trips of the FMA loops per pair of k slices: variant 3 takes 4 k steps per trip, the
-    double-buffered variants 2 (the rest of the slice unrolled); a swizzled one splits each
-    slice's loop in two at the first trip reading swizzled rows (gemm's Note [swizzled slices])."""
-    if v not in G.FRAG_DB_VARIANTS:
-        return t.bk // 4
-    loop_k = (t.bk - 1) // 2 * 2
-    if v not in G.SWIZZLED_VARIANTS:
-        return loop_k // 2
-    split = next((k0 for k0 in range(0, loop_k, 2) if (k0 + 2) & 8), loop_k)
-    return [split // 2, (loop_k - split) // 2] * 2
+def _fma_trips(G, v: int, t) -> int:
+    """Trips of the FMA loop per k slice: variant 3 takes 4 k steps per trip, the
+    double-buffered variant 2 (the rest of the slice unrolled)."""
+    return (t.bk - 1) // 2 if v in G.FRAG_DB_VARIANTS else t.bk // 4
 
 
 def parse_flash_tiles(text: str):

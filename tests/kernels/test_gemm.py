@@ -24,7 +24,7 @@ def test_backward_layouts_with_and_without_accumulation():
 
 def test_other_tile_shape_with_4x4_micro_tiles():
     tiles = G.GemmTiles(bm=16, bn=16, bk=4, tm=4, tn=4)
-    G.validate(shapes=((19, 21, 10), (16, 16, 16)), tiles=tiles, variants=(3, 5))  # bk 4: no swizzle
+    G.validate(shapes=((19, 21, 10), (16, 16, 16)), tiles=tiles, variants=(3, 5))
     G.validate_backward(shapes=((19, 21, 10),), tiles=tiles)
 
 
@@ -72,13 +72,12 @@ def test_interior_only_build_matches_on_whole_tiles(rng, rel_err):
     # scripts/sass_report.py --hot counts this build's main loop: it must compute the same GEMM
     # wherever every tile lies inside the matrices (2 x 2 tiles, 3 k slices)
     t = G.GemmTiles(bm=16, bn=32, bk=8, tm=4, tn=4)
+    xv = rng.standard_normal((2 * t.bm, 3 * t.bk), dtype=np.float32)
+    wv = rng.standard_normal((2 * t.bn, 3 * t.bk), dtype=np.float32)
     for v in sorted(G.VARIANTS):
-        tv = G.SIM_SWIZZLE_TILES if v in G.SWIZZLED_VARIANTS else t
-        xv = rng.standard_normal((2 * tv.bm, 3 * tv.bk), dtype=np.float32)
-        wv = rng.standard_normal((2 * tv.bn, 3 * tv.bk), dtype=np.float32)
-        k = G.get_kernel(v, tv, "nn", edge_checks=False)
-        d_y = cuda.device_array((2 * tv.bm, 2 * tv.bn), np.float32)
-        k[(2, 2, 1), tv.threads](cuda.to_device(xv), cuda.to_device(wv), d_y, d_y, 3)
+        k = G.get_kernel(v, t, "nn", edge_checks=False)
+        d_y = cuda.device_array((2 * t.bm, 2 * t.bn), np.float32)
+        k[(2, 2, 1), t.threads](cuda.to_device(xv), cuda.to_device(wv), d_y, d_y, 3)
         assert rel_err(d_y.copy_to_host(), xv @ wv.T) <= 1e-5
 
 
@@ -285,49 +284,3 @@ def test_bad_tiles_raise():
         G.GemmTiles(bm=8, bn=8, bk=3, tm=2, tn=2).check()  # 8*3 loads over 16 threads
     with pytest.raises(ValueError):
         G.GemmTiles(bm=10, bn=8, bk=4, tm=4, tn=2).check()
-
-
-def test_swizzled_slices_store_without_bank_conflicts():
-    # Note [swizzled slices]: at the proposed tiles a warp's transposing stores of an "n" slice
-    # (8 rows x 4 k-vectors, k-rows of bm + PAD words) hit 16 banks twice each unswizzled, and all
-    # 32 swizzled
-    t = G.PROPOSED_TILES
-    geometry = dict(rows_per_warp=32 // (t.bk // 4), kvecs=t.bk // 4, row_words=t.bm + G.PAD)
-    assert all(len(set(b)) == 16 for b in G.store_banks(swizzle=False, **geometry))
-    assert all(sorted(b) == list(range(32)) for b in G.store_banks(swizzle=True, **geometry))
-    G.make_gemm(t, frag_db=True, swizzle=True)  # and the proposed tiles can be swizzled
-    G.make_gemm(G.SMALL_TILES, frag_db=True, swizzle=True)
-
-
-@pytest.mark.parametrize("layout_case", ("forward", "backward", "split"))
-def test_swizzled_variant_on_ragged_shapes(layout_case):
-    # variant 10 on the smallest tiles it takes: 2 x 2 blocks (interior and edge tiles), 1 to 4
-    # k slices of 16 (the swizzled half of each slice and the plain one), every layout
-    t = G.SIM_SWIZZLE_TILES
-    if layout_case == "forward":  # nn: both slices swizzled
-        G.validate(shapes=((45, 37, 4 * 16), (64, 64, 3 * 16 - 5), (9, 40, 16)), tiles=t, variants=(10,))
-    elif layout_case == "backward":  # nt (dx: A swizzled) and tt (dw: neither), with and without acc
-        G.validate_backward(shapes=((37, 45, 2 * 16 + 3),), tiles=t, variant=10)
-    else:
-        G.validate(shapes=((40, 35, 5 * 16 + 3),), tiles=t, variants=(10,), splits=3)
-
-
-def test_swizzle_refuses_tiles_it_cannot_take():
-    with pytest.raises(ValueError, match="cannot be swizzled: bk must be 16, not 4"):
-        G.make_gemm(G.SIM_TILES, frag_db=True, swizzle=True)
-    with pytest.raises(ValueError, match="needs the double-buffered fragment loop"):
-        G.make_gemm(G.SIM_SWIZZLE_TILES, swizzle=True)
-    with pytest.raises(ValueError, match="do not keep rows 16 apart"):  # 16 threads: vectors 4 rows apart
-        G.make_gemm(G.GemmTiles(bm=16, bn=16, bk=16, tm=4, tn=4), frag_db=True, swizzle=True)
-
-
-def test_swizzled_variant_in_the_tn_layout(rng, rel_err):
-    # the fourth layout (A stored (K, M), B (N, K)): only B's slices are swizzled there
-    t = G.SIM_SWIZZLE_TILES
-    m, n, k = 40, 35, 3 * t.bk + 5
-    a = rng.standard_normal((k, m), dtype=np.float32)  # (K, M)
-    b = rng.standard_normal((n, k), dtype=np.float32)  # (N, K)
-    d_c = cuda.device_array((m, n), np.float32)
-    kern = G.get_kernel(10, t, "tn")
-    kern[(-(-n // t.bn), -(-m // t.bm), 1), t.threads](cuda.to_device(a), cuda.to_device(b), d_c, d_c, 4)
-    assert rel_err(d_c.copy_to_host(), a.T @ b.T) <= 1e-5

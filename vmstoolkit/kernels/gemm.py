@@ -55,18 +55,17 @@ instructions later (median 79 / 70 / 86 in the nn / nt / tt layouts), at the cos
 FMA loop (``scripts/sass_report.py``). H200, sweep 5 (``experiments/results/gemm-h200/run5/``):
 79.7-82.4% of cuBLAS fp32 at the 7B block's forward shapes, 78.9-89.1% at its backward ones.
 
-``10`` (offline, not yet timed) is ``5`` with the slices of "n" operands stored swizzled, so
-that their transposing stores are free of bank conflicts (Note [swizzled slices] below: the
-forward, both of whose operands are "n", trails the t/t layout by 4-7 points); 248 / 234 / 221
-registers (nn / nt / tt), no spill, 1.170 / 1.147 / 1.134 hot-path instructions per FFMA
-against 5's 1.165 / 1.145 / 1.133.
-
 Gone, each slower on the H200 than what stayed (``experiments/results/gemm-h200/``): ``1`` and ``2``
 (issue 5's first kernels); ``4`` (``3`` without the register cap, one block per SM: the old rule's
 choice for one to three waves); ``6`` (``5`` with whole slices unrolled, bk 8); ``7`` (4 k steps
 per fragment-loop trip), ``8`` (interior tiles fetched by flat indices) and ``9`` (both): fewer
 instructions per FFMA offline (1.118-1.141 against 1.165), within -2.3 / +1.2 points of ``5`` on
-the GPU, so not worth their code.
+the GPU, so not worth their code; ``10`` (``5`` with the slices of "n" operands stored swizzled,
+row r ^ ((k + 1) & 8), so that their transposing stores hit 32 banks instead of 16 twice): below
+``5`` at 14 of the 15 7B shapes in sweep 6 (``run6/``: forward 0.5-1.2 points, dx 1.2-2.1, dw
+4.2-5.4, where no slice is swizzled but the fragment loop is split in two; +0.3 at q/o forward),
+though its stores were conflict-free: the forward's 4-7 point gap to the t/t layout is not the
+stores' bank conflicts.
 
 Warp tiling is a property of the tile shape
 (``GemmTiles.wm`` / ``wn``): the block's threads are grouped by warp, each warp covering a
@@ -149,8 +148,6 @@ class GemmTiles:
 
 # Tiny tiles for the CPU simulator: 16 threads, each a 2 x 2 micro-tile (same code path).
 SIM_TILES = GemmTiles(bm=8, bn=8, bk=4, tm=2, tn=2)
-# The smallest tiles a swizzled variant takes (bk 16, rows 16 apart): 64 threads of 4 x 4.
-SIM_SWIZZLE_TILES = GemmTiles(bm=32, bn=32, bk=16, tm=4, tn=4)
 # Shared-memory row padding (words): keeps rows 16-byte aligned (LDS.128) and spreads the
 # transposed stores of an "n" operand over more banks (with bk = 8 a warp stores 8 k-rows x 4
 # columns: 32 distinct banks; 2-way conflicts with bk = 16).
@@ -193,82 +190,16 @@ def _operand_map(trans: bool, rows: int, bk: int, nt: int):
     return v, g, per, stride
 
 
-# Note [swizzled slices]
-# -----------------------
-# Rationale. A slice is stored k-major (row ``k`` holds the tile's rows at that k), so that a
-# thread's fragment at one k is a few LDS.128. An "n" operand arrives k-contiguous: a thread
-# fetches 4 adjacent k of one row and stores them to 4 k-rows, one STS.32 each. With bk 16 a
-# warp's 32 lanes cover 8 rows x 4 k-vectors (k = 0, 4, 8, 12 + e at store e); a k-row is BMP
-# = BM + 4 words long (4 mod 32 banks), so the store of element (k, r) hits bank 4k + r mod 32 =
-# 16 j + 4 e + r for vector j: j and j + 2 collide, every STS.32 of an "n" slice is a 2-way
-# conflict. H200 sweep 5 (experiments/results/gemm-h200/run5/): with both operands "n" (the
-# forward) variant 5 reaches 80.9-82.4% of cuBLAS at the large shapes, with one (dx) 84.9-87.2%,
-# with none (dw, vector stores along rows) 85.7-89.1%; the instruction counts differ by 2.8%.
-# Approach (variant 10). Element (k, r) of an "n" slice is stored at row r ^ ((k + 1) & 8). For
-# store e the four k-vectors then land on banks 16 j + 4 e + (r or r ^ 8) with the XOR on j in
-# {2, 3} for e < 3 and on j in {1, 2} for e = 3: 32 distinct banks (``store_banks`` computes
-# them; a test checks every store of the proposed tiles). The XOR of 8 keeps a run of 4 rows
-# (4-aligned) contiguous, so fragments stay LDS.128: each trip of the 2-step fragment loop loads
-# k + 1 and k + 2, which agree on bit 3 of k + 1 at bk 16, so the trips read plain rows up to
-# SPLIT and rows XOR 8 after it, the rest of the slice plain: no instruction per load.
-# Limitations. bk 16 only; a swizzled operand needs vectors of 4 along k (4 per 16-deep row),
-# rows 16 apart between a thread's vectors and between its runs of 4, and tile rows a multiple
-# of 16; "t" operands are stored as before (vector stores along rows, conflict-free).
-
-
-def _check_swizzle(t: GemmTiles, frag_db: bool, a: tuple, b: tuple, loop_k: int) -> int:
-    """Raise :class:`KernelError` unless :func:`make_gemm` can swizzle the slices of ``t``;
-    return SPLIT, the first fragment-loop trip that reads swizzled rows. ``a``, ``b``:
-    (swizzled, vector width, vectors per k-row, rows between a thread's vectors, run, distance
-    between runs, tile rows) per operand."""
-    why = []
-    if not frag_db:
-        why.append("it needs the double-buffered fragment loop (variant 10 is variant 5's)")
-    if t.bk != 16:
-        why.append(f"bk must be 16, not {t.bk}")
-    for name, (swz, v, per, stride, run, dist, rows) in (("A", a), ("B", b)):
-        if swz and not (v == 4 and per == 4 and stride % 16 == 0 and run == 4 and dist % 16 == 0 and rows % 16 == 0):
-            why.append(f"{name}'s fetch (vectors of {v}, {per} per k-row, {stride} rows apart) or its runs "
-                       f"({run} rows, {dist} apart, {rows} rows) do not keep rows 16 apart in runs of 4")
-    if why:
-        raise KernelError(f"tile {t.label()} cannot be swizzled: " + "; ".join(why))
-    trips = range(0, loop_k, 2)
-    split = next((k0 for k0 in trips if (k0 + 2) & 8), loop_k)
-    ok = all(((k0 + 2) & 8) == ((k0 + 3) & 8) == (8 if k0 >= split else 0) for k0 in trips)
-    ok = ok and all((k + 1) & 8 == 0 for k in (0, *range(loop_k + 1, t.bk)))
-    if not ok:  # unreachable at bk 16; guards an edit of the loop's shape
-        raise KernelError(f"tile {t.label()}: the fragment loop's trips do not split at one k")
-    return split
-
-
-def store_banks(rows_per_warp: int = 8, kvecs: int = 4, row_words: int = 132, swizzle: bool = True):
-    """Banks hit by one warp's transposing stores of an "n" slice: for each store e (0..3), the
-    bank of each lane (lanes cover ``rows_per_warp`` rows x ``kvecs`` k-vectors of 4; k-rows of
-    ``row_words`` words). Pure arithmetic, for Note [swizzled slices] and its test."""
-    out = []
-    for e in range(4):
-        banks = []
-        for lane in range(rows_per_warp * kvecs):
-            r, j = lane // kvecs, lane % kvecs
-            k = 4 * j + e
-            row = r ^ ((k + 1) & 8) if swizzle else r
-            banks.append((k * row_words + row) % 32)
-        out.append(banks)
-    return out
-
-
 @lru_cache(maxsize=None)
 def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumulate: bool = False,
-              blocks_per_sm: int = 2, frag_db: bool = False, edge_checks: bool = True, swizzle: bool = False):
+              blocks_per_sm: int = 2, frag_db: bool = False, edge_checks: bool = True):
     """The kernel ``kernel(a, b, acc_in, c, split_steps)`` computing ``c = [acc_in +] A @ B`` for
     the layouts in the module docstring; ``split_steps`` k slices per block along grid z.
     ``frag_db``: double-buffer the shared-to-register fragments (variant 5, module docstring),
     two k steps per trip of the fragment loop, the slice's remaining steps unrolled after it.
     ``edge_checks=False`` drops the
     bounds-checked fetch: only for ``scripts/sass_report.py``'s interior-tile (hot path) build,
-    wrong on any tile not wholly inside the matrices. ``swizzle`` (with ``frag_db``; variant 10):
-    the shared slices of "n" operands are stored swizzled so that their transposing stores are
-    free of bank conflicts (Note [swizzled slices]); :class:`KernelError` for tiles it cannot take."""
+    wrong on any tile not wholly inside the matrices."""
     t.check()
     BM, BN, BK, TM, TN = t.bm, t.bn, t.bk, t.tm, t.tn
     NT = t.threads
@@ -284,14 +215,10 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     BV, BG, BPER, BSTR = _operand_map(b_trans, BN, BK, NT)
     A_LOADS, B_LOADS = AV * AG, BV * BG  # elements of A and of B per thread per slice
     AT, BT, ACC, FDB, EDGE = a_trans, b_trans, accumulate, frag_db, edge_checks
-    SWA, SWB = swizzle and not a_trans, swizzle and not b_trans  # which slices are swizzled
     # the fragment loop: TRIPS trips of STEPS k steps, then the rest (odd: BK - 1 is) unrolled
     STEPS = 2
     TRIPS = (BK - 1) // STEPS
     LOOP_K = TRIPS * STEPS
-    SPLIT = _check_swizzle(t, frag_db, (SWA, AV, APER, ASTR, VM, SM, BM), (SWB, BV, BPER, BSTR, VN, SN, BN),
-                           LOOP_K) if swizzle else LOOP_K
-    SXA, SXB = uint64(8 if SWA else 0), uint64(8 if SWB else 0)  # row / column XOR of swizzled k
     # The simulator accepts neither option; alignment only matters to the vectoriser anyway.
     opts = {} if simulating() else {"max_registers": max_registers(NT, blocks_per_sm)}
     ALIGN = None if simulating() else 16
@@ -352,18 +279,6 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         tail_steps(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1)
 
     @cuda.jit(device=True, inline="always")
-    def multiply_db_swizzled(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1):
-        """Variant 10: :func:`multiply_db` over swizzled slices. Each loop trip loads steps kk + 1
-        and kk + 2, whose ``k + 1`` agree on bit 3 (checked when built): the trips before SPLIT
-        read plain rows (columns), the later ones rows XOR 8; the tail and step 0 read plain ones."""
-        ras, cbs = ra ^ SXA, cb ^ SXB
-        for k0 in range(0, SPLIT, STEPS):
-            two_steps(As, Bs, buf, uint64(k0), ra, cb, acc, a0, b0, a1, b1)
-        for k0 in range(SPLIT, LOOP_K, STEPS):
-            two_steps(As, Bs, buf, uint64(k0), ras, cbs, acc, a0, b0, a1, b1)
-        tail_steps(As, Bs, buf, ra, cb, acc, a0, b0, a1, b1)
-
-    @cuda.jit(device=True, inline="always")
     def k_step(As, Bs, buf, kk, ra, cb, acc, a_reg, b_reg):
         """acc += outer(A column kk, B row kk) over this thread's rows and columns."""
         load_frags(As, Bs, buf, kk, ra, cb, a_reg, b_reg)
@@ -392,7 +307,7 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     def after_barrier_plain(As, Bs, nbuf, ra, cb, acc, a0, b0, a1, b1):
         return
 
-    multiply = (multiply_db_swizzled if swizzle else multiply_db) if frag_db else multiply_plain
+    multiply = multiply_db if frag_db else multiply_plain
     after_barrier = after_barrier_db if frag_db else after_barrier_plain
 
     @cuda.jit(device=True, inline="always")
@@ -429,18 +344,14 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
                     reg[g * vw + e] = val
 
     @cuda.jit(device=True, inline="always")
-    def stash_one(S, buf, trans, swz, vw, ng, stride, fr, fk, reg):
-        """Shared buffer ``buf`` <- the fetched registers, k-major; ``swz``: an "n" slice's rows
-        XOR 8 at the k whose k + 1 has bit 3 set (Note [swizzled slices])."""
+    def stash_one(S, buf, trans, vw, ng, stride, fr, fk, reg):
+        """Shared buffer ``buf`` <- the fetched registers, k-major."""
         for g in range(ng):
             for e in range(vw):
                 if trans:
                     S[buf, fk + uint64(g * stride), fr + uint64(e)] = reg[g * vw + e]
                 else:
-                    row = fr
-                    if swz:
-                        row = fr ^ ((fk + uint64(e + 1)) & uint64(8))
-                    S[buf, fk + uint64(e), row + uint64(g * stride)] = reg[g * vw + e]
+                    S[buf, fk + uint64(e), fr + uint64(g * stride)] = reg[g * vw + e]
 
     @cuda.jit(device=True, inline="always")
     def fetch(a, b, m0, n0, k0, M, N, K, fa, ka, fb, kb, a_pf, b_pf):
@@ -449,8 +360,8 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
 
     @cuda.jit(device=True, inline="always")
     def stash(As, Bs, buf, fa, ka, fb, kb, a_pf, b_pf):
-        stash_one(As, buf, AT, SWA, AV, AG, ASTR, fa, ka, a_pf)
-        stash_one(Bs, buf, BT, SWB, BV, BG, BSTR, fb, kb, b_pf)
+        stash_one(As, buf, AT, AV, AG, ASTR, fa, ka, a_pf)
+        stash_one(Bs, buf, BT, BV, BG, BSTR, fb, kb, b_pf)
 
     @cuda.jit(**opts)
     def gemm_kernel(a, b, acc_in, c, split_steps):
@@ -531,17 +442,10 @@ def make_gemm_v5(t: GemmTiles):
     return make_gemm(t, blocks_per_sm=2, frag_db=True)
 
 
-def make_gemm_v10(t: GemmTiles):
-    """Variant 5 with the slices of "n" operands swizzled (Note [swizzled slices]; offline, not
-    yet timed: a candidate of experiments/gemm_sweep.py)."""
-    return make_gemm(t, blocks_per_sm=2, frag_db=True, swizzle=True)
-
-
-BLOCKS_PER_SM = {3: 2, 5: 2, 10: 2}  # variant -> the blocks per SM its register cap allows
-VARIANTS = {3: make_gemm_v3, 5: make_gemm_v5, 10: make_gemm_v10}
-FRAG_DB_VARIANTS = (5, 10)  # variants whose shared-to-register fragments are double-buffered
-SWIZZLED_VARIANTS = (10,)  # variants whose "n" slices are swizzled
-SPLIT_K_VARIANTS = (3, 5, 10)  # every variant takes the split-K argument
+BLOCKS_PER_SM = {3: 2, 5: 2}  # variant -> the blocks per SM its register cap allows
+VARIANTS = {3: make_gemm_v3, 5: make_gemm_v5}
+FRAG_DB_VARIANTS = (5,)  # variants whose shared-to-register fragments are double-buffered
+SPLIT_K_VARIANTS = (3, 5)  # every variant takes the split-K argument
 
 
 @dataclass(frozen=True)
@@ -714,8 +618,7 @@ def get_kernel(variant: int, tiles: GemmTiles, layout: str = "nn", accumulate: b
         raise KernelError(f"unknown GEMM variant {variant}; known: {sorted(VARIANTS)}")
     a_trans, b_trans = LAYOUTS[layout]
     return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant],
-                     frag_db=variant in FRAG_DB_VARIANTS, edge_checks=edge_checks,
-                     swizzle=variant in SWIZZLED_VARIANTS)
+                     frag_db=variant in FRAG_DB_VARIANTS, edge_checks=edge_checks)
 
 
 def check_args(x, w, y) -> tuple[int, int, int]:
@@ -738,8 +641,6 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, variant, splits) -
     if m == 0 or n == 0:
         return
     auto = choose(m, n, k, splits, layout=layout)
-    if tiles is None and variant in SWIZZLED_VARIANTS and simulating():
-        auto = GemmLaunch(variant, SIM_SWIZZLE_TILES, auto.splits)  # SIM_TILES are too small to swizzle
     tiles = tiles or auto.tiles
     variant = auto.variant if variant is None else variant
     splits = auto.splits if splits is None else splits
