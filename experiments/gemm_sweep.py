@@ -96,7 +96,7 @@ RAGGED_SKINNY = {"fwd": (1001, 13, 1027), "dx": (1001, 1027, 13), "dw": (1027, 1
 LAYOUT = {"fwd": "nn", "dx": "nt", "dw": "tt"}
 
 CANDIDATES = [  # (variant, tiles[, splits]); a rule's name: that launch rule's choice
-    ("proposed", None),  # the launchers' rule in every layout (G.RULE_BY_LAYOUT)
+    ("proposed", None),  # the rule for outputs wider than G.SKINNY_MAX (every layout's "skinny" is it there)
     (3, G.PROPOSED_TILES),  # variant 3 on the same tiles: the control for variant 5's fragments
 ]
 REPS = 5  # launches per timed batch

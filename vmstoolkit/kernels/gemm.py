@@ -52,8 +52,8 @@ executing as many instructions as cuBLAS but with no warp ready 28% of cycles ag
 warp waits for shared memory at every trip. In variant 5 every LDS is read at least 33
 instructions later (median 79 / 70 / 86 in the nn / nt / tt layouts), at the cost of 24 registers
 (246 / 236 / 223 at that shape, no spill) and 1.086 instead of 1.072 instructions per FFMA in the
-FMA loop (``scripts/sass_report.py``). H200, sweep 5 (``experiments/results/gemm-h200/run5/``):
-79.7-82.4% of cuBLAS fp32 at the 7B block's forward shapes, 78.9-89.1% at its backward ones.
+FMA loop (``scripts/sass_report.py``). H200, sweep 6 (``experiments/results/gemm-h200/run6/``):
+79.2-82.5% of cuBLAS fp32 at the 7B block's forward shapes, 78.9-88.7% at its backward ones.
 
 Gone, each slower on the H200 than what stayed (``experiments/results/gemm-h200/``): ``1`` and ``2``
 (issue 5's first kernels); ``4`` (``3`` without the register cap, one block per SM: the old rule's
@@ -485,19 +485,20 @@ def _blocks(m: int, n: int, t: GemmTiles) -> int:
 # The proposed rule, every layout's: variant 5 on 4 warps of 64x64 (8x16 outputs per thread) at
 # 128x128 tiles, two blocks per SM, k split in ``proposed_splits`` ways; outputs that even
 # MAX_SPLITS splits of these tiles would leave under half the SMs take the small-tile path.
-# H200, experiments/gemm_sweep.py, 2026-12-01 (experiments/results/gemm-h200/run5/), % of cuBLAS
+# H200, experiments/gemm_sweep.py, 2026-12-01 (experiments/results/gemm-h200/run6/7b/), % of cuBLAS
 # fp32 (TF32 off), best of 7 batches of 5 launches, the 7B block at 2048 tokens (GQA8: 8 kv heads):
 #                4096^3   q/o 2048x4096x4096   k/v GQA8 2048x1024x4096   gate/up 2048x11008x4096   down 2048x4096x11008
-#   forward        82.1        80.9                 79.7 (split 2)             81.8                      82.4
-#   dx (nt)        86.0        84.9                 78.9                       87.2                      79.4
-#   dw (tt)        89.1        85.7                 82.1                       87.3                      86.6
+#   forward        82.0        82.2                 79.2 (split 2)             82.5                      82.3
+#   dx (nt)        85.6        84.6                 78.9                       86.8                      79.8
+#   dw (tt)        88.7        85.7                 82.5                       87.4                      86.7
 # The rule it replaced ("measured": variant 3 at 128x128x8/8x8 for several waves, variant 4 at
-# 128x128x16/8x8 for one to three) reached 60.8-70.7% forward, 63.0-84.4% backward in that run.
+# 128x128x16/8x8 for one to three) reached 60.8-70.7% forward, 63.0-84.4% backward in run 5.
 PROPOSED_TILES = V5_TILES[0]
 PROPOSED_VARIANT = 5
 MIN_SPLIT_SLICES = 16
 RULES = ("proposed", "skinny")
-RULE_BY_LAYOUT = {"nn": "proposed", "nt": "proposed", "tt": "proposed", "tn": "proposed"}
+# every layout runs "skinny": "proposed", except on outputs at most SKINNY_MAX wide (below)
+RULE_BY_LAYOUT = {"nn": "skinny", "nt": "skinny", "tt": "skinny", "tn": "skinny"}
 
 # Note [split k against wave tails]
 # ---------------------------------
@@ -507,15 +508,18 @@ RULE_BY_LAYOUT = {"nn": "proposed", "nt": "proposed", "tt": "proposed", "tn": "p
 # x (1 + SPLIT_COST (s - 1)), T = SPLIT_TARGET_BLOCKS. The rule takes the cheapest s up to
 # MAX_SPLITS (each split at least MIN_SPLIT_SLICES slices deep) if it saves more than SPLIT_GAIN
 # of cost(1), else launches whole tiles (deterministic sums, no atomics).
-# H200, forward, variant 5 on PROPOSED_TILES split 1 / 2 / 3 / 4 ways, % of cuBLAS (``gemm_sweep.py
-# --quick --splits 1 2 3 4``, the 1B widths at 1024 tokens and the 7B ones at 2048; session of
-# 2026-12-01, re-measured in run6):
-#   1B gate/up 1024x5632x2048 (352 tiles)    57.7 / 69.0 / 73.0 / 63.9   rule: 3 (cost 2, 1.56, 1.44, 1.68)
-#   1B k/v GQA4 1024x512x2048 (32 tiles)     24.4 / 42.4 / 55.9 / 66.8   rule: 4 (the small-tile path: 50.2)
-#   128 tiles (1B q/o, 1B down, 7B k/v GQA8) 73.8 / 73.8 / 56.2 / 67.9, 73.0 / 79.7 / 59.4 / 76.5,
-#                                            75.6 / 79.8 / 60.2 / 76.1   rule: 2 (cost 1, 0.52, 0.72, 0.56)
-#   7B gate/up 2048x11008x4096 (1376 tiles)  82.0 / 85.2 / 85.8 / 85.4   rule: 1 (s 2 saves 4.7% < 10%)
-#   512 and 1024 tiles (7B q/o, down, 4096^3) best unsplit, 3-7 points above split 2
+# H200, forward, variant 5 on PROPOSED_TILES split 1 / 2 / 3 / 4 ways, % of cuBLAS fp32, and the
+# rule's launch (experiments/results/gemm-h200/run6/1b-splits/: the 1B widths at 1024 tokens):
+#   gate/up 1024x5632x2048 (352 tiles)   57.7 / 69.3 / 73.4 / 64.3   rule 3: 73.4 (cost 2, 1.56, 1.44, 1.68)
+#   k/v GQA4 1024x512x2048 (32 tiles)    24.2 / 42.0 / 56.0 / 67.0   rule 4: 65.6 (the old small-tile path: 40-50)
+#   down 1024x2048x5632 (128 tiles)      72.8 / 79.4 / 58.9 / 75.9   rule 2: 79.4 (cost 1, 0.52, 0.72, 0.56)
+#   q/o 1024x2048x2048 (128 tiles)       73.1 / 73.2 / 55.3 / 67.0   rule 2: 72.8
+#   4096^3 (1024 tiles)                  82.5 / 78.9 / 77.1 / 75.7   rule 1: 82.5
+# and at the 7B widths (run6/7b/): k/v GQA8 (128 tiles) 76.0 unsplit, 79.2 split 2 (the rule's);
+# 512 to 1376 tiles stay whole. An earlier H200 session of the same day (its files lost, numbers
+# from its notes) timed the 7B gate/up (1376 tiles, 5.2 waves) at 82.0 / 85.2 / 85.8 / 85.4: the
+# model's best, split 2, saves 4.7% of the waves, under SPLIT_GAIN, so the rule keeps it whole
+# (3 points left for deterministic sums and no zero fill; to re-time: ``gemm_sweep.py --splits 1 2``).
 SPLIT_COST = 0.04
 SPLIT_GAIN = 0.10
 MAX_SPLITS = 4
@@ -543,7 +547,7 @@ def _choose_proposed(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
     return GemmLaunch(PROPOSED_VARIANT, t, splits)
 
 
-# The "skinny" rule (offline, not yet timed): "proposed", except for outputs at most SKINNY_MAX
+# The "skinny" rule, every layout's since H200 sweep 6: "proposed", except for outputs at most SKINNY_MAX
 # columns (rows) wide, e.g. LoRA's rank-16 GEMMs at 2048 tokens and 4096 features: x A^T (2048 x 16,
 # K = 4096), its dx's dy B (2048 x 16, K = 4096), dw's dy^T x (16 x 4096, K = 2048) and (4096 x 16,
 # K = 2048). "proposed" runs those on 64 x 64 tiles (3/4 of every FMA on padding)
@@ -554,6 +558,10 @@ def _choose_proposed(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
 # blocks (4 of 128 threads per SM: these are memory-bound), each split at least MIN_SKINNY_SLICES
 # slices deep. The K = 16 GEMMs (h B^T: 2048 x 4096 x 16, dx of x A^T) keep "proposed" (512
 # tiles of 128 x 128, one k slice each; bound by writing the 32 MiB output).
+# H200, sweep 6 (experiments/results/gemm-h200/run6/lora/), % of cuBLAS fp32, "proposed" / "skinny":
+# x A^T 39.2 / 43.1, dw of x A^T 37.4 / 41.7, dw of h B^T 24.9 / 44.1, dx of h B^T (dy B) 26.2 / 26.1.
+# Each is 20-120 us; the skinny tiles halving their splits (gemm_sweep's third candidate) moved
+# them by -0.9 to +1.1 points.
 SKINNY_MAX = 32
 SKINNY_N_TILES = GemmTiles(bm=128, bn=16, bk=16, tm=4, tn=4)  # 32 x 4 threads, each 4 x 4
 SKINNY_M_TILES = GemmTiles(bm=16, bn=128, bk=16, tm=4, tn=4)  # 4 x 32 threads
