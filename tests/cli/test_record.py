@@ -93,7 +93,11 @@ def test_a_run_that_allocates_nothing_writes_a_valid_empty_snapshot(tmp_path, fa
 ])
 def test_clear_one_line_errors(tmp_path, fake_torch, fake, env, command, message):
     command = [c.replace("{py}", sys.executable) for c in command]
-    r = record(tmp_path, fake_torch if fake else None, *command, env=env)
+    if not fake:  # torch missing, also where it is installed: a torch that fails to import comes first
+        no_torch = tmp_path / "no_torch" / "torch"
+        no_torch.mkdir(parents=True)
+        (no_torch / "__init__.py").write_text("raise ImportError(\"No module named 'torch'\")\n")
+    r = record(tmp_path, fake_torch if fake else tmp_path / "no_torch", *command, env=env)
     assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
