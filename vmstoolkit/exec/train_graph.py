@@ -97,7 +97,7 @@ def build_train_step(cfg: LlamaConfig, variant: str = "lora", *, rank: int = 16,
     m = b * t
     qd, kvd = nh * hd, nkv * hd
     dt = cfg.dtype
-    W, A = TensorKind.WEIGHT, TensorKind.ACTIVATION
+    W = TensorKind.WEIGHT
     x = g.tensor("x", (m, h), dt, 0, TensorKind.INPUT)
     dout = g.tensor("dout", (m, h), dt, 0, TensorKind.INPUT)
     tg = TrainGraph(g, cfg, variant, rank, opt, x, dout)
