@@ -341,8 +341,8 @@ def main(argv=None) -> int:
                     "rows/heads/bkv/tr/tk/to[/blocks_per_sm], or attention-backward's "
                     "rows/heads/bkv/tr/tk/to/keys/bq/tkk/tq/tko (default: the candidates)")
     ap.add_argument("--variant", type=int, default=3,
-                    help="GEMM variant for --tiles (3: capped registers, 4: not, 5: double-buffered "
-                         "fragments, 7: 5 with 4 k steps per loop trip)")
+                    help="GEMM variant for --tiles (3: capped registers, 5: 3 with double-buffered "
+                         "fragments; gemm.VARIANTS)")
     ap.add_argument("--dump", action="store_true", help="print the main loop's SASS")
     ap.add_argument("--hot", action="store_true", help="GEMM: also build without the edge tiles' bounds "
                     "checks and count the instructions an interior tile executes per pair of k slices")
