@@ -20,7 +20,7 @@ Timing: CUDA events around REPS back-to-back launches (so the ~10-30 us host cos
 launch overlaps the kernels instead of being timed); the best of SAMPLES such batches, after
 warm-up (the median is in the JSON too); cuBLAS is timed the same way. Time-bounded: shapes run
 in the order above and whatever is left when ``--budget-s`` (default 270 s) has passed is
-skipped and listed; sweep 5 (8 candidates, 15 shapes) took 265 s on an H200.
+skipped and listed; sweep 6 (3-4 candidates, 15 shapes) took 103 s on an H200.
 
     python3 experiments/gemm_sweep.py --out DIR            # writes DIR/gemm_sweep.json
     python3 experiments/gemm_sweep.py --out DIR --quick    # forward shapes only
