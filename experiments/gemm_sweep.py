@@ -219,7 +219,7 @@ def candidates_for(kind: str, dims, splits: list[int] | None = None) -> list:
         return [("proposed", None)] + [(G.PROPOSED_VARIANT, G.PROPOSED_TILES, s) for s in splits]
     proposed = G.rule_launch(out_m, out_n, red, rule="proposed")
     skinny = G.rule_launch(out_m, out_n, red, rule="skinny")
-    if skinny != G.rule_launch(out_m, out_n, red, rule="proposed"):
+    if skinny != proposed:
         # a 16-wide output (LoRA): the rules and the skinny tiles with half the splits; the
         # 128 x 128 candidates would be 7/8 padding
         return [("proposed", None), ("skinny", None), (skinny.variant, skinny.tiles, max(1, skinny.splits // 2))]
