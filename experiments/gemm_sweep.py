@@ -91,6 +91,9 @@ SETS = {
     ],
 }
 RAGGED = (1001, 517, 1027)  # correctness of the edge paths only (and the builds)
+# the same with rows of 16-byte multiples (N, K multiples of 4), where variant 11's 16-byte loads
+# run (on RAGGED it runs its scalar twin, variant 5: gemm.loaded_variant)
+RAGGED_ALIGNED = (1001, 516, 1028)
 # --set lora: a ragged output 13 wide (fwd, dx) or 13 high (dw), for the skinny rule's tiles
 RAGGED_SKINNY = {"fwd": (1001, 13, 1027), "dx": (1001, 1027, 13), "dw": (1027, 13, 1001)}
 LAYOUT = {"fwd": "nn", "dx": "nt", "dw": "tt"}
@@ -98,6 +101,7 @@ LAYOUT = {"fwd": "nn", "dx": "nt", "dw": "tt"}
 CANDIDATES = [  # (variant, tiles[, splits]); a rule's name: that launch rule's choice
     ("proposed", None),  # the rule for outputs wider than G.SKINNY_MAX (every layout's "skinny" is it there)
     (3, G.PROPOSED_TILES),  # variant 3 on the same tiles: the control for variant 5's fragments
+    (11, G.PROPOSED_TILES),  # variant 5 with 16-byte global loads
 ]
 REPS = 5  # launches per timed batch
 SAMPLES = 7  # batches; the best is reported
@@ -178,6 +182,9 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
             auto = G.choose(out_m, out_n, red, rule=v)
             lab = f"{v} = " + label(auto.variant, auto.tiles, auto.splits)
             v, t, splits = auto.variant, auto.tiles, auto.splits
+        ran = G.loaded_variant(v, p.da, p.db)
+        if ran != v:
+            lab += f" (ran v{ran}: operands not 16-byte aligned)"
         try:
             p.out.fill_(float("nan"))
             p.ours(v, t, splits)
@@ -190,7 +197,7 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
             rows.append({**row0, "config": lab, "variant": v, "tiles": t.__dict__,
                          "error": f"{type(e).__name__}: {e}"})
             continue
-        r = {**row0, "config": lab, "variant": v, "tiles": t.__dict__, "splits": splits or 1,
+        r = {**row0, "config": lab, "variant": v, "ran_variant": ran, "tiles": t.__dict__, "splits": splits or 1,
              "rel_err_vs_cublas": err, "blocks": -(-out_m // t.bm) * -(-out_n // t.bn) * (splits or 1)}
         ok = "" if err <= 1e-5 else "  <-- ERROR > 1e-5"
         if time_it:
@@ -213,10 +220,11 @@ def out_dims(kind: str, dims) -> tuple[int, int, int]:
 
 def candidates_for(kind: str, dims, splits: list[int] | None = None) -> list:
     """The candidates timed at one shape; ``splits``: the proposed rule and variant 5 on its
-    tiles at each of these k split counts instead (wave quantization: ``--splits``)."""
+    tiles (and variant 11, its 16-byte-load twin) at each of these k split counts instead (wave
+    quantization: ``--splits``)."""
     out_m, out_n, red = out_dims(kind, dims)
     if splits:
-        return [("proposed", None)] + [(G.PROPOSED_VARIANT, G.PROPOSED_TILES, s) for s in splits]
+        return [("proposed", None)] + [(v, G.PROPOSED_TILES, s) for v in (5, 11) for s in splits]
     proposed = G.rule_launch(out_m, out_n, red, rule="proposed")
     skinny = G.rule_launch(out_m, out_n, red, rule="skinny")
     if skinny != proposed:
@@ -287,8 +295,9 @@ def main():
     for kind in kinds:
         t1 = time.time()
         cands = candidates_for(kind, RAGGED, args.splits) if args.splits else CANDIDATES + [(G.PROPOSED_VARIANT, G.PROPOSED_TILES, 2)]
-        res["ragged"] += run_shape(f"ragged {kind} {'x'.join(map(str, RAGGED))}", kind, RAGGED, cands,
-                                   False, deadline)
+        for dims in (RAGGED, RAGGED_ALIGNED):
+            res["ragged"] += run_shape(f"ragged {kind} {'x'.join(map(str, dims))}", kind, dims, cands,
+                                       False, deadline)
         if args.set == "lora":
             dims = RAGGED_SKINNY[kind]
             res["ragged"] += run_shape(f"ragged {kind} {'x'.join(map(str, dims))}", kind, dims,

@@ -289,3 +289,61 @@ def test_bad_tiles_raise():
         G.GemmTiles(bm=8, bn=8, bk=3, tm=2, tn=2).check()  # 8*3 loads over 16 threads
     with pytest.raises(ValueError):
         G.GemmTiles(bm=10, bn=8, bk=4, tm=4, tn=2).check()
+
+
+# --- variant 11: 16-byte global loads (kernels/_vector.py) ---------------------------------------
+
+VEC_TILES = G.GemmTiles(bm=16, bn=16, bk=4, tm=4, tn=4)  # 16 threads, 4 elements of A and of B each: one vector
+
+
+def test_aligned16_reads_base_row_stride_and_column_stride():
+    from vmstoolkit.kernels._vector import aligned16
+
+    d = cuda.to_device(np.zeros((6, 12), np.float32))
+    assert aligned16(d)
+    assert not aligned16(cuda.to_device(np.zeros((6, 13), np.float32)))  # rows of 52 bytes
+    assert not aligned16(d[:, 1:9])  # starts 4 bytes into a row
+    assert aligned16(d[:, 4:12])  # starts 16 bytes in, rows still 48 bytes apart
+    assert not aligned16(d[:, ::2])  # columns 8 bytes apart
+    assert aligned16(cuda.to_device(np.zeros((1, 3), np.float32)))  # one row: its stride never used
+
+
+def test_loaded_variant_falls_back_to_scalar_loads_on_unaligned_operands():
+    ok = cuda.to_device(np.zeros((5, 8), np.float32))
+    odd = cuda.to_device(np.zeros((5, 9), np.float32))
+    assert G.loaded_variant(11, ok, ok) == 11
+    assert G.loaded_variant(11, ok, odd) == G.SCALAR_TWIN[11] == 5
+    assert G.loaded_variant(11, ok[:, 1:5], ok) == 5
+    assert G.loaded_variant(5, ok, ok) == 5
+
+
+def test_vector_loads_forward_and_backward_on_aligned_ragged_shapes():
+    # K and N multiples of 4 (aligned rows), M and the tile counts ragged: 2 x 2 tiles of which one
+    # is interior (the 16-byte path) and 3 edges (the checked scalar path), 3 k slices
+    G.validate(shapes=((19, 20, 12), (32, 32, 8)), tiles=VEC_TILES, variants=(11,))
+    G.validate(shapes=((19, 20, 12),), tiles=VEC_TILES, variants=(11,), splits=2)
+    G.validate_backward(shapes=((19, 20, 12), (21, 16, 36)), tiles=VEC_TILES, variant=11)
+
+
+def test_vector_path_reads_every_interior_vector_and_nothing_else(monkeypatch):
+    # the interior fetches go through load4 (one call per 4 elements), the edge tiles' do not
+    import vmstoolkit.kernels._vector as V
+
+    calls = []
+
+    def counting_load4(a, r, c):
+        calls.append((r, c))
+        return V.load4(a, r, c)
+
+    monkeypatch.setattr(G, "load4", counting_load4)
+    t = VEC_TILES
+    kernel = G.make_gemm(t, frag_db=True, vector_loads=True)
+    m, n, k = 2 * t.bm, t.bn + 4, 3 * t.bk  # one interior tile, one edge tile; 3 k slices
+    x = np.arange(m * k, dtype=np.float32).reshape(m, k) / 100
+    w = np.ones((n, k), np.float32)
+    d_y = cuda.device_array((m, n), np.float32)
+    kernel[(2, 2, 1), t.threads](cuda.to_device(x), cuda.to_device(w), d_y, d_y, 3)
+    assert np.allclose(d_y.copy_to_host(), x @ w.T, rtol=1e-5)
+    # the check is per operand: x's 16-row slices lie inside in all 4 blocks, w's 16-row slices in
+    # the 2 blocks of the first column only; each slice is one vector per thread (3 slices)
+    assert len(calls) == (4 + 2) * 3 * t.threads

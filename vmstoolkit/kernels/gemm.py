@@ -90,6 +90,7 @@ from vmstoolkit.errors import KernelError
 
 from . import reference
 from ._util import check_float32, check_ndim, simulating
+from ._vector import aligned16, load4
 
 
 @dataclass(frozen=True)
@@ -192,11 +193,14 @@ def _operand_map(trans: bool, rows: int, bk: int, nt: int):
 
 @lru_cache(maxsize=None)
 def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumulate: bool = False,
-              blocks_per_sm: int = 2, frag_db: bool = False, edge_checks: bool = True):
+              blocks_per_sm: int = 2, frag_db: bool = False, edge_checks: bool = True,
+              vector_loads: bool = False):
     """The kernel ``kernel(a, b, acc_in, c, split_steps)`` computing ``c = [acc_in +] A @ B`` for
     the layouts in the module docstring; ``split_steps`` k slices per block along grid z.
     ``frag_db``: double-buffer the shared-to-register fragments (variant 5, module docstring),
     two k steps per trip of the fragment loop, the slice's remaining steps unrolled after it.
+    ``vector_loads``: fetch interior slices with 16-byte loads (``_vector.load4``; variant 11):
+    only for operands that pass ``_vector.aligned16``, which the launcher checks.
     ``edge_checks=False`` drops the
     bounds-checked fetch: only for ``scripts/sass_report.py``'s interior-tile (hot path) build,
     wrong on any tile not wholly inside the matrices."""
@@ -215,6 +219,7 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     BV, BG, BPER, BSTR = _operand_map(b_trans, BN, BK, NT)
     A_LOADS, B_LOADS = AV * AG, BV * BG  # elements of A and of B per thread per slice
     AT, BT, ACC, FDB, EDGE = a_trans, b_trans, accumulate, frag_db, edge_checks
+    AVL, BVL = vector_loads and AV == VEC, vector_loads and BV == VEC  # 16-byte fetches of A, of B
     # the fragment loop: TRIPS trips of STEPS k steps, then the rest (odd: BK - 1 is) unrolled
     STEPS = 2
     TRIPS = (BK - 1) // STEPS
@@ -319,16 +324,27 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         return uint64(tid // per), uint64(tid % per * vw)
 
     @cuda.jit(device=True, inline="always")
-    def fetch_one(src, trans, vw, ng, stride, rows_tile, r0, k0, fr, fk, n_rows, K, reg):
+    def fetch_one(src, trans, vw, vl, ng, stride, rows_tile, r0, k0, fr, fk, n_rows, K, reg):
         """reg <- this thread's ng vectors of vw elements of the (rows_tile x BK) slice at
-        (r0, k0): row fr (+ g * stride for "n"), k fk (+ g * stride for "t"); zero outside."""
+        (r0, k0): row fr (+ g * stride for "n"), k fk (+ g * stride for "t"); zero outside.
+        ``vl``: each vector (vw = 4) of a whole slice is one 16-byte load."""
         if not EDGE or (r0 + uint64(rows_tile) <= n_rows and k0 + uint64(BK) <= K):  # whole slice inside
             for g in range(ng):
-                for e in range(vw):
+                if vl:
                     if trans:
-                        reg[g * vw + e] = src[k0 + fk + uint64(g * stride), r0 + fr + uint64(e)]
+                        v = load4(src, k0 + fk + uint64(g * stride), r0 + fr)
                     else:
-                        reg[g * vw + e] = src[r0 + fr + uint64(g * stride), k0 + fk + uint64(e)]
+                        v = load4(src, r0 + fr + uint64(g * stride), k0 + fk)
+                    reg[g * 4] = v[0]
+                    reg[g * 4 + 1] = v[1]
+                    reg[g * 4 + 2] = v[2]
+                    reg[g * 4 + 3] = v[3]
+                else:
+                    for e in range(vw):
+                        if trans:
+                            reg[g * vw + e] = src[k0 + fk + uint64(g * stride), r0 + fr + uint64(e)]
+                        else:
+                            reg[g * vw + e] = src[r0 + fr + uint64(g * stride), k0 + fk + uint64(e)]
         else:
             for g in range(ng):
                 for e in range(vw):
@@ -355,8 +371,8 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
 
     @cuda.jit(device=True, inline="always")
     def fetch(a, b, m0, n0, k0, M, N, K, fa, ka, fb, kb, a_pf, b_pf):
-        fetch_one(a, AT, AV, AG, ASTR, BM, m0, k0, fa, ka, M, K, a_pf)
-        fetch_one(b, BT, BV, BG, BSTR, BN, n0, k0, fb, kb, N, K, b_pf)
+        fetch_one(a, AT, AV, AVL, AG, ASTR, BM, m0, k0, fa, ka, M, K, a_pf)
+        fetch_one(b, BT, BV, BVL, BG, BSTR, BN, n0, k0, fb, kb, N, K, b_pf)
 
     @cuda.jit(device=True, inline="always")
     def stash(As, Bs, buf, fa, ka, fb, kb, a_pf, b_pf):
@@ -442,10 +458,18 @@ def make_gemm_v5(t: GemmTiles):
     return make_gemm(t, blocks_per_sm=2, frag_db=True)
 
 
-BLOCKS_PER_SM = {3: 2, 5: 2}  # variant -> the blocks per SM its register cap allows
-VARIANTS = {3: make_gemm_v3, 5: make_gemm_v5}
-FRAG_DB_VARIANTS = (5,)  # variants whose shared-to-register fragments are double-buffered
-SPLIT_K_VARIANTS = (3, 5)  # every variant takes the split-K argument
+def make_gemm_v11(t: GemmTiles):
+    """Variant 5 fetching interior slices with 16-byte global loads (operands 16-byte aligned)."""
+    return make_gemm(t, blocks_per_sm=2, frag_db=True, vector_loads=True)
+
+
+BLOCKS_PER_SM = {3: 2, 5: 2, 11: 2}  # variant -> the blocks per SM its register cap allows
+VARIANTS = {3: make_gemm_v3, 5: make_gemm_v5, 11: make_gemm_v11}
+FRAG_DB_VARIANTS = (5, 11)  # variants whose shared-to-register fragments are double-buffered
+SPLIT_K_VARIANTS = (3, 5, 11)  # every variant takes the split-K argument
+# variants whose interior fetches are 16-byte loads -> the same kernel with scalar loads, which the
+# launcher runs instead when an operand is not 16-byte aligned (_vector.aligned16)
+SCALAR_TWIN = {11: 5}
 
 
 @dataclass(frozen=True)
@@ -626,7 +650,8 @@ def get_kernel(variant: int, tiles: GemmTiles, layout: str = "nn", accumulate: b
         raise KernelError(f"unknown GEMM variant {variant}; known: {sorted(VARIANTS)}")
     a_trans, b_trans = LAYOUTS[layout]
     return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant],
-                     frag_db=variant in FRAG_DB_VARIANTS, edge_checks=edge_checks)
+                     frag_db=variant in FRAG_DB_VARIANTS, edge_checks=edge_checks,
+                     vector_loads=variant in SCALAR_TWIN)
 
 
 def check_args(x, w, y) -> tuple[int, int, int]:
@@ -663,8 +688,18 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, variant, splits) -
             zero_fill(c, stream)
         else:
             copy_fill(acc, c, stream)
-    kernel = get_kernel(variant, tiles, layout, acc is not None and splits == 1)
+    kernel = get_kernel(loaded_variant(variant, a, b), tiles, layout, acc is not None and splits == 1)
     kernel[grid, tiles.threads, stream](a, b, c if acc is None else acc, c, per)
+
+
+def loaded_variant(variant: int, a, b) -> int:
+    """The variant whose kernel runs on operands ``a`` and ``b``: a variant with 16-byte loads
+    (``SCALAR_TWIN``) runs its scalar twin unless both operands pass ``_vector.aligned16`` (e.g. a
+    row length that is not a multiple of 4, or a view starting mid-row)."""
+    twin = SCALAR_TWIN.get(variant)
+    if twin is None or (aligned16(a) and aligned16(b)):
+        return variant
+    return twin
 
 
 def gemm(x, w, y, stream=0, tiles: GemmTiles | None = None, variant: int | None = None,

@@ -1,0 +1,74 @@
+"""16-byte global loads for Numba kernels: ``load4(a, r, c)`` is ``(a[r, c], .., a[r, c + 3])``
+read by one ``ld.global.v4.f32`` (SASS ``LDG.E.128``).
+
+Why: NVVM only merges adjacent scalar loads into a vector load when it can prove the address
+16-byte aligned, and a Numba array's row stride is a run-time value, so every element of a
+register-blocked GEMM's global fetch is its own ``LDG.E`` (4x the load instructions, and 4x the
+L1 wavefronts of the vector). ``load4`` states the alignment instead: the caller promises that
+``a``'s base address and row stride are multiples of 16 bytes, its rows are contiguous, ``c`` is a
+multiple of 4 and the 4 elements are inside the array (:func:`aligned16` checks the first three
+from the host). A broken promise is a misaligned-address fault on the GPU, not a wrong result.
+
+Under the CUDA simulator ``load4`` is four ordinary (bounds-checked) element reads.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import cuda, types
+
+from ._util import simulating
+
+VECTOR_BYTES = 16
+
+
+def aligned16(a) -> bool:
+    """True if a 2-D float32 array can be read 4 elements at a time from any column that is a
+    multiple of 4: base address and row stride multiples of 16 bytes, unit column stride. Takes
+    device arrays (``__cuda_array_interface__``) and the simulator's (``__array_interface__``)."""
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    shape = tuple(iface["shape"])
+    if len(shape) != 2:
+        return False
+    itemsize = 4
+    row, col = iface.get("strides") or (shape[1] * itemsize, itemsize)
+    return (iface["data"][0] % VECTOR_BYTES == 0 and (shape[0] <= 1 or row % VECTOR_BYTES == 0)
+            and (shape[1] <= 1 or col == itemsize))
+
+
+def _make_load4():
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def load4(typingctx, array, row, col):
+        if not (isinstance(array, types.Array) and array.ndim == 2 and array.dtype == types.float32):
+            return None
+        if not (isinstance(row, types.Integer) and isinstance(col, types.Integer)):
+            return None
+        sig = types.UniTuple(types.float32, 4)(array, row, col)
+
+        def codegen(context, builder, sig, args):
+            aty, rty, cty = sig.args
+            ary = context.make_array(aty)(context, builder, value=args[0])
+            idx = [context.cast(builder, args[1], rty, types.intp), context.cast(builder, args[2], cty, types.intp)]
+            ptr = cgutils.get_item_pointer(context, builder, aty, ary, idx, wraparound=False)
+            vty = ir.VectorType(ir.FloatType(), 4)
+            vec = builder.load(builder.bitcast(ptr, vty.as_pointer()), align=VECTOR_BYTES)
+            elems = [builder.extract_element(vec, ir.Constant(ir.IntType(32), i)) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, elems)
+
+        return sig, codegen
+
+    return load4
+
+
+def _make_load4_sim():
+    @cuda.jit(device=True)
+    def load4(a, r, c):
+        return a[r, c], a[r, c + 1], a[r, c + 2], a[r, c + 3]
+
+    return load4
+
+
+load4 = _make_load4_sim() if simulating() else _make_load4()
