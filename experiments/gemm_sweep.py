@@ -101,7 +101,7 @@ LAYOUT = {"fwd": "nn", "dx": "nt", "dw": "tt"}
 CANDIDATES = [  # (variant, tiles[, splits]); a rule's name: that launch rule's choice
     ("proposed", None),  # the rule for outputs wider than G.SKINNY_MAX (every layout's "skinny" is it there)
     (3, G.PROPOSED_TILES),  # variant 3 on the same tiles: the control for variant 5's fragments
-    (11, G.PROPOSED_TILES),  # variant 5 with 16-byte global loads
+    (5, G.PROPOSED_TILES),  # variant 5: the control for variant 11's 16-byte loads (the rule's since sweep 7)
 ]
 REPS = 5  # launches per timed batch
 SAMPLES = 7  # batches; the best is reported
@@ -182,6 +182,9 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
             auto = G.choose(out_m, out_n, red, rule=v)
             lab = f"{v} = " + label(auto.variant, auto.tiles, auto.splits)
             v, t, splits = auto.variant, auto.tiles, auto.splits
+        elif splits is None:  # the launcher fills in its rule's split count: record it as run
+            splits = G.choose(out_m, out_n, red, layout=LAYOUT[kind]).splits
+            lab = label(v, t, splits)
         ran = G.loaded_variant(v, p.da, p.db)
         if ran != v:
             lab += f" (ran v{ran}: operands not 16-byte aligned)"
@@ -230,7 +233,8 @@ def candidates_for(kind: str, dims, splits: list[int] | None = None) -> list:
     if skinny != proposed:
         # a 16-wide output (LoRA): the rules and the skinny tiles with half the splits; the
         # 128 x 128 candidates would be 7/8 padding
-        return [("proposed", None), ("skinny", None), (skinny.variant, skinny.tiles, max(1, skinny.splits // 2))]
+        return [("proposed", None), ("skinny", None), (skinny.variant, skinny.tiles, max(1, skinny.splits // 2)),
+                (11, skinny.tiles, skinny.splits)]  # the skinny tiles with 16-byte loads
     if proposed.tiles == G.PROPOSED_TILES and proposed.splits > 1:
         return CANDIDATES + [(G.PROPOSED_VARIANT, G.PROPOSED_TILES, 1)]  # the unsplit launch beside the rule's
     return CANDIDATES

@@ -245,7 +245,7 @@ def gemm_reports(args) -> list[Report]:
     if args.tiles:
         cands = [(args.variant, parse_tiles(t)) for t in args.tiles]
     else:
-        cands = [(3, G.SMALL_TILES)] + [(5, t) for t in G.V5_TILES]  # what the launch rules run
+        cands = [(3, G.SMALL_TILES)] + [(G.PROPOSED_VARIANT, t) for t in G.V5_TILES]  # what the launch rules run
         cands += [(G.SKINNY_VARIANT, G.SKINNY_N_TILES), (G.SKINNY_VARIANT, G.SKINNY_M_TILES)]
     out = []
     for layout in args.layout:
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
                     "rows/heads/bkv/tr/tk/to/keys/bq/tkk/tq/tko (default: the candidates)")
     ap.add_argument("--variant", type=int, default=3,
                     help="GEMM variant for --tiles (3: capped registers, 5: 3 with double-buffered "
-                         "fragments; gemm.VARIANTS)")
+                         "fragments, 11: 5 with 16-byte global loads; gemm.VARIANTS)")
     ap.add_argument("--dump", action="store_true", help="print the main loop's SASS")
     ap.add_argument("--hot", action="store_true", help="GEMM: also build without the edge tiles' bounds "
                     "checks and count the instructions an interior tile executes per pair of k slices")

@@ -31,9 +31,12 @@ Pipeline (issue 5's measured winner, kept by every variant since):
   register plus an immediate;
 * a thread's rows (columns) come in runs of ``VEC`` = 4 adjacent ones in 16-byte-aligned shared
   arrays, so every shared load of the inner loop is one ``LDS.128``;
-* global loads come as vectors of up to 4 adjacent elements per thread on 4-aligned indices
-  (along k for an "n" operand, along rows for a "t" one), consecutive threads on consecutive
-  vectors; tiles wholly inside the matrices skip the bounds checks (a block-uniform branch);
+* a thread fetches vectors of up to 4 adjacent elements on 4-aligned indices (along k for an "n"
+  operand, along rows for a "t" one), consecutive threads on consecutive vectors; tiles wholly
+  inside the matrices skip the bounds checks (a block-uniform branch). NVVM keeps each element
+  its own 4-byte ``LDG.E`` (a Numba array's row stride is a run-time value, so it cannot prove a
+  vector aligned): variant 11 reads each vector of an interior slice with one ``LDG.E.128``
+  (``_vector.load4``) where both operands are 16-byte aligned;
 * ``max_registers`` caps registers so that ``blocks_per_sm`` blocks fit on an SM.
 
 At 128x128x8/8x8 (v3) the inner loop is 256 FFMA + 16 LDS.128 + 12 others (1.11 instructions
@@ -54,6 +57,13 @@ instructions later (median 79 / 70 / 86 in the nn / nt / tt layouts), at the cos
 (246 / 236 / 223 at that shape, no spill) and 1.086 instead of 1.072 instructions per FFMA in the
 FMA loop (``scripts/sass_report.py``). H200, sweep 6 (``experiments/results/gemm-h200/run6/``):
 79.2-82.5% of cuBLAS fp32 at the 7B block's forward shapes, 78.9-88.7% at its backward ones.
+``11`` is ``5`` with 16-byte global loads: 16 ``LDG.E.128`` where ``5`` issues 64 ``LDG.E`` per
+thread per two k slices (offline, sm_90, the interior path: 1.153 instead of 1.165 instructions per
+FFMA in the nn layout, 1.121 instead of 1.133 in tt; 241 registers in nn), and a quarter of the L1
+requests. H200, sweep 7 (``experiments/results/gemm-h200/run7/``): 85.2-92.9% forward (82 -> 90 at
+4096^3), 83.0-93.6% backward, +2.8 to +11.1 points over ``5`` at every shape: the rules run it.
+On operands that are not 16-byte aligned (a row length not a multiple of 4, a view starting mid
+row) the launcher runs its scalar twin ``5`` instead (:func:`loaded_variant`).
 
 Gone, each slower on the H200 than what stayed (``experiments/results/gemm-h200/``): ``1`` and ``2``
 (issue 5's first kernels); ``4`` (``3`` without the register cap, one block per SM: the old rule's
@@ -506,19 +516,21 @@ def _blocks(m: int, n: int, t: GemmTiles) -> int:
     return -(-m // t.bm) * -(-n // t.bn)
 
 
-# The proposed rule, every layout's: variant 5 on 4 warps of 64x64 (8x16 outputs per thread) at
-# 128x128 tiles, two blocks per SM, k split in ``proposed_splits`` ways; outputs that even
+# The proposed rule, every layout's: variant 11 (variant 5 with 16-byte global loads; variant 5
+# itself on operands that are not 16-byte aligned) on 4 warps of 64x64 (8x16 outputs per thread)
+# at 128x128 tiles, two blocks per SM, k split in ``proposed_splits`` ways; outputs that even
 # MAX_SPLITS splits of these tiles would leave under half the SMs take the small-tile path.
-# H200, experiments/gemm_sweep.py, 2026-12-01 (experiments/results/gemm-h200/run6/7b/), % of cuBLAS
-# fp32 (TF32 off), best of 7 batches of 5 launches, the 7B block at 2048 tokens (GQA8: 8 kv heads):
-#                4096^3   q/o 2048x4096x4096   k/v GQA8 2048x1024x4096   gate/up 2048x11008x4096   down 2048x4096x11008
-#   forward        82.0        82.2                 79.2 (split 2)             82.5                      82.3
-#   dx (nt)        85.6        84.6                 78.9                       86.8                      79.8
-#   dw (tt)        88.7        85.7                 82.5                       87.4                      86.7
-# The rule it replaced ("measured": variant 3 at 128x128x8/8x8 for several waves, variant 4 at
-# 128x128x16/8x8 for one to three) reached 60.8-70.7% forward, 63.0-84.4% backward in run 5.
+# H200, experiments/gemm_sweep.py, 2026-12-02 (experiments/results/gemm-h200/run7/), % of cuBLAS
+# fp32 (TF32 off), best of 7 batches of 5 launches, the 7B block at 2048 tokens (GQA8: 8 kv heads),
+# variant 11 (variant 5 beside it in the same run):
+#                4096^3        q/o 2048x4096x4096   k/v GQA8 2048x1024x4096   gate/up 2048x11008x4096   down 2048x4096x11008
+#   forward   90.3 (82.2)      90.1 (82.2)          85.2 (78.2), split 2       92.9 (81.8)               89.9 (82.7)
+#   dx (nt)   92.1 (86.0)      90.1 (84.9)          83.0 (78.9)                93.6 (86.9)               85.3 (79.4)
+#   dw (tt)   92.8 (89.0)      89.4 (85.7)          85.3 (82.5)                90.9 (87.4)               90.7 (86.6)
+# The rule before variant 5 ("measured": variant 3 at 128x128x8/8x8 for several waves, variant 4
+# at 128x128x16/8x8 for one to three) reached 60.8-70.7% forward, 63.0-84.4% backward in run 5.
 PROPOSED_TILES = V5_TILES[0]
-PROPOSED_VARIANT = 5
+PROPOSED_VARIANT = 11
 MIN_SPLIT_SLICES = 16
 RULES = ("proposed", "skinny")
 # every layout runs "skinny": "proposed", except on outputs at most SKINNY_MAX wide (below)
@@ -539,11 +551,11 @@ RULE_BY_LAYOUT = {"nn": "skinny", "nt": "skinny", "tt": "skinny", "tn": "skinny"
 #   down 1024x2048x5632 (128 tiles)      72.8 / 79.4 / 58.9 / 75.9   rule 2: 79.4 (cost 1, 0.52, 0.72, 0.56)
 #   q/o 1024x2048x2048 (128 tiles)       73.1 / 73.2 / 55.3 / 67.0   rule 2: 72.8
 #   4096^3 (1024 tiles)                  82.5 / 78.9 / 77.1 / 75.7   rule 1: 82.5
-# and at the 7B widths (run6/7b/): k/v GQA8 (128 tiles) 76.0 unsplit, 79.2 split 2 (the rule's);
-# 512 to 1376 tiles stay whole. An earlier H200 session of the same day (its files lost, numbers
-# from its notes) timed the 7B gate/up (1376 tiles, 5.2 waves) at 82.0 / 85.2 / 85.8 / 85.4: the
-# model's best, split 2, saves 4.7% of the waves, under SPLIT_GAIN, so the rule keeps it whole
-# (3 points left for deterministic sums and no zero fill; to re-time: ``gemm_sweep.py --splits 1 2``).
+# and at the 7B widths (run7/splits/, variant 5 / variant 11 split 1 and 2): k/v GQA8 (128 tiles)
+# 75.7 / 79.9 and 80.3 / 87.0 (the rule splits 2); gate/up (1376 tiles, 5.2 waves) 82.1 / 85.3
+# and 94.8 / 93.2: the model's best there, split 2, saves 4.7% of the waves, under SPLIT_GAIN, and
+# the rule keeps it whole, which with variant 11's faster slices is also the faster launch;
+# 4096^3, q/o and down (512-1024 tiles) lose 1.5-5 points split 2 and stay whole.
 SPLIT_COST = 0.04
 SPLIT_GAIN = 0.10
 MAX_SPLITS = 4
