@@ -601,6 +601,9 @@ def _choose_proposed(m: int, n: int, k: int, splits: int | None) -> GemmLaunch:
 SKINNY_MAX = 32
 SKINNY_N_TILES = GemmTiles(bm=128, bn=16, bk=16, tm=4, tn=4)  # 32 x 4 threads, each 4 x 4
 SKINNY_M_TILES = GemmTiles(bm=16, bn=128, bk=16, tm=4, tn=4)  # 4 x 32 threads
+# Variant 5, not 11: on these tiles only the wide operand fits 16-byte loads, and H200 sweep 7
+# (experiments/results/gemm-h200/run7/lora/) timed variant 11 4-7 points under 5 at all four
+# 16-wide LoRA GEMMs (e.g. x A^T: 39.1 against 46.8% of cuBLAS).
 SKINNY_VARIANT = 5
 SKINNY_TARGET_BLOCKS = 4 * SM_COUNT
 MIN_SKINNY_SLICES = 8
