@@ -27,6 +27,7 @@ skipped and listed; sweep 6 (3-4 candidates, 15 shapes) took 103 s on an H200.
     python3 experiments/gemm_sweep.py --out DIR --kinds dx dw  # the backward layouts only
     python3 experiments/gemm_sweep.py --out DIR --set lora # LoRA's skinny GEMMs
     python3 experiments/gemm_sweep.py --out DIR --quick --splits 1 2 3 4  # split k against wave tails
+    python3 experiments/gemm_sweep.py --out DIR --kinds dx --shapes 'k/v' --variants 11 12  # two variants, one shape
 """
 
 from __future__ import annotations
@@ -221,11 +222,14 @@ def out_dims(kind: str, dims) -> tuple[int, int, int]:
     return {"fwd": (m, n, k), "dx": (m, k, n), "dw": (n, k, m)}[kind]
 
 
-def candidates_for(kind: str, dims, splits: list[int] | None = None) -> list:
+def candidates_for(kind: str, dims, splits: list[int] | None = None, variants: list[int] | None = None) -> list:
     """The candidates timed at one shape; ``splits``: the proposed rule and variant 5 on its
     tiles (and variant 11, its 16-byte-load twin) at each of these k split counts instead (wave
-    quantization: ``--splits``)."""
+    quantization: ``--splits``); ``variants``: the proposed rule and these variants on its tiles,
+    at the launcher's split count."""
     out_m, out_n, red = out_dims(kind, dims)
+    if variants:
+        return [("proposed", None)] + [(v, G.PROPOSED_TILES) for v in variants]
     if splits:
         return [("proposed", None)] + [(v, G.PROPOSED_TILES, s) for v in (5, 11) for s in splits]
     proposed = G.rule_launch(out_m, out_n, red, rule="proposed")
@@ -280,6 +284,10 @@ def main():
     ap.add_argument("--budget-s", type=float, default=270.0, help="stop starting new timings after this")
     ap.add_argument("--splits", type=int, nargs="+", help="time the proposed rule and variant 5 on its tiles "
                     "split k this many ways (e.g. 1 2 3 4), at every shape, instead of the candidates")
+    ap.add_argument("--shapes", nargs="+", metavar="TEXT", help="only the shapes whose name contains one of "
+                    "these, e.g. --kinds dx --shapes 'k/v GQA8'")
+    ap.add_argument("--variants", type=int, nargs="+", choices=sorted(G.VARIANTS),
+                    help="time the proposed rule and these variants on its tiles instead of the candidates")
     args = ap.parse_args()
     tf32_off()
     t0 = time.time()
@@ -291,14 +299,19 @@ def main():
     say(f"== {dev}, torch {torch.__version__}, numba {numba.__version__}, "
         f"TF32 {torch.backends.cuda.matmul.allow_tf32}, shapes {args.set}")
     kinds = ["fwd"] if args.quick else args.kinds or list(LAYOUT)
-    shapes = [s for s in SETS[args.set] if s[1] in kinds]
+    shapes = [s for s in SETS[args.set] if s[1] in kinds and (not args.shapes or any(t in s[0] for t in args.shapes))]
+    if not shapes:
+        raise SystemExit(f"gemm_sweep: no shape of set {args.set!r} matches kinds {kinds} and --shapes {args.shapes}")
     kinds = list(dict.fromkeys(kind for _, kind, _ in shapes))
 
     say("== ragged shape per layout (correctness, and the builds): registers / local memory per thread")
     res["ragged"], res["kernels"] = [], {}
     for kind in kinds:
         t1 = time.time()
-        cands = candidates_for(kind, RAGGED, args.splits) if args.splits else CANDIDATES + [(G.PROPOSED_VARIANT, G.PROPOSED_TILES, 2)]
+        if args.splits or args.variants:
+            cands = candidates_for(kind, RAGGED, args.splits, args.variants)
+        else:
+            cands = CANDIDATES + [(G.PROPOSED_VARIANT, G.PROPOSED_TILES, 2)]
         for dims in (RAGGED, RAGGED_ALIGNED):
             res["ragged"] += run_shape(f"ragged {kind} {'x'.join(map(str, dims))}", kind, dims, cands,
                                        False, deadline)
@@ -315,7 +328,8 @@ def main():
     say(f"== GEMM fp32 vs cuBLAS (TF32 off); events around {REPS} launches, best of {SAMPLES}")
     res["gemm"] = []
     for name, kind, dims in shapes:
-        res["gemm"] += run_shape(name, kind, dims, candidates_for(kind, dims, args.splits), True, deadline)
+        res["gemm"] += run_shape(name, kind, dims, candidates_for(kind, dims, args.splits, args.variants), True,
+                                 deadline)
         say(f"  ({time.time() - t0:.0f} s)")
 
     res["summary"] = summary(res["gemm"])

@@ -347,3 +347,44 @@ def test_vector_path_reads_every_interior_vector_and_nothing_else(monkeypatch):
     # the check is per operand: x's 16-row slices lie inside in all 4 blocks, w's 16-row slices in
     # the 2 blocks of the first column only; each slice is one vector per thread (3 slices)
     assert len(calls) == (4 + 2) * 3 * t.threads
+
+
+def test_vector_stores_whole_tiles_with_and_without_accumulation():
+    # variant 12 = 11 + 16-byte stores of whole unsplit tiles: 2 x 2 tiles of 16 x 16 with one
+    # whole (vector stores) and three ragged (scalar); dx / dw with acc, and split (atomics: scalar)
+    G.validate(shapes=((19, 20, 12), (32, 32, 8)), tiles=VEC_TILES, variants=(12,))
+    G.validate(shapes=((32, 32, 8),), tiles=VEC_TILES, variants=(12,), splits=2)
+    G.validate_backward(shapes=((19, 20, 12), (32, 16, 36)), tiles=VEC_TILES, variant=12)
+
+
+def test_vector_store_variant_falls_back_down_the_chain():
+    ok = cuda.to_device(np.zeros((5, 8), np.float32))
+    odd = cuda.to_device(np.zeros((5, 9), np.float32))
+    assert G.loaded_variant(12, ok, ok, ok) == 12
+    assert G.loaded_variant(12, ok, ok, ok, ok) == 12
+    assert G.loaded_variant(12, ok, ok, odd) == 11  # output rows of 36 bytes: loads only
+    assert G.loaded_variant(12, ok, ok, ok, ok[:, 1:5]) == 11  # acc starts mid-row
+    assert G.loaded_variant(12, odd, ok, ok) == 5  # an operand too: neither
+    assert G.loaded_variant(11, ok, ok, odd) == 11  # 11 never stores 16 bytes
+
+
+def test_vector_store_path_writes_whole_tiles_only(monkeypatch):
+    import vmstoolkit.kernels._vector as V
+
+    calls = []
+
+    def counting_store4(a, r, c, *vals):
+        calls.append((r, c))
+        V.store4(a, r, c, *vals)
+
+    monkeypatch.setattr(G, "store4", counting_store4)
+    t = VEC_TILES
+    kernel = G.make_gemm(t, frag_db=True, vector_loads=True, vector_stores=True)
+    m, n, k = 2 * t.bm, t.bn + 4, 2 * t.bk  # blocks (0, 0) and (0, 1) whole, (1, *) ragged in n
+    x = np.arange(m * k, dtype=np.float32).reshape(m, k) / 100
+    w = np.ones((n, k), np.float32)
+    d_y = cuda.device_array((m, n), np.float32)
+    kernel[(2, 2, 1), t.threads](cuda.to_device(x), cuda.to_device(w), d_y, d_y, 2)
+    assert np.allclose(d_y.copy_to_host(), x @ w.T, rtol=1e-5)
+    # 2 whole tiles x 16 threads x 4 rows x 1 vector of 4 columns
+    assert len(calls) == 2 * t.threads * t.tm * (t.tn // 4)
