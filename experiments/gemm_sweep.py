@@ -27,7 +27,7 @@ skipped and listed; sweep 6 (3-4 candidates, 15 shapes) took 103 s on an H200.
     python3 experiments/gemm_sweep.py --out DIR --kinds dx dw  # the backward layouts only
     python3 experiments/gemm_sweep.py --out DIR --set lora # LoRA's skinny GEMMs
     python3 experiments/gemm_sweep.py --out DIR --quick --splits 1 2 3 4  # split k against wave tails
-    python3 experiments/gemm_sweep.py --out DIR --kinds dx --shapes 'k/v' --variants 11 12  # two variants, one shape
+    python3 experiments/gemm_sweep.py --out DIR --kinds dx --shapes 'k/v' --variants 5 11  # two variants, one shape
 """
 
 from __future__ import annotations

@@ -75,7 +75,10 @@ row r ^ ((k + 1) & 8), so that their transposing stores hit 32 banks instead of 
 ``5`` at 14 of the 15 7B shapes in sweep 6 (``run6/``: forward 0.5-1.2 points, dx 1.2-2.1, dw
 4.2-5.4, where no slice is swizzled but the fragment loop is split in two; +0.3 at q/o forward),
 though its stores were conflict-free: the forward's 4-7 point gap to the t/t layout is not the
-stores' bank conflicts.
+stores' bank conflicts; ``12`` (``11`` writing whole unsplit tiles with 16-byte stores, one
+``STG.E.128`` per 4 outputs, same 232 registers in nt): 80.4 / 78.2 / 74.2% of cuBLAS against
+``11``'s 91.6 / 81.8 / 85.1 at dx of 4096^3 / k/v GQA8 / down (``run7/v12/``), so the output
+tile's scalar stores are not what holds dx of k/v GQA8 (K = 1024) at 82-83%.
 
 Warp tiling is a property of the tile shape
 (``GemmTiles.wm`` / ``wn``): the block's threads are grouped by warp, each warp covering a
@@ -100,7 +103,7 @@ from vmstoolkit.errors import KernelError
 
 from . import reference
 from ._util import check_float32, check_ndim, simulating
-from ._vector import aligned16, load4, store4
+from ._vector import aligned16, load4
 
 
 @dataclass(frozen=True)
@@ -204,15 +207,13 @@ def _operand_map(trans: bool, rows: int, bk: int, nt: int):
 @lru_cache(maxsize=None)
 def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumulate: bool = False,
               blocks_per_sm: int = 2, frag_db: bool = False, edge_checks: bool = True,
-              vector_loads: bool = False, vector_stores: bool = False):
+              vector_loads: bool = False):
     """The kernel ``kernel(a, b, acc_in, c, split_steps)`` computing ``c = [acc_in +] A @ B`` for
     the layouts in the module docstring; ``split_steps`` k slices per block along grid z.
     ``frag_db``: double-buffer the shared-to-register fragments (variant 5, module docstring),
     two k steps per trip of the fragment loop, the slice's remaining steps unrolled after it.
     ``vector_loads``: fetch interior slices with 16-byte loads (``_vector.load4``; variant 11):
     only for operands that pass ``_vector.aligned16``, which the launcher checks.
-    ``vector_stores``: write (and read ``acc_in`` of) whole unsplit tiles 4 columns at a time with
-    16-byte stores (variant 12): c and acc_in must pass ``aligned16`` too.
     ``edge_checks=False`` drops the
     bounds-checked fetch: only for ``scripts/sass_report.py``'s interior-tile (hot path) build,
     wrong on any tile not wholly inside the matrices."""
@@ -232,7 +233,6 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     A_LOADS, B_LOADS = AV * AG, BV * BG  # elements of A and of B per thread per slice
     AT, BT, ACC, FDB, EDGE = a_trans, b_trans, accumulate, frag_db, edge_checks
     AVL, BVL = vector_loads and AV == VEC, vector_loads and BV == VEC  # 16-byte fetches of A, of B
-    CVS = vector_stores and VN == VEC  # 16-byte stores of C: a thread's columns come in runs of 4
     # the fragment loop: TRIPS trips of STEPS k steps, then the rest (odd: BK - 1 is) unrolled
     STEPS = 2
     TRIPS = (BK - 1) // STEPS
@@ -445,19 +445,6 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
                 cuda.syncthreads()
                 after_barrier(As, Bs, 0, ra, cb, acc, a_reg, b_reg, a_nx, b_nx)
         split = cuda.gridDim.z > 1
-        if CVS and not split and m0 + uint64(BM) <= M and n0 + uint64(BN) <= N:  # a whole tile
-            for i in range(TM):
-                r = m0 + ra + uint64((i // VM) * SM + i % VM)
-                for jv in range(TN // VEC):
-                    col = n0 + cb + uint64(jv * SN)
-                    j = jv * VEC
-                    if ACC:
-                        p = load4(acc_in, r, col)
-                        store4(c, r, col, p[0] + acc[i, j], p[1] + acc[i, j + 1], p[2] + acc[i, j + 2],
-                               p[3] + acc[i, j + 3])
-                    else:
-                        store4(c, r, col, acc[i, j], acc[i, j + 1], acc[i, j + 2], acc[i, j + 3])
-            return
         for i in range(TM):
             r = m0 + ra + uint64((i // VM) * SM + i % VM)
             if r < M:
@@ -489,20 +476,13 @@ def make_gemm_v11(t: GemmTiles):
     return make_gemm(t, blocks_per_sm=2, frag_db=True, vector_loads=True)
 
 
-def make_gemm_v12(t: GemmTiles):
-    """Variant 11 writing whole unsplit tiles with 16-byte stores (output 16-byte aligned too)."""
-    return make_gemm(t, blocks_per_sm=2, frag_db=True, vector_loads=True, vector_stores=True)
-
-
-BLOCKS_PER_SM = {3: 2, 5: 2, 11: 2, 12: 2}  # variant -> the blocks per SM its register cap allows
-VARIANTS = {3: make_gemm_v3, 5: make_gemm_v5, 11: make_gemm_v11, 12: make_gemm_v12}
-FRAG_DB_VARIANTS = (5, 11, 12)  # variants whose shared-to-register fragments are double-buffered
-SPLIT_K_VARIANTS = (3, 5, 11, 12)  # every variant takes the split-K argument
-# variants with 16-byte global accesses -> the same kernel without them, which the launcher runs
-# instead when an array they touch that way is not 16-byte aligned (_vector.aligned16): the
-# operands for 11, and also the output and acc for 12 (whose loads alone are 11's)
-SCALAR_TWIN = {11: 5, 12: 11}
-VECTOR_STORE_VARIANTS = (12,)
+BLOCKS_PER_SM = {3: 2, 5: 2, 11: 2}  # variant -> the blocks per SM its register cap allows
+VARIANTS = {3: make_gemm_v3, 5: make_gemm_v5, 11: make_gemm_v11}
+FRAG_DB_VARIANTS = (5, 11)  # variants whose shared-to-register fragments are double-buffered
+SPLIT_K_VARIANTS = (3, 5, 11)  # every variant takes the split-K argument
+# variants whose interior fetches are 16-byte loads -> the same kernel with scalar loads, which the
+# launcher runs instead when an operand is not 16-byte aligned (_vector.aligned16)
+SCALAR_TWIN = {11: 5}
 
 
 @dataclass(frozen=True)
@@ -689,7 +669,7 @@ def get_kernel(variant: int, tiles: GemmTiles, layout: str = "nn", accumulate: b
     a_trans, b_trans = LAYOUTS[layout]
     return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant],
                      frag_db=variant in FRAG_DB_VARIANTS, edge_checks=edge_checks,
-                     vector_loads=variant in SCALAR_TWIN, vector_stores=variant in VECTOR_STORE_VARIANTS)
+                     vector_loads=variant in SCALAR_TWIN)
 
 
 def check_args(x, w, y) -> tuple[int, int, int]:
@@ -726,21 +706,18 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, variant, splits) -
             zero_fill(c, stream)
         else:
             copy_fill(acc, c, stream)
-    kernel = get_kernel(loaded_variant(variant, a, b, c, acc), tiles, layout, acc is not None and splits == 1)
+    kernel = get_kernel(loaded_variant(variant, a, b), tiles, layout, acc is not None and splits == 1)
     kernel[grid, tiles.threads, stream](a, b, c if acc is None else acc, c, per)
 
 
-def loaded_variant(variant: int, a, b, c=None, acc=None) -> int:
-    """The variant whose kernel runs on operands ``a`` and ``b`` into ``c`` (+ ``acc``): a variant
-    with 16-byte accesses (``SCALAR_TWIN``) runs its twin without them unless every array it
-    reads or writes that way passes ``_vector.aligned16`` (e.g. not a row length that is not a
-    multiple of 4, nor a view starting mid-row), down the chain 12 -> 11 -> 5."""
-    while variant in SCALAR_TWIN:
-        arrays = (a, b) + ((c, acc) if variant in VECTOR_STORE_VARIANTS else ())
-        if all(x is None or aligned16(x) for x in arrays):
-            return variant
-        variant = SCALAR_TWIN[variant]
-    return variant
+def loaded_variant(variant: int, a, b) -> int:
+    """The variant whose kernel runs on operands ``a`` and ``b``: a variant with 16-byte loads
+    (``SCALAR_TWIN``) runs its scalar twin unless both operands pass ``_vector.aligned16`` (e.g. a
+    row length that is not a multiple of 4, or a view starting mid-row)."""
+    twin = SCALAR_TWIN.get(variant)
+    if twin is None or (aligned16(a) and aligned16(b)):
+        return variant
+    return twin
 
 
 def gemm(x, w, y, stream=0, tiles: GemmTiles | None = None, variant: int | None = None,
