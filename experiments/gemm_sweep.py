@@ -282,7 +282,7 @@ def main():
     ap.add_argument("--kinds", nargs="+", choices=sorted(LAYOUT), help="only these GEMMs (fwd: y = x w^T, "
                     "dx: dy w, dw: dy^T x), e.g. --kinds dx dw for the backward layouts in a call of their own")
     ap.add_argument("--budget-s", type=float, default=270.0, help="stop starting new timings after this")
-    ap.add_argument("--splits", type=int, nargs="+", help="time the proposed rule and variant 5 on its tiles "
+    ap.add_argument("--splits", type=int, nargs="+", help="time the proposed rule and variants 5 and 11 on its tiles "
                     "split k this many ways (e.g. 1 2 3 4), at every shape, instead of the candidates")
     ap.add_argument("--shapes", nargs="+", metavar="TEXT", help="only the shapes whose name contains one of "
                     "these, e.g. --kinds dx --shapes 'k/v GQA8'")
