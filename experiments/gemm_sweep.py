@@ -178,14 +178,15 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
             rows.append({**row0, "config": label(*cand), "skipped": "time budget"})
             continue
         v, t, splits = (tuple(cand) + (None,))[:3]
-        lab = label(v, t, splits)
-        if v in G.RULES:  # a launch rule's choice, recorded as what it ran
-            auto = G.choose(out_m, out_n, red, rule=v)
-            lab = f"{v} = " + label(auto.variant, auto.tiles, auto.splits)
-            v, t, splits = auto.variant, auto.tiles, auto.splits
-        elif splits is None:  # the launcher fills in its rule's split count: record it as run
-            splits = G.choose(out_m, out_n, red, layout=LAYOUT[kind]).splits
-            lab = label(v, t, splits)
+        rule = v if v in G.RULES else None  # a launch rule's choice, recorded as what it ran
+        try:
+            launch = G.plan(out_m, out_n, red, LAYOUT[kind], t, None if rule else v, splits, rule)
+        except ValueError as e:  # e.g. more splits than k slices: record it, keep going
+            say(f"  {name:<30} {label(*cand):<30} FAILED: {e}")
+            rows.append({**row0, "config": label(*cand), "error": str(e)})
+            continue
+        v, t, splits = launch.variant, launch.tiles, launch.splits
+        lab = (f"{rule} = " if rule else "") + label(v, t, splits)
         ran = G.loaded_variant(v, p.da, p.db)
         if ran != v:
             lab += f" (ran v{ran}: operands not 16-byte aligned)"

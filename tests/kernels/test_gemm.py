@@ -347,3 +347,16 @@ def test_vector_path_reads_every_interior_vector_and_nothing_else(monkeypatch):
     # the check is per operand: x's 16-row slices lie inside in all 4 blocks, w's 16-row slices in
     # the 2 blocks of the first column only; each slice is one vector per thread (3 slices)
     assert len(calls) == (4 + 2) * 3 * t.threads
+
+
+def test_plan_fills_the_rule_choice_and_drops_empty_splits():
+    t = G.GemmTiles(bm=16, bn=16, bk=4, tm=4, tn=4)
+    # K = 20: 5 slices; 4 splits would be 2 + 2 + 1 + 0 -> 3 splits of 2, 2, 1
+    assert G.plan(32, 32, 20, tiles=t, variant=11, splits=4) == G.GemmLaunch(11, t, 3)
+    assert G.plan(32, 32, 20, tiles=t, variant=5, splits=5) == G.GemmLaunch(5, t, 5)
+    auto = G.choose(32, 32, 20, layout="nt")
+    assert G.plan(32, 32, 20, layout="nt") == auto  # nothing given: the layout's rule
+    with pytest.raises(ValueError, match="splits=6 must be between 1 and the 5 k slices of K=20"):
+        G.plan(32, 32, 20, tiles=t, splits=6)
+    with pytest.raises(ValueError, match="splits=0"):
+        G.plan(32, 32, 20, tiles=t, splits=0)

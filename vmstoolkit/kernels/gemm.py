@@ -685,13 +685,12 @@ def check_args(x, w, y) -> tuple[int, int, int]:
     return m, n, k
 
 
-def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, variant, splits) -> None:
-    """Enqueue ``c = [acc +] A @ B`` (reduction length ``k``) with the launcher's choice filling
-    whatever of ``tiles`` / ``variant`` / ``splits`` is None."""
-    m, n = c.shape
-    if m == 0 or n == 0:
-        return
-    auto = choose(m, n, k, splits, layout=layout)
+def plan(m: int, n: int, k: int, layout: str = "nn", tiles: GemmTiles | None = None, variant: int | None = None,
+         splits: int | None = None, rule: str | None = None) -> GemmLaunch:
+    """The launch of an (m, n, k) problem of ``layout``: ``rule``'s choice (:func:`choose`) filling
+    whatever of ``tiles`` / ``variant`` / ``splits`` is None, the split count without empty splits.
+    On operands that are not 16-byte aligned the launcher then runs :func:`loaded_variant`."""
+    auto = choose(m, n, k, splits, rule=rule, layout=layout)
     tiles = tiles or auto.tiles
     variant = auto.variant if variant is None else variant
     splits = auto.splits if splits is None else splits
@@ -699,14 +698,24 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, variant, splits) -
     if not 1 <= splits <= k_steps:
         raise KernelError(f"splits={splits} must be between 1 and the {k_steps} k slices of K={k}")
     per = -(-k_steps // splits)
-    splits = -(-k_steps // per)  # no empty split
+    return GemmLaunch(variant, tiles, -(-k_steps // per))  # no empty split
+
+
+def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, variant, splits) -> None:
+    """Enqueue ``c = [acc +] A @ B`` (reduction length ``k``) as :func:`plan` says."""
+    m, n = c.shape
+    if m == 0 or n == 0:
+        return
+    launch = plan(m, n, k, layout, tiles, variant, splits)
+    tiles, splits = launch.tiles, launch.splits
+    per = -(-max(1, -(-k // tiles.bk)) // splits)  # k slices per split
     grid = (-(-n // tiles.bn), -(-m // tiles.bm), splits)
     if splits > 1:  # the blocks add into c: start it at acc, or zero
         if acc is None:
             zero_fill(c, stream)
         else:
             copy_fill(acc, c, stream)
-    kernel = get_kernel(loaded_variant(variant, a, b), tiles, layout, acc is not None and splits == 1)
+    kernel = get_kernel(loaded_variant(launch.variant, a, b), tiles, layout, acc is not None and splits == 1)
     kernel[grid, tiles.threads, stream](a, b, c if acc is None else acc, c, per)
 
 
