@@ -14,7 +14,9 @@ needs nothing more. Nothing here imports torch at import time.
   scripts' plan of batch and sequence length per step.
 - Training histories: :func:`replay_steps` replays one step by step through ``paged`` (its
   Python allocator or the compiled hook PyTorch runs).
-- GPU timing: :func:`say`, :func:`run_env`, :func:`tf32_off`, :func:`time_events`.
+- GPU timing: :func:`say`, :func:`run_env`, :func:`tf32_off`, :func:`time_events`, :func:`time_best`
+  (events around back-to-back calls) and :func:`time_held` (the same behind a GPU spin: the GPU's
+  time alone).
 """
 
 from __future__ import annotations
@@ -362,8 +364,9 @@ def time_events(fn: Callable[[], object], iters: int, warmup: int = 2, *, per_ev
 def time_best(fn: Callable[[], object], reps: int, samples: int = 5, warmup: int = 1, *,
               events: str = "numba") -> tuple[float, float]:
     """(best, median) milliseconds per call of ``fn()``: CUDA events around ``reps`` back-to-back
-    calls (a Numba launch's host cost then overlaps the kernels instead of being timed),
-    ``samples`` such batches after ``warmup`` calls. ``events``: ``"numba"`` or ``"torch"``."""
+    calls (a Numba launch's host cost then overlaps the kernels instead of being timed, all but
+    the first call's), ``samples`` such batches after ``warmup`` calls. ``events``: ``"numba"`` or
+    ``"torch"``. :func:`time_held` times the GPU's work alone."""
     import numpy as np
 
     sync, pair = _events(events)
@@ -380,3 +383,54 @@ def time_best(fn: Callable[[], object], reps: int, samples: int = 5, warmup: int
         e1.synchronize()
         times.append(elapsed() / reps)
     return float(np.min(times)), float(np.median(times))
+
+
+HOLD_MS = 1.0  # time_held's first hold of the stream; doubled while too short
+
+
+def time_held(fn: Callable[[], object], reps: int, samples: int = 5, warmup: int = 1) -> dict:
+    """The GPU time of ``fn()`` alone: as :func:`time_best`, but each batch is enqueued behind a
+    GPU spin (``torch.cuda._sleep``; NVBench's "blocking kernel" does the same), so that all
+    ``reps`` calls are queued before the first event is reached and no call's host cost is timed.
+    A batch whose calls took the host longer than the spin held the GPU is taken again behind a
+    spin twice as long. ``fn`` must enqueue on the default stream (torch's current stream and
+    Numba's stream 0 are both it). Returns ``best_ms`` and ``median_ms`` per call, ``host_ms``
+    (median host time per call: what the GPU waits for when nothing is queued) and ``hold_ms``."""
+    import time
+
+    import numpy as np
+    import torch
+
+    def event():
+        return torch.cuda.Event(enable_timing=True)
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    h0, h1 = event(), event()  # the spin's cycles per millisecond on this GPU
+    h0.record()
+    torch.cuda._sleep(1_000_000)
+    h1.record()
+    h1.synchronize()
+    cycles_per_ms = 1_000_000 / h0.elapsed_time(h1)
+    hold, times, host = HOLD_MS, [], []
+    while len(times) < samples:
+        h0, e0, e1 = event(), event(), event()
+        t0 = time.perf_counter()
+        h0.record()
+        torch.cuda._sleep(int(hold * cycles_per_ms))
+        e0.record()
+        for _ in range(reps):
+            fn()
+        t_host = (time.perf_counter() - t0) * 1e3
+        e1.record()
+        e1.synchronize()
+        if t_host >= h0.elapsed_time(e0):  # the GPU reached e0 before every call was queued
+            if hold > 1000:
+                raise RuntimeError(f"time_held: {reps} calls took the host {t_host:.1f} ms, longer than any hold")
+            hold *= 2
+            continue
+        times.append(e0.elapsed_time(e1) / reps)
+        host.append(t_host / reps)
+    return {"best_ms": float(np.min(times)), "median_ms": float(np.median(times)),
+            "host_ms": float(np.median(host)), "hold_ms": hold}

@@ -16,9 +16,14 @@ candidate's % of cuBLAS per shape. A ragged problem
 per layout (no dimension a multiple of a tile) checks every candidate's bounds-checked paths on
 the hardware first, which also compiles it; registers and local memory per thread are printed.
 
-Timing: CUDA events around REPS back-to-back launches (so the ~10-30 us host cost of a Numba
-launch overlaps the kernels instead of being timed); the best of SAMPLES such batches, after
-warm-up (the median is in the JSON too); cuBLAS is timed the same way. Time-bounded: shapes run
+Timing (``--timing``): "held" (the default since sweep 8) enqueues each batch of REPS back-to-back
+launches behind a GPU spin, so that every launch is queued before the first CUDA event is reached
+(``common.time_held``; NVBench's blocking kernel): the events time the GPU's work alone, and the
+host's cost per launch is recorded beside it (``host_ms``). "plain" (sweeps 1-7) records the first
+event right before the launches, so the first launch's host cost (a Numba launch's 10-100 us
+against cuBLAS's few) is in the batch: 2-5% of a 0.4 ms kernel's time. "both" times each launch
+both ways. The best of SAMPLES batches, after warm-up (the median is in the JSON too); cuBLAS is
+timed the same way. Time-bounded: shapes run
 in the order above and whatever is left when ``--budget-s`` (default 270 s) has passed is
 skipped and listed; sweep 6 (3-4 candidates, 15 shapes) took 103 s on an H200.
 
@@ -40,7 +45,7 @@ from pathlib import Path
 import torch
 from numba import cuda
 
-from common import run_env, say, tf32_off, time_best
+from common import run_env, say, tf32_off, time_best, time_held
 
 from vmstoolkit.kernels import gemm as G
 
@@ -162,7 +167,22 @@ class Problem:
         self.ours_fn(self.da, self.db, self.dout, tiles=t, variant=v, splits=splits)
 
 
-def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: float) -> list[dict]:
+def timed(fn, timing: str, events: str) -> dict:
+    """One launch's timings: ``ms`` / ``ms_median`` by ``timing`` ("held" when "both") and with
+    "held" the host's time per launch, with "both" the "plain" ones too (``plain_ms``...)."""
+    out = {}
+    if timing in ("held", "both"):
+        h = time_held(fn, REPS, SAMPLES, 3)
+        out.update(ms=h["best_ms"], ms_median=h["median_ms"], host_ms=h["host_ms"])
+    if timing in ("plain", "both"):
+        best, med = time_best(fn, REPS, SAMPLES, 3, events=events)
+        pre = "plain_" if timing == "both" else ""
+        out.update({pre + "ms": best, pre + "ms_median": med})
+    return out
+
+
+def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: float,
+              timing: str = "held") -> list[dict]:
     m, n, k = dims
     row0 = {"shape": name, "kind": kind, "M": m, "N": n, "K": k}
     if time_it and time.time() > deadline:
@@ -170,8 +190,10 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
     p = Problem(kind, m, n, k)
     out_m, out_n, red = p.dims
     if time_it:
-        c_best, c_med = time_best(p.cublas, REPS, SAMPLES, 3, events="torch")
-        say(f"  {name:<30} {'cuBLAS fp32':<30} {p.flops / c_best / 1e9:6.2f} TFLOP/s  {c_best:8.4f} ms")
+        cub = timed(p.cublas, timing, "torch")
+        c_best = cub["ms"]
+        host = f"  host {cub['host_ms'] * 1e3:5.1f} us/launch" if "host_ms" in cub else ""
+        say(f"  {name:<30} {'cuBLAS fp32':<30} {p.flops / c_best / 1e9:6.2f} TFLOP/s  {c_best:8.4f} ms{host}")
     rows = []
     for cand in candidates:
         if time_it and time.time() > deadline:
@@ -195,8 +217,7 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
             p.ours(v, t, splits)
             cuda.synchronize()
             err = rel_err(p.out, p.want)
-            best, med = (time_best(lambda: p.ours(v, t, splits), REPS, SAMPLES, 3)
-                         if time_it else (float("nan"), float("nan")))
+            got = timed(lambda: p.ours(v, t, splits), timing, "numba") if time_it else {}
         except Exception as e:  # noqa: BLE001 - keep the sweep going, record the failure
             say(f"  {name:<30} {lab:<30} FAILED: {type(e).__name__}: {e}")
             rows.append({**row0, "config": lab, "variant": v, "tiles": t.__dict__,
@@ -206,11 +227,17 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
              "rel_err_vs_cublas": err, "blocks": -(-out_m // t.bm) * -(-out_n // t.bn) * (splits or 1)}
         ok = "" if err <= 1e-5 else "  <-- ERROR > 1e-5"
         if time_it:
-            r.update(ms=best, ms_median=med, tflops=p.flops / best / 1e9, cublas_ms=c_best,
-                     cublas_ms_median=c_med, cublas_tflops=p.flops / c_best / 1e9,
-                     pct_of_cublas=100 * c_best / best)
+            best = got["ms"]
+            r.update(got, tflops=p.flops / best / 1e9, cublas_tflops=p.flops / c_best / 1e9,
+                     pct_of_cublas=100 * c_best / best, **{"cublas_" + key: x for key, x in cub.items()})
+            also = ""
+            if "host_ms" in got:
+                also += f"  host {got['host_ms'] * 1e3:5.1f} us/launch"
+            if "plain_ms" in got:
+                r["plain_pct_of_cublas"] = 100 * cub["plain_ms"] / got["plain_ms"]
+                also += f"  plain {r['plain_pct_of_cublas']:5.1f}%"
             say(f"  {name:<30} {lab:<30} {r['tflops']:6.2f} TFLOP/s  {best:8.4f} ms"
-                f"  {r['pct_of_cublas']:5.1f}% of cuBLAS  err {err:.1e}  {r['blocks']} blocks{ok}")
+                f"  {r['pct_of_cublas']:5.1f}% of cuBLAS  err {err:.1e}  {r['blocks']} blocks{also}{ok}")
         else:
             say(f"  {name:<30} {lab:<30} err {err:.1e}{ok}")
         rows.append(r)
@@ -289,6 +316,9 @@ def main():
                     "these, e.g. --kinds dx --shapes 'k/v GQA8'")
     ap.add_argument("--variants", type=int, nargs="+", choices=sorted(G.VARIANTS),
                     help="time the proposed rule and these variants on its tiles instead of the candidates")
+    ap.add_argument("--timing", choices=("held", "plain", "both"), default="held",
+                    help="held: the GPU's time alone (launches queued behind a spin); plain: events right "
+                    "around the launches, the first one's host cost included (sweeps 1-7); both")
     args = ap.parse_args()
     tf32_off()
     t0 = time.time()
@@ -296,7 +326,8 @@ def main():
     import numba
 
     dev = torch.cuda.get_device_name()
-    res = {"env": run_env(reps=REPS, samples=SAMPLES, statistic="best of samples", set=args.set)}
+    res = {"env": run_env(reps=REPS, samples=SAMPLES, statistic="best of samples", set=args.set,
+                          timing=args.timing)}
     say(f"== {dev}, torch {torch.__version__}, numba {numba.__version__}, "
         f"TF32 {torch.backends.cuda.matmul.allow_tf32}, shapes {args.set}")
     kinds = ["fwd"] if args.quick else args.kinds or list(LAYOUT)
@@ -326,11 +357,11 @@ def main():
             say(f"  {label(v, t):<30} {LAYOUT[kind]}: regs {info['regs']}, local {info['local_bytes']} B")
         say(f"  ({time.time() - t1:.0f} s)")
 
-    say(f"== GEMM fp32 vs cuBLAS (TF32 off); events around {REPS} launches, best of {SAMPLES}")
+    say(f"== GEMM fp32 vs cuBLAS (TF32 off); events around {REPS} launches ({args.timing}), best of {SAMPLES}")
     res["gemm"] = []
     for name, kind, dims in shapes:
         res["gemm"] += run_shape(name, kind, dims, candidates_for(kind, dims, args.splits, args.variants), True,
-                                 deadline)
+                                 deadline, args.timing)
         say(f"  ({time.time() - t0:.0f} s)")
 
     res["summary"] = summary(res["gemm"])
