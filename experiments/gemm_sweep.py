@@ -209,7 +209,7 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
             continue
         v, t, splits = launch.variant, launch.tiles, launch.splits
         lab = (f"{rule} = " if rule else "") + label(v, t, splits)
-        ran = G.loaded_variant(v, p.da, p.db)
+        ran = G.loaded_variant(v, p.da, p.db, p.dout)
         if ran != v:
             lab += f" (ran v{ran}: operands not 16-byte aligned)"
         try:

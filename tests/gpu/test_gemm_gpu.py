@@ -1,6 +1,7 @@
 """On a real GPU only: the GEMMs on torch tensors against cuBLAS fp32 (TF32 off), every variant,
 the 16-byte loads of variant 11 on aligned operands and its scalar fallback on operands that are
-not (views starting mid-row, rows whose length is not a multiple of 4).
+not (views starting mid-row, rows whose length is not a multiple of 4), and variant 13's staged
+16-byte stores into outputs and accumulators that are views, leaving what is beside them alone.
 
     VMSTOOLKIT_REAL_GPU=1 python -m pytest tests/gpu/test_gemm_gpu.py -q
 """
@@ -50,7 +51,7 @@ def run_all(x, w, dy, variant, splits=None):
     return (y, dx, dw), (x @ w.T, dy @ w, dy.T @ x)
 
 
-@pytest.mark.parametrize("variant", [5, 11])
+@pytest.mark.parametrize("variant", [5, 11, 13])
 @pytest.mark.parametrize("m, n, k", [(1001, 516, 1028), (1001, 517, 1027)])
 def test_every_variant_against_cublas(variant, m, n, k):
     x, w, dy = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"), torch.randn(m, n, device="cuda")
@@ -91,3 +92,32 @@ def test_default_launch_at_a_7b_shape():
     ours, want = run_all(x, w, dy, None)
     for name, a, b in zip(("y", "dx", "dw"), ours, want):
         assert err(a, b) <= RTOL, (name, err(a, b))
+
+
+@pytest.mark.parametrize("offset", [1, 4])
+@pytest.mark.parametrize("splits", [None, 2])
+def test_variant13_into_output_and_accumulator_views(offset, splits):
+    # outputs (and accumulators) that are views 4 or 16 bytes into wider tensors: the first must
+    # take variant 11's scalar stores, the second the staged 16-byte ones; the columns beside
+    # each view must keep their values
+    from numba import cuda
+
+    from vmstoolkit.kernels import gemm as G
+
+    m, n, k = 1024, 512, 768
+    x, w, dy = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"), torch.randn(m, n, device="cuda")
+    yb, dxb, dwb = (torch.full((r, c + 8), 7.0, device="cuda") for r, c in ((m, n), (m, k), (n, k)))
+    y, dx, dw = (t[:, offset:offset - 8] for t in (yb, dxb, dwb))
+    accb = torch.randn(n, k + 8, device="cuda")
+    acc = accb[:, offset:offset - 8]
+    want_ran = 13 if offset == 4 else 11
+    assert G.loaded_variant(13, nb(x), nb(w), nb(y)) == want_ran
+    G.gemm(nb(x), nb(w), nb(y), variant=13, splits=splits)
+    G.linear_dx(nb(dy), nb(w), nb(dx), variant=13, splits=splits)
+    G.linear_dx(nb(dy), nb(w), nb(dx), acc=nb(dx), variant=13, splits=splits)  # in place: dx = 2 dy w
+    G.linear_dw(nb(dy), nb(x), nb(dw), acc=nb(acc), variant=13, splits=splits)
+    cuda.synchronize()
+    for name, a, b in (("y", y, x @ w.T), ("dx", dx, 2 * (dy @ w)), ("dw", dw, acc + dy.T @ x)):
+        assert err(a, b) <= RTOL, (name, offset, err(a, b))
+    for t in (yb, dxb, dwb):
+        assert (t[:, :offset] == 7).all() and (t[:, offset - 8:] == 7).all()

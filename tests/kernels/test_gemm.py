@@ -349,6 +349,58 @@ def test_vector_path_reads_every_interior_vector_and_nothing_else(monkeypatch):
     assert len(calls) == (4 + 2) * 3 * t.threads
 
 
+# --- variant 13: whole output tiles staged through shared memory, 16-byte stores ----------------
+
+# 2 warps, each a 16 x 16 warp tile of 8 x 4 threads with 2 x 4 micro-tiles: the staged path's
+# shape (runs of 4 columns per thread) at the simulator's scale
+STAGE_TILES = G.GemmTiles(bm=16, bn=32, bk=4, tm=2, tn=4, wm=16, wn=16)
+
+
+def test_stage_pitch_spreads_a_warps_stores_over_the_banks():
+    assert G._stage_pitch(16, 8, 4) == 20  # the proposed tiles: 8 x 4 threads, no two on a bank
+    banks = {(r * 20 + c) % 32 for r in range(8) for c in range(4)}
+    assert len(banks) == 32
+    assert G._stage_pitch(4, 8, 4) >= 4
+
+
+def test_staged_stores_forward_and_backward_with_edge_tiles_accumulation_and_splits():
+    # rows of 16-byte multiples; tile grids with interior tiles (staged) and edge tiles (scalar)
+    G.validate(shapes=((19, 36, 8), (32, 64, 12)), tiles=STAGE_TILES, variants=(13,))
+    G.validate(shapes=((19, 36, 8),), tiles=STAGE_TILES, variants=(13,), splits=2)  # atomics
+    G.validate_backward(shapes=((20, 36, 64),), tiles=STAGE_TILES, variant=13)  # dx, dw, each +acc
+
+
+def test_staged_path_stores_every_interior_vector_once_and_nothing_else(monkeypatch):
+    import vmstoolkit.kernels._vector as V
+
+    calls = []
+
+    def counting_store4(a, r, c, *v):
+        calls.append((int(r), int(c)))
+        V.store4(a, r, c, *v)
+
+    monkeypatch.setattr(G, "store4", counting_store4)
+    t = STAGE_TILES
+    kernel = G.make_gemm(t, frag_db=True, vector_loads=True, staged_stores=True)
+    m, n, k = 2 * t.bm, t.bn + 4, 2 * t.bk  # 2 interior tiles, 2 edge tiles (4 columns)
+    x = np.arange(m * k, dtype=np.float32).reshape(m, k) / 100
+    w = np.linspace(-1, 1, n * k, dtype=np.float32).reshape(n, k)
+    d_y = cuda.to_device(np.full((m, n), np.nan, np.float32))
+    kernel[(2, 2, 1), t.threads](cuda.to_device(x), cuda.to_device(w), d_y, d_y, 2)
+    assert np.allclose(d_y.copy_to_host(), x @ w.T, rtol=1e-5)
+    want = {(r, c) for r in range(m) for c in range(0, t.bn, 4)}  # the interior tiles' vectors
+    assert len(calls) == len(want) and set(calls) == want
+
+
+def test_loaded_variant_13_needs_an_aligned_output_too():
+    ok = cuda.to_device(np.zeros((5, 8), np.float32))
+    odd = cuda.to_device(np.zeros((5, 9), np.float32))
+    assert G.loaded_variant(13, ok, ok, ok) == 13
+    assert G.loaded_variant(13, ok, ok, ok[:, 1:5]) == 11  # output starts mid-vector: 11's stores
+    assert G.loaded_variant(13, ok, ok, ok, odd) == 11  # an accumulator with rows of 36 bytes
+    assert G.loaded_variant(13, odd, ok, ok) == 5  # an operand too: scalar loads as well
+
+
 def test_plan_fills_the_rule_choice_and_drops_empty_splits():
     t = G.GemmTiles(bm=16, bn=16, bk=4, tm=4, tn=4)
     # K = 20: 5 slices; 4 splits would be 2 + 2 + 1 + 0 -> 3 splits of 2, 2, 1

@@ -1,5 +1,6 @@
-"""16-byte global loads for Numba kernels: ``load4(a, r, c)`` is ``(a[r, c], .., a[r, c + 3])``
-read by one ``ld.global.v4.f32`` (SASS ``LDG.E.128``).
+"""16-byte global loads and stores for Numba kernels: ``load4(a, r, c)`` is ``(a[r, c], .., a[r, c + 3])``
+read by one ``ld.global.v4.f32`` (SASS ``LDG.E.128``); ``store4(a, r, c, v0, v1, v2, v3)`` writes
+them with one ``st.global.v4.f32`` (``STG.E.128``), under the same promise.
 
 Why: NVVM only merges adjacent scalar loads into a vector load when it can prove the address
 16-byte aligned, and a Numba array's row stride is a run-time value, so every element of a
@@ -9,7 +10,14 @@ L1 wavefronts of the vector). ``load4`` states the alignment instead: the caller
 multiple of 4 and the 4 elements are inside the array (:func:`aligned16` checks the first three
 from the host). A broken promise is a misaligned-address fault on the GPU, not a wrong result.
 
-Under the CUDA simulator ``load4`` is four ordinary (bounds-checked) element reads.
+A vector store needs its 4 values in 4 adjacent registers (a quad starting at a multiple of 4).
+Storing a GEMM's accumulators directly that way constrains where ptxas keeps them through the
+whole FMA loop, and the FMAs then meet more register-bank conflicts (variant 12 of
+``gemm.py``); stage the values through shared memory and store what a 16-byte shared load
+brought (variant 13) instead.
+
+Under the CUDA simulator ``load4`` is four ordinary (bounds-checked) element reads and ``store4``
+four element writes.
 """
 
 from __future__ import annotations
@@ -63,6 +71,47 @@ def _make_load4():
     return load4
 
 
+def _make_store4():
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def store4(typingctx, array, row, col, v0, v1, v2, v3):
+        if not (isinstance(array, types.Array) and array.ndim == 2 and array.dtype == types.float32):
+            return None
+        if not (isinstance(row, types.Integer) and isinstance(col, types.Integer)):
+            return None
+        sig = types.void(array, row, col, v0, v1, v2, v3)
+
+        def codegen(context, builder, sig, args):
+            aty, rty, cty = sig.args[:3]
+            ary = context.make_array(aty)(context, builder, value=args[0])
+            idx = [context.cast(builder, args[1], rty, types.intp), context.cast(builder, args[2], cty, types.intp)]
+            ptr = cgutils.get_item_pointer(context, builder, aty, ary, idx, wraparound=False)
+            vty = ir.VectorType(ir.FloatType(), 4)
+            vec = ir.Constant(vty, ir.Undefined)
+            for i, (val, ty) in enumerate(zip(args[3:], sig.args[3:])):
+                vec = builder.insert_element(vec, context.cast(builder, val, ty, types.float32),
+                                             ir.Constant(ir.IntType(32), i))
+            builder.store(vec, builder.bitcast(ptr, vty.as_pointer()), align=VECTOR_BYTES)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return store4
+
+
+def _make_store4_sim():
+    @cuda.jit(device=True)
+    def store4(a, r, c, v0, v1, v2, v3):
+        a[r, c] = v0
+        a[r, c + 1] = v1
+        a[r, c + 2] = v2
+        a[r, c + 3] = v3
+
+    return store4
+
+
 def _make_load4_sim():
     @cuda.jit(device=True)
     def load4(a, r, c):
@@ -72,3 +121,4 @@ def _make_load4_sim():
 
 
 load4 = _make_load4_sim() if simulating() else _make_load4()
+store4 = _make_store4_sim() if simulating() else _make_store4()

@@ -103,7 +103,7 @@ from vmstoolkit.errors import KernelError
 
 from . import reference
 from ._util import check_float32, check_ndim, simulating
-from ._vector import aligned16, load4
+from ._vector import aligned16, load4, store4
 
 
 @dataclass(frozen=True)
@@ -204,17 +204,28 @@ def _operand_map(trans: bool, rows: int, bk: int, nt: int):
     return v, g, per, stride
 
 
+def _stage_pitch(n4: int, rows: int, cols: int) -> int:
+    """Row pitch (>= ``n4`` words) of variant 13's stage planes with the fewest shared-memory bank
+    conflicts when a warp's ``rows x cols`` threads each store one word, at (row, col + const)."""
+    def ways(p):
+        banks = [(r * p + c) % 32 for r in range(rows) for c in range(cols)]
+        return max(banks.count(b) for b in set(banks))
+    return min(range(n4, n4 + 32), key=lambda p: (ways(p), p))
+
+
 @lru_cache(maxsize=None)
 def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumulate: bool = False,
               blocks_per_sm: int = 2, frag_db: bool = False, edge_checks: bool = True,
-              vector_loads: bool = False):
+              vector_loads: bool = False, staged_stores: bool = False):
     """The kernel ``kernel(a, b, acc_in, c, split_steps)`` computing ``c = [acc_in +] A @ B`` for
     the layouts in the module docstring; ``split_steps`` k slices per block along grid z.
     ``frag_db``: double-buffer the shared-to-register fragments (variant 5, module docstring),
     two k steps per trip of the fragment loop, the slice's remaining steps unrolled after it.
     ``vector_loads``: fetch interior slices with 16-byte loads (``_vector.load4``; variant 11):
     only for operands that pass ``_vector.aligned16``, which the launcher checks.
-    ``edge_checks=False`` drops the
+    ``staged_stores``: a warp-tiled block writes (and reads ``acc_in`` of) a whole unsplit output
+    tile row by row through shared memory with 16-byte accesses (variant 13): c and acc_in must
+    pass ``aligned16`` too. ``edge_checks=False`` drops the
     bounds-checked fetch: only for ``scripts/sass_report.py``'s interior-tile (hot path) build,
     wrong on any tile not wholly inside the matrices."""
     t.check()
@@ -233,6 +244,17 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     A_LOADS, B_LOADS = AV * AG, BV * BG  # elements of A and of B per thread per slice
     AT, BT, ACC, FDB, EDGE = a_trans, b_trans, accumulate, frag_db, edge_checks
     AVL, BVL = vector_loads and AV == VEC, vector_loads and BV == VEC  # 16-byte fetches of A, of B
+    # Variant 13's epilogue (module docstring): per micro-tile row i, each warp stages its GTY
+    # rows of GN outputs in shared memory and writes them back as whole rows, one 16-byte store
+    # per lane (STAGE_Q per lane per row i). Element e of each run of 4 columns goes to plane e of
+    # the stage: 4 adjacent shared words would be merged into one st.shared.v4, whose operands
+    # must sit in a register quad, and such a constraint on the accumulators costs the FMA loop
+    # (variant 12).
+    CST = staged_stores and GT == 32 and VN == VEC and GN % VEC == 0
+    NW = NT // 32  # warps per block
+    GN4 = GN // VEC  # 16-byte vectors per staged row
+    SP = _stage_pitch(GN4, GTY, GTX)  # a plane's row pitch (words)
+    STAGE_Q = GTY * GN // (VEC * 32)  # 16-byte vectors per lane per staged row
     # the fragment loop: TRIPS trips of STEPS k steps, then the rest (odd: BK - 1 is) unrolled
     STEPS = 2
     TRIPS = (BK - 1) // STEPS
@@ -240,6 +262,15 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
     # The simulator accepts neither option; alignment only matters to the vectoriser anyway.
     opts = {} if simulating() else {"max_registers": max_registers(NT, blocks_per_sm)}
     ALIGN = None if simulating() else 16
+
+    if simulating():  # the simulator has no syncwarp
+        @cuda.jit(device=True, inline="always")
+        def sync_warp():
+            cuda.syncthreads()
+    else:
+        @cuda.jit(device=True, inline="always")
+        def sync_warp():
+            cuda.syncwarp()
 
     @cuda.jit(device=True, inline="always")
     def load_frags(As, Bs, buf, kk, ra, cb, a_reg, b_reg):
@@ -445,18 +476,47 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
                 cuda.syncthreads()
                 after_barrier(As, Bs, 0, ra, cb, acc, a_reg, b_reg, a_nx, b_nx)
         split = cuda.gridDim.z > 1
-        for i in range(TM):
-            r = m0 + ra + uint64((i // VM) * SM + i % VM)
-            if r < M:
+        if CST and not split and m0 + uint64(BM) <= M and n0 + uint64(BN) <= N:  # a whole tile
+            stage = cuda.shared.array((NW, VEC, GTY, SP), float32)
+            ty = uint64(lt // GTX)  # this thread's row in the stage
+            tx = uint64(lt % GTX)  # and its first run of 4 columns
+            wr = m0 + uint64((grp // GPR) * GM)  # the warp tile's first row and column in c
+            wc = n0 + uint64((grp % GPR) * GN)
+            for i in range(TM):
                 for j in range(TN):
-                    col = n0 + cb + uint64((j // VN) * SN + j % VN)
-                    if col < N:
-                        if split:
-                            cuda.atomic.add(c, (r, col), acc[i, j])
-                        elif ACC:
-                            c[r, col] = acc_in[r, col] + acc[i, j]
-                        else:
-                            c[r, col] = acc[i, j]
+                    stage[grp, j % VN, ty, tx + uint64((j // VN) * GTX)] = acc[i, j]
+                sync_warp()
+                for q in range(STAGE_Q):
+                    f = uint64(q * 32 + lt)
+                    sr = f // uint64(GN4)
+                    c4 = f % uint64(GN4)
+                    r = wr + sr * uint64(VM) + uint64((i // VM) * SM + i % VM)
+                    col = wc + c4 * uint64(VEC)
+                    x0 = stage[grp, 0, sr, c4]
+                    x1 = stage[grp, 1, sr, c4]
+                    x2 = stage[grp, 2, sr, c4]
+                    x3 = stage[grp, 3, sr, c4]
+                    if ACC:
+                        p = load4(acc_in, r, col)
+                        x0 += p[0]
+                        x1 += p[1]
+                        x2 += p[2]
+                        x3 += p[3]
+                    store4(c, r, col, x0, x1, x2, x3)
+                sync_warp()
+        else:
+            for i in range(TM):
+                r = m0 + ra + uint64((i // VM) * SM + i % VM)
+                if r < M:
+                    for j in range(TN):
+                        col = n0 + cb + uint64((j // VN) * SN + j % VN)
+                        if col < N:
+                            if split:
+                                cuda.atomic.add(c, (r, col), acc[i, j])
+                            elif ACC:
+                                c[r, col] = acc_in[r, col] + acc[i, j]
+                            else:
+                                c[r, col] = acc[i, j]
 
     return gemm_kernel
 
@@ -476,13 +536,21 @@ def make_gemm_v11(t: GemmTiles):
     return make_gemm(t, blocks_per_sm=2, frag_db=True, vector_loads=True)
 
 
-BLOCKS_PER_SM = {3: 2, 5: 2, 11: 2}  # variant -> the blocks per SM its register cap allows
-VARIANTS = {3: make_gemm_v3, 5: make_gemm_v5, 11: make_gemm_v11}
-FRAG_DB_VARIANTS = (5, 11)  # variants whose shared-to-register fragments are double-buffered
-SPLIT_K_VARIANTS = (3, 5, 11)  # every variant takes the split-K argument
-# variants whose interior fetches are 16-byte loads -> the same kernel with scalar loads, which the
-# launcher runs instead when an operand is not 16-byte aligned (_vector.aligned16)
-SCALAR_TWIN = {11: 5}
+def make_gemm_v13(t: GemmTiles):
+    """Variant 11 writing whole unsplit tiles through shared memory with 16-byte stores (warp
+    tiles; the output, and acc, 16-byte aligned too)."""
+    return make_gemm(t, blocks_per_sm=2, frag_db=True, vector_loads=True, staged_stores=True)
+
+
+BLOCKS_PER_SM = {3: 2, 5: 2, 11: 2, 13: 2}  # variant -> the blocks per SM its register cap allows
+VARIANTS = {3: make_gemm_v3, 5: make_gemm_v5, 11: make_gemm_v11, 13: make_gemm_v13}
+FRAG_DB_VARIANTS = (5, 11, 13)  # variants whose shared-to-register fragments are double-buffered
+SPLIT_K_VARIANTS = (3, 5, 11, 13)  # every variant takes the split-K argument
+# variants with 16-byte global accesses -> the same kernel without them, which the launcher runs
+# instead when an array they touch that way is not 16-byte aligned (_vector.aligned16): the
+# operands for 11, and also the output and acc for 13 (whose loads alone are 11's)
+SCALAR_TWIN = {11: 5, 13: 11}
+STAGED_STORE_VARIANTS = (13,)
 
 
 @dataclass(frozen=True)
@@ -669,7 +737,7 @@ def get_kernel(variant: int, tiles: GemmTiles, layout: str = "nn", accumulate: b
     a_trans, b_trans = LAYOUTS[layout]
     return make_gemm(tiles, a_trans, b_trans, accumulate, BLOCKS_PER_SM[variant],
                      frag_db=variant in FRAG_DB_VARIANTS, edge_checks=edge_checks,
-                     vector_loads=variant in SCALAR_TWIN)
+                     vector_loads=variant in SCALAR_TWIN, staged_stores=variant in STAGED_STORE_VARIANTS)
 
 
 def check_args(x, w, y) -> tuple[int, int, int]:
@@ -715,18 +783,21 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, variant, splits) -
             zero_fill(c, stream)
         else:
             copy_fill(acc, c, stream)
-    kernel = get_kernel(loaded_variant(launch.variant, a, b), tiles, layout, acc is not None and splits == 1)
+    kernel = get_kernel(loaded_variant(launch.variant, a, b, c, acc), tiles, layout, acc is not None and splits == 1)
     kernel[grid, tiles.threads, stream](a, b, c if acc is None else acc, c, per)
 
 
-def loaded_variant(variant: int, a, b) -> int:
-    """The variant whose kernel runs on operands ``a`` and ``b``: a variant with 16-byte loads
-    (``SCALAR_TWIN``) runs its scalar twin unless both operands pass ``_vector.aligned16`` (e.g. a
-    row length that is not a multiple of 4, or a view starting mid-row)."""
-    twin = SCALAR_TWIN.get(variant)
-    if twin is None or (aligned16(a) and aligned16(b)):
-        return variant
-    return twin
+def loaded_variant(variant: int, a, b, c=None, acc=None) -> int:
+    """The variant whose kernel runs on operands ``a`` and ``b`` into ``c`` (+ ``acc``): a variant
+    with 16-byte accesses (``SCALAR_TWIN``) runs its twin without them unless every array it
+    reads or writes that way passes ``_vector.aligned16`` (not so: a row length that is not a
+    multiple of 4, a view starting mid-row), down the chain 13 -> 11 -> 5."""
+    while variant in SCALAR_TWIN:
+        arrays = (a, b) + ((c, acc) if variant in STAGED_STORE_VARIANTS else ())
+        if all(x is None or aligned16(x) for x in arrays):
+            return variant
+        variant = SCALAR_TWIN[variant]
+    return variant
 
 
 def gemm(x, w, y, stream=0, tiles: GemmTiles | None = None, variant: int | None = None,
