@@ -106,8 +106,8 @@ LAYOUT = {"fwd": "nn", "dx": "nt", "dw": "tt"}
 
 CANDIDATES = [  # (variant, tiles[, splits]); a rule's name: that launch rule's choice
     ("proposed", None),  # the rule for outputs wider than G.SKINNY_MAX (every layout's "skinny" is it there)
-    (3, G.PROPOSED_TILES),  # variant 3 on the same tiles: the control for variant 5's fragments
-    (5, G.PROPOSED_TILES),  # variant 5: the control for variant 11's 16-byte loads (the rule's since sweep 7)
+    (11, G.PROPOSED_TILES),  # variant 11 on the same tiles: the control for 13's staged stores (the rule's since sweep 8)
+    (5, G.PROPOSED_TILES),  # variant 5: the control for 11's 16-byte loads (the rule's from sweep 7)
 ]
 REPS = 5  # launches per timed batch
 SAMPLES = 7  # batches; the best is reported
@@ -251,15 +251,15 @@ def out_dims(kind: str, dims) -> tuple[int, int, int]:
 
 
 def candidates_for(kind: str, dims, splits: list[int] | None = None, variants: list[int] | None = None) -> list:
-    """The candidates timed at one shape; ``splits``: the proposed rule and variant 5 on its
-    tiles (and variant 11, its 16-byte-load twin) at each of these k split counts instead (wave
+    """The candidates timed at one shape; ``splits``: the proposed rule and variants 11 and 13
+    (11 with staged 16-byte stores) on its tiles at each of these k split counts instead (wave
     quantization: ``--splits``); ``variants``: the proposed rule and these variants on its tiles,
     at the launcher's split count."""
     out_m, out_n, red = out_dims(kind, dims)
     if variants:
         return [("proposed", None)] + [(v, G.PROPOSED_TILES) for v in variants]
     if splits:
-        return [("proposed", None)] + [(v, G.PROPOSED_TILES, s) for v in (5, 11) for s in splits]
+        return [("proposed", None)] + [(v, G.PROPOSED_TILES, s) for v in (11, 13) for s in splits]
     proposed = G.rule_launch(out_m, out_n, red, rule="proposed")
     skinny = G.rule_launch(out_m, out_n, red, rule="skinny")
     if skinny != proposed:
@@ -310,7 +310,7 @@ def main():
     ap.add_argument("--kinds", nargs="+", choices=sorted(LAYOUT), help="only these GEMMs (fwd: y = x w^T, "
                     "dx: dy w, dw: dy^T x), e.g. --kinds dx dw for the backward layouts in a call of their own")
     ap.add_argument("--budget-s", type=float, default=270.0, help="stop starting new timings after this")
-    ap.add_argument("--splits", type=int, nargs="+", help="time the proposed rule and variants 5 and 11 on its tiles "
+    ap.add_argument("--splits", type=int, nargs="+", help="time the proposed rule and variants 11 and 13 on its tiles "
                     "split k this many ways (e.g. 1 2 3 4), at every shape, instead of the candidates")
     ap.add_argument("--shapes", nargs="+", metavar="TEXT", help="only the shapes whose name contains one of "
                     "these, e.g. --kinds dx --shapes 'k/v GQA8'")

@@ -167,8 +167,9 @@ def test_every_layout_follows_the_skinny_rule_which_is_proposed_above_skinny_max
         assert R(16, 4096, 2048, layout=layout) == G.GemmLaunch(5, G.SKINNY_M_TILES, 16)
     with pytest.raises(ValueError, match="unknown GEMM layout 'xx'"):
         R(8, 8, 8, layout="xx")
-    # proposed: variant 11 (5 with 16-byte loads) at 4 warps of 64 x 64 from 3/4 of a wave (2 blocks per SM) up
-    big = G.GemmLaunch(11, G.PROPOSED_TILES)
+    # proposed: variant 13 (5 with 16-byte loads and stores) at 4 warps of 64 x 64 from 3/4 of a wave
+    # (2 blocks per SM) up
+    big = G.GemmLaunch(13, G.PROPOSED_TILES)
     for shape in ((4096, 4096, 4096), (2048, 4096, 4096), (2048, 11008, 4096), (2048, 4096, 11008),
                   (4096, 1024, 2048)):  # the 7B block's forward shapes, dw of k/v (256 tiles)
         assert R(*shape, rule="proposed") == big
@@ -177,20 +178,20 @@ def test_every_layout_follows_the_skinny_rule_which_is_proposed_above_skinny_max
     # down) split in 2 (256 blocks, one wave); 72 tiles in 3 (216); the 1B gate/up's 352 tiles
     # (1.33 waves unsplit) in 3 (4 full waves); the 7B gate/up's 1376 (5.2 waves) stays whole:
     # splitting saves under SPLIT_GAIN there
-    assert R(2048, 1024, 4096, rule="proposed") == G.GemmLaunch(11, G.PROPOSED_TILES, 2)
-    assert R(1024, 2048, 5632, rule="proposed") == G.GemmLaunch(11, G.PROPOSED_TILES, 2)
-    assert R(1152, 1024, 4096, rule="proposed") == G.GemmLaunch(11, G.PROPOSED_TILES, 3)
-    assert R(1024, 5632, 2048, rule="proposed") == G.GemmLaunch(11, G.PROPOSED_TILES, 3)
+    assert R(2048, 1024, 4096, rule="proposed") == G.GemmLaunch(13, G.PROPOSED_TILES, 2)
+    assert R(1024, 2048, 5632, rule="proposed") == G.GemmLaunch(13, G.PROPOSED_TILES, 2)
+    assert R(1152, 1024, 4096, rule="proposed") == G.GemmLaunch(13, G.PROPOSED_TILES, 3)
+    assert R(1024, 5632, 2048, rule="proposed") == G.GemmLaunch(13, G.PROPOSED_TILES, 3)
     # each split keeps >= MIN_SPLIT_SLICES k slices: K = 512 is 32 slices, 2 splits at most
     assert R(1152, 1024, 512, rule="proposed").splits == 2
     assert R(1024, 5632, 256, rule="proposed").splits == 1
     # 32 tiles (the 1B k/v with GQA4, 1024 x 512): the big tiles split MAX_SPLITS ways
-    assert R(1024, 512, 2048, rule="proposed") == G.GemmLaunch(11, G.PROPOSED_TILES, 4)
+    assert R(1024, 512, 2048, rule="proposed") == G.GemmLaunch(13, G.PROPOSED_TILES, 4)
     # outputs that MAX_SPLITS splits of big tiles leave under half the SMs: variant 3 on small
     # tiles, k split to about two blocks per SM keeping >= MIN_SMALL_SLICES slices
     assert R(512, 512, 2048, rule="proposed") == G.GemmLaunch(3, G.SMALL_TILES, 4)  # 64 small tiles
     assert R(64, 64, 2048, rule="proposed") == G.GemmLaunch(3, G.SMALL_TILES, 16)  # 128 slices / 8
-    assert R(2048, 1024, 4096, splits=3, rule="proposed") == G.GemmLaunch(11, G.PROPOSED_TILES, 3)
+    assert R(2048, 1024, 4096, splits=3, rule="proposed") == G.GemmLaunch(13, G.PROPOSED_TILES, 3)
 
 
 def test_proposed_splits_follow_the_wave_cost():
@@ -215,11 +216,11 @@ def test_unknown_rule_raises():
 def test_choose_runs_the_rule_variant():
     if simulating():  # the rule's variant on the tiny tiles
         for layout in G.LAYOUTS:
-            assert G.choose(4096, 4096, 4096, layout=layout) == G.GemmLaunch(11, G.SIM_TILES)
+            assert G.choose(4096, 4096, 4096, layout=layout) == G.GemmLaunch(13, G.SIM_TILES)
             assert G.choose(64, 64, 64, layout=layout) == G.GemmLaunch(3, G.SIM_TILES)
         return
     c = lambda *s: G.choose(*s, layout="nt")  # noqa: E731
-    assert c(4096, 4096, 4096) == G.GemmLaunch(11, G.PROPOSED_TILES)
+    assert c(4096, 4096, 4096) == G.GemmLaunch(13, G.PROPOSED_TILES)
     small = c(256, 512, 2048)  # 8 big tiles: small tiles, split k
     assert small.tiles == G.SMALL_TILES and small.splits > 1
 

@@ -587,21 +587,24 @@ def _blocks(m: int, n: int, t: GemmTiles) -> int:
     return -(-m // t.bm) * -(-n // t.bn)
 
 
-# The proposed rule, every layout's: variant 11 (variant 5 with 16-byte global loads; variant 5
-# itself on operands that are not 16-byte aligned) on 4 warps of 64x64 (8x16 outputs per thread)
-# at 128x128 tiles, two blocks per SM, k split in ``proposed_splits`` ways; outputs that even
-# MAX_SPLITS splits of these tiles would leave under half the SMs take the small-tile path.
-# H200, experiments/gemm_sweep.py, 2026-12-02 (experiments/results/gemm-h200/run7/), % of cuBLAS
-# fp32 (TF32 off), best of 7 batches of 5 launches, the 7B block at 2048 tokens (GQA8: 8 kv heads),
-# variant 11 (variant 5 beside it in the same run):
+# The proposed rule, every layout's: variant 13 (variant 5 with 16-byte global loads and staged
+# 16-byte stores; variant 11 on an output or accumulator that is not 16-byte aligned, 5 on operands
+# that are not) on 4 warps of 64x64 (8x16 outputs per thread) at 128x128 tiles, two blocks per SM,
+# k split in ``proposed_splits`` ways; outputs that even MAX_SPLITS splits of these tiles would
+# leave under half the SMs take the small-tile path.
+# H200, experiments/gemm_sweep.py, 2026-12-02 (experiments/results/gemm-h200/run8/v13/), % of
+# cuBLAS fp32 (TF32 off), the GPU's time alone ("held": best of 7 batches of 5 launches queued
+# behind a spin), the 7B block at 2048 tokens (GQA8: 8 kv heads), variant 13 (variant 11, the
+# rule's before, beside it in the same run):
 #                4096^3        q/o 2048x4096x4096   k/v GQA8 2048x1024x4096   gate/up 2048x11008x4096   down 2048x4096x11008
-#   forward   90.3 (82.2)      90.1 (82.2)          85.2 (78.2), split 2       92.9 (81.8)               89.9 (82.7)
-#   dx (nt)   92.1 (86.0)      90.1 (84.9)          83.0 (78.9)                93.6 (86.9)               85.3 (79.4)
-#   dw (tt)   92.8 (89.0)      89.4 (85.7)          85.3 (82.5)                90.9 (87.4)               90.7 (86.6)
+#   forward   92.2 (90.7)      92.6 (90.6)          90.2 (89.0), split 2       92.7 (95.1)               91.1 (90.2)
+#   dx (nt)   93.0 (92.1)      91.9 (90.9)          92.8 (85.1)                93.8 (93.8)               86.3 (85.5)
+#   dw (tt)   93.7 (93.1)      91.6 (90.0)          92.0 (87.8)                92.2 (91.2)               92.5 (90.9)
+# (Sweep 7, run7/, timed the first launch's host cost too: variant 11 at 83.0-93.6.)
 # The rule before variant 5 ("measured": variant 3 at 128x128x8/8x8 for several waves, variant 4
 # at 128x128x16/8x8 for one to three) reached 60.8-70.7% forward, 63.0-84.4% backward in run 5.
 PROPOSED_TILES = V5_TILES[0]
-PROPOSED_VARIANT = 11
+PROPOSED_VARIANT = 13
 MIN_SPLIT_SLICES = 16
 RULES = ("proposed", "skinny")
 # every layout runs "skinny": "proposed", except on outputs at most SKINNY_MAX wide (below)
