@@ -122,6 +122,21 @@ class Report:
     def _mod_list(self):
         return [(int(m.group(1), 16), m.group(4)) for m in INSTR.finditer(self.sass)]
 
+    def bank_clashes(self, lp: Loop) -> int:
+        """FFMAs of loop ``lp`` with two source registers of the same parity that are not read
+        from the operand reuse cache: on Volta and later the register file has two banks
+        (register number % 2), and two reads from one bank in one instruction take two cycles.
+        (GEMM variants 12 and 13's first try: 633-637 of 1024 in the FMA loop against 161-192 for
+        5 and 11, and 11-point slower kernels at long K.)"""
+        n = 0
+        for addr, op, args in self.instrs:
+            if op != "FFMA" or not lp.start <= addr <= lp.end:
+                continue
+            srcs = [a.strip() for a in args.split(",")[1:]]
+            banks = [int(a[1:]) % 2 for a in srcs if re.fullmatch(r"R\d+", a)]  # .reuse and RZ drop out
+            n += len(banks) != len(set(banks))
+        return n
+
     def main_loop(self) -> Loop | None:
         """The loop with the most FFMAs (then the most instructions): a GEMM's or attention's k loop."""
         return max(self.loops, key=lambda lp: (lp.ops["FFMA"], lp.n), default=None)
@@ -159,7 +174,11 @@ class Report:
             dist = self.load_use(inner)
             if dist:
                 loop += f"; LDS -> first use: min {min(dist)}, median {sorted(dist)[len(dist) // 2]} instr"
+            if lp.ops["FFMA"]:
+                loop += f"; FFMA bank clashes {self.bank_clashes(lp)} of {lp.ops['FFMA']}"
         spill = f"spill {self.spill_stores}/{self.spill_loads} B" if self.spill_stores or self.spill_loads else "no spill"
+        if self.stack:
+            spill += f", stack {self.stack} B"
         return f"{self.name:<44} {self.regs:3d} regs  {spill:<16} smem {self.smem:6d} B  {loop}{self.extra}"
 
 
