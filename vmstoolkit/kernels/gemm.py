@@ -64,6 +64,18 @@ requests. H200, sweep 7 (``experiments/results/gemm-h200/run7/``): 85.2-92.9% fo
 4096^3), 83.0-93.6% backward, +2.8 to +11.1 points over ``5`` at every shape: the rules run it.
 On operands that are not 16-byte aligned (a row length not a multiple of 4, a view starting mid
 row) the launcher runs its scalar twin ``5`` instead (:func:`loaded_variant`).
+``13`` (the rules' since sweep 8) is ``11`` writing each whole, unsplit output tile through a
+per-warp shared stage: per micro-tile row a warp stores its outputs there with scalar ``STS`` and
+writes them back as whole rows, one ``STG.E.128`` per lane (32 full-sector stores per thread
+where ``11`` issues 128 ``STG.E`` that each fill 8 of a sector's 32 bytes). Edge tiles and split k
+keep ``11``'s epilogue. ncu at dx of k/v GQA8 (K = 1024, ``run8/ncu-dx/``): ``11`` spent 8.7% of its
+warp samples in that epilogue (store-queue throttle, store-address reuse), 1.6% at 4096^3, and
+both blocks of an SM reach it together. The stage keeps element e of each run of 4 columns in
+plane e, so no two stored words are adjacent: NVVM would merge adjacent ones into one
+``st.shared.v4``, whose register quad would pin the accumulators (see ``12`` below). H200, sweep 8
+(``run8/rule/``, the GPU's time alone): 86.3-94.2% at the 15 shapes, dx of k/v GQA8 85.0 -> 92.6,
+at least ``11``'s speed at 14; the forward gate/up 92.9 against ``11``'s 96.5 (nn: 250 registers
+against 241). On an output or accumulator that is not 16-byte aligned the launcher runs ``11``.
 
 Gone, each slower on the H200 than what stayed (``experiments/results/gemm-h200/``): ``1`` and ``2``
 (issue 5's first kernels); ``4`` (``3`` without the register cap, one block per SM: the old rule's
@@ -77,8 +89,10 @@ row r ^ ((k + 1) & 8), so that their transposing stores hit 32 banks instead of 
 though its stores were conflict-free: the forward's 4-7 point gap to the t/t layout is not the
 stores' bank conflicts; ``12`` (``11`` writing whole unsplit tiles with 16-byte stores, one
 ``STG.E.128`` per 4 outputs, same 232 registers in nt): 80.4 / 78.2 / 74.2% of cuBLAS against
-``11``'s 91.6 / 81.8 / 85.1 at dx of 4096^3 / k/v GQA8 / down (``run7/v12/``), so the output
-tile's scalar stores are not what holds dx of k/v GQA8 (K = 1024) at 82-83%.
+``11``'s 91.6 / 81.8 / 85.1 at dx of 4096^3 / k/v GQA8 / down (``run7/v12/``). Not the stores:
+a vector store takes its 4 values from an aligned register quad, ptxas then keeps the
+accumulators in quads through the FMA loop, and 635 of its 1024 FFMAs read two sources from one
+register bank (``11``: 183; ``scripts/sass_report.py``'s "FFMA bank clashes").
 
 Warp tiling is a property of the tile shape
 (``GemmTiles.wm`` / ``wn``): the block's threads are grouped by warp, each warp covering a
