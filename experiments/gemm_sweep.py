@@ -211,7 +211,7 @@ def run_shape(name: str, kind: str, dims, candidates, time_it: bool, deadline: f
         lab = (f"{rule} = " if rule else "") + label(v, t, splits)
         ran = G.loaded_variant(v, p.da, p.db, p.dout)
         if ran != v:
-            lab += f" (ran v{ran}: operands not 16-byte aligned)"
+            lab += f" (ran v{ran}: arrays not 16-byte aligned)"
         try:
             p.out.fill_(float("nan"))
             p.ours(v, t, splits)

@@ -44,25 +44,34 @@ def aligned16(a) -> bool:
             and (shape[1] <= 1 or col == itemsize))
 
 
-def _make_load4():
+def _is_float32_cell(array, row, col) -> bool:
+    """Typing: a 2-D float32 array indexed by two integers."""
+    return (isinstance(array, types.Array) and array.ndim == 2 and array.dtype == types.float32
+            and isinstance(row, types.Integer) and isinstance(col, types.Integer))
+
+
+def _vector_pointer(context, builder, sig, args):
+    """Codegen: a ``<4 x float>*`` to ``array[row, col]`` (the first three arguments)."""
     from numba.cuda import cgutils
+
+    aty, rty, cty = sig.args[:3]
+    ary = context.make_array(aty)(context, builder, value=args[0])
+    idx = [context.cast(builder, args[1], rty, types.intp), context.cast(builder, args[2], cty, types.intp)]
+    ptr = cgutils.get_item_pointer(context, builder, aty, ary, idx, wraparound=False)
+    return builder.bitcast(ptr, ir.VectorType(ir.FloatType(), 4).as_pointer())
+
+
+def _make_load4():
     from numba.cuda.extending import intrinsic
 
     @intrinsic
     def load4(typingctx, array, row, col):
-        if not (isinstance(array, types.Array) and array.ndim == 2 and array.dtype == types.float32):
-            return None
-        if not (isinstance(row, types.Integer) and isinstance(col, types.Integer)):
+        if not _is_float32_cell(array, row, col):
             return None
         sig = types.UniTuple(types.float32, 4)(array, row, col)
 
         def codegen(context, builder, sig, args):
-            aty, rty, cty = sig.args
-            ary = context.make_array(aty)(context, builder, value=args[0])
-            idx = [context.cast(builder, args[1], rty, types.intp), context.cast(builder, args[2], cty, types.intp)]
-            ptr = cgutils.get_item_pointer(context, builder, aty, ary, idx, wraparound=False)
-            vty = ir.VectorType(ir.FloatType(), 4)
-            vec = builder.load(builder.bitcast(ptr, vty.as_pointer()), align=VECTOR_BYTES)
+            vec = builder.load(_vector_pointer(context, builder, sig, args), align=VECTOR_BYTES)
             elems = [builder.extract_element(vec, ir.Constant(ir.IntType(32), i)) for i in range(4)]
             return context.make_tuple(builder, sig.return_type, elems)
 
@@ -72,28 +81,21 @@ def _make_load4():
 
 
 def _make_store4():
-    from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
     @intrinsic
     def store4(typingctx, array, row, col, v0, v1, v2, v3):
-        if not (isinstance(array, types.Array) and array.ndim == 2 and array.dtype == types.float32):
-            return None
-        if not (isinstance(row, types.Integer) and isinstance(col, types.Integer)):
+        if not _is_float32_cell(array, row, col):
             return None
         sig = types.void(array, row, col, v0, v1, v2, v3)
 
         def codegen(context, builder, sig, args):
-            aty, rty, cty = sig.args[:3]
-            ary = context.make_array(aty)(context, builder, value=args[0])
-            idx = [context.cast(builder, args[1], rty, types.intp), context.cast(builder, args[2], cty, types.intp)]
-            ptr = cgutils.get_item_pointer(context, builder, aty, ary, idx, wraparound=False)
-            vty = ir.VectorType(ir.FloatType(), 4)
-            vec = ir.Constant(vty, ir.Undefined)
+            ptr = _vector_pointer(context, builder, sig, args)
+            vec = ir.Constant(ir.VectorType(ir.FloatType(), 4), ir.Undefined)
             for i, (val, ty) in enumerate(zip(args[3:], sig.args[3:])):
                 vec = builder.insert_element(vec, context.cast(builder, val, ty, types.float32),
                                              ir.Constant(ir.IntType(32), i))
-            builder.store(vec, builder.bitcast(ptr, vty.as_pointer()), align=VECTOR_BYTES)
+            builder.store(vec, ptr, align=VECTOR_BYTES)
             return context.get_dummy_value()
 
         return sig, codegen
