@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from numba import njit
+from vmstoolkit._jit import njit
 
 from vmstoolkit.errors import OutOfMemoryError
 from vmstoolkit.pools.base import CompiledReplay, ReplayArrays
