@@ -22,6 +22,7 @@ their peak, and read physical bytes from the driver. Subclasses implement ``_all
 from __future__ import annotations
 
 import numbers
+import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -156,7 +157,11 @@ class Allocator(ABC):
         self._total_bytes = 0
         self._num_ooms = 0
         self._closed = False
-        self._streams = DeferredFrees(driver, self._free, streams_apart=self.streams_apart)
+        # A weak reference back: with ``self._free`` itself the allocator would sit in a reference
+        # cycle and be freed only by the cyclic collector, which does not count the arrays it
+        # holds (85 MB for paged on an H200-sized device): a loop making allocators grew by GBs.
+        free = weakref.WeakMethod(self._free)
+        self._streams = DeferredFrees(driver, lambda addr: free()(addr), streams_apart=self.streams_apart)
 
     # -- the protocol ----------------------------------------------------------------------
     def allocate(self, size: int, stream: int = 0) -> int:
