@@ -73,7 +73,7 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
                  budgets=("1.0",), backend: str = "sim", n_gpus: int = 1, host_budget: int | None = -1,
                  executor: str = "event-driven", numerics: bool | None = None, logits: str = "last",
                  seed: int = 0, jitter: float = 0.0, stages: Stages | None = None,
-                 too_small_rows: bool = True) -> Iterator[dict]:
+                 too_small_rows: bool = True, pool=None, warmup: bool | None = None) -> Iterator[dict]:
     """Rows of a greedy generation (module docstring), one per budget in ``budgets`` (sizes or
     fractions of the working set, :class:`~vmstoolkit.exec.experiment.BudgetSpec` text).
 
@@ -82,13 +82,25 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
     before any backend is made. ``logits="all"`` keeps the prefill's logits of every position
     (the row's ``prefill_logits``, for comparing with transformers). A budget below one
     vertex's needs gives a row with ``error`` (or, without ``too_small_rows``, raises
-    :class:`~vmstoolkit.exec.errors.BudgetTooSmallError`)."""
+    :class:`~vmstoolkit.exec.errors.BudgetTooSmallError`). ``pool``: the
+    :class:`~vmstoolkit.exec.backends.host_memory.PinnedPool` of the cuda runs (default: one made
+    here for all the budgets, weights pinned once, closed at the end). ``warmup``: on cuda, one
+    untimed run first, which JIT-compiles the kernels (default: on cuda)."""
     stages = stages or Stages()
     if backend not in BACKENDS:
         raise InvalidOptionError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
     specs = [b if isinstance(b, BudgetSpec) else BudgetSpec.parse(b) for b in budgets]
     if backend == "cuda":
         require_gpus(n_gpus)
+    if backend == "cuda" and pool is None:
+        from vmstoolkit.exec.backends.host_memory import PinnedPool
+
+        with PinnedPool() as own:  # weights pinned once for every budget, slots too
+            yield from run_generate(model, prompt_ids=prompt_ids, prompt_len=prompt_len, new_tokens=new_tokens, budgets=specs, backend=backend,
+                                    n_gpus=n_gpus, host_budget=host_budget, executor=executor, numerics=numerics,
+                                    logits=logits, seed=seed, jitter=jitter, stages=stages,
+                                    too_small_rows=too_small_rows, pool=own, warmup=warmup)
+        return
     with stages.stage("loading the checkpoint"):
         ckpt = model if isinstance(model, Checkpoint) else load_model(model)
         ids = prompt_from(ckpt, prompt_ids, prompt_len, seed)
@@ -108,7 +120,7 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
             "executor": executor, "prompt_len": len(ids), "new_tokens": new_tokens, "working_set": ws,
             "prompt_ids": ids, "numerics": bool(numerics)}
     values = None
-    warm = backend != "cuda"
+    warm = not (backend == "cuda" if warmup is None else warmup)
     for spec in specs:
         budget = spec.resolve(ws) if spec.fraction is not None else spec.nbytes
         row = {**base, "budget": budget, "budget_spec": spec.text,
@@ -131,10 +143,10 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
             values[gg.prompt] = np.asarray(ids, np.int32)
         if not warm:
             with stages.stage("JIT compiling the kernels (a first run)"):
-                _run_once(mg, backend, values, executor, seed, jitter, pool=None)
+                _run_once(mg, backend, values, executor, seed, jitter, pool)
             warm = True
         with stages.stage(f"generating at {spec.text}"):
-            res = _run_once(mg, backend, values, executor, seed, jitter, pool=None, first=gg.first_token_vertex,
+            res = _run_once(mg, backend, values, executor, seed, jitter, pool, first=gg.first_token_vertex,
                             outputs=[gg.logits, *gg.tokens] if numerics else None)
         makespan, prefill_s, lb, out = res
         decode_s = makespan - prefill_s
@@ -161,7 +173,7 @@ def _run_once(mg, backend, values, executor, seed, jitter, pool, first=-1, outpu
     else:
         from vmstoolkit.exec.backends.cuda import CudaBackend
 
-        be = CudaBackend(values, pin="in_place", timeline=True)
+        be = CudaBackend(values, pin="in_place", pool=pool, timeline=True)
         lb = None
     try:
         res = execute(mg, be, executor)
