@@ -72,3 +72,25 @@ def test_launchers_refuse_mismatched_shapes():
         M.append_rows(cuda.to_device(f32(2, 3)), cuda.to_device(f32(1, 4)), cuda.device_array((3, 3), np.float32))
     with pytest.raises(KernelError, match="int32"):
         M.embedding(cuda.to_device(np.zeros(2, np.int64)), cuda.to_device(f32(4, 3)), cuda.device_array((2, 3), np.float32))
+
+
+MODEL_CASES = {  # name -> (inputs, params)
+    "embedding": (lambda: [np.array([2, 0, 2], np.int32), f32(4, 6)], {}),
+    "bias_add": (lambda: [f32(3, 5), f32(5)], {}),
+    "take_rows": (lambda: [f32(4, 5)], {"lo": 3, "hi": 4}),
+    "append_rows": (lambda: [f32(4, 6), f32(1, 6)], {}),
+    "attention_cached": (lambda: [f32(1, 1, 4, 6), f32(1, 5, 2, 6), f32(1, 5, 2, 6)], {}),
+    "argmax": (lambda: [f32(2, 40)], {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_CASES))
+def test_every_model_task_launches_through_the_table(name):
+    task = KERNEL_TASKS[name]
+    make, params = MODEL_CASES[name]
+    inputs = make()
+    want = task.reference(inputs, **params)
+    assert tuple(want.shape) == task.output_shape([a.shape for a in inputs], **params)
+    d_out = cuda.device_array(want.shape, want.dtype)
+    task.launch(0, [cuda.to_device(a) for a in inputs], [d_out], **params)
+    np.testing.assert_allclose(d_out.copy_to_host(), want, atol=2e-6, rtol=1e-5)
