@@ -11,8 +11,10 @@ discovered by the kernel's OOM killer (issue 32: a 13B-width full fine-tune was 
 - ``outputs``: what the run hands back (updated weights and moments, logits, tokens), one array each.
 - ``offload``: one host slot per offloaded activation (each is offloaded at most once; the
   compiler keeps a clean host copy after that).
-- ``device_model``: the sim backend with numerics holds each GPU's region as a byte array, and a
-  copy of every value: the simulated GPU lives in host RAM.
+- ``device_model``: the sim backend with numerics holds each GPU's region as a zeroed byte
+  array of the budget's size, of which the pages up to the highest byte the plan places are
+  touched (counted here; the rest stays unbacked), and a copy of every value: the simulated GPU
+  lives in host RAM.
 
 :func:`check_host_budget` refuses a plan above the budget in one line, such as ``needs 71.2 GiB
 of host memory (weights 26.0 GiB, optimizer state 26.0 GiB, ...), 58.0 GiB available
@@ -66,7 +68,10 @@ def host_plan(mg, *, mapped: set[int] = frozenset(), pinned_copies: bool = False
     offload = sum(v.nbytes for v in mg.vertices if v.kind == "offload")
     device = 0
     if sim_numerics:
-        device = mg.budget * mg.n_gpus + sum(t.nbytes for t in g.tensors if t.kind is not TensorKind.ACTIVATION)
+        top = [0] * mg.n_gpus
+        for b in mg.buffers:
+            top[b.gpu] = max(top[b.gpu], b.offset + b.size)
+        device = sum(top) + sum(t.nbytes for t in g.tensors if t.kind is not TensorKind.ACTIVATION)
     return HostPlan(weights, state, outputs, offload, device)
 
 
