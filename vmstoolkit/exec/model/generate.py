@@ -121,6 +121,7 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
             "prompt_ids": ids, "numerics": bool(numerics)}
     values = None
     warm = not (backend == "cuda" if warmup is None else warmup)
+    planned = []  # every budget planned and its host memory checked before anything is allocated
     for spec in specs:
         budget = spec.resolve(ws) if spec.fraction is not None else spec.nbytes
         row = {**base, "budget": budget, "budget_spec": spec.text,
@@ -131,13 +132,19 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
             except BudgetTooSmallError as e:
                 if not too_small_rows:
                     raise
-                yield {**row, "error": str(e)}
+                planned.append(({**row, "error": str(e)}, None))
                 continue
         plan = host_plan(mg, mapped=mapped, pinned_copies=backend == "cuda", sim_numerics=backend == "sim" and numerics)
         check_host_budget(plan, hb)
         row.update(plan.as_row(), host_budget=hb, compile_s=stages.times[f"planning at {spec.text}"],
                    vertices=len(mg.vertices), peak_bytes=max(mg.peak_bytes), offloaded_bytes=mg.offloaded_bytes,
                    reloaded_bytes=mg.reloaded_bytes, moved_bytes=mg.offloaded_bytes + mg.reloaded_bytes)
+        planned.append((row, mg))
+    for row, mg in planned:
+        if mg is None:
+            yield row
+            continue
+        spec_text = row["budget_spec"]
         if values is None and numerics:
             values = model_values(ckpt, gg.weights)
             values[gg.prompt] = np.asarray(ids, np.int32)
@@ -145,7 +152,7 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
             with stages.stage("JIT compiling the kernels (a first run)"):
                 _run_once(mg, backend, values, executor, seed, jitter, pool)
             warm = True
-        with stages.stage(f"generating at {spec.text}"):
+        with stages.stage(f"generating at {spec_text}"):
             res = _run_once(mg, backend, values, executor, seed, jitter, pool, first=gg.first_token_vertex,
                             outputs=[gg.logits, *gg.tokens] if numerics else None)
         makespan, prefill_s, lb, out = res

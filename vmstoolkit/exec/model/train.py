@@ -156,19 +156,27 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
     runner = _Sim(seed, jitter, check_grads) if backend == "sim" else _Cuda(check_grads)
     values = None
     try:
+        planned = []  # every budget planned and its host memory checked before anything is allocated
         for spec, budget in resolved:
             t0 = time.perf_counter()
             with stages.stage(f"planning at {spec}"):
                 try:
                     mg = compile_memory_graph(tg.graph, budget)
                 except BudgetTooSmallError as e:
-                    yield from ({"budget": budget, "budget_spec": str(spec), "executor": ex, "variant": variant,
-                                 "model": str(ckpt.folder), "error": str(e)} for ex in executors)
+                    planned.append((spec, budget, None, None, str(e)))
                     continue
             plan = Plan(seq, tg, mg, time.perf_counter() - t0)
             hp = host_plan(mg, mapped=mapped, pinned_copies=backend == "cuda",
-                           sim_numerics=backend == "sim" and check_grads)
+                           sim_numerics=backend == "sim" and check_grads,
+                           reference=backend == "cuda" and check_grads)
             check_host_budget(hp, hb, labels=TRAIN_LABELS)
+            planned.append((spec, budget, plan, hp, None))
+        for spec, budget, plan, hp, error in planned:
+            if error is not None:
+                yield from ({"budget": budget, "budget_spec": str(spec), "executor": ex, "variant": variant,
+                             "model": str(ckpt.folder), "error": error} for ex in executors)
+                continue
+            mg = plan.memory
             if values is None and runner.needs_values:
                 with stages.stage("reading the weights"):
                     values = train_values(ckpt, tg, ids, seed=seed, copy=backend == "cuda")
