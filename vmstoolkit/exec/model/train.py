@@ -106,6 +106,11 @@ def train_values(ckpt: Checkpoint, tg: TrainGraph, ids, *, dout: np.ndarray | No
     return out
 
 
+def train_token_ids(ckpt: Checkpoint, seq: int, seed: int = 0) -> np.ndarray:
+    """The token ids of a step when none are given: ``seq`` uniform ids from ``seed``."""
+    return np.random.default_rng(seed).integers(0, ckpt.config.vocab, seq)
+
+
 def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048, steps: int = 3, rank: int = 16,
               backend: str = "sim", n_gpus: int = 1, host_budget: int | None = -1, executors=("event-driven",),
               check_grads: bool | None = None, seed: int = 0, jitter: float = 0.0, adamw: AdamWConfig | None = None,
@@ -147,8 +152,7 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
     if check_grads is None:
         check_grads = backend == "sim" and sum(v.flops for v in tg.graph.vertices) <= SIM_CHECK_FLOPS
     hb = default_host_budget() if host_budget == -1 else host_budget
-    ids = (np.asarray(token_ids, np.int64) if token_ids is not None
-           else np.random.default_rng(seed).integers(0, ckpt.config.vocab, seq))
+    ids = np.asarray(token_ids, np.int64) if token_ids is not None else train_token_ids(ckpt, seq, seed)
     if len(ids) != seq:
         raise InvalidOptionError(f"{len(ids)} token ids for a step of seq={seq}")
     mapped = {t.id for t in tg.graph.tensors if t.kind is TensorKind.WEIGHT and hf_name(t.name) is not None
