@@ -10,11 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vmstoolkit.cli.common import OutputFormat, emit_rows, fail
-
-class Backend(str, Enum):
-    sim = "sim"
-    cuda = "cuda"
+from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail, size_option
 
 
 class Variant(str, Enum):
@@ -37,19 +33,12 @@ SeedOpt = Annotated[int, typer.Option(help="Seed of the drawn prompt or tokens, 
 
 
 def _host_budget(text: str | None) -> int | None:
-    from vmstoolkit.units import parse_size
-
+    """-1 (the default: available memory less a margin), None for 'none', else bytes."""
     if text is None:
         return -1
     if text.strip().lower() == "none":
         return None
-    try:
-        n = parse_size(text)
-    except ValueError as e:
-        fail(f"--host-budget {text!r}: {e}", code=2)
-    if n <= 0:
-        fail(f"--host-budget must be positive, got {text!r}", code=2)
-    return n
+    return size_option(text, "--host-budget")
 
 
 def _prompt_ids(text: str | None) -> list[int] | None:

@@ -18,18 +18,17 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from vmstoolkit.exec.backends import backend_kind
 from vmstoolkit.exec.compiler import compile_memory_graph, working_set
 from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidOptionError, InvalidShapeError
 from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.experiment import BudgetSpec, require_gpus
-from vmstoolkit.exec.graph import TensorKind
 from vmstoolkit.exec.model.checkpoint import Checkpoint, load_model
-from vmstoolkit.exec.model.graph import GenerateGraph, build_generate
+from vmstoolkit.exec.model.graph import build_generate
 from vmstoolkit.exec.model.host_plan import check_host_budget, default_host_budget, host_plan
 from vmstoolkit.exec.model.progress import Stages
 
 SIM_NUMERICS_FLOPS = 5e10  # a few seconds of numpy
-BACKENDS = ("sim", "cuda")
 
 
 def prompt_from(ckpt: Checkpoint, prompt_ids=None, prompt_len: int | None = None, seed: int = 0) -> list[int]:
@@ -87,8 +86,7 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
     here for all the budgets, weights pinned once, closed at the end). ``warmup``: on cuda, one
     untimed run first, which JIT-compiles the kernels (default: on cuda)."""
     stages = stages or Stages()
-    if backend not in BACKENDS:
-        raise InvalidOptionError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
+    backend = backend_kind(backend).value
     specs = [b if isinstance(b, BudgetSpec) else BudgetSpec.parse(b) for b in budgets]
     if backend == "cuda":
         require_gpus(n_gpus)
@@ -171,16 +169,16 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
 
 def _run_once(mg, backend, values, executor, seed, jitter, pool, first=-1, outputs=None):
     """(makespan, prefill seconds, lower bound, outputs or None) of one run on a fresh backend."""
+    from vmstoolkit.exec.backends import make_backend
+
     if backend == "sim":
-        from vmstoolkit.exec.backends.sim import CostModel, SimBackend
+        from vmstoolkit.exec.backends.sim import CostModel
 
         cost = CostModel()
-        be = SimBackend(cost, seed=seed, jitter=jitter, numerics=values is not None, values=values)
+        be = make_backend("sim", cost=cost, seed=seed, jitter=jitter, numerics=values is not None, values=values)
         lb = cost.lower_bound(mg)["lower_bound_s"]
-    else:
-        from vmstoolkit.exec.backends.cuda import CudaBackend
-
-        be = CudaBackend(values, pin="in_place", pool=pool, timeline=True)
+    else:  # the lower bound of a whole generation would need every tensor resident at once: not measured
+        be = make_backend("cuda", values=values, timeline=True, pin="in_place", pool=pool)
         lb = None
     try:
         res = execute(mg, be, executor)
@@ -198,4 +196,4 @@ def generate(model, prompt_ids, new_tokens: int, *, budget="1.0", backend: str =
     return row["tokens"]
 
 
-__all__ = ["run_generate", "generate", "prompt_from", "model_values", "GenerateGraph", "TensorKind"]
+__all__ = ["run_generate", "generate", "prompt_from", "model_values"]

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from vmstoolkit.exec.backends import backend_kind
 from vmstoolkit.exec.compiler import compile_memory_graph, working_set
 from vmstoolkit.exec.errors import BudgetTooSmallError, CheckpointError, InvalidOptionError
 from vmstoolkit.exec.experiment import require_gpus
@@ -128,8 +129,7 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
     stages = stages or Stages()
     if variant not in VARIANTS:
         raise InvalidOptionError(f"unknown variant {variant!r} (choose one of {', '.join(VARIANTS)})")
-    if backend not in ("sim", "cuda"):
-        raise InvalidOptionError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
+    backend = backend_kind(backend).value
     if n_gpus != 1:
         raise InvalidOptionError(f"--gpus {n_gpus}: the training graph runs on one GPU (pipeline stages are "
                                  f"generation's only)")
