@@ -360,8 +360,9 @@ def bf16_candidates():
 def run_shape_bf16(name, kind, dims, time_it: bool, deadline: float) -> list[dict]:
     m, n, k = dims
     row0 = {"shape": name, "kind": kind, "M": m, "N": n, "K": k}
+    cands = bf16_candidates() if time_it else bf16_candidates()[:2]  # ragged: the rule's builds alone
     if time_it and time.time() > deadline:
-        return [{**row0, "config": c[0], "skipped": "time budget"} for c in bf16_candidates()]
+        return [{**row0, "config": c[0], "skipped": "time budget"} for c in cands]
     p = ProblemBf16(kind, m, n, k)
     p.cublas()
     torch.cuda.synchronize()
@@ -371,7 +372,7 @@ def run_shape_bf16(name, kind, dims, time_it: bool, deadline: float) -> list[dic
         say(f"  {name:<30} {'cuBLAS bf16':<34} {p.flops / cub['ms'] / 1e9:7.1f} TFLOP/s  {cub['ms']:8.4f} ms"
             f"  err {cub_err:.1e}")
     rows = []
-    for lab, tiles, out in bf16_candidates():
+    for lab, tiles, out in cands:
         if time_it and time.time() > deadline:
             rows.append({**row0, "config": lab, "skipped": "time budget"})
             continue
