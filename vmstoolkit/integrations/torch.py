@@ -590,5 +590,51 @@ def installed() -> HookBase | None:
     return _INSTALLED
 
 
-__all__ = ["ALLOC_FN", "FREE_FN", "HookBase", "TorchAllocatorHandle", "install", "installed", "make_handle",
-           "nested_stats", "torch_stats", "vmstoolkit_allocator"]
+# -- the MemPool route ---------------------------------------------------------------------------------
+_POOL_HANDLES: dict[tuple, HookBase] = {}
+
+
+def mem_pool(allocator: str = "paged", *, use_on_oom: bool = False, **options):
+    """A ``torch.cuda.MemPool`` whose memory comes from vmstoolkit's ``allocator``: the route
+    beside :func:`install`, which needs no install before CUDA starts and serves only what runs
+    inside ``torch.cuda.use_mem_pool(pool)`` (or :func:`use_pool`), as vLLM's sleep-mode
+    allocator does for its KV cache.
+
+    What differs from the global install: PyTorch's caching allocator stays in charge and asks
+    vmstoolkit only for its segments (2 MiB for small requests, whole rounded segments for large
+    ones), splitting and caching them itself; expandable segments are off in such a pool;
+    statistics, snapshots and out-of-memory errors are PyTorch's (its ``memory_allocated()``
+    counts the pool's blocks; ``pool.vmstoolkit.memory_stats()`` the segments vmstoolkit gave);
+    allocations of other threads (the backward pass runs on autograd's) go to PyTorch's own
+    pools. The handle (``pool.vmstoolkit``) is made once per allocator and options and shared by
+    the pools made with them. Refused while vmstoolkit is installed globally."""
+    torch = _import_torch()
+    if _INSTALLED is not None:
+        raise IntegrationError(f"vmstoolkit's {_INSTALLED.allocator_name!r} is installed as PyTorch's allocator: "
+                               "every allocation is vmstoolkit's already; mem_pool/use_pool serve PyTorch's own allocator")
+    key = (allocator, tuple(sorted(options.items())))
+    handle = _POOL_HANDLES.get(key)
+    if handle is None:
+        handle = make_handle(allocator, **options)
+        handle.raises = True  # PyTorch's caching allocator checks the pointer and raises its own OOM
+        handle._torch_allocator = torch._C._cuda_customAllocator(handle.alloc_ptr, handle.free_ptr)
+        _POOL_HANDLES[key] = handle
+    pool = torch.cuda.MemPool(handle._torch_allocator, use_on_oom=use_on_oom)
+    pool.vmstoolkit = handle
+    return pool
+
+
+@contextmanager
+def use_pool(allocator: str = "paged", *, device=None, **options):
+    """``with use_pool("paged") as pool:`` the current thread's CUDA allocations come from a new
+    :func:`mem_pool` of ``allocator`` (``torch.cuda.use_mem_pool``); keep ``pool`` to use it again
+    (``with torch.cuda.use_mem_pool(pool):``). Its memory is given back when the pool and every
+    tensor in it are gone and ``torch.cuda.empty_cache()`` runs."""
+    torch = _import_torch()
+    pool = mem_pool(allocator, **options)
+    with torch.cuda.use_mem_pool(pool, device):
+        yield pool
+
+
+__all__ = ["ALLOC_FN", "FREE_FN", "HookBase", "TorchAllocatorHandle", "install", "installed", "make_handle", "mem_pool",
+           "nested_stats", "torch_stats", "use_pool", "vmstoolkit_allocator"]
