@@ -86,15 +86,31 @@ enum Stat {
 // compiled functions (the paged hook); set once by install().
 bool g_python_callbacks = false;
 
+// VMSTOOLKIT_SHIM_CALL_AT_EXIT=1 turns the guard below off (to see what it prevents).
+bool g_call_at_exit = false;
+std::atomic<long> g_late_calls{0};  // calls that came after Python had begun finalizing
+
+// With VMSTOOLKIT_SHIM_TRACE, says at the very end how many calls came too late for Python.
+struct LateCallReport {
+  ~LateCallReport() {
+    if (std::getenv("VMSTOOLKIT_SHIM_TRACE") != nullptr)
+      std::fprintf(stderr, "shim: %ld call(s) after Python began finalizing%s\n", g_late_calls.load(),
+                   g_call_at_exit ? " (passed to Python: VMSTOOLKIT_SHIM_CALL_AT_EXIT)" : " (dropped)");
+  }
+} g_late_call_report;
+
 // True once Python is finalizing or gone: no callback may run then (see the file's head).
 bool python_gone() {
-  if (!Py_IsInitialized()) return true;
+  const bool gone = !Py_IsInitialized() ||
 #if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsFinalizing() != 0;
+                    Py_IsFinalizing() != 0;
 #else
-  return _Py_IsFinalizing() != 0;
+                    _Py_IsFinalizing() != 0;
 #endif
+  if (gone) g_late_calls.fetch_add(1);
+  return gone && !g_call_at_exit;
 }
+
 
 // PyTorch's format_size: "1.00 GiB", "512.00 KiB", "100 bytes".
 std::string format_size(uint64_t size) {
@@ -505,6 +521,7 @@ void install(const std::vector<uint64_t>& p, bool python, py::object keep_alive)
                  reinterpret_cast<PoolFreeFn>(p[8]),   reinterpret_cast<PoolEventFn>(p[9]),
                  reinterpret_cast<FractionFn>(p[10]),  reinterpret_cast<GetFractionFn>(p[11])};
   g_python_callbacks = python;
+  g_call_at_exit = std::getenv("VMSTOOLKIT_SHIM_CALL_AT_EXIT") != nullptr;
   auto alloc = std::make_shared<VmsAllocator>(ep);
   alloc->init(c10::cuda::device_count());
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(alloc);
