@@ -113,7 +113,9 @@ def graphs(handle) -> dict:
     torch.cuda.empty_cache()
     out["given_back"] = held - torch.cuda.memory_allocated()
     out["left_over_vs_start"] = torch.cuda.memory_allocated() - base
-    out["ok"] = out["equal"] and intact and not out["eager_in_graph_memory"] and out["left_over_vs_start"] <= 0
+    # cuBLAS keeps a workspace made during the first capture (on the capture stream): a few MiB may stay
+    out["ok"] = (out["equal"] and intact and not out["eager_in_graph_memory"] and out["given_back"] > 0
+                 and out["left_over_vs_start"] < 64 << 20)
     return out
 
 

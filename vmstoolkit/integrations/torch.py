@@ -11,16 +11,34 @@ What a user gets (the drop-in contract, checked on the GPU by ``tests/gpu``):
   gets it once the work queued before the free has finished (:mod:`vmstoolkit.pools.streams`);
 - **record_stream**: ``tensor.record_stream(s)`` holds the memory until ``s``'s work is done;
 - **out of memory**: an allocation the allocator cannot serve raises ``torch.OutOfMemoryError``
-  (also inside ``backward()``), with the allocator's figures; the process goes on;
+  (also inside ``backward()``) whose message begins as PyTorch's own (``CUDA out of memory. Tried
+  to allocate 1.00 GiB. GPU 0 has a total capacity of ...``: what accelerate's batch-size finder,
+  Lightning and the HF Trainer match), then the allocator's figures; the process goes on;
 - **statistics**: every ``torch.cuda`` memory function, from the allocator (allocated: bytes of
   live requests; reserved: physical bytes mapped);
-- **snapshots**: ``handle.record_history()`` / ``handle.dump_snapshot(path)`` write PyTorch's
-  snapshot format, so a run under vmstoolkit can be replayed by vmstoolkit.
+- **CUDA graphs**: captures allocate from private pools with PyTorch's semantics
+  (:mod:`vmstoolkit.pools.graph_pools`): memory freed inside a pool serves only that pool until it
+  is released, pools can be shared, and cudagraph trees' live-allocation check and checkpoints
+  answer, so ``torch.compile(mode="reduce-overhead")`` runs;
+- **memory fraction**: ``torch.cuda.set_per_process_memory_fraction(f)`` caps the live bytes at
+  ``f`` of the device (a :class:`~vmstoolkit.pools.adaptors.LimitingAdaptor`; PyTorch caps what
+  it reserves), past which allocations raise ``torch.OutOfMemoryError``;
+- **snapshots**: PyTorch's own ``torch.cuda.memory._record_memory_history`` (``stacks="python"``,
+  ``max_entries``, ``enabled=None``), ``_snapshot``, ``_dump_snapshot`` and ``memory_snapshot()``
+  answer from the allocator in PyTorch's format (one writer:
+  :class:`~vmstoolkit.pools.adaptors.SnapshotLog`), which ``torch.cuda._memory_viz`` and
+  ``vmstoolkit replay`` read; ``handle.record_history()`` / ``handle.dump_snapshot(path)`` too;
+- **exit**: no call reaches Python once the interpreter finalizes (a late free is dropped).
+
+Beside this global route, :func:`use_pool` / :func:`mem_pool` give a ``torch.cuda.MemPool`` backed
+by any vmstoolkit allocator, for one part of a program, taken after CUDA is initialised (PyTorch's
+caching allocator then splits vmstoolkit's segments; see :func:`mem_pool` for what differs).
 
 These need the compiled shim (:mod:`~vmstoolkit.integrations.torch_shim`), built on first use by
 PyTorch's extension builder. Without a compiler the allocator still installs, with a one-line
-warning: then a failed allocation returns a null pointer (PyTorch does not check it), and
-statistics and ``record_stream`` come from Python-level patches that C++ callers do not see.
+warning: then a failed allocation returns a null pointer (PyTorch does not check it), statistics,
+``record_stream`` and the fraction come from Python-level patches that C++ callers do not see, and
+CUDA graphs get no private pools.
 
 Allocators whose class names a compiled hook (``paged``: :mod:`~vmstoolkit.integrations.native_torch`)
 serve PyTorch from compiled entry points; every other allocator through ``ctypes`` callbacks

@@ -397,16 +397,14 @@ struct VmsAllocator : public Base {
     auto state = std::dynamic_pointer_cast<PoolState>(pps);
     TORCH_CHECK(state != nullptr, "vmstoolkit: setCheckpointPoolState got a state it did not make");
     c10::cuda::CUDACachingAllocator::CheckpointDelta delta;
-    auto live = pool_blocks(device, state->pool);
-    for (const auto& kv : live) {  // live now, not at the checkpoint: back to the pool
-      auto at = state->live.find(kv.first);
-      if (at != state->live.end() && at->second.size == kv.second.size) continue;
+    // As PyTorch's allocator does: every block of the pool allocated now is freed (back to the
+    // pool), then every block allocated at the checkpoint is allocated again at its address, with
+    // a DataPtr PyTorch hands to the storages that live on (torch._C._cuda_setCheckpointPoolState).
+    for (const auto& kv : pool_blocks(device, state->pool)) {
       raw_delete(kv.first);
       delta.ptrs_freed.push_back(kv.first);
     }
-    for (const auto& kv : state->live) {  // live at the checkpoint, freed since: taken back at its address
-      auto now = live.find(kv.first);
-      if (now != live.end() && now->second.size == kv.second.size) continue;
+    for (const auto& kv : state->live) {
       const int ok = pool_event(device, state->pool, POOL_TAKE_BACK, kv.first, kv.second.size);
       TORCH_CHECK(ok == 1, "vmstoolkit: the pool's block at ", kv.first, " (", kv.second.size,
                   " bytes) is no longer the pool's; the checkpoint cannot be restored (the handle's last_error says why)");
