@@ -105,14 +105,33 @@ class CostModel:
                 h2d[v.gpu] += v.nbytes
             elif v.kind == "offload":
                 d2h[v.gpu] += v.nbytes
-        # one micro-batch through a pipeline of GPUs: compute is serial across them
-        compute = sum(comp) if mg.n_gpus > 1 else comp[0]
+        # one micro-batch through a pipeline of GPUs (GPU g + 1 reads what GPU g wrote, and
+        # nothing else crosses): compute is serial across them; GPUs that share no tensor (data
+        # parallel replicas) or any other layout: only each GPU's own compute is serial
+        compute = sum(comp) if _is_pipeline(mg) else max(comp)
         h2d_s = max(h2d) / self.h2d_bytes_per_s
         d2h_s = max(d2h) / self.d2h_bytes_per_s
         if self.host_link_bytes_per_s is not None:
             h2d_s = max(h2d_s, sum(h2d) / self.host_link_bytes_per_s)
             d2h_s = max(d2h_s, sum(d2h) / self.host_link_bytes_per_s)
         return {"compute_s": compute, "h2d_s": h2d_s, "d2h_s": d2h_s, "lower_bound_s": max(compute, h2d_s, d2h_s)}
+
+
+def _is_pipeline(mg) -> bool:
+    """Whether the graph's GPUs form a chain of stages: every vertex reads tensors of its own
+    GPU or of the one before, and each GPU after the first reads something of the one before."""
+    if mg.n_gpus == 1:
+        return True
+    g = mg.graph
+    feeds = set()
+    for v in g.vertices:
+        for t in v.inputs:
+            src = g.tensors[t].gpu
+            if src != v.gpu:
+                if src != v.gpu - 1:
+                    return False
+                feeds.add(v.gpu)
+    return feeds == set(range(1, mg.n_gpus))
 
 
 class SimBackend:
