@@ -115,3 +115,24 @@ def test_one_gpu_on_a_link_as_fast_as_its_own_runs_as_before():
     spans = [execute(mg, SimBackend(CostModel(host_link_bytes_per_s=link), seed=3), "event-driven").makespan_s
              for link in (None, 55e9, 1e12)]
     assert spans[0] == spans[1] == spans[2]
+
+
+def test_the_bound_of_gpus_that_share_nothing_is_the_busiest_gpu_not_their_sum():
+    from vmstoolkit.exec.graph import TaskGraph
+
+    g1 = build_llama(LlamaConfig(n_blocks=2, seq=512))
+    g = TaskGraph()
+    for i in range(2):  # two replicas, one per GPU, no tensor in common
+        tid = {t.id: g.tensor(f"r{i}.{t.name}", t.shape, t.dtype, i, t.kind) for t in g1.tensors}
+        for v in g1.vertices:
+            g.add(f"r{i}.{v.name}", v.op, [tid[t] for t in v.inputs], [tid[t] for t in v.outputs], gpu=i,
+                  params=v.params, views=v.views, flops=v.flops)
+    mg = compile_memory_graph(g, working_set(g))
+    cost = CostModel()
+    one = cost.lower_bound(compile_memory_graph(g1, working_set(g1)))["compute_s"]
+    assert cost.lower_bound(mg)["compute_s"] == pytest.approx(one)
+    r = execute(mg, SimBackend(cost, seed=0, jitter=0.0), "event-driven")
+    assert r.makespan_s < 2 * one  # the replicas ran side by side: a sum would not have been a bound
+    pipe = compile_memory_graph(tiny_llama(parts=1, n_gpus=2, n_blocks=4), 1 << 30)
+    comp = [sum(cost.duration(pipe, v) for v in pipe.vertices if v.stream == "compute" and v.gpu == k) for k in (0, 1)]
+    assert cost.lower_bound(pipe)["compute_s"] == pytest.approx(sum(comp))
