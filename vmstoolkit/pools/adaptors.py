@@ -41,9 +41,10 @@ from typing import Iterator, Mapping
 
 from vmstoolkit.errors import ConfigError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator, AllocatorStats
-from vmstoolkit.units import MiB, format_size, parse_size
+from vmstoolkit.pools.constants import SMALL_SIZE
+from vmstoolkit.units import format_size, parse_size
 
-SMALL_POOL_MAX = 1 * MiB
+SMALL_POOL_MAX = SMALL_SIZE
 """Requests up to this size count in the ``small_pool`` statistics, larger ones in ``large_pool``:
 PyTorch's caching allocator's boundary (``kSmallSize``), so ``memory_stats()`` reads alike."""
 
