@@ -141,6 +141,12 @@ class Allocator(ABC):
     """``"module:Class"`` of compiled entry points that serve PyTorch (see
     :func:`vmstoolkit.integrations.torch.make_handle`); None: Python callbacks serve it."""
 
+    recorded_settings_option: str | None = None
+    """The option that takes the allocator settings a snapshot recorded
+    (:func:`vmstoolkit.trace.settings.options_with_settings`): ``"config"`` for the PyTorch
+    simulations, which replay a trace under the settings it ran with; None: the allocator's own
+    options alone apply."""
+
     counts: Mapping[str, int] = MappingProxyType({})
     """How many requests each of the allocator's paths served (``{"exact": 3, "split": 1, ...}``
     for ``vms``); empty for an allocator with one path. Replay reports it as ``extra["paths"]``."""
