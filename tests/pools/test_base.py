@@ -130,3 +130,27 @@ def test_a_dropped_allocator_is_freed_at_once_not_by_the_cycle_collector(name):
     finally:
         if was:
             gc.enable()
+
+
+@pytest.mark.parametrize("name", allocator_names())
+@pytest.mark.parametrize("bad", ["x", None, 1.5, True, 2**70])
+def test_a_stream_that_is_no_handle_is_a_one_line_error_and_changes_nothing(name, bad):
+    """The attack pass of issue 37: a stream of "x", None or 1.5 was accepted by four allocators
+    (silently), raised TypeError in pytorch-expandable, and broke paged's state (its close then
+    failed); 2**70 overflowed paged's arrays."""
+    from vmstoolkit.errors import VmsError
+
+    a = make_allocator(name)
+    keep = a.allocate(3 * MiB, 7)
+    calls = [lambda: a.allocate(MiB, bad), lambda: a.record_stream(keep, bad)]
+    if bad is not None:  # free(addr, None): the allocation's own stream
+        calls.append(lambda: a.free(keep, bad))
+    for call in calls:
+        with pytest.raises(VmsError, match="stream") as e:
+            call()
+        assert "\n" not in str(e.value)
+    a._check()
+    assert a.live_allocations() == {keep: 3 * MiB}
+    a.free(keep, 7)
+    a.close()
+    assert a.driver.is_empty()

@@ -181,6 +181,7 @@ class Allocator(ABC):
             raise AllocatorClosedError(f"{self.name}: allocate({size!r}) after close(): the allocator is closed")
         if not isinstance(size, int) or isinstance(size, bool):
             raise InvalidSizeError(f"allocation size must be an integer, got {size!r}")
+        stream = self._stream(stream, "allocate")
         if size <= 0:
             raise InvalidSizeError(f"allocation size must be positive, got {size}")
         if size > self.driver.capacity:  # no allocator can serve it: say so before touching the driver
@@ -229,7 +230,7 @@ class Allocator(ABC):
         """
         if self._closed:
             raise AllocatorClosedError(f"{self.name}: free({addr!r:.60}) after close(): the allocator is closed")
-        self._free_live(self._address(addr, "free"), stream)
+        self._free_live(self._address(addr, "free"), None if stream is None else self._stream(stream, "free"))
 
     def _free_live(self, addr: int, stream: int | None = None) -> None:
         size = self._live.get(addr)
@@ -249,7 +250,7 @@ class Allocator(ABC):
     def record_stream(self, addr: int, stream: int) -> None:
         """Work on ``stream`` uses the live allocation at ``addr``: once freed, it is not reused
         before that work, as queued up to the free, has finished (``Tensor.record_stream``)."""
-        addr = self._address(addr, "record_stream")
+        addr, stream = self._address(addr, "record_stream"), self._stream(stream, "record_stream")
         if addr not in self._live:
             raise InvalidFreeError(f"record_stream of address {addr:#x}, which is not a live allocation")
         self._streams.record(addr, stream, self._streams.own_stream(addr))
@@ -260,6 +261,14 @@ class Allocator(ABC):
         if isinstance(addr, bool) or not isinstance(addr, numbers.Integral):
             raise InvalidFreeError(f"{self.name}: {call} of {addr!r:.60}: an address is an integer")
         return int(addr)
+
+    def _stream(self, stream, call: str) -> int:
+        """``stream`` as an ``int`` (a CUDA stream handle, as PyTorch passes it: 0 is the default
+        stream), or a one-line error for anything else: a string, None, a float, a bool, or a
+        value outside int64, which the compiled paths store."""
+        if isinstance(stream, bool) or not isinstance(stream, numbers.Integral) or not -(1 << 63) <= stream < (1 << 63):
+            raise InvalidSizeError(f"{self.name}: {call} on stream {stream!r:.60}: a stream is an int64 handle")
+        return int(stream)
 
     def _free_streamed(self, addr: int, size: int, stream: int | None) -> None:
         """Free now when no other stream's queued work can use the block; else hold it."""

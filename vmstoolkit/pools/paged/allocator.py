@@ -302,7 +302,7 @@ class PagedAllocator(Allocator):
         assert freed, f"paged: no live block at {addr:#x}"
 
     def record_stream(self, addr: int, stream: int) -> None:
-        addr = self._address(addr, "record_stream")
+        addr, stream = self._address(addr, "record_stream"), self._stream(stream, "record_stream")
         if addr not in self._live:
             raise InvalidFreeError(f"record_stream of address {addr:#x}, which is not a live allocation")
         self.record_block(addr, stream)
