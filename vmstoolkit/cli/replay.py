@@ -79,9 +79,9 @@ def replay_command(
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=err, transient=True, disable=not err.is_terminal) as progress:
         for path in paths:
-            digest = file_sha256(path)
             loaded = load_traces(path, device=load["gpu"], lenient=load["lenient"], max_bytes=load["max_bytes"],
                                  max_objects=load["max_objects"])
+            digest = file_sha256(path)  # after the load has checked the file: a 20 GB non-pickle fails at byte 0
             for trace in loaded:
                 for name in names:
                     task = progress.add_task(f"{Path(path).name} / gpu {trace.device} / {name}", total=None)

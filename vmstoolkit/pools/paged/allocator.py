@@ -43,7 +43,13 @@ import threading
 
 import numpy as np
 
-from vmstoolkit.errors import DriverError, DriverOutOfMemoryError, InvalidFreeError, OutOfMemoryError
+from vmstoolkit.errors import (
+    AllocatorClosedError,
+    DriverError,
+    DriverOutOfMemoryError,
+    InvalidFreeError,
+    OutOfMemoryError,
+)
 from vmstoolkit.pools.base import Allocator, CompiledReplay, ReplayArrays
 from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.paged import heap as H
@@ -235,6 +241,8 @@ class PagedAllocator(Allocator):
         methods: :mod:`vmstoolkit.pools.paged.replay`."""
         from vmstoolkit.pools.paged.replay import replay_paged
 
+        if self._closed:
+            raise AllocatorClosedError(f"{self.name}: compiled_replay after close(): the allocator is closed")
         return replay_paged(self, events)
 
     def _free(self, addr: int) -> None:
@@ -294,6 +302,7 @@ class PagedAllocator(Allocator):
         assert freed, f"paged: no live block at {addr:#x}"
 
     def record_stream(self, addr: int, stream: int) -> None:
+        addr = self._address(addr, "record_stream")
         if addr not in self._live:
             raise InvalidFreeError(f"record_stream of address {addr:#x}, which is not a live allocation")
         self.record_block(addr, stream)

@@ -22,7 +22,7 @@ driver is called far less for the same peak.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from vmstoolkit._jit import njit
 
 from vmstoolkit.errors import ConfigError
 from vmstoolkit.pools.constants import PAGED_MIN_BLOCKS as MIN_BLOCKS, SMALL_SIZE  # noqa: F401 - read here by the allocator
