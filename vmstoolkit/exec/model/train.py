@@ -8,8 +8,9 @@ where ``x`` is the checkpoint's embedding of the token ids and ``dout`` the grad
 loss would hand to the last block (random with the seed, or given). The embedding, the final
 norm and the LM head are not trained (their gradients are not in the graph), and every step of a
 run times the same step from the checkpoint's weights (updates are new tensors; the runtime never
-writes a value). Qwen2's q/k/v biases are not in the training graph: training a Qwen2 checkpoint
-is refused in one line.
+writes a value). Qwen2's q/k/v biases are in the LoRA graph, frozen (``bias_add`` after the
+projection: the gradient passes through unchanged); full fine-tuning would have to train them and
+is refused for Qwen2 in one line.
 
 Gradients: on the sim backend (small models) every run is compared with the float64 numpy
 reference (``max_abs_grad_err``); the tests compare them with torch.autograd on the tiny
@@ -45,10 +46,7 @@ TRAIN_LABELS = {"weights": "weights", "state": "optimizer state and inputs", "ou
 def train_config(ckpt: Checkpoint, seq: int) -> LlamaConfig:
     """The training graph's shape for ``seq`` positions of ``ckpt``'s blocks."""
     c = ckpt.config
-    if c.qkv_bias:
-        raise CheckpointError(f"{ckpt.folder.name}: training a {c.model_type} checkpoint is not supported: its q/k/v "
-                              f"biases are not in the training graph (generation runs it)")
-    return LlamaConfig(n_blocks=c.n_blocks, seq=seq, hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, ffn=c.ffn,
+    return LlamaConfig(qkv_bias=c.qkv_bias, n_blocks=c.n_blocks, seq=seq, hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, ffn=c.ffn,
                        eps=c.eps, rope_theta=c.rope_theta,
                        head_size=c.head_dim if c.head_dim * c.heads != c.hidden else None)
 
@@ -64,6 +62,8 @@ def hf_name(name: str) -> str | None:
         return f"model.layers.{blk[1:]}.{HF_PROJ[rest]}.weight"
     if rest in HF_NORM:
         return f"model.layers.{blk[1:]}.{HF_NORM[rest]}.weight"
+    if rest.endswith(".bias") and rest[:-5] in HF_PROJ:
+        return f"model.layers.{blk[1:]}.{HF_PROJ[rest[:-5]]}.bias"
     return None
 
 
@@ -129,6 +129,7 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
     stages = stages or Stages()
     if variant not in VARIANTS:
         raise InvalidOptionError(f"unknown variant {variant!r} (choose one of {', '.join(VARIANTS)})")
+
     backend = backend_kind(backend).value
     if n_gpus != 1:
         raise InvalidOptionError(f"--gpus {n_gpus}: the training graph runs on one GPU (pipeline stages are "
@@ -137,6 +138,10 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
         require_gpus(n_gpus)
     with stages.stage("loading the checkpoint"):
         ckpt = model if isinstance(model, Checkpoint) else load_model(model)
+        if ckpt.config.qkv_bias and variant == "full":
+            raise CheckpointError(f"{ckpt.folder.name}: full fine-tuning of a {ckpt.config.model_type} checkpoint is "
+                                  f"not supported: the graph does not train its q/k/v biases (--variant lora keeps "
+                                  f"them frozen)")
         cfg = train_config(ckpt, seq)
     with stages.stage("building the training graph"):
         tg = build_train_step(cfg, variant, rank=rank, adamw=adamw)
