@@ -3,7 +3,8 @@ whole run (:mod:`.graph`), run on the sim or the cuda backend.
 
 :func:`run_generate` yields one row per budget: the prompt and generated ids, the timings split
 at the prefill's last vertex (``prefill_s``: the prompt through the model up to the first new
-token; ``decode_s``: the rest), tokens per second of each, bytes moved each way, the plan's
+token, from the backend's spans; ``decode_s``: the rest of the makespan; both ``None`` on cuda
+with several GPUs, whose spans have a clock per GPU), tokens per second of each, bytes moved each way, the plan's
 peak GPU bytes and host bytes (:mod:`.host_plan`), compile seconds.
 
 Numerics. On cuda the kernels compute every token. On the sim backend the numpy kernels run when
@@ -154,10 +155,10 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
             res = _run_once(mg, backend, values, executor, seed, jitter, pool, first=gg.first_token_vertex,
                             outputs=[gg.logits, *gg.tokens] if numerics else None)
         makespan, prefill_s, lb, out = res
-        decode_s = makespan - prefill_s
+        decode_s = None if prefill_s is None else makespan - prefill_s
         row.update(makespan_s=makespan, prefill_s=prefill_s, decode_s=decode_s, lower_bound_s=lb,
-                   prefill_tokens_per_s=len(ids) / prefill_s if prefill_s > 0 else None,
-                   decode_tokens_per_s=(new_tokens - 1) / decode_s if new_tokens > 1 and decode_s > 0 else None)
+                   prefill_tokens_per_s=len(ids) / prefill_s if prefill_s else None,
+                   decode_tokens_per_s=(new_tokens - 1) / decode_s if new_tokens > 1 and decode_s else None)
         if out is not None:
             row["tokens"] = [int(out[t][0]) for t in gg.tokens]
             if logits == "all":
@@ -183,7 +184,9 @@ def _run_once(mg, backend, values, executor, seed, jitter, pool, first=-1, outpu
     try:
         res = execute(mg, be, executor)
         out = be.result(outputs) if outputs is not None else None
-        prefill = _prefill_end(mg, be, first) if first >= 0 else float("nan")
+        # the CUDA backend's spans count from each GPU's own first vertex: one GPU's are the run's clock
+        one_clock = backend == "sim" or mg.n_gpus == 1
+        prefill = _prefill_end(mg, be, first) if first >= 0 and one_clock else None
     finally:
         be.close()
     return res.makespan_s, prefill, lb, out

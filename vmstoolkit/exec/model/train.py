@@ -117,7 +117,8 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
               check_grads: bool | None = None, seed: int = 0, jitter: float = 0.0, adamw: AdamWConfig | None = None,
               token_ids=None, stages: Stages | None = None) -> Iterator[dict]:
     """Rows of ``experiment train-offload``'s keys (``budget``, ``executor``, ``variant``,
-    ``step_s`` (mean over the steps after the first), ``lower_bound_s``, ``offloaded_bytes``,
+    ``step_s`` (mean over the steps after the first; on cuda one untimed step before them all
+    compiles the kernels), ``lower_bound_s``, ``offloaded_bytes``,
     ``reloaded_bytes``, ``recomputed_flops``, ``plan_s``, ``max_abs_grad_err``), with the model,
     the host plan (:mod:`.host_plan`) and ``steps_s`` (every step), one per (budget, executor).
 
@@ -164,6 +165,7 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
               and ckpt.is_mapped(hf_name(t.name))}
     runner = _Sim(seed, jitter, check_grads) if backend == "sim" else _Cuda(check_grads)
     values = None
+    warm = False
     try:
         planned = []  # every budget planned and its host memory checked before anything is allocated
         for spec, budget in resolved:
@@ -189,6 +191,10 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
             if values is None and runner.needs_values:
                 with stages.stage("reading the weights"):
                     values = train_values(ckpt, tg, ids, seed=seed, copy=backend == "cuda")
+            if backend == "cuda" and not warm:
+                with stages.stage("JIT compiling the kernels (an untimed step)"):
+                    runner.run(plan, executors[0], values, 0)
+                warm = True
             for ex in executors:
                 spans, errs, lbs = [], [], []
                 with stages.stage(f"{steps} step(s) at {spec}, {ex}"):
