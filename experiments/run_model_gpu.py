@@ -226,6 +226,10 @@ def fsdp2_train(a) -> dict:
         fully_shard(layer, **policy)
     fully_shard(model.model, **policy)  # the root we call: the LM head takes no part in our loss
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    for mod in model.modules():  # buffers (the rotary table) are not FSDP's: they must sit where the compute is
+        for bname, buf in list(mod._buffers.items()):
+            if buf is not None:
+                mod._buffers[bname] = buf.to(dev)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opt_cfg.lr,
                             betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay)
     captured = {}
