@@ -5,7 +5,7 @@ whole run (:mod:`.graph`), run on the sim or the cuda backend.
 at the prefill's last vertex (``prefill_s``: the prompt through the model up to the first new
 token, from the backend's spans; ``decode_s``: the rest of the makespan; both ``None`` on cuda
 with several GPUs, whose spans have a clock per GPU), tokens per second of each, bytes moved each way, the plan's
-peak GPU bytes and host bytes (:mod:`.host_plan`), compile seconds.
+peak GPU bytes and host bytes (:mod:`vmstoolkit.exec.host_plan`), compile seconds.
 
 Numerics. On cuda the kernels compute every token. On the sim backend the numpy kernels run when
 the generation is small (at most :data:`SIM_NUMERICS_FLOPS`, or when asked); otherwise it
@@ -26,7 +26,7 @@ from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.experiment import BudgetSpec, require_gpus
 from vmstoolkit.exec.model.checkpoint import Checkpoint, load_model
 from vmstoolkit.exec.model.graph import build_generate
-from vmstoolkit.exec.model.host_plan import check_host_budget, default_host_budget, host_plan
+from vmstoolkit.exec.host_plan import check_host_budget, default_host_budget, host_plan
 from vmstoolkit.exec.model.progress import Stages
 
 SIM_NUMERICS_FLOPS = 5e10  # a few seconds of numpy
@@ -133,7 +133,8 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
                     raise
                 planned.append(({**row, "error": str(e)}, None))
                 continue
-        plan = host_plan(mg, mapped=mapped, pinned_copies=backend == "cuda", sim_numerics=backend == "sim" and numerics)
+        plan = host_plan(mg, mapped=mapped, pinned_copies=backend == "cuda", sim_numerics=backend == "sim" and numerics,
+                         materialized=numerics)
         check_host_budget(plan, hb)
         row.update(plan.as_row(), host_budget=hb, compile_s=stages.times[f"planning at {spec.text}"],
                    vertices=len(mg.vertices), peak_bytes=max(mg.peak_bytes), offloaded_bytes=mg.offloaded_bytes,

@@ -30,7 +30,7 @@ from vmstoolkit.exec.errors import BudgetTooSmallError, CheckpointError, Invalid
 from vmstoolkit.exec.experiment import require_gpus
 from vmstoolkit.exec.graph import LlamaConfig, TensorKind
 from vmstoolkit.exec.model.checkpoint import Checkpoint, load_model
-from vmstoolkit.exec.model.host_plan import check_host_budget, default_host_budget, host_plan
+from vmstoolkit.exec.host_plan import TRAIN_LABELS, check_host_budget, default_host_budget, host_plan
 from vmstoolkit.exec.model.progress import Stages
 from vmstoolkit.exec.plan_cache import Plan
 from vmstoolkit.exec.train_experiment import SIM_CHECK_FLOPS, parse_budget
@@ -39,8 +39,6 @@ from vmstoolkit.exec.train_graph import VARIANTS, AdamWConfig, TrainGraph, build
 HF_PROJ = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
            "wg": "mlp.gate_proj", "wu": "mlp.up_proj", "wd": "mlp.down_proj"}
 HF_NORM = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-TRAIN_LABELS = {"weights": "weights", "state": "optimizer state and inputs", "outputs": "updated weights and moments",
-                "offload": "offloaded activations and gradients"}
 
 
 def train_config(ckpt: Checkpoint, seq: int) -> LlamaConfig:
@@ -120,7 +118,7 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
     ``step_s`` (mean over the steps after the first; on cuda one untimed step before them all
     compiles the kernels), ``lower_bound_s``, ``offloaded_bytes``,
     ``reloaded_bytes``, ``recomputed_flops``, ``plan_s``, ``max_abs_grad_err``), with the model,
-    the host plan (:mod:`.host_plan`) and ``steps_s`` (every step), one per (budget, executor).
+    the host plan (:mod:`vmstoolkit.exec.host_plan`) and ``steps_s`` (every step), one per (budget, executor).
 
     ``budgets``: sizes or fractions in (0, 1] of the step's working set. ``host_budget``: bytes,
     None (no check) or -1 (the default: available memory less a margin); a plan above it is
@@ -179,7 +177,7 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
             plan = Plan(seq, tg, mg, time.perf_counter() - t0)
             hp = host_plan(mg, mapped=mapped, pinned_copies=backend == "cuda",
                            sim_numerics=backend == "sim" and check_grads,
-                           reference=backend == "cuda" and check_grads)
+                           reference=backend == "cuda" and check_grads, materialized=runner.needs_values)
             check_host_budget(hp, hb, labels=TRAIN_LABELS)
             planned.append((spec, budget, plan, hp, None))
         for spec, budget, plan, hp, error in planned:
