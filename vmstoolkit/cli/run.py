@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail, size_option
+from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail, host_budget_option
 
 
 class Variant(str, Enum):
@@ -30,15 +30,6 @@ HostOpt = Annotated[Optional[str], typer.Option("--host-budget", metavar="SIZE",
 FormatOpt = Annotated[OutputFormat, typer.Option("--format", help="table, json (JSON lines) or csv.")]
 GpusOpt = Annotated[int, typer.Option("--gpus", min=1, help="GPUs of one machine (generation splits the blocks into pipeline stages).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the drawn prompt or tokens, dout, LoRA adapters and the simulated jitter.")]
-
-
-def _host_budget(text: str | None) -> int | None:
-    """-1 (the default: available memory less a margin), None for 'none', else bytes."""
-    if text is None:
-        return -1
-    if text.strip().lower() == "none":
-        return None
-    return size_option(text, "--host-budget")
 
 
 def _prompt_ids(text: str | None) -> list[int] | None:
@@ -90,7 +81,7 @@ def generate_command(
     stages = Stages(enabled=True)
     rows = list(run_generate(model, prompt_ids=ids, prompt_len=prompt_len or 2048,
                              new_tokens=new_tokens, budgets=specs, backend=backend.value, n_gpus=gpus,
-                             host_budget=_host_budget(host_budget), executor=executor.value, seed=seed, stages=stages))
+                             host_budget=host_budget_option(host_budget), executor=executor.value, seed=seed, stages=stages))
     stages.note(f"first row after {stages.elapsed():.1f} s")
     emit_rows(rows, format, _generate_table)
 
@@ -120,7 +111,7 @@ def train_command(
     exs = tuple(e.value for e in (executor or list(Executor)))
     stages = Stages(enabled=True)
     rows = list(run_train(model, variant=variant.value, budgets=[s.text for s in specs], seq=seq, steps=steps,
-                          rank=rank, backend=backend.value, n_gpus=gpus, host_budget=_host_budget(host_budget),
+                          rank=rank, backend=backend.value, n_gpus=gpus, host_budget=host_budget_option(host_budget),
                           executors=exs, check_grads=check_grads, seed=seed, stages=stages))
     stages.note(f"first row after {stages.elapsed():.1f} s")
     emit_rows(rows, format, _train_table)

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail
+from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail, host_budget_option
 
 
 class Variant(str, Enum):
@@ -47,6 +47,7 @@ def train_offload_command(
     check_grads: Annotated[bool | None, typer.Option("--check-grads/--no-check-grads", help="Compare gradients with the reference (default: on cuda, and on sim for small models).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the values, the lengths and the simulated jitter.")] = 0,
     recompute: Annotated[bool, typer.Option("--recompute/--no-recompute", help="Drop RMSNorm and SwiGLU outputs under memory pressure and rerun them before their backward use, instead of offloading them.")] = False,
+    host_budget: Annotated[str | None, typer.Option("--host-budget", metavar="SIZE", help="Host memory the run may use (default: available RAM less max(10%, 2 GiB)); 'none' turns the check off. A plan above it is refused before anything is allocated.", show_default=False)] = None,
     schedule: Annotated[Path | None, typer.Option(help="Folder for each budget's schedule of the last step, both executors one above the other (schedule_<bytes>B.png and .json); on cuda every vertex is timed with CUDA events.")] = None,
 ) -> None:
     """Run a training step at each budget with the event-driven and the fixed-order executors;
@@ -61,7 +62,8 @@ def train_offload_command(
     cfg = LlamaConfig(n_blocks=blocks, hidden=hidden, heads=heads, kv_heads=kv_heads or heads, ffn=ffn)
     rows = run_train_experiment(backend.value, variant.value, tuple(budget or ("0.5", "0.25")), config=cfg,
                                 seq=seq, seq_range=rng, steps=steps, rank=rank, seed=seed,
-                                check_grads=check_grads, recompute=recompute, schedule_dir=schedule)
+                                check_grads=check_grads, recompute=recompute, schedule_dir=schedule,
+                                host_budget=host_budget_option(host_budget))
     emit_rows(rows, format, _table)
 
 
