@@ -50,14 +50,13 @@ from numba import cuda, float32, uint16
 from vmstoolkit.errors import KernelError
 
 from . import _mma, mma_layout
-from ._util import check_ndim, simulating
+from ._util import check_ndim, simulating, sm_count
 from .gemm import LAYOUTS, copy_fill, zero_fill
 
 BK = 32  # the default k depth of a staged slice (two mma k steps)
 STATIC_SMEM = 48 * 1024  # a kernel's static shared memory at most
 MAX_SMEM = 227 * 1024  # the H200's (sm_90) dynamic shared memory per block at most
 CHUNK = 8  # bf16 elements per 16-byte chunk (one cp.async, one ldmatrix row)
-SM_COUNT_SIM = 132  # the H200's; only where no device can be asked (the simulator)
 
 
 @dataclass(frozen=True)
@@ -360,13 +359,6 @@ def _b16(name: str, a) -> None:
     if np.dtype(a.dtype) not in (np.dtype(np.uint16), np.dtype(np.int16)):
         raise KernelError(f"{name} must hold bf16 bits as uint16 or int16, got dtype={np.dtype(a.dtype)} "
                           f"(shape={tuple(a.shape)})")
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the current device (the simulator: the H200's 132)."""
-    if simulating():
-        return SM_COUNT_SIM
-    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 MIN_SPLIT_SLICES = 8  # each split at least this many BK slices deep
