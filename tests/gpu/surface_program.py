@@ -296,6 +296,20 @@ def mempool(handle) -> dict:
     return out
 
 
+def barrier(timeout: float = 180.0) -> None:
+    """Wait until VMSTOOLKIT_SURFACE_BARRIER_N processes have reached this point
+    (VMSTOOLKIT_SURFACE_BARRIER: a shared folder); nothing without it."""
+    import time
+
+    where, n = os.environ.get("VMSTOOLKIT_SURFACE_BARRIER"), int(os.environ.get("VMSTOOLKIT_SURFACE_BARRIER_N", "0"))
+    if not where or n <= 1:
+        return
+    Path(where, str(os.getpid())).touch()
+    t0 = time.monotonic()
+    while len(os.listdir(where)) < n and time.monotonic() - t0 < timeout:
+        time.sleep(0.2)
+
+
 def exit_case(handle) -> dict:
     """The program of issue 34 item 6: torch.compile'd training, a CUDA graph, a device filled until
     it refuses, threads; the exit status is the test's (and VMSTOOLKIT_SHIM_TRACE counts late calls)."""
@@ -316,6 +330,8 @@ def exit_case(handle) -> dict:
     with torch.cuda.graph(g):
         y = m(x)
     g.replay()
+    torch.cuda.synchronize()
+    barrier()  # processes run side by side: fill the device only once all of them are past compiling
     hog, refused = [], False
     try:
         while True:
