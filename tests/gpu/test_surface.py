@@ -35,10 +35,13 @@ PARALLEL = int(os.environ.get("VMSTOOLKIT_SURFACE_PARALLEL", "8"))
 
 
 def launch(case, name, opts, env=None):
+    shim_env = {k: v for k, v in (env or {}).items() if k.startswith("VMSTOOLKIT_SHIM")}
     env = dict(os.environ, **(env or {}))
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # many processes compile at once
-    env["VMSTOOLKIT_SHIM_TRACE"] = "1" if case == "exit" else ""
+    env.pop("VMSTOOLKIT_SHIM_TRACE", None)
+    if case == "exit":
+        env["VMSTOOLKIT_SHIM_TRACE"] = "1"  # the shim says how many calls came after Python finalized
     t0 = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, "-X", "faulthandler", str(PROGRAM), case, name, *opts],
@@ -48,7 +51,7 @@ def launch(case, name, opts, env=None):
         rc, out, err = "timeout", e.stdout or "", (e.stderr or "") if isinstance(e.stderr, str) else ""
     lines = [ln for ln in (out or "").strip().splitlines() if ln.startswith("{")]
     r = json.loads(lines[-1]) if lines else {"case": case, "allocator": name, "ok": False}
-    r.update(returncode=rc, seconds=round(time.perf_counter() - t0, 1), options=list(opts),
+    r.update(returncode=rc, seconds=round(time.perf_counter() - t0, 1), options=list(opts), shim_env=shim_env,
              stderr_tail=(err or "")[-1500:])
     sink = os.environ.get("VMSTOOLKIT_SURFACE_OUT")
     if sink:
