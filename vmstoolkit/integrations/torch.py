@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -473,22 +472,7 @@ def install(allocator: str = "vms", *, shim: bool = True, **options) -> HookBase
         raise IntegrationError(f"PyTorch refused the allocator ({e}); install it before the first CUDA allocation") from None
     _patch_history_api(torch, handle)
     _INSTALLED = handle
-    _resume_recording(handle)
     return handle
-
-
-RECORDING_ENV = "VMSTOOLKIT_RECORDING"
-"""Set by ``vmstoolkit record`` in the process it records (``PID:STACKS:MAX_ENTRIES``): PyTorch's
-history was asked for before any allocator was installed, so :func:`install` takes it over."""
-
-
-def _resume_recording(handle: HookBase) -> None:
-    pid, _, rest = os.environ.get(RECORDING_ENV, "").partition(":")
-    if pid != str(os.getpid()):
-        return
-    stacks, _, max_entries = rest.partition(":")
-    handle.record_history(True, max_entries=int(max_entries or 1_000_000),
-                          stacks="python" if stacks in ("python", "all") else None, keep="last")
 
 
 def _patch_history_api(torch, handle: HookBase) -> None:
@@ -505,7 +489,7 @@ def _patch_history_api(torch, handle: HookBase) -> None:
     def record(enabled, context="all", stacks="all", max_entries=sys.maxsize, clear_history=False,
                compile_context=False, global_record_annotations=False, skip_actions=()):
         if enabled not in (None, "state", "all"):
-            raise ValueError(f"enabled must be None, 'state' or 'all', got {enabled!r}")
+            raise ConfigError(f"enabled must be None, 'state' or 'all', got {enabled!r}")
         handle.record_history(enabled is not None, max_entries=max(1, int(max_entries)), clear=bool(clear_history),
                               stacks="python" if context else None, trace=enabled == "all", keep="last")
         if handle.history is not None:
