@@ -45,10 +45,10 @@ def compare_command(
             fail(f"no such trace file: {p}")
     rows, sites = [], {}
     for p in traces:
-        digest = file_sha256(p)
-        for n in names:
-            r = replay_one(p, n, capacity=cap, options=options[n])
-            rows.append(replay_row(r, source=str(p), source_sha256=digest, capacity=cap, options=options[n]))
+        results = [replay_one(p, n, capacity=cap, options=options[n]) for n in names]
+        digest = file_sha256(p)  # after the load has checked the file
+        rows += [replay_row(r, source=str(p), source_sha256=digest, capacity=cap, options=options[n])
+                 for r, n in zip(results, names)]
         sites[str(p)] = peak_sites(load_snapshot_dict(p), top=top)[1]
     ref = rows[0]
     for r in rows:

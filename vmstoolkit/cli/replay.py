@@ -67,7 +67,7 @@ def replay_command(
     check_allocators(names)
     cap = size_option(capacity, "--capacity")
     load = load_options(gpu, lenient, max_bytes, max_objects)
-    options = allocator_options(option, names, cap)
+    options = allocator_options(option, names, cap, device)
     paths = list(traces) if traces else bundled_trace_paths()
     for p in paths:
         if not Path(p).exists():
@@ -79,9 +79,9 @@ def replay_command(
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=err, transient=True, disable=not err.is_terminal) as progress:
         for path in paths:
-            digest = file_sha256(path)
             loaded = load_traces(path, device=load["gpu"], lenient=load["lenient"], max_bytes=load["max_bytes"],
                                  max_objects=load["max_objects"])
+            digest = file_sha256(path)  # after the load has checked the file: a 20 GB non-pickle fails at byte 0
             for trace in loaded:
                 for name in names:
                     task = progress.add_task(f"{Path(path).name} / gpu {trace.device} / {name}", total=None)
@@ -134,13 +134,12 @@ def replay_table(rows: list[dict], oom_exit_code: int = OOM_EXIT_CODE) -> Table:
 def allocators_command() -> None:
     """List the allocators, what each one is, and the options it takes."""
     from vmstoolkit.pools import describe_allocators
-    from vmstoolkit.pools.options import OPTIONS
+    from vmstoolkit.pools.registry import options_class
 
     t = Table(title="Allocators")
     t.add_column("name", no_wrap=True)
     t.add_column("what it is", overflow="fold")
     t.add_column("options (-o KEY=VALUE)", overflow="fold")
     for name, desc in describe_allocators().items():
-        cls = OPTIONS.get(name)
-        t.add_row(name, desc, ", ".join(cls.keys()) if cls else "")
+        t.add_row(name, desc, ", ".join(options_class(name).keys()))
     console().print(t)

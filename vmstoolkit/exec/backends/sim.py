@@ -175,7 +175,12 @@ class SimBackend:
             missing = [t.name for t in mg.graph.tensors if t.kind.value != "activation" and t.id not in self.values]
             if missing:
                 raise InvalidOptionError(f"numerics need host values of {missing[:5]}")
-            self.regions = [np.zeros(mg.budget, dtype=np.uint8) for _ in range(mg.n_gpus)]
+            # each GPU's region up to the highest byte the plan places (not the whole budget: a
+            # 24 GiB budget for a model of kilobytes would ask the host for 24 GiB)
+            top = [0] * mg.n_gpus
+            for b in mg.buffers:
+                top[b.gpu] = max(top[b.gpu], b.offset + b.size)
+            self.regions = [np.zeros(n, dtype=np.uint8) for n in top]
             self.host = {t: np.array(a) for t, a in self.values.items()}
             for b in mg.preloaded:
                 self._view(b)[...] = self.host[mg.buffers[b].tensor]
