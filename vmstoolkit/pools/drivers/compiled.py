@@ -182,8 +182,9 @@ def _map(S, H, R, M, va, size, h, offset):
     if nm >= M.shape[0]:
         return GROW
     i = _bisect_right(M, nm, va)
-    if i < nm:
-        M[i + 1:nm + 1] = M[i:nm].copy()
+    for j in range(nm, i, -1):  # make room at i, from the end (in place, no temporary)
+        for c in range(5):
+            M[j, c] = M[j - 1, c]
     M[i, M_START] = va
     M[i, M_SIZE] = size
     M[i, M_HANDLE] = h
@@ -216,7 +217,9 @@ def _unmap(S, H, M, va, size):
             H[h, H_STATE] = 0
             S[S_LIVE_HB] -= H[h, H_SIZE]
     k = last - first
-    M[first:nm - k] = M[last:nm].copy()
+    for j in range(first, nm - k):  # close the gap, from the front (in place)
+        for c in range(5):
+            M[j, c] = M[j + k, c]
     S[S_NM] = nm - k
     return OK
 
