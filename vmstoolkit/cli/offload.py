@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from vmstoolkit.cli.common import OutputFormat, emit_rows, fail
+from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail
 from vmstoolkit.errors import VmsError
 from vmstoolkit.units import format_size
-
-
-class Backend(str, Enum):
-    sim = "sim"
-    cuda = "cuda"
 
 
 def offload_command(

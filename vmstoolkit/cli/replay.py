@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from vmstoolkit.cli.common import (
-    OOM_EXIT_CODE, OutputFormat, allocator_options, check_allocators, console, fail, json_lines, load_options, rows_to_csv,
+    OOM_EXIT_CODE, Device, OutputFormat, allocator_options, check_allocators, console, emit_rows, fail, load_options,
     size_option,
 )
 from vmstoolkit.units import format_size
@@ -41,8 +41,8 @@ def replay_command(
     capacity: Annotated[Optional[str], typer.Option(
         metavar="SIZE", help="Device memory for the simulated driver, e.g. 80GiB (default 141GiB, an H200).")] = None,
     fmt: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
-    device: Annotated[str, typer.Option(
-        metavar="sim|cuda", help="Driver: 'sim' (simulated, default) or 'cuda' (really map GPU memory).")] = "sim",
+    device: Annotated[Device, typer.Option(
+        help="Driver: 'sim' (simulated, default) or 'cuda' (really map GPU memory).")] = Device.sim,
     touch: Annotated[bool, typer.Option(help="Write every allocation once (memset) to prove it is mapped.")] = False,
     option: Annotated[Optional[list[str]], typer.Option("--option", "-o", metavar="[ALLOC:]KEY=VALUE",
                                                         help=OPTION_HELP)] = None,
@@ -66,15 +66,14 @@ def replay_command(
     names = list(allocator or ["vms"])
     check_allocators(names)
     cap = size_option(capacity, "--capacity")
-    if device not in ("sim", "cuda"):
-        fail(f"unknown device {device!r} (choose 'sim' or 'cuda')", code=2)
     load = load_options(gpu, lenient, max_bytes, max_objects)
-    options = allocator_options(option, names, cap)
+    options = allocator_options(option, names, cap, device)
     paths = list(traces) if traces else bundled_trace_paths()
     for p in paths:
         if not Path(p).exists():
             fail(f"no such trace file: {p}")
-    row_capacity = (cap or DEFAULT_CAPACITY) if device == "sim" else None
+    device = Device(device)
+    row_capacity = (cap or DEFAULT_CAPACITY) if device is Device.sim else None
     err = console(stderr=True)
     rows = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -86,17 +85,12 @@ def replay_command(
             for trace in loaded:
                 for name in names:
                     task = progress.add_task(f"{Path(path).name} / gpu {trace.device} / {name}", total=None)
-                    result = replay_trace(trace, name, capacity=cap, device=device, touch=touch, options=options[name],
+                    result = replay_trace(trace, name, capacity=cap, device=device.value, touch=touch, options=options[name],
                                           progress=lambda done, total, t=task: progress.update(t, completed=done, total=total))
                     progress.remove_task(task)
                     rows.append(result_row(result, source=str(path), source_sha256=digest, capacity=row_capacity,
                                            options=options[name]))
-    if fmt is OutputFormat.json:
-        typer.echo(json_lines(rows), nl=False)
-    elif fmt is OutputFormat.csv:
-        typer.echo(rows_to_csv(rows), nl=False)
-    else:
-        console().print(replay_table(rows, oom_exit_code))
+    emit_rows(rows, fmt, lambda rows: replay_table(rows, oom_exit_code))
     if oom_exit_code and any(r["oom"] for r in rows):
         raise typer.Exit(code=oom_exit_code)
 
@@ -140,13 +134,12 @@ def replay_table(rows: list[dict], oom_exit_code: int = OOM_EXIT_CODE) -> Table:
 def allocators_command() -> None:
     """List the allocators, what each one is, and the options it takes."""
     from vmstoolkit.pools import describe_allocators
-    from vmstoolkit.pools.options import OPTIONS
+    from vmstoolkit.pools.registry import options_class
 
     t = Table(title="Allocators")
     t.add_column("name", no_wrap=True)
     t.add_column("what it is", overflow="fold")
     t.add_column("options (-o KEY=VALUE)", overflow="fold")
     for name, desc in describe_allocators().items():
-        cls = OPTIONS.get(name)
-        t.add_row(name, desc, ", ".join(cls.keys()) if cls else "")
+        t.add_row(name, desc, ", ".join(options_class(name).keys()))
     console().print(t)

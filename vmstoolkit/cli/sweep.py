@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from vmstoolkit.cli.common import OutputFormat, check_allocators, emit_rows, fail, parse_options, size_option
+from vmstoolkit.cli.common import OutputFormat, check_allocators, emit_rows, fail, option_value, size_option
 from vmstoolkit.errors import VmsError
 from vmstoolkit.units import format_size
 
@@ -17,10 +17,12 @@ from vmstoolkit.units import format_size
 UNSPLIT_KEYS = ("config",)
 
 
-def parse_grid(items: list[str] | None) -> dict[str, list]:
-    """``["reuse_max_ratio=1,2", "stitched_prefix=true,false"]`` -> ``{"reuse_max_ratio": [1, 2],
-    "stitched_prefix": [True, False]}``; values converted as ``-o`` converts them. Repeating a key
-    adds values; ``config=`` values are not split (PyTorch's string has commas: repeat it)."""
+def parse_grid(items: list[str] | None, names: list[str] | None = None) -> dict[str, list]:
+    """``["reuse_max_ratio=1,2", "stitched_prefix=true,false"]`` -> ``{"reuse_max_ratio": [1.0, 2.0],
+    "stitched_prefix": [True, False]}``; each value converted and checked as ``-o KEY=VALUE`` is for
+    the allocators ``names`` (default: vms). Repeating a key adds values; ``config=`` values are not
+    split (PyTorch's string has commas: repeat it)."""
+    names = names or ["vms"]
     grid: dict[str, list] = {}
     for item in items or []:
         key, sep, values = item.partition("=")
@@ -31,7 +33,7 @@ def parse_grid(items: list[str] | None) -> dict[str, list]:
         for v in parts:
             if not v.strip():
                 fail(f"--grid {item!r}: an empty value", code=2)
-            value = parse_options([f"{key}={v}"])[key]
+            value = option_value(key, v, names)
             if value in grid.setdefault(key, []):
                 fail(f"--grid {item!r}: {key}={v} is given twice", code=2)
             grid[key].append(value)
@@ -67,7 +69,7 @@ def sweep_command(
     if jobs is not None and jobs < 1:
         fail(f"--jobs must be at least 1, got {jobs}", code=2)
     cap = size_option(capacity, "--capacity")
-    options_grid = parse_grid(grid)
+    options_grid = parse_grid(grid, names)
     paths = snapshot_paths(traces) if traces else bundled_trace_paths()
     if not paths:
         fail(f"no snapshots (.pickle, .pickle.gz) in {', '.join(map(str, traces or []))}", code=2)

@@ -9,12 +9,7 @@ from typing import Annotated
 
 import typer
 
-from vmstoolkit.cli.common import OutputFormat, emit_rows, fail
-
-
-class Backend(str, Enum):
-    sim = "sim"
-    cuda = "cuda"
+from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail
 
 
 class Variant(str, Enum):
