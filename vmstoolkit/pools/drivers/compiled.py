@@ -30,8 +30,8 @@ move of the mappings after the one inserted or removed (a memmove of at most a f
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from vmstoolkit._jit import njit
 from vmstoolkit.errors import DriverError, DriverOutOfMemoryError
 from vmstoolkit.pools.drivers.base import Handle
 from vmstoolkit.pools.drivers.sim import GRANULARITY, VA_BASE, SimulatedDriver
