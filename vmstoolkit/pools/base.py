@@ -295,6 +295,54 @@ class Allocator(ABC):
         """Bytes of live requests now (no stats object). Runtime complexity: O(1)."""
         return self._allocated
 
+    # -- bookkeeping for compiled paths ----------------------------------------------------
+    COUNTERS = ("allocated", "peak_allocated", "count", "peak_count", "total_allocs", "total_frees", "total_bytes")
+    """The request counters, in the order :meth:`export_counters` lays them out."""
+
+    def export_counters(self) -> np.ndarray:
+        """The request counters as a fresh int64 array laid out as :data:`COUNTERS`, for a
+        compiled path that serves requests outside :meth:`allocate` and :meth:`free` (``paged``'s
+        compiled replay) to keep while it runs; it hands them back with :meth:`report_compiled`.
+        Cost: O(1)."""
+        return np.array([self._allocated, self._peak_allocated, len(self._live), self._peak_count,
+                         self._total_allocs, self._total_frees, self._total_bytes], np.int64)
+
+    def stream_home(self) -> int | None:
+        """The one stream seen so far (``None`` before the first request), which a compiled
+        path needs to tell a single-stream run from a multi-stream one."""
+        return self._streams.home
+
+    def block_streams(self) -> dict[int, int]:
+        """address -> stream of every block the stream bookkeeping places off :meth:`stream_home` (a copy)."""
+        return dict(self._streams.stream_of)
+
+    def report_compiled(self, counters, *, live: dict[int, int], stream_of: dict[int, int], home: int | None,
+                        freed: list[int]) -> None:
+        """Take back what a compiled path did, as if every request had gone through
+        :meth:`allocate` and :meth:`free`: ``counters`` (:data:`COUNTERS`; the live count is
+        ``len(live)``), every live allocation (address -> requested size, in allocation order),
+        the stream of each one not on ``home``, ``home`` itself, and the addresses freed, oldest
+        first (the latest :data:`_FREED_MEMORY` are remembered to name a double free).
+        Cost: O(live + freed)."""
+        (self._allocated, self._peak_allocated, _, self._peak_count, self._total_allocs, self._total_frees,
+         self._total_bytes) = (int(x) for x in counters[:7])
+        self._live = live
+        self._streams.home = home
+        self._streams.stream_of = stream_of
+        rf = self._recently_freed
+        for p in list(rf):
+            if p in live:
+                del rf[p]
+        for p in freed:
+            rf.pop(p, None)
+            rf[p] = None
+        while len(rf) > _FREED_MEMORY:
+            rf.popitem(last=False)
+
+    def note_oom(self) -> None:
+        """Count an out-of-memory failure met on a compiled path (as :meth:`allocate` counts its own)."""
+        self._num_ooms += 1
+
     def size_of(self, addr: int) -> int:
         """The requested size of the live allocation at ``addr``. Runtime complexity: O(1)."""
         addr = self._address(addr, "size_of")
