@@ -10,7 +10,7 @@ traces (``--synthetic KIND:STEPS``, steady state: the driver's work is done in t
   ``pytorch-caching`` measured in the same run;
 - ``paged (compiled)``: the same replay through ``paged``'s compiled path
   (:meth:`~vmstoolkit.pools.base.Allocator.compiled_replay`), whose results are the same to the
-  byte (``tests/pools/test_paged_replay.py``); ``loop ev/s`` is events over the time spent in
+  byte (``tests/pools/paged/test_paged_replay.py``); ``loop ev/s`` is events over the time spent in
   compiled code alone (the rest is the simulated driver's work, in Python, shared with the
   Python replay).
 

@@ -10,9 +10,6 @@ from __future__ import annotations
 import signal
 import sys
 
-INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process ended by Ctrl-C
-
-
 def interrupted() -> None:
     """Say so in one line and exit with status 130; a second Ctrl-C while exiting is ignored."""
     try:
@@ -21,7 +18,7 @@ def interrupted() -> None:
         pass
     sys.stderr.write("error: interrupted\n")
     sys.stderr.flush()
-    raise SystemExit(INTERRUPTED)
+    raise SystemExit(130)  # vmstoolkit.cli.INTERRUPTED, which may not be imported yet
 
 
 def main() -> None:
@@ -32,7 +29,7 @@ def main() -> None:
     except KeyboardInterrupt:
         interrupted()
     except SystemExit as e:
-        if e.code == INTERRUPTED:  # the CLI said so already (vmstoolkit.cli.Group.invoke)
+        if e.code == 130:  # vmstoolkit.cli.INTERRUPTED: the CLI said so already (Group.invoke)
             try:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
             except ValueError:

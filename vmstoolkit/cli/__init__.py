@@ -19,8 +19,9 @@ from typing import Annotated
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
-from vmstoolkit.__main__ import INTERRUPTED
 from vmstoolkit.errors import VmsError
+
+INTERRUPTED = 130  # exit status on Ctrl-C: 128 + SIGINT, what a shell reports for a process it ended
 
 
 _LABELS = {"int": "INTEGER", "str": "TEXT", "float": "FLOAT", "Path": "PATH", "bool": ""}
@@ -171,8 +172,10 @@ _register()
 
 
 def main() -> None:
-    """The ``vmstoolkit`` command (errors: :meth:`Group.invoke`; the entry point is
-    :func:`vmstoolkit.__main__.main`, which also covers Ctrl-C while this module imports)."""
-    from vmstoolkit.__main__ import main as _main
-
-    _main()
+    """The old entry point (``vmstoolkit.cli:main``); :func:`vmstoolkit.__main__.main` is the
+    command's, and covers Ctrl-C while this module imports as well. Errors: :meth:`Group.invoke`."""
+    try:
+        app()
+    except KeyboardInterrupt:  # outside a command (Typer's own start-up and exit)
+        typer.secho("error: interrupted", err=True, fg="red")
+        raise SystemExit(INTERRUPTED) from None

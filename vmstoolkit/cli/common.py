@@ -29,6 +29,20 @@ class OutputFormat(str, Enum):
     csv = "csv"
 
 
+class Device(str, Enum):
+    """Where the work runs, for every command that asks: ``sim`` (simulated, any machine) or
+    ``cuda`` (the GPU). ``replay --device`` picks the driver with it
+    (:func:`~vmstoolkit.pools.drivers.make_driver`), the experiments' ``--backend`` the runtime's
+    backend (:func:`~vmstoolkit.exec.backends.make_backend`); the values are the kinds both take."""
+
+    sim = "sim"
+    cuda = "cuda"
+
+
+Backend = Device
+"""The experiments' ``--backend`` type: the same choices as ``--device``."""
+
+
 def fail(message: str, code: int = 1) -> None:
     """Print one error line and exit: the CLI's only way out on a user error."""
     typer.secho(f"error: {message}", err=True, fg="red")
@@ -133,7 +147,8 @@ def check_output_file(path: Path, what: str = "--out") -> None:
 def emit_rows(rows: list[dict], fmt: OutputFormat, table) -> None:
     """Print ``rows`` as JSON lines, CSV, or a table: ``table(rows)`` either returns a rich
     renderable (printed here; a table that is piped or captured gets 200 columns instead of being
-    squeezed into 80) or prints itself and returns None."""
+    squeezed into 80: :func:`console`) or prints itself and returns None. Every command that prints
+    rows prints them here."""
     if fmt is OutputFormat.json:
         typer.echo(json_lines(rows), nl=False)
     elif fmt is OutputFormat.csv:
@@ -141,12 +156,7 @@ def emit_rows(rows: list[dict], fmt: OutputFormat, table) -> None:
     else:
         rendered = table(rows)
         if rendered is not None:
-            from rich.console import Console
-
-            out = Console()
-            if not out.is_terminal:
-                out = Console(width=200)
-            out.print(rendered)
+            console().print(rendered)
 
 
 def load_options(gpu: int | None, lenient: bool, max_bytes: str | None, max_objects: int | None) -> dict:
@@ -160,6 +170,6 @@ def load_options(gpu: int | None, lenient: bool, max_bytes: str | None, max_obje
             "max_objects": max_objects}
 
 
-__all__ = ["OutputFormat", "OOM_EXIT_CODE", "load_options", "fail", "console", "size_option", "parse_options", "allocator_options",
+__all__ = ["OutputFormat", "Device", "Backend", "OOM_EXIT_CODE", "load_options", "fail", "console", "size_option", "parse_options", "allocator_options",
            "check_allocators", "check_output_dir", "check_output_file", "rows_to_csv", "json_lines", "emit_rows",
            "VmsError"]

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from vmstoolkit.cli.common import OutputFormat, check_output_file, emit_rows, fail
+from vmstoolkit.cli.common import Backend, OutputFormat, check_output_file, emit_rows, fail
 from vmstoolkit.cli.flags import format_flag
 from vmstoolkit.cli.output import atomic_file
 from vmstoolkit.errors import VmsError
 from vmstoolkit.units import format_size
-
-
-class Backend(str, Enum):
-    sim = "sim"
-    cuda = "cuda"
 
 
 def offload_command(

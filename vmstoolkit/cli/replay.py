@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 
 from vmstoolkit.cli.common import (
-    OOM_EXIT_CODE, OutputFormat, allocator_options, check_allocators, console, fail, json_lines, load_options,
-    rows_to_csv, size_option,
+    OOM_EXIT_CODE, Device, OutputFormat, allocator_options, check_allocators, emit_rows, fail, load_options,
+    size_option,
 )
 from vmstoolkit.cli.flags import (
     OOM_HELP, OPTION_HELP, allocator_flag, backend_flag, capacity_flag, capacity_label, format_flag, gpu_flag,
@@ -55,7 +55,7 @@ def replay_command(
     allocator: Annotated[Optional[list[str]], allocator_flag("vms")] = None,
     capacity: Annotated[Optional[str], capacity_flag()] = None,
     fmt: Annotated[OutputFormat, format_flag()] = OutputFormat.table,
-    device: Annotated[str, backend_flag("Driver", "--device")] = "sim",
+    device: Annotated[Device, backend_flag("Driver", "--device")] = Device.sim,
     touch: Annotated[bool, typer.Option(help="Write every allocation once (memset) to prove it is mapped.")] = False,
     option: Annotated[Optional[list[str]], option_flag()] = None,
     oom_exit_code: Annotated[int, oom_exit_code_flag()] = OOM_EXIT_CODE,
@@ -77,12 +77,11 @@ def replay_command(
     names = list(allocator or ["vms"])
     check_allocators(names)
     cap = size_option(capacity, "--capacity")
-    if device not in ("sim", "cuda"):
-        fail(f"unknown backend {device!r} (choose 'sim' or 'cuda')", code=2)
     load = load_options(gpu, lenient, max_bytes, max_objects)
     options = allocator_options(option, names, cap)
     paths = trace_files(traces)
-    row_capacity = (cap or DEFAULT_CAPACITY) if device == "sim" else None
+    device = Device(device)
+    row_capacity = (cap or DEFAULT_CAPACITY) if device is Device.sim else None
     rows = []
     with progress_bar() as progress:
         for path in paths:
@@ -92,17 +91,12 @@ def replay_command(
             for trace in loaded:
                 for name in names:
                     task = progress.add_task(f"{Path(path).name} / gpu {trace.device} / {name}", total=None)
-                    result = replay_trace(trace, name, capacity=cap, device=device, touch=touch, options=options[name],
+                    result = replay_trace(trace, name, capacity=cap, device=device.value, touch=touch, options=options[name],
                                           progress=event_callback(progress, task))
                     progress.remove_task(task)
                     rows.append(result_row(result, source=str(path), source_sha256=digest, capacity=row_capacity,
                                            options=options[name]))
-    if fmt is OutputFormat.json:
-        typer.echo(json_lines(rows), nl=False)
-    elif fmt is OutputFormat.csv:
-        typer.echo(rows_to_csv(rows), nl=False)
-    else:
-        console().print(replay_table(rows, oom_exit_code))
+    emit_rows(rows, fmt, lambda rows: replay_table(rows, oom_exit_code))
     if oom_exit_code and any(r["oom"] for r in rows):
         raise typer.Exit(code=oom_exit_code)
 

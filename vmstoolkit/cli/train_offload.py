@@ -9,13 +9,8 @@ from typing import Annotated
 
 import typer
 
-from vmstoolkit.cli.common import OutputFormat, emit_rows, fail
+from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail
 from vmstoolkit.cli.flags import format_flag
-
-
-class Backend(str, Enum):
-    sim = "sim"
-    cuda = "cuda"
 
 
 class Variant(str, Enum):

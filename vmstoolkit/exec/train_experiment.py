@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from vmstoolkit.exec.backends import BackendKind, backend_kind, lower_bound, make_backend
 from vmstoolkit.exec.compiler import working_set
 from vmstoolkit.exec.errors import InvalidBudgetError, InvalidOptionError, InvalidShapeError
 from vmstoolkit.exec.executor import execute
@@ -97,9 +98,8 @@ class _Sim:
         pass
 
     def run(self, plan, executor, values, i):
-        from vmstoolkit.exec.backends.sim import SimBackend
-
-        be = SimBackend(self.cost, seed=self.seed + i, jitter=self.jitter, numerics=self.check, values=values)
+        be = make_backend(BackendKind.sim, cost=self.cost, seed=self.seed + i, jitter=self.jitter, numerics=self.check,
+                          values=values)
         span = execute(plan.memory, be, executor).makespan_s
         self.last = (plan.memory, span, list(be.spans))
         err = None
@@ -109,7 +109,7 @@ class _Sim:
             want, _ = reference_train_step(plan.train, values)
             got = grads_from_updates(plan.train, values, be.result())
             err = max(float(np.max(np.abs(got[n] - want[n]))) for n in want)
-        return span, self.cost.lower_bound(plan.memory)["lower_bound_s"], err
+        return span, lower_bound(BackendKind.sim, plan.memory, cost=self.cost)["lower_bound_s"], err
 
 
 class _Cuda:
@@ -126,13 +126,13 @@ class _Cuda:
             self.pool.close()
 
     def run(self, plan, executor, values, i):
-        from vmstoolkit.exec.backends.cuda import CudaBackend, direct_forward, measure_lower_bound
+        from vmstoolkit.exec.backends.cuda import direct_forward
         from vmstoolkit.exec.backends.host_memory import PinnedPool
 
         self.pool = self.pool or PinnedPool()
         # register, not in place: a step's values are a new dict, so replacing its entries would pin the
         # bucket's weights again every step; registered, they are pinned once
-        be = CudaBackend(values, pin="register", pool=self.pool, timeline=self.timeline)
+        be = make_backend(BackendKind.cuda, values=values, pin="register", pool=self.pool, timeline=self.timeline)
         try:
             res = execute(plan.memory, be, executor)
             out = be.result()
@@ -148,7 +148,7 @@ class _Cuda:
             want = self._direct[key]
             got = grads_from_updates(plan.train, values, out)
             err = max(float(np.max(np.abs(got[n] - want[n]))) for n in want)
-        return res.makespan_s, measure_lower_bound(plan.memory, values)["lower_bound_s"], err
+        return res.makespan_s, lower_bound(BackendKind.cuda, plan.memory, values=values)["lower_bound_s"], err
 
 
 def run_steps(cache: PlanCache, seqs, runner, executor: str, seed: int = 0) -> list[StepRecord]:
@@ -237,18 +237,14 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
         return ws_cache[0]
 
     resolved = [parse_budget(b, ws_once) for b in budgets]
+    kind = backend_kind(backend)
     if check_grads is None:
-        if backend == "cuda":
+        if kind.real:
             check_grads = True
         else:
             tg = build_train_step(replace(cfg, seq=longest), variant, rank=rank, adamw=adamw)
             check_grads = sum(v.flops for v in tg.graph.vertices) <= SIM_CHECK_FLOPS
-    if backend == "sim":
-        runner = _Sim(seed, jitter, check_grads)
-    elif backend == "cuda":
-        runner = _Cuda(check_grads)
-    else:
-        raise InvalidOptionError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
+    runner = _Cuda(check_grads) if kind.real else _Sim(seed, jitter, check_grads)
     runner.timeline = schedule_dir is not None
     rows = []
     try:
@@ -260,7 +256,7 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
                 rows.append(summarize(budget, ex, variant, recs))
                 last[ex] = runner.last
             if schedule_dir is not None:
-                save_schedules(schedule_dir, budget, last, "simulated" if backend == "sim" else "GPU, CUDA events")
+                save_schedules(schedule_dir, budget, last, "GPU, CUDA events" if kind.real else "simulated")
     finally:
         runner.close()
     return rows

@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager
 
 import numpy as np
-from numba import njit
+from vmstoolkit._jit import njit
 
 from vmstoolkit.errors import IntegrationError
 from vmstoolkit.integrations.abi import ALLOC_FN, FREE_FN  # noqa: F401 (re-exported for callers)

@@ -41,7 +41,7 @@ Limitations
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from vmstoolkit._jit import njit
 
 # ---- value kinds on the stack and in the memo
 K_NONE, K_BOOL, K_INT, K_INTX, K_FLOAT, K_STR, K_BYTES, K_TUPLE, K_CONT, K_DROPC, K_GLOBAL, K_OPAQUE = range(12)

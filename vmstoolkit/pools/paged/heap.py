@@ -22,7 +22,7 @@ driver is called far less for the same peak.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from vmstoolkit._jit import njit
 
 from vmstoolkit.errors import ConfigError
 

@@ -17,7 +17,7 @@ returns to Python at the first event that needs more than the heap:
 
 Then the loop resumes at that event with its address. The decisions are therefore the ones the
 Python replay makes (the same compiled heap, the same Python driver steps, in the same order),
-so the results are the same to the byte: ``tests/pools/test_paged_replay.py`` checks it on every
+so the results are the same to the byte: ``tests/pools/paged/test_paged_replay.py`` checks it on every
 bundled trace. Cost: 0.7-1.0 µs per event in the loop (1.0-1.5M events/s on the bundled traces),
 about 5 µs per return to Python, plus the driver work itself (``docs/results.md#replay-speed``).
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from numba import njit
+from vmstoolkit._jit import njit
 
 from vmstoolkit.errors import OutOfMemoryError
 from vmstoolkit.pools.base import CompiledReplay, ReplayArrays
