@@ -21,7 +21,6 @@ from vmstoolkit.units import MiB
 
 runner = CliRunner(env={"COLUMNS": "200"})
 ROOT = Path(__file__).resolve().parents[2]
-LORA = "llama-lora.caching.pickle.gz"
 
 
 def tiny(path: Path, sizes=(3 * MiB, 5 * MiB), *, double_alloc: bool = False) -> Path:
@@ -73,11 +72,12 @@ def test_replay_takes_a_folder_as_sweep_does(tmp_path):
 
 
 # -- sweep has replay's -o, --lenient, --oom-exit-code; duplicate names named -------------------
-def test_sweep_takes_fixed_options_beside_the_grid(traces_dir):
-    got = rows(runner.invoke(app, ["sweep", str(traces_dir / LORA), "-a", "vms", "-o", "vms:coalesce=false",
+def test_sweep_takes_fixed_options_beside_the_grid(tmp_path):
+    a = tiny(tmp_path / "a.pickle")
+    got = rows(runner.invoke(app, ["sweep", str(a), "-a", "vms", "-o", "vms:coalesce=false",
                                    "-g", "stitched_prefix=true,false", "--jobs", "1", "-f", "json"]))
     assert [(x["option.coalesce"], x["option.stitched_prefix"]) for x in got] == [(False, True), (False, False)]
-    line = one_error_line(runner.invoke(app, ["sweep", str(traces_dir / LORA), "-o", "coalesce=false",
+    line = one_error_line(runner.invoke(app, ["sweep", str(a), "-o", "coalesce=false",
                                               "-g", "coalesce=true,false"]))
     assert "coalesce" in line and "give it once" in line
 
@@ -119,6 +119,7 @@ def test_allocators_lists_defaults_and_one_allocators_options():
 
 
 # -- README's -o example changes the result; the option reaches the policy ----------------------
+@pytest.mark.slow  # two replays of a bundled trace: the README's claim is about it
 def test_reuse_max_ratio_is_applied_and_the_readme_example_changes_a_figure(traces_dir):
     from vmstoolkit.pools import make_allocator
 
