@@ -249,3 +249,18 @@ def test_long_commands_show_progress(tmp_path, monkeypatch, command):
     assert rec.tasks and all(t["updates"] > 0 for t in rec.tasks.values()), rec.tasks
     if command == "sweep":
         assert rec.tasks[0]["completed"] == rec.tasks[0]["total"] == 2
+
+
+def test_an_option_that_cannot_act_is_said_so(tmp_path):
+    """vms takes a cached stitched range as a prefix before it could reuse it whole, so with its
+    default stitched_prefix=true, reuse_max_ratio does nothing: a note says so, on stderr."""
+    a = tiny(tmp_path / "a.pickle")
+    r = runner.invoke(app, ["replay", str(a), "-a", "vms", "-o", "vms:reuse_max_ratio=2", "-f", "json"])
+    assert r.exit_code == 0 and "note: vms: reuse_max_ratio has no effect while stitched_prefix=true" in r.stderr
+    assert json.loads(r.stdout)["options"] == "reuse_max_ratio=2.0"
+    r = runner.invoke(app, ["replay", str(a), "-a", "vms", "-o", "vms:reuse_max_ratio=2,stitched_prefix=false"])
+    assert r.exit_code == 0 and "note:" not in r.stderr
+    r = runner.invoke(app, ["sweep", str(a), "-a", "gmlake", "-g", "reuse_max_ratio=1,2", "--jobs", "1"])
+    assert r.exit_code == 0 and "note:" not in r.stderr  # gmlake: stitched_prefix=false by default
+    r = runner.invoke(app, ["sweep", str(a), "-a", "vms", "-g", "reuse_max_ratio=1,2", "--jobs", "1"])
+    assert r.stderr.count("note: vms: reuse_max_ratio has no effect") == 1

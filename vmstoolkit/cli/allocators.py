@@ -54,6 +54,30 @@ def option_rows(name: str) -> list[dict]:
             for f in fields(cls)]
 
 
+def ineffective(name: str, options: dict) -> list[str]:
+    """Why options given to allocator ``name`` do nothing, one line each: with stitched
+    prefixes on (vms's default), a cached stitched range is always taken as a prefix before it
+    could be reused whole, so ``reuse_max_ratio`` never acts (``StitchedPool.best_prefix`` scans
+    every range ``best_fit`` would, from the same end)."""
+    from vmstoolkit.pools.options import OPTIONS
+
+    cls = OPTIONS.get(name)
+    if cls is None or "reuse_max_ratio" not in options or "stitched_prefix" not in cls.keys():
+        return []
+    prefix = options.get("stitched_prefix", next(f.default for f in fields(cls) if f.name == "stitched_prefix"))
+    if prefix is True or str(prefix).lower() in ("true", "yes", "on", "1"):
+        return [f"{name}: reuse_max_ratio has no effect while stitched_prefix=true (a cached stitched range is "
+                f"taken as a prefix first); add {name}:stitched_prefix=false for it to act"]
+    return []
+
+
+def warn_ineffective(options: dict[str, dict]) -> None:
+    """Print a ``note:`` line on stderr for every option that will do nothing (:func:`ineffective`)."""
+    for name, opts in options.items():
+        for line in ineffective(name, opts):
+            typer.secho(f"note: {line}", err=True, fg="yellow")
+
+
 def allocators_command(
     name: Annotated[Optional[str], typer.Argument(
         metavar="NAME", autocompletion=complete_allocator, show_default=False,

@@ -11,6 +11,7 @@ from rich.table import Table
 from vmstoolkit.cli.common import (
     OutputFormat, allocator_options, check_allocators, console, fail, json_lines, rows_to_csv, size_option,
 )
+from vmstoolkit.cli.allocators import warn_ineffective
 from vmstoolkit.cli.flags import allocator_flag, capacity_flag, capacity_label, format_flag, option_flag
 from vmstoolkit.cli.progress import event_callback, progress_bar
 from vmstoolkit.units import format_size
@@ -44,6 +45,7 @@ def compare_command(
         fail("with one snapshot, name two or more allocators to compare (-a A -a B)", code=2)
     cap = size_option(capacity, "--capacity")
     options = allocator_options(option, names, cap)
+    warn_ineffective(options)
     for p in traces:
         if not p.exists():
             fail(f"no such trace file: {p}")

@@ -15,6 +15,7 @@ from rich.table import Table
 from vmstoolkit.cli.common import (
     OOM_EXIT_CODE, allocator_options, check_allocators, check_output_dir, console, fail, load_options, size_option,
 )
+from vmstoolkit.cli.allocators import warn_ineffective
 from vmstoolkit.cli.flags import (
     allocator_flag, capacity_flag, capacity_label, cluster_flag, complete_allocator, gpu_flag, jobs_flag,
     lenient_flag, max_bytes_flag, max_objects_flag, oom_exit_code_flag, option_flag,
@@ -107,6 +108,7 @@ def fragmentation_command(
             fail(str(e), code=2)
     cap = size_option(capacity, "--capacity")
     options = allocator_options(option, names, cap)
+    warn_ineffective(options)
     check_output_dir(out)
     specs = list(traces) if traces else default_specs()
     if synthetic:

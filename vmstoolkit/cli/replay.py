@@ -12,6 +12,7 @@ from vmstoolkit.cli.common import (
     OOM_EXIT_CODE, Device, OutputFormat, allocator_options, check_allocators, emit_rows, fail, load_options,
     size_option,
 )
+from vmstoolkit.cli.allocators import warn_ineffective
 from vmstoolkit.cli.flags import (
     OOM_HELP, OPTION_HELP, allocator_flag, backend_flag, capacity_flag, capacity_label, format_flag, gpu_flag,
     lenient_flag, max_bytes_flag, max_objects_flag, oom_exit_code_flag, option_flag,
@@ -79,6 +80,7 @@ def replay_command(
     cap = size_option(capacity, "--capacity")
     load = load_options(gpu, lenient, max_bytes, max_objects)
     options = allocator_options(option, names, cap)
+    warn_ineffective(options)
     paths = trace_files(traces)
     device = Device(device)
     row_capacity = (cap or DEFAULT_CAPACITY) if device is Device.sim else None

@@ -13,6 +13,7 @@ from vmstoolkit.cli.common import (
     OOM_EXIT_CODE, OutputFormat, allocator_options, check_allocators, emit_rows, fail, load_options, parse_options,
     size_option,
 )
+from vmstoolkit.cli.allocators import ineffective
 from vmstoolkit.cli.flags import (
     allocator_flag, capacity_flag, capacity_label, cluster_flag, format_flag, gpu_flag, jobs_flag, lenient_flag,
     max_bytes_flag, max_objects_flag, oom_exit_code_flag, option_flag,
@@ -105,6 +106,8 @@ def sweep_command(
             make_allocator(name, capacity=cap, **dict(opts)).close()  # every option checked before any replay
     except VmsError as e:
         fail(str(e), code=2)
+    for line in dict.fromkeys(x for j in job_list for x in ineffective(j.allocator, dict(j.options))):
+        typer.secho(f"note: {line}", err=True, fg="yellow")
     n_workers = jobs or os.cpu_count() or 1
     with progress_bar() as progress:
         task = progress.add_task(f"sweep: {len(job_list)} replays ({min(n_workers, len(job_list))} workers)",

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from vmstoolkit.cli.common import allocator_options, check_allocators, check_output_file, fail, size_option
+from vmstoolkit.cli.allocators import warn_ineffective
 from vmstoolkit.cli.flags import allocator_flag, capacity_flag, capacity_label, option_flag
 from vmstoolkit.cli.output import atomic_file
 from vmstoolkit.cli.progress import progress_bar
@@ -30,6 +31,7 @@ def view_command(
     check_allocators(names)
     cap = size_option(capacity, "--capacity")
     options = allocator_options(option, names, cap)
+    warn_ineffective(options)
     check_output_file(out)
     if not trace.exists():
         fail(f"no such trace file: {trace}")
