@@ -33,6 +33,14 @@ skipped and listed; sweep 6 (3-4 candidates, 15 shapes) took 103 s on an H200.
     python3 experiments/gemm_sweep.py --out DIR --set lora # LoRA's skinny GEMMs
     python3 experiments/gemm_sweep.py --out DIR --quick --splits 1 2 3 4  # split k against wave tails
     python3 experiments/gemm_sweep.py --out DIR --kinds dx --shapes 'k/v' --variants 5 11  # two variants, one shape
+    python3 experiments/gemm_sweep.py --out DIR --dtype bf16   # the tensor-core GEMM against cuBLAS bf16
+
+``--dtype bf16`` (``gemm_bf16_sweep.json``): the same shapes and held timing, bf16 operands;
+cuBLAS is torch.matmul on bf16 tensors (bf16 out, fp32 accumulate); our candidates are
+``gemm_bf16``'s rule with a bf16 output (the like-for-like figure), with a float32 output (split k
+where the rule splits), and the other tile shapes of ``BF16_TILES``. Each candidate's error is
+against a float64 product of the same bf16 operands (max |ours - ref| / max |ref|); cuBLAS's is
+printed beside it.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from numba import cuda
 from common import run_env, say, tf32_off, time_best, time_held
 
 from vmstoolkit.kernels import gemm as G
+from vmstoolkit.kernels import gemm_bf16 as GB
 
 # (name, kind, (M, N, K)) with x (M, K), w (N, K): kind "fwd" times y = x w^T (M, N), "dx"
 # dx = dy w (M, K), "dw" dw = dy^T x (N, K); all 2 M N K flops.
@@ -302,8 +311,126 @@ def pct_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+# --dtype bf16: (label, tiles or None for the rule's, output dtype)
+BF16_TILES = [GB.MmaTiles(bm=128, bn=128, wm=64, wn=32, stages=3),  # 8 warps of 64 x 32
+              GB.MmaTiles(bm=128, bn=128, wm=64, wn=64, stages=2)]  # the rule's with two stages
+
+
+class ProblemBf16:
+    """bf16 operands of one shape and kind, cuBLAS bf16, and a float64 reference."""
+
+    def __init__(self, kind: str, m: int, n: int, k: int):
+        g = torch.Generator("cuda").manual_seed(0)
+        self.kind, self.flops = kind, 2.0 * m * n * k
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+        dy = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+        if kind == "fwd":
+            ops, shape, self.fn = (x, w), (m, n), GB.gemm_bf16
+            self.cublas = lambda: torch.matmul(x, w.T, out=self.out_bf)
+            ref = lambda: x.double() @ w.double().T  # noqa: E731
+        elif kind == "dx":
+            ops, shape, self.fn = (dy, w), (m, k), GB.linear_dx_bf16
+            self.cublas = lambda: torch.matmul(dy, w, out=self.out_bf)
+            ref = lambda: dy.double() @ w.double()  # noqa: E731
+        else:
+            ops, shape, self.fn = (dy, x), (n, k), GB.linear_dw_bf16
+            self.cublas = lambda: torch.matmul(dy.T, x, out=self.out_bf)
+            ref = lambda: dy.double().T @ x.double()  # noqa: E731
+        self.out_bf = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+        self.out_f = torch.empty(shape, device="cuda")
+        self.want = ref()
+        self.dims = out_dims(kind, (m, n, k))
+        self.da, self.db = (cuda.as_cuda_array(t.view(torch.int16)) for t in ops)
+        self.d_bf, self.d_f = cuda.as_cuda_array(self.out_bf.view(torch.int16)), cuda.as_cuda_array(self.out_f)
+
+    def ours(self, tiles, out: str):
+        self.fn(self.da, self.db, self.d_bf if out == "bf16" else self.d_f, tiles=tiles)
+
+    def err(self, out: str) -> float:
+        got = (self.out_bf if out == "bf16" else self.out_f).double()
+        return float((got - self.want).abs().max() / self.want.abs().max())
+
+
+def bf16_candidates():
+    return [("rule bf16-out", None, "bf16"), ("rule fp32-out", None, "fp32")] + \
+        [(f"{t.label()} bf16-out", t, "bf16") for t in BF16_TILES]
+
+
+def run_shape_bf16(name, kind, dims, time_it: bool, deadline: float) -> list[dict]:
+    m, n, k = dims
+    row0 = {"shape": name, "kind": kind, "M": m, "N": n, "K": k}
+    cands = bf16_candidates() if time_it else bf16_candidates()[:2]  # ragged: the rule's builds alone
+    if time_it and time.time() > deadline:
+        return [{**row0, "config": c[0], "skipped": "time budget"} for c in cands]
+    p = ProblemBf16(kind, m, n, k)
+    p.cublas()
+    torch.cuda.synchronize()
+    cub_err = float((p.out_bf.double() - p.want).abs().max() / p.want.abs().max())
+    if time_it:
+        cub = timed(p.cublas, "held", "torch")
+        say(f"  {name:<30} {'cuBLAS bf16':<34} {p.flops / cub['ms'] / 1e9:7.1f} TFLOP/s  {cub['ms']:8.4f} ms"
+            f"  err {cub_err:.1e}")
+    rows = []
+    for lab, tiles, out in cands:
+        if time_it and time.time() > deadline:
+            rows.append({**row0, "config": lab, "skipped": "time budget"})
+            continue
+        launch = GB.choose(*p.dims, out_bf16=out == "bf16")
+        t = tiles or launch.tiles
+        full = f"{lab} = {t.label()}" + (f" split{launch.splits}" if tiles is None and launch.splits > 1 else "")
+        try:
+            (p.out_bf if out == "bf16" else p.out_f).fill_(float("nan"))
+            p.ours(tiles, out)
+            cuda.synchronize()
+            err = p.err(out)
+            got = timed(lambda: p.ours(tiles, out), "held", "numba") if time_it else {}
+        except Exception as e:  # noqa: BLE001 - keep the sweep going, record the failure
+            say(f"  {name:<30} {full:<34} FAILED: {type(e).__name__}: {e}")
+            rows.append({**row0, "config": lab, "error": f"{type(e).__name__}: {e}"})
+            continue
+        tol = 1e-2 if out == "bf16" else 1e-4
+        ok = "" if err <= max(tol, 2 * cub_err) else f"  <-- ERROR > {tol:g}"
+        r = {**row0, "config": lab, "ran": full, "out": out, "rel_err_vs_fp64": err, "cublas_rel_err": cub_err}
+        if time_it:
+            r.update(got, tflops=p.flops / got["ms"] / 1e9, cublas_tflops=p.flops / cub["ms"] / 1e9,
+                     pct_of_cublas=100 * cub["ms"] / got["ms"], **{"cublas_" + key: x for key, x in cub.items()})
+            say(f"  {name:<30} {full:<34} {r['tflops']:7.1f} TFLOP/s  {got['ms']:8.4f} ms  "
+                f"{r['pct_of_cublas']:5.1f}% of cuBLAS  err {err:.1e}  host {got['host_ms'] * 1e3:5.1f} us{ok}")
+        else:
+            say(f"  {name:<30} {full:<34} err {err:.1e} (cuBLAS {cub_err:.1e}){ok}")
+        rows.append(r)
+    return rows
+
+
+def bf16_main(args, shapes, kinds, t0, deadline) -> None:
+    res = {"env": run_env(reps=REPS, samples=SAMPLES, statistic="best of samples", set=args.set,
+                          timing="held", dtype="bf16", sm_count=GB.sm_count())}
+    say("== bf16: ragged shapes per layout (correctness against float64, and the builds)")
+    res["ragged"] = []
+    for kind in kinds:
+        t1 = time.time()
+        for dims in (RAGGED, RAGGED_ALIGNED, (1000, 520, 1032)):
+            res["ragged"] += run_shape_bf16(f"ragged {kind} {'x'.join(map(str, dims))}", kind, dims, False, deadline)
+        say(f"  ({time.time() - t1:.0f} s)")
+    say(f"== GEMM bf16 vs cuBLAS bf16; {REPS} launches held behind a spin, best of {SAMPLES}")
+    res["gemm"] = []
+    for name, kind, dims in shapes:
+        res["gemm"] += run_shape_bf16(name, kind, dims, True, deadline)
+        say(f"  ({time.time() - t0:.0f} s)")
+    say("== % of cuBLAS bf16, candidate x shape (columns: the shapes above, in order)")
+    for line in pct_table(res["gemm"]):
+        say("  " + line)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gemm_bf16_sweep.json").write_text(json.dumps(res, indent=1, default=str))
+    say(f"wrote {out / 'gemm_bf16_sweep.json'} ({time.time() - t0:.0f} s)")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="fp32: the CUDA-core GEMM against cuBLAS fp32; bf16: the tensor-core GEMM against cuBLAS bf16")
     ap.add_argument("--out", default=".")
     ap.add_argument("--set", choices=sorted(SETS), default="7b", help="which model's shapes")
     ap.add_argument("--quick", action="store_true", help="forward shapes only (--kinds fwd)")
@@ -335,6 +462,9 @@ def main():
     if not shapes:
         raise SystemExit(f"gemm_sweep: no shape of set {args.set!r} matches kinds {kinds} and --shapes {args.shapes}")
     kinds = list(dict.fromkeys(kind for _, kind, _ in shapes))
+    if args.dtype == "bf16":
+        bf16_main(args, shapes, kinds, t0, deadline)
+        return
 
     say("== ragged shape per layout (correctness, and the builds): registers / local memory per thread")
     res["ragged"], res["kernels"] = [], {}

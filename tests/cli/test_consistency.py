@@ -27,7 +27,8 @@ SNAPSHOT_FLAGS = {"--allocator", "--option", "--capacity", "--gpu", "--lenient",
                   "--oom-exit-code"}
 # Commands that replay snapshots in bulk take every flag of SNAPSHOT_FLAGS; those that print rows, --format.
 BULK = ["replay", "sweep", "experiment fragmentation"]
-PRINT_ROWS = ["replay", "sweep", "compare", "info", "experiment offload", "experiment train-offload"]
+PRINT_ROWS = ["replay", "sweep", "compare", "info", "experiment offload", "experiment train-offload",
+              "run generate", "run train"]
 
 
 def commands(group=TOP, prefix=()):

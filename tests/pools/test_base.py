@@ -62,3 +62,48 @@ def test_check_asks_the_driver_for_its_resources_only_where_it_can_list_them(nam
     a._check()  # would call live_handles / live_mappings and fail
     a.free(p)
     a.close()
+
+
+# -- the protocol at its limits (issue 37, attack items 4 and 5) -------------------------------
+@pytest.mark.parametrize("name", allocator_names())
+@pytest.mark.parametrize("bad", [1.5, "x", None, b"\x00", [1], 2**70, -1, True])
+def test_freeing_what_is_not_an_address_is_the_invalid_free_error(name, bad):
+    from vmstoolkit.errors import InvalidFreeError
+
+    a = make_allocator(name)
+    keep = a.allocate(3 * MiB)
+    for call in (a.free, a.size_of, lambda x: a.record_stream(x, 1)):
+        with pytest.raises(InvalidFreeError) as e:
+            call(bad)
+        text = str(e.value)
+        assert (f"{bad:#x}" if type(bad) is int else repr(bad)) in text and "\n" not in text
+    a._check()
+    assert a.live_allocations() == {keep: 3 * MiB}
+    a.close()
+    assert a.driver.is_empty()
+
+
+@pytest.mark.parametrize("name", allocator_names())
+def test_a_closed_allocator_refuses_new_work_and_a_second_close_is_harmless(name):
+    from vmstoolkit.errors import AllocatorClosedError
+
+    a = make_allocator(name)
+    addr = a.allocate(3 * MiB)
+    a.close()
+    with pytest.raises(AllocatorClosedError, match=f"{name}: .*closed"):
+        a.allocate(MiB)
+    with pytest.raises(AllocatorClosedError):
+        a.free(addr)
+    a.close()
+    a.empty_cache()
+    assert a.driver.is_empty() and a.allocated_bytes == 0
+
+
+def test_a_closed_paged_allocator_refuses_a_compiled_replay():
+    from vmstoolkit.errors import AllocatorClosedError
+    from vmstoolkit.trace.replay import event_arrays
+
+    a = make_allocator("paged")
+    a.close()
+    with pytest.raises(AllocatorClosedError):
+        a.compiled_replay(event_arrays(synthetic_trace("lora", 0).alloc_free_events()))

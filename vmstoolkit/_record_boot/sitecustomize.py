@@ -40,8 +40,11 @@ def _start():
                                           "(torch.cuda.is_available() is False)")
         os._exit(86)  # the recorder prints why; running the program unrecorded would waste its time
     out = env["VMSTOOLKIT_RECORD_OUT"]
-    torch.cuda.memory._record_memory_history(enabled="all", stacks=env.get("VMSTOOLKIT_RECORD_STACKS", "python"),
-                                             max_entries=int(env.get("VMSTOOLKIT_RECORD_MAX_ENTRIES", "1000000")))
+    stacks, max_entries = env.get("VMSTOOLKIT_RECORD_STACKS", "python"), int(env.get("VMSTOOLKIT_RECORD_MAX_ENTRIES", "1000000"))
+    torch.cuda.memory._record_memory_history(enabled="all", stacks=stacks, max_entries=max_entries)
+    # a vmstoolkit allocator installed later by the program takes the recording over
+    # (vmstoolkit.integrations.torch.RECORDING_ENV); its children do not inherit it (their pid differs)
+    env["VMSTOOLKIT_RECORDING"] = f"{os.getpid()}:{stacks}:{max_entries}"
 
     def dump():
         import gzip

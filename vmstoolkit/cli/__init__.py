@@ -124,6 +124,9 @@ app = typer.Typer(
 )
 experiment_app = typer.Typer(help="Reproduce the published experiments.", no_args_is_help=True, cls=Group)
 app.add_typer(experiment_app, name="experiment")
+run_app = typer.Typer(help="Run your own model (a local Hugging Face folder: LLaMA, Mistral, Qwen2) under a GPU budget.",
+                      no_args_is_help=True, cls=Group)
+app.add_typer(run_app, name="run")
 
 
 @app.callback()
@@ -154,6 +157,8 @@ def _register() -> None:
         ("vmstoolkit.cli.train_offload", "train-offload", "train_offload_command"),
     ):
         _maybe(experiment_app, module, name, attr)
+    for name in ("generate", "train"):
+        _maybe(run_app, "vmstoolkit.cli.run", name, f"{name}_command")
 
 
 def _maybe(target: typer.Typer, module: str, name: str, attr: str) -> None:

@@ -22,7 +22,9 @@ def _typed(value, kind: str | None) -> str:
         for unit, factor in (("TiB", KiB**4), ("GiB", KiB**3), ("MiB", KiB**2), ("KiB", KiB)):
             if value % factor == 0:
                 return f"{int(value) // factor}{unit}"
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else f"{value:g}"
+    return str(value)
 
 
 def _default(f) -> str:
@@ -45,13 +47,10 @@ def _accepts(f) -> str:
 
 def option_rows(name: str) -> list[dict]:
     """``[{"option", "accepts", "default", "meaning"}]`` of allocator ``name`` (none for one without options)."""
-    from vmstoolkit.pools.options import OPTIONS
+    from vmstoolkit.pools.registry import options_class
 
-    cls = OPTIONS.get(name)
-    if cls is None:
-        return []
     return [{"option": f.name, "accepts": _accepts(f), "default": _default(f), "meaning": f.metadata.get("help", "")}
-            for f in fields(cls)]
+            for f in fields(options_class(name))]
 
 
 def ineffective(name: str, options: dict) -> list[str]:
@@ -59,10 +58,10 @@ def ineffective(name: str, options: dict) -> list[str]:
     prefixes on (vms's default), a cached stitched range is always taken as a prefix before it
     could be reused whole, so ``reuse_max_ratio`` never acts (``StitchedPool.best_prefix`` scans
     every range ``best_fit`` would, from the same end)."""
-    from vmstoolkit.pools.options import OPTIONS
+    from vmstoolkit.pools.registry import options_class
 
-    cls = OPTIONS.get(name)
-    if cls is None or "reuse_max_ratio" not in options or "stitched_prefix" not in cls.keys():
+    cls = options_class(name)
+    if "reuse_max_ratio" not in options or "stitched_prefix" not in cls.keys():
         return []
     prefix = options.get("stitched_prefix", next(f.default for f in fields(cls) if f.name == "stitched_prefix"))
     if prefix is True or str(prefix).lower() in ("true", "yes", "on", "1"):

@@ -70,25 +70,30 @@ def size_option(value: str | None, what: str) -> int | None:
     return n
 
 
-def parse_options(items: list[str] | None) -> dict:
-    """``["reuse_max_ratio=2", "aliases=true"]`` -> keyword options for one allocator
-    (:func:`vmstoolkit.pools.options.parse_options`); a malformed item exits with one line."""
-    from vmstoolkit.pools.options import parse_options as _parse
+def allocator_options(items: list[str] | None, names: list[str], capacity: int | None,
+                      device: Device | str = Device.sim) -> dict[str, dict]:
+    """Per allocator, its checked ``-o`` options (``KEY=VALUE``: where taken; ``ALLOC:KEY=VALUE``:
+    that one; :func:`vmstoolkit.pools.registry.resolve_option_items`); on the simulated driver
+    checked against its capacity too (``capacity``, default the simulated H200's). On ``cuda`` the
+    device's own capacity is checked when its driver is made, before any event. A bad option
+    exits with one line (status 2)."""
+    from vmstoolkit.pools.drivers.sim import DEFAULT_CAPACITY
+    from vmstoolkit.pools.registry import resolve_option_items
 
+    sim = Device(device) is Device.sim
     try:
-        return _parse(items)
+        return resolve_option_items(items, names, capacity=(capacity or DEFAULT_CAPACITY) if sim else None)
     except ConfigError as e:
         fail(str(e), code=2)
 
 
-def allocator_options(items: list[str] | None, names: list[str], capacity: int | None) -> dict[str, dict]:
-    """Per allocator, its checked ``-o`` options (``KEY=VALUE``: where taken; ``ALLOC:KEY=VALUE``:
-    that one), checked against the capacity too; a bad one exits with one line (status 2)."""
-    from vmstoolkit.pools.options import resolve_option_items
-    from vmstoolkit.pools.drivers.sim import DEFAULT_CAPACITY
+def option_value(key: str, text: str, names: list[str]):
+    """``text`` as the value of option ``key`` for the allocators ``names``, read as ``-o`` reads
+    it (:func:`vmstoolkit.pools.registry.option_value`); a bad one exits with one line (status 2)."""
+    from vmstoolkit.pools.registry import option_value as _value
 
     try:
-        return resolve_option_items(items, names, capacity=capacity or DEFAULT_CAPACITY)
+        return _value(key, text, names)
     except ConfigError as e:
         fail(str(e), code=2)
 
@@ -170,6 +175,6 @@ def load_options(gpu: int | None, lenient: bool, max_bytes: str | None, max_obje
             "max_objects": max_objects}
 
 
-__all__ = ["OutputFormat", "Device", "Backend", "OOM_EXIT_CODE", "load_options", "fail", "console", "size_option", "parse_options", "allocator_options",
+__all__ = ["OutputFormat", "Device", "Backend", "OOM_EXIT_CODE", "load_options", "fail", "console", "size_option", "allocator_options", "option_value",
            "check_allocators", "check_output_dir", "check_output_file", "rows_to_csv", "json_lines", "emit_rows",
            "VmsError"]

@@ -54,8 +54,8 @@ def compare_command(
     rows, sites = [], {}
     with progress_bar() as progress:
         for p in traces:
-            digest = file_sha256(p)
             trace = load_trace(p)
+            digest = file_sha256(p)  # after the load has checked the file
             for n in names:
                 task = progress.add_task(f"{p.name} / {n}", total=None)
                 r = replay_trace(trace, n, capacity=cap, options=options[n], progress=event_callback(progress, task))

@@ -79,7 +79,7 @@ def replay_command(
     check_allocators(names)
     cap = size_option(capacity, "--capacity")
     load = load_options(gpu, lenient, max_bytes, max_objects)
-    options = allocator_options(option, names, cap)
+    options = allocator_options(option, names, cap, device)
     warn_ineffective(options)
     paths = trace_files(traces)
     device = Device(device)
@@ -87,9 +87,9 @@ def replay_command(
     rows = []
     with progress_bar() as progress:
         for path in paths:
-            digest = file_sha256(path)
             loaded = load_traces(path, device=load["gpu"], lenient=load["lenient"], max_bytes=load["max_bytes"],
                                  max_objects=load["max_objects"])
+            digest = file_sha256(path)  # after the load has checked the file: a 20 GB non-pickle fails at byte 0
             for trace in loaded:
                 for name in names:
                     task = progress.add_task(f"{Path(path).name} / gpu {trace.device} / {name}", total=None)

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from vmstoolkit.cli.common import (
-    OOM_EXIT_CODE, OutputFormat, allocator_options, check_allocators, emit_rows, fail, load_options, parse_options,
+    OOM_EXIT_CODE, OutputFormat, allocator_options, check_allocators, emit_rows, fail, load_options, option_value,
     size_option,
 )
 from vmstoolkit.cli.allocators import ineffective
@@ -26,10 +26,12 @@ from vmstoolkit.units import format_size
 UNSPLIT_KEYS = ("config",)
 
 
-def parse_grid(items: list[str] | None) -> dict[str, list]:
-    """``["reuse_max_ratio=1,2", "stitched_prefix=true,false"]`` -> ``{"reuse_max_ratio": [1, 2],
-    "stitched_prefix": [True, False]}``; values converted as ``-o`` converts them. Repeating a key
-    adds values; ``config=`` values are not split (PyTorch's string has commas: repeat it)."""
+def parse_grid(items: list[str] | None, names: list[str] | None = None) -> dict[str, list]:
+    """``["reuse_max_ratio=1,2", "stitched_prefix=true,false"]`` -> ``{"reuse_max_ratio": [1.0, 2.0],
+    "stitched_prefix": [True, False]}``; each value converted and checked as ``-o KEY=VALUE`` is for
+    the allocators ``names`` (default: vms). Repeating a key adds values; ``config=`` values are not
+    split (PyTorch's string has commas: repeat it)."""
+    names = names or ["vms"]
     grid: dict[str, list] = {}
     for item in items or []:
         key, sep, values = item.partition("=")
@@ -40,7 +42,7 @@ def parse_grid(items: list[str] | None) -> dict[str, list]:
         for v in parts:
             if not v.strip():
                 fail(f"--grid {item!r}: an empty value", code=2)
-            value = parse_options([f"{key}={v}"])[key]
+            value = option_value(key, v, names)
             if value in grid.setdefault(key, []):
                 fail(f"--grid {item!r}: {key}={v} is given twice", code=2)
             grid[key].append(value)
@@ -85,7 +87,7 @@ def sweep_command(
     cap = size_option(capacity, "--capacity")
     load = load_options(gpu, lenient, max_bytes, max_objects)
     fixed = allocator_options(option, names, cap)
-    options_grid = parse_grid(grid)
+    options_grid = parse_grid(grid, names)
     paths = snapshot_paths(traces) if traces else bundled_trace_paths()
     if not paths:
         fail(f"no snapshots (.pickle, .pickle.gz) in {', '.join(map(str, traces or []))}", code=2)

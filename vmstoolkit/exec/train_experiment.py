@@ -151,10 +151,13 @@ class _Cuda:
         return res.makespan_s, lower_bound(BackendKind.cuda, plan.memory, values=values)["lower_bound_s"], err
 
 
-def run_steps(cache: PlanCache, seqs, runner, executor: str, seed: int = 0) -> list[StepRecord]:
-    """Run one training step per length in ``seqs`` through ``cache``'s plans."""
+def run_steps(cache: PlanCache, seqs, runner, executor: str, seed: int = 0,
+              weights: dict[int, dict] | None = None) -> list[StepRecord]:
+    """Run one training step per length in ``seqs`` through ``cache``'s plans. ``weights``:
+    bucket -> random values, drawn once per bucket and kept there for the caller's next call
+    (every budget and executor of one experiment builds the same tensors in the same order)."""
     out = []
-    weights: dict[int, dict] = {}  # bucket -> random values (weights drawn once per bucket)
+    weights = {} if weights is None else weights
     for i, seq in enumerate(seqs):
         before, misses = cache.plan_s, cache.misses
         plan = cache.get(int(seq))
@@ -247,12 +250,14 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
     runner = _Cuda(check_grads) if kind.real else _Sim(seed, jitter, check_grads)
     runner.timeline = schedule_dir is not None
     rows = []
+    weights: dict[int, dict] = {}  # bucket -> values, shared by every budget and executor: drawn
+    # once (13 GB of weights at the 13B width took seconds to draw for each executor)
     try:
         for budget in resolved:
             last = {}
             for ex in executors:
                 cache = PlanCache(cfg, variant, budget, rank=rank, adamw=adamw, recompute=recompute, **buckets)
-                recs = run_steps(cache, seqs, runner, ex, seed)
+                recs = run_steps(cache, seqs, runner, ex, seed, weights)
                 rows.append(summarize(budget, ex, variant, recs))
                 last[ex] = runner.last
             if schedule_dir is not None:

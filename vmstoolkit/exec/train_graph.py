@@ -84,9 +84,9 @@ def build_train_step(cfg: LlamaConfig, variant: str = "lora", *, rank: int = 16,
 
     if variant not in VARIANTS:
         raise InvalidOptionError(f"unknown variant {variant!r} (choose one of {', '.join(VARIANTS)})")
-    if cfg.heads % cfg.kv_heads or cfg.hidden % cfg.heads or cfg.head_dim % 2:
+    if cfg.heads % cfg.kv_heads or (cfg.head_size is None and cfg.hidden % cfg.heads) or cfg.head_dim % 2:
         raise InvalidShapeError(f"heads={cfg.heads}, kv_heads={cfg.kv_heads}, hidden={cfg.hidden}: need heads % kv_heads "
-                         f"== 0 and an even head_dim = hidden / heads")
+                         f"== 0 and an even head_dim (hidden / heads unless head_size is given)")
     if variant == "lora" and rank <= 0:
         raise InvalidShapeError(f"LoRA rank must be positive, got {rank}")
     opt = adamw or AdamWConfig()

@@ -103,6 +103,10 @@ class AllocatorBridge:
         with self._inside():
             self.allocator = unwrap(self.allocator, adaptor)
 
+    def held(self):
+        """``with bridge.held():`` the allocator is this thread's alone (re-entering frees queued)."""
+        return self._inside()
+
     @contextmanager
     def _inside(self):
         """The lock, for the cold calls: a free that re-enters meanwhile is queued, as in malloc."""
@@ -147,6 +151,36 @@ def report_failed_malloc(size: int, device: int | None, error: BaseException) ->
     sys.stderr.write(f"vmstoolkit: could not allocate {size} bytes{where} ({type(error).__name__}: {error}); "
                      "the framework gets a null pointer and will fail where it first uses it\n")
     sys.stderr.flush()
+
+
+def pytorch_size(n: int) -> str:
+    """A byte count as PyTorch's allocator writes it in its messages (``format_size``): "100 bytes"
+    up to 1 KiB, then KiB, MiB and GiB with two decimals, each up to and including its unit.
+
+    >>> pytorch_size(1000), pytorch_size(3 << 20), pytorch_size(1 << 30), pytorch_size(3 << 30)
+    ('1000 bytes', '3.00 MiB', '1024.00 MiB', '3.00 GiB')
+    """
+    if n <= 1024:
+        return f"{n} bytes"
+    if n <= 1 << 20:
+        return f"{n / 1024:.2f} KiB"
+    if n <= 1 << 30:
+        return f"{n / (1 << 20):.2f} MiB"
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+OOM_PREFIX = "CUDA out of memory. Tried to allocate "
+"""How PyTorch's own out-of-memory message begins; what accelerate's ``should_reduce_batch_size``
+and Lightning's ``is_oom_error`` look for."""
+
+
+def oom_message(size: int, device: int, free: int, total: int, allocated: int, reserved: int, why: str) -> str:
+    """An out-of-memory message that begins as PyTorch's caching allocator's does, word for word,
+    then gives the allocator's figures and ``why``."""
+    return (f"{OOM_PREFIX}{pytorch_size(size)}. GPU {device} has a total capacity of {pytorch_size(total)} of which "
+            f"{pytorch_size(free)} is free. Of the allocated memory {pytorch_size(allocated)} is allocated by PyTorch, "
+            f"and {pytorch_size(max(0, reserved - allocated))} is reserved by PyTorch but unallocated. "
+            f"vmstoolkit: {why}")
 
 
 # The statistics the compiled shim hands PyTorch (``getDeviceStats``), in this order: the shim's
@@ -217,5 +251,5 @@ class HandleStats:
         return self.memory_stats(device)["allocated_bytes.all.peak"]
 
 
-__all__ = ["AllocatorBridge", "HandleStats", "STAT_KEYS", "report_failed_malloc", "torch_stats", "torch_style_stats",
+__all__ = ["AllocatorBridge", "HandleStats", "OOM_PREFIX", "STAT_KEYS", "oom_message", "pytorch_size", "report_failed_malloc", "torch_stats", "torch_style_stats",
            "OutOfMemoryError"]

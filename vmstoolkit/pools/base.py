@@ -21,6 +21,7 @@ their peak, and read physical bytes from the driver. Subclasses implement ``_all
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -29,7 +30,14 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from vmstoolkit.errors import DoubleFreeError, DriverError, InvalidFreeError, InvalidSizeError, OutOfMemoryError
+from vmstoolkit.errors import (
+    AllocatorClosedError,
+    DoubleFreeError,
+    DriverError,
+    InvalidFreeError,
+    InvalidSizeError,
+    OutOfMemoryError,
+)
 from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.streams import DeferredFrees
 
@@ -132,6 +140,12 @@ class Allocator(ABC):
     """``"module:Class"`` of compiled entry points that serve PyTorch (see
     :func:`vmstoolkit.integrations.torch.make_handle`); None: Python callbacks serve it."""
 
+    recorded_settings_option: str | None = None
+    """The option that takes the allocator settings a snapshot recorded
+    (:func:`vmstoolkit.trace.settings.options_with_settings`): ``"config"`` for the PyTorch
+    simulations, which replay a trace under the settings it ran with; None: the allocator's own
+    options alone apply."""
+
     counts: Mapping[str, int] = MappingProxyType({})
     """How many requests each of the allocator's paths served (``{"exact": 3, "split": 1, ...}``
     for ``vms``); empty for an allocator with one path. Replay reports it as ``extra["paths"]``."""
@@ -147,6 +161,7 @@ class Allocator(ABC):
         self._total_frees = 0
         self._total_bytes = 0
         self._num_ooms = 0
+        self._closed = False
         self._streams = DeferredFrees(driver, self._free, streams_apart=self.streams_apart)
 
     # -- the protocol ----------------------------------------------------------------------
@@ -157,6 +172,8 @@ class Allocator(ABC):
         :class:`~vmstoolkit.errors.OutOfMemoryError` when physical memory cannot serve it, even
         after waiting for every held free (see :mod:`~vmstoolkit.pools.streams`).
         """
+        if self._closed:
+            raise AllocatorClosedError(f"{self.name}: allocate({size!r}) after close(): the allocator is closed")
         if not isinstance(size, int) or isinstance(size, bool):
             raise InvalidSizeError(f"allocation size must be an integer, got {size!r}")
         if size <= 0:
@@ -202,8 +219,14 @@ class Allocator(ABC):
         a stream other than the allocation's counts as a use on it, as ``record_stream`` does.
         An address that no live allocation starts at raises
         :class:`~vmstoolkit.errors.DoubleFreeError` (recently freed) or
-        :class:`~vmstoolkit.errors.InvalidFreeError` (unknown), and changes nothing.
+        :class:`~vmstoolkit.errors.InvalidFreeError` (unknown, or not an integer), and changes
+        nothing; after :meth:`close`, :class:`~vmstoolkit.errors.AllocatorClosedError`.
         """
+        if self._closed:
+            raise AllocatorClosedError(f"{self.name}: free({addr!r:.60}) after close(): the allocator is closed")
+        self._free_live(self._address(addr, "free"), stream)
+
+    def _free_live(self, addr: int, stream: int | None = None) -> None:
         size = self._live.get(addr)
         if size is None:
             if addr in self._recently_freed:
@@ -221,9 +244,17 @@ class Allocator(ABC):
     def record_stream(self, addr: int, stream: int) -> None:
         """Work on ``stream`` uses the live allocation at ``addr``: once freed, it is not reused
         before that work, as queued up to the free, has finished (``Tensor.record_stream``)."""
+        addr = self._address(addr, "record_stream")
         if addr not in self._live:
             raise InvalidFreeError(f"record_stream of address {addr:#x}, which is not a live allocation")
         self._streams.record(addr, stream, self._streams.own_stream(addr))
+
+    def _address(self, addr, call: str) -> int:
+        """``addr`` as an ``int`` (numpy's integers too), or the invalid-free error for a value that
+        is no address (a float, a string, None, a bool), which the hex in later messages cannot format."""
+        if isinstance(addr, bool) or not isinstance(addr, numbers.Integral):
+            raise InvalidFreeError(f"{self.name}: {call} of {addr!r:.60}: an address is an integer")
+        return int(addr)
 
     def _free_streamed(self, addr: int, size: int, stream: int | None) -> None:
         """Free now when no other stream's queued work can use the block; else hold it."""
@@ -248,6 +279,7 @@ class Allocator(ABC):
 
     def size_of(self, addr: int) -> int:
         """The requested size of the live allocation at ``addr``."""
+        addr = self._address(addr, "size_of")
         try:
             return self._live[addr]
         except KeyError:
@@ -299,12 +331,15 @@ class Allocator(ABC):
         """Free every live allocation and give everything back to the driver.
 
         Keeps going past driver errors (their steps wait in the graveyard and are retried by
-        the final ``empty_cache``); the first error is raised at the end.
+        the final ``empty_cache``); the first error is raised at the end. Afterwards the allocator
+        refuses :meth:`allocate` and :meth:`free` (:class:`~vmstoolkit.errors.AllocatorClosedError`);
+        a second ``close`` retries what the graveyard still holds.
         """
+        self._closed = True
         first: DriverError | None = None
         for addr in list(self._live):
             try:
-                self.free(addr)
+                self._free_live(addr)
             except DriverError as e:
                 first = first or e
         self.empty_cache()

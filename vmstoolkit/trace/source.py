@@ -114,14 +114,17 @@ class BoundedReader(io.RawIOBase):
         b[:len(data)] = data
         return len(data)
 
-    def skip(self, n: int) -> int:
-        """Read and discard ``n`` bytes (a long string the scanner does not keep); bytes skipped."""
+    def skip(self, n: int, check=None) -> int:
+        """Read and discard ``n`` bytes (a long string the scanner does not keep), handing each
+        piece to ``check`` if given; bytes skipped."""
         left = n
         while left > 0:
-            got = len(self.read(min(left, CHUNK)))
-            if got == 0:
+            data = self.read(min(left, CHUNK))
+            if not data:
                 break
-            left -= got
+            if check is not None:
+                check(data)
+            left -= len(data)
         return n - left
 
     def _too_big(self) -> None:

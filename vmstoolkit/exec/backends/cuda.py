@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 
 import numpy as np
 
@@ -138,6 +139,10 @@ def run_kernel(v, stream, ins, outs) -> None:
 class CudaBackend:
     """The :class:`~vmstoolkit.exec.backends.base.Backend` of a real GPU (module docstring)."""
 
+    # launch(v, after): v's stream waits on the GPU for the end events of the vertices ``after``
+    # (cuStreamWaitEvent), so the executor need not wait on the host for them
+    device_waits = True
+
     def __init__(self, values: dict[int, np.ndarray], *, notify: str = "poll", host: dict | None = None,
                  pin: str = "copy", pool: PinnedPool | None = None, allocator: str = "vms",
                  allocator_options: dict | None = None, timeline: bool = False):
@@ -227,6 +232,7 @@ class CudaBackend:
             with cuda.gpus[gpu]:
                 cuda.synchronize()
         self._pending: dict[tuple[int, str], list] = {}
+        self._ends: dict[int, object] = {}  # vertex id -> the event recorded after it
         self._poller = None
         self._callbacks: HostCallbacks | None = None
         self._marks, self._spans = [], None
@@ -244,7 +250,7 @@ class CudaBackend:
     def clock(self) -> float:
         return time.perf_counter()
 
-    def launch(self, v):
+    def launch(self, v, after=()):
         from numba import cuda
 
         multi = self.mg.n_gpus > 1
@@ -253,6 +259,8 @@ class CudaBackend:
             cm.__enter__()
         try:
             s = self.streams[v.gpu][v.stream]
+            for u in after:  # the executor arms only on predecessors of v's own GPU
+                self._ends[u].wait(s)
             if self.timeline:
                 start = cuda.event(timing=True)
                 start.record(s)
@@ -270,12 +278,13 @@ class CudaBackend:
                 end = cuda.event(timing=True)
                 end.record(s)
                 self._marks.append((v.id, v.gpu, v.stream, start, end))
+            ev = cuda.event(timing=False)
+            ev.record(s)
+            self._ends[v.id] = ev
             if self.notify == "callback":
                 if self._callbacks is None:
                     self._callbacks = HostCallbacks(asyncio.get_running_loop())
                 return self._callbacks.after(s)
-            ev = cuda.event(timing=False)
-            ev.record(s)
             fut = asyncio.get_running_loop().create_future()
             self._pending.setdefault((v.gpu, v.stream), []).append((ev, fut))
             if self._poller is None or self._poller.done():
@@ -456,16 +465,17 @@ def copy_bandwidth(nbytes: int = 1 << 28, gpu: int = 0) -> dict[str, float]:
     return res
 
 
-_LB_CACHE: dict = {}
+# task graph -> (compute seconds, copy bandwidths), for as long as the graph lives: keyed by the
+# graph itself, not id(graph), which a later graph (another bucket's) may reuse once it is freed
+_LB_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def measure_lower_bound(mg, values) -> dict:
     """max(back-to-back compute time, H2D bytes / measured bandwidth, D2H bytes / bandwidth)."""
-    key = id(mg.graph)
-    if key not in _LB_CACHE:
+    if mg.graph not in _LB_CACHE:
         _, compute = direct_forward(mg.graph, values)
-        _LB_CACHE[key] = (compute, copy_bandwidth())
-    compute, bw = _LB_CACHE[key]
+        _LB_CACHE[mg.graph] = (compute, copy_bandwidth())
+    compute, bw = _LB_CACHE[mg.graph]
     h2d = max(mg.bytes_moved("reload", g) for g in range(mg.n_gpus)) / bw["h2d"]
     d2h = max(mg.bytes_moved("offload", g) for g in range(mg.n_gpus)) / bw["d2h"]
     return {"compute_s": compute, "h2d_s": h2d, "d2h_s": d2h, "lower_bound_s": max(compute, h2d, d2h),

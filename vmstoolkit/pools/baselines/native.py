@@ -7,17 +7,18 @@ from __future__ import annotations
 from vmstoolkit.errors import DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
 from vmstoolkit.pools.drivers.base import VMMDriver
+from vmstoolkit.pools.options import NoOptions
 from vmstoolkit.pools.registry import register_allocator
 from vmstoolkit.pools.drivers.teardown import Graveyard, unmap_range_steps
 from vmstoolkit.pools.drivers.txn import map_new_range
 from vmstoolkit.units import round_up
 
 
-@register_allocator("native", "cudaMalloc/cudaFree baseline: own chunks per request, freed at once")
+@register_allocator("native", NoOptions, "cudaMalloc/cudaFree baseline: own chunks per request, freed at once")
 class NativeAllocator(Allocator):
     name = "native"
 
-    def __init__(self, driver: VMMDriver) -> None:
+    def __init__(self, driver: VMMDriver, options: NoOptions = NoOptions()) -> None:
         super().__init__(driver)
         self._ranges: dict[int, tuple[int, int]] = {}  # va -> (size, handle)
         self.graveyard = Graveyard(driver)

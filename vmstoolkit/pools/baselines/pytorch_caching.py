@@ -40,16 +40,18 @@ from __future__ import annotations
 
 from sortedcontainers import SortedList
 
-from vmstoolkit.errors import ConfigError, DriverOutOfMemoryError, OutOfMemoryError
+from vmstoolkit.errors import DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
 from vmstoolkit.pools.drivers import VMMDriver, make_driver  # noqa: F401  (make_driver: doctest)
 from vmstoolkit.pools.baselines.pytorch_config import UNLIMITED, PyTorchAllocConfig, as_config
+from vmstoolkit.pools.constants import SMALL_SIZE
+from vmstoolkit.pools.options import PyTorchCachingOptions
 from vmstoolkit.pools.registry import register_allocator
 from vmstoolkit.pools.drivers.teardown import Graveyard
 
 # The constants of CUDACachingAllocator.cpp, with its names.
 kMinBlockSize = 512  # every size is rounded to a multiple of 512 bytes
-kSmallSize = 1 << 20  # the largest "small" request: 1 MiB
+kSmallSize = SMALL_SIZE  # the largest "small" request: 1 MiB (pools/constants.py)
 kSmallBuffer = 2 << 20  # small requests are packed in 2 MiB segments
 kMinLargeAlloc = 10 << 20  # requests between 1 and 10 MiB get a 20 MiB segment...
 kLargeBuffer = 20 << 20  # ...of this size
@@ -170,24 +172,26 @@ class BlockPool:
         return len(self.blocks)
 
 
-@register_allocator("pytorch-caching", "simulation of PyTorch's CUDA caching allocator (cudaMalloc segments, best fit, splitting)")
+@register_allocator("pytorch-caching", PyTorchCachingOptions, "simulation of PyTorch's CUDA caching allocator (cudaMalloc segments, best fit, splitting)")
 class PyTorchCachingAllocator(Allocator):
-    """See the module docstring. ``config`` is a ``PYTORCH_CUDA_ALLOC_CONF``-style string or a
-    :class:`~vmstoolkit.pools.baselines.pytorch_config.PyTorchAllocConfig`."""
+    """See the module docstring. ``options``: the checked
+    :class:`~vmstoolkit.pools.options.PyTorchCachingOptions` (as
+    :func:`~vmstoolkit.pools.make_allocator` passes them), or its ``config`` alone, a
+    ``PYTORCH_CUDA_ALLOC_CONF``-style string (checked by the options class)."""
 
     streams_apart = True  # a pool per stream, as in PyTorch
+    recorded_settings_option = "config"  # a snapshot's recorded allocator settings apply (trace/settings.py)
+    options_class = PyTorchCachingOptions
 
     name = "pytorch-caching"
     expandable = False
 
-    def __init__(self, driver: VMMDriver, config: str | PyTorchAllocConfig | None = None) -> None:
+    def __init__(self, driver: VMMDriver, options: PyTorchCachingOptions | str | None = None) -> None:
         super().__init__(driver)
+        if not isinstance(options, PyTorchCachingOptions):
+            options = self.options_class(config=options)
         self.graveyard = Graveyard(driver)
-        self.config = as_config(config)
-        if self.config.expandable_segments != self.expandable:
-            raise ConfigError(
-                f"expandable_segments:{self.config.expandable_segments} does not fit allocator {self.name!r}; "
-                f"use {'pytorch-expandable' if self.config.expandable_segments else 'pytorch-caching'}")
+        self.config = self._alloc_conf(options.config)
         self.small_pool = BlockPool(small=True)
         self.large_pool = BlockPool(small=False)
         self.active: dict[int, Block] = {}  # ptr -> allocated block
@@ -203,6 +207,10 @@ class PyTorchCachingAllocator(Allocator):
         self._plain_rounding = not any(self.config.roundup_power2_divisions)
 
     # -- sizes and pools -------------------------------------------------------------------
+
+    def _alloc_conf(self, config: str | None) -> PyTorchAllocConfig:
+        """The parsed ``config`` (checked already by the options class)."""
+        return as_config(config)
     def round_size(self, size: int) -> int:
         if self._plain_rounding:  # the common case, inlined: 2x faster replays than calling round_size()
             return -(-size // kMinBlockSize) * kMinBlockSize if size >= kMinBlockSize else kMinBlockSize

@@ -35,7 +35,8 @@ from vmstoolkit.pools.drivers import VMMDriver, make_driver  # noqa: F401  (make
 from vmstoolkit.pools.baselines.pytorch_caching import (
     Block, BlockPool, PyTorchCachingAllocator, allocation_size, kLargeBuffer, kMinBlockSize, kSmallBuffer,
 )
-from vmstoolkit.pools.baselines.pytorch_config import PyTorchAllocConfig
+from vmstoolkit.pools.baselines.pytorch_config import PyTorchAllocConfig, as_config
+from vmstoolkit.pools.options import PyTorchExpandableOptions
 from vmstoolkit.pools.registry import register_allocator
 from vmstoolkit.pools.drivers.teardown import Graveyard
 from vmstoolkit.pools.drivers.txn import Transaction
@@ -131,19 +132,24 @@ class ExpandableSegment:
         return steps
 
 
-@register_allocator("pytorch-expandable", "simulation of PyTorch's expandable_segments:True (one growing mapped range per stream and pool)")
+@register_allocator("pytorch-expandable", PyTorchExpandableOptions, "simulation of PyTorch's expandable_segments:True (one growing mapped range per stream and pool)")
 class PyTorchExpandableAllocator(PyTorchCachingAllocator):
-    """See the module docstring. ``config`` as for ``pytorch-caching``; ``expandable_segments:True``
-    is implied (``expandable_segments:False`` is a :class:`~vmstoolkit.errors.ConfigError`)."""
+    """See the module docstring. ``options`` as for ``pytorch-caching``; ``expandable_segments:True``
+    is implied (``expandable_segments:False`` is a :class:`~vmstoolkit.errors.ConfigError` of
+    :class:`~vmstoolkit.pools.options.PyTorchExpandableOptions`)."""
 
     name = "pytorch-expandable"
     expandable = True
+    options_class = PyTorchExpandableOptions
 
-    def __init__(self, driver: VMMDriver, config: str | PyTorchAllocConfig | None = None) -> None:
-        if config is None or (isinstance(config, str) and "expandable_segments" not in config):
-            config = f"{config},expandable_segments:True" if config else "expandable_segments:True"
-        super().__init__(driver, config)
+    def __init__(self, driver: VMMDriver, options: PyTorchExpandableOptions | str | None = None) -> None:
+        super().__init__(driver, options)
         self.expandable_segments: list[ExpandableSegment] = []
+
+    def _alloc_conf(self, config: str | None) -> PyTorchAllocConfig:
+        if config is None or "expandable_segments" not in config:
+            config = f"{config},expandable_segments:True" if config else "expandable_segments:True"
+        return as_config(config)
 
     # -- the rules that differ -------------------------------------------------------------
     def _should_split(self, block: Block, size: int) -> bool:

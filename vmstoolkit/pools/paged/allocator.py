@@ -43,53 +43,51 @@ import threading
 
 import numpy as np
 
-from vmstoolkit.errors import ConfigError, DriverError, DriverOutOfMemoryError, InvalidFreeError, OutOfMemoryError
+from vmstoolkit.errors import (
+    AllocatorClosedError,
+    DriverError,
+    DriverOutOfMemoryError,
+    InvalidFreeError,
+    OutOfMemoryError,
+)
 from vmstoolkit.pools.base import Allocator, CompiledReplay, ReplayArrays
 from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.paged import heap as H
+from vmstoolkit.pools.options import PagedOptions
 from vmstoolkit.pools.registry import register_allocator
 from vmstoolkit.pools.drivers.teardown import Graveyard
-from vmstoolkit.units import GiB
 
 from vmstoolkit.pools.paged.heap import (  # noqa: F401 - the allocator's constants, defined beside the heap
     G_NSLOTS, MAX_SLOTS, MIN_BLOCKS, OVERFLOW_BIT, SMALL_SIZE, SMALL_UNIT_SHIFT,
 )
 
 
-@register_allocator("paged", "best-fit heap over one virtual range; 2 MiB pages mapped on demand, reclaimed at the peak")
+@register_allocator("paged", PagedOptions, "best-fit heap over one virtual range; 2 MiB pages mapped on demand, reclaimed at the peak")
 class PagedAllocator(Allocator):
     name = "paged"
     streams_apart = True  # streams are ordered through tagged chunks, below
     compiled_hook = "vmstoolkit.integrations.native_torch:NativeHook"
 
-    def __init__(self, driver: VMMDriver, *, va_bytes: int | None = None, small_va_bytes: int = 4 * GiB,
-                 slack_pages: int = 0, reclaim: str = "top-down", reclaim_batch: int = 16,
-                 placement: str = "mapped", aliases: bool = False, large_unit: int | None = None,
-                 max_blocks: int = 1 << 18) -> None:
+    def __init__(self, driver: VMMDriver, options: PagedOptions | None = None, **keywords) -> None:
+        """``paged`` over ``driver`` with the checked ``options`` (as :func:`~vmstoolkit.pools.make_allocator`
+        passes them). Called directly, ``keywords`` are the options (``max_blocks=16``): they are
+        checked by :class:`~vmstoolkit.pools.options.PagedOptions`, against the driver too, as
+        ``make_allocator`` checks them. Runtime complexity: O(pages + units + max_blocks) to
+        build the heaps' arrays."""
         super().__init__(driver)
+        if options is None:
+            options = PagedOptions(**keywords)
+            options.check_for_driver(driver.capacity, driver.granularity)
+        elif keywords:
+            raise TypeError(f"PagedAllocator takes its options as one PagedOptions or as keywords, not both: {keywords}")
+        self.options = options
         page = driver.granularity
-        if page & (page - 1) or page < (1 << SMALL_UNIT_SHIFT):
-            raise ConfigError(f"paged: the granularity {page} is not a power of two of at least 512 B")
-        if slack_pages < 0:
-            raise ConfigError(f"paged: slack_pages must be >= 0, got {slack_pages}")
-        if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < MIN_BLOCKS:
-            raise ConfigError(f"paged: max_blocks must be an integer of at least {MIN_BLOCKS} (block records, grown "
-                              f"on demand), got {max_blocks!r}")
-        if reclaim_batch < 1:
-            raise ConfigError(f"paged: reclaim_batch must be >= 1, got {reclaim_batch}")
-        self.reclaim_batch = reclaim_batch
-        if reclaim not in ("top-down", "clock"):
-            raise ConfigError(f"paged: reclaim must be 'top-down' or 'clock', got {reclaim!r}")
-        if placement not in ("best-fit", "mapped"):
-            raise ConfigError(f"paged: placement must be 'best-fit' or 'mapped', got {placement!r}")
+        va_bytes = options.va_bytes or 2 * -(-driver.capacity // page) * page
+        small_va_bytes, large_unit = options.small_va_bytes, options.large_unit or page
+        self.reclaim_batch = options.reclaim_batch
+        max_blocks, aliases = options.max_blocks, options.aliases
         self.page = page
         self.page_shift = page.bit_length() - 1
-        va_bytes = va_bytes or 2 * -(-driver.capacity // page) * page
-        if va_bytes % page or small_va_bytes % page or va_bytes <= 0 or small_va_bytes <= 0:
-            raise ConfigError(f"paged: virtual ranges ({va_bytes}, {small_va_bytes} bytes) must be positive multiples of {page}")
-        large_unit = large_unit or page
-        if large_unit & (large_unit - 1) or not (1 << SMALL_UNIT_SHIFT) <= large_unit <= page:
-            raise ConfigError(f"paged: large_unit must be a power of two from 512 B to the page ({page}), got {large_unit}")
         large_shift = large_unit.bit_length() - 1
         max_chunks = va_bytes // page + small_va_bytes // page
         self.aliases = aliases
@@ -103,10 +101,10 @@ class PagedAllocator(Allocator):
                             buckets=(SMALL_SIZE >> SMALL_UNIT_SHIFT) + 1, max_blocks=max_blocks,
                             chunk_live=self.chunk_live, chunk_tag=self.chunk_tag)
         for h in (self.large, self.small):
-            h.meta[H.M_CLOCK_ORDER] = reclaim == "clock"
-        self.large.meta[H.M_PLACE_MAPPED] = placement == "mapped"
+            h.meta[H.M_CLOCK_ORDER] = options.reclaim == "clock"
+        self.large.meta[H.M_PLACE_MAPPED] = options.placement == "mapped"
         self.g = np.zeros(16, np.int64)  # heap.G_* slots, then the PyTorch hook's counters
-        self.g[H.G_SLACK] = slack_pages
+        self.g[H.G_SLACK] = options.slack_pages
         self.stream_slots = np.zeros(MAX_SLOTS, np.int64)  # slot -> stream handle (g[G_NSLOTS] in use)
         self._slot: dict[int, int] = {}
         self.on_arrays_changed = None  # called after heap arrays are replaced (the hook republishes)
@@ -243,6 +241,8 @@ class PagedAllocator(Allocator):
         methods: :mod:`vmstoolkit.pools.paged.replay`."""
         from vmstoolkit.pools.paged.replay import replay_paged
 
+        if self._closed:
+            raise AllocatorClosedError(f"{self.name}: compiled_replay after close(): the allocator is closed")
         return replay_paged(self, events)
 
     def _free(self, addr: int) -> None:
@@ -302,6 +302,7 @@ class PagedAllocator(Allocator):
         assert freed, f"paged: no live block at {addr:#x}"
 
     def record_stream(self, addr: int, stream: int) -> None:
+        addr = self._address(addr, "record_stream")
         if addr not in self._live:
             raise InvalidFreeError(f"record_stream of address {addr:#x}, which is not a live allocation")
         self.record_block(addr, stream)

@@ -25,6 +25,7 @@ import numpy as np
 from vmstoolkit._jit import njit
 
 from vmstoolkit.errors import ConfigError
+from vmstoolkit.pools.constants import PAGED_MIN_BLOCKS as MIN_BLOCKS, SMALL_SIZE  # noqa: F401 - read here by the allocator
 
 # meta[] slots of a heap
 M_UNITS, M_Q, M_NB, M_REC_TOP, M_TOP, M_LIVE_UNITS, M_CLOCK_ORDER, M_CLOCK, M_PLACE_MAPPED = 0, 1, 2, 3, 4, 5, 6, 7, 8
@@ -33,9 +34,9 @@ M_LOW = 11  # the start of a block with no free block below it (where those sear
 # g[] slots shared by the heaps of one device
 G_FREE_CHUNKS, G_TOTAL_CHUNKS, G_LIVE_PAGES, G_PEAK_LIVE_PAGES, G_BUSY, G_SLACK = 0, 1, 2, 3, 4, 5
 # The allocator's layout constants (pools/paged/allocator.py and the compiled replay read them here).
-SMALL_SIZE = 1 << 20  # requests below 1 MiB go to the small heap
+# SMALL_SIZE (requests of at most 1 MiB go to the small heap) and MIN_BLOCKS (fewest block records
+# to start with; the heaps double them when they run out) come from pools/constants.py.
 SMALL_UNIT_SHIFT = 9  # 512 B, PyTorch's rounding
-MIN_BLOCKS = 8  # block records to start with; the heaps double them when they run out
 MAX_SLOTS = 63  # streams with a bit in chunk tags (int64; the last bit is shared by any further streams)
 OVERFLOW_BIT = 1 << (MAX_SLOTS - 1)
 G_NSLOTS = 13  # g[] slot: streams with a slot (heap.py uses 0-5, the PyTorch hook 6-12)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from sortedcontainers import SortedKeyList
 
+from vmstoolkit.pools.constants import SMALL_SIZE  # noqa: F401 - requests up to this size are small
 from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.drivers.teardown import Graveyard, unmap_range_steps
 from vmstoolkit.pools.drivers.txn import map_new_range
-from vmstoolkit.units import MiB, round_up
+from vmstoolkit.units import round_up
 
-SMALL_SIZE = 1 * MiB  # requests up to this size are small (PyTorch's kSmallSize)
 MIN_BLOCK = 512  # rounding and minimum split remainder (PyTorch's kMinBlockSize)
 
 

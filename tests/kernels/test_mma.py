@@ -1,0 +1,130 @@
+"""The tensor-core route on the CPU: the reference fragment layouts of mma.m16n8k16 and ldmatrix
+(:mod:`vmstoolkit.kernels.mma_layout`), the intrinsics' simulator twins against them
+(``mma_check.validate`` under the simulator), and the bf16 GEMM's three layouts at tiny ragged
+sizes, by both fetch paths, split k and an accumulator, on the simulator's one-warp tiles."""
+
+import numpy as np
+import pytest
+
+from vmstoolkit.errors import KernelError
+from vmstoolkit.kernels import mma_layout as L
+
+
+def test_every_element_has_one_owner():
+    """Each element of A, B and C is held by exactly one (lane, register, half)."""
+    for coords, shape, regs in ((L.a_coords, (16, 16), 4), (L.b_coords, (16, 8), 2)):
+        seen = [rc for lane in range(32) for reg in coords(lane) for rc in reg]
+        assert len(seen) == len(set(seen)) == shape[0] * shape[1]
+        assert len(coords(0)) == regs
+    seen = [rc for lane in range(32) for rc in L.c_coords(lane)]
+    assert sorted(seen) == [(r, c) for r in range(16) for c in range(8)]
+
+
+def test_layout_matches_the_ptx_figures():
+    """Spot values from the PTX ISA's fragment figures for m16n8k16 (bf16) and ldmatrix."""
+    assert L.a_coords(0)[0] == ((0, 0), (0, 1))  # lane 0, a0: row 0, cols 0-1
+    assert L.a_coords(5)[3] == ((9, 10), (9, 11))  # lane 5 = group 1, thread 1: a3 at row 9, cols 10-11
+    assert L.b_coords(6)[1] == ((12, 1), (13, 1))  # lane 6: b1 at k 12-13, column 1
+    assert L.c_coords(31) == [(7, 6), (7, 7), (15, 6), (15, 7)]
+
+
+def test_fragments_round_trip_and_mma_is_a_matmul():
+    rng = np.random.default_rng(1)
+    a = L.bf16_bits(rng.standard_normal((16, 16)).astype(np.float32))
+    b = L.bf16_bits(rng.standard_normal((16, 8)).astype(np.float32))
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    assert np.array_equal(L.a_matrix(L.a_fragments(a)), a)
+    assert np.array_equal(L.b_matrix(L.b_fragments(b)), b)
+    assert np.array_equal(L.c_matrix(L.c_fragments(c)), c)
+    d = L.c_matrix(L.mma(L.a_fragments(a), L.b_fragments(b), L.c_fragments(c)))
+    want = L.bf16_value(a).astype(np.float64) @ L.bf16_value(b).astype(np.float64) + c
+    assert np.allclose(d, want, rtol=0, atol=1e-5)
+    # a register's low half is the lower column: swapping halves must change the product
+    swapped = L.a_fragments(a)
+    swapped = (swapped >> 16) | (swapped << 16)
+    assert not np.allclose(L.c_matrix(L.mma(swapped, L.b_fragments(b), L.c_fragments(c))), want, atol=1e-3)
+
+
+def test_ldmatrix_trans_is_the_transpose():
+    """ldmatrix.trans of four 8x8 matrices gives what the plain load gives of their transposes."""
+    rng = np.random.default_rng(2)
+    mats = rng.integers(0, 1 << 16, size=(4, 8, 8), dtype=np.uint16)
+    rows = np.arange(32) * 8  # matrix j's row r at element (8 j + r) * 8
+    plain = L.ldmatrix(mats.reshape(-1), rows)
+    trans_of_t = L.ldmatrix(np.transpose(mats, (0, 2, 1)).reshape(-1), rows, trans=True)
+    assert np.array_equal(plain, trans_of_t)
+    lo, hi = L.unpack(plain[9])  # lane 9: group 2, thread 1 -> row 2, elements 2 and 3
+    assert lo[1] == mats[1, 2, 2] and hi[1] == mats[1, 2, 3]
+
+
+def test_bf16_rounding():
+    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, np.inf, 3.0e38, 1e-40], np.float32)
+    bits = L.bf16_bits(x)
+    assert list(L.bf16_value(bits)[:5]) == [1.0, 1.0, 1.015625, -2.5, np.inf]  # ties to even
+    assert np.isnan(L.bf16_value(L.bf16_bits(np.array([np.nan], np.float32))))[0]
+    with pytest.raises(KernelError, match="shape"):
+        L.a_fragments(np.zeros((8, 8), np.uint16))
+
+
+def test_intrinsic_twins_match_the_reference():
+    from vmstoolkit.kernels import mma_check
+
+    assert [r["check"] for r in mma_check.validate()] == ["mma", "ldmatrix", "cp_async", "pack"]
+
+
+def _bits(rng, shape):
+    return L.bf16_bits(rng.standard_normal(shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("m, n, k", [(17, 24, 40), (5, 9, 7)])  # cp.async operands; element-wise ones
+def test_gemm_bf16_layouts(m, n, k):
+    from numba import cuda
+
+    from vmstoolkit.kernels import gemm_bf16 as GB
+
+    rng = np.random.default_rng(m)
+    x, w, dy = _bits(rng, (m, k)), _bits(rng, (n, k)), _bits(rng, (m, n))
+    cases = (("nn", GB.gemm_bf16, x, w, (m, n)), ("nt", GB.linear_dx_bf16, dy, w, (m, k)),
+             ("tt", GB.linear_dw_bf16, dy, x, (n, k)))
+    for layout, fn, a, b, shape in cases:
+        want = GB.reference(layout, a, b)
+        out = cuda.device_array(shape, np.float32)
+        fn(cuda.to_device(a), cuda.to_device(b), out)
+        got = out.copy_to_host()
+        assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), layout
+        out16 = cuda.device_array(shape, np.uint16)
+        fn(cuda.to_device(a), cuda.to_device(b), out16)
+        # one rounding to bf16 (half an ulp: 2^-9 of the value) of a sum that is right to 1e-5
+        assert np.max(np.abs(L.bf16_value(out16.copy_to_host()) - want)) <= 2 ** -8 * np.max(np.abs(want)), layout
+
+
+def test_gemm_bf16_split_and_acc():
+    from numba import cuda
+
+    from vmstoolkit.kernels import gemm_bf16 as GB
+
+    rng = np.random.default_rng(3)
+    m, n, k = 9, 20, 72  # three k slices
+    x, w = _bits(rng, (m, k)), _bits(rng, (n, k))
+    acc = rng.standard_normal((m, n)).astype(np.float32)
+    want = GB.reference("nn", x, w, acc)
+    for splits in (1, 3):
+        out = cuda.device_array((m, n), np.float32)
+        GB.gemm_bf16(cuda.to_device(x), cuda.to_device(w), out, acc=cuda.to_device(acc), splits=splits)
+        assert np.max(np.abs(out.copy_to_host() - want)) <= 1e-5 * np.max(np.abs(want)), splits
+
+
+def test_gemm_bf16_rejects_bad_input():
+    from numba import cuda
+
+    from vmstoolkit.kernels import gemm_bf16 as GB
+
+    x, w = cuda.to_device(np.zeros((4, 8), np.uint16)), cuda.to_device(np.zeros((3, 8), np.uint16))
+    with pytest.raises(KernelError, match="float32"):
+        GB.gemm_bf16(cuda.to_device(np.zeros((4, 8), np.float32)), w, cuda.device_array((4, 3), np.float32))
+    with pytest.raises(KernelError, match="shape"):
+        GB.gemm_bf16(x, w, cuda.device_array((4, 4), np.float32))
+    with pytest.raises(KernelError, match="acc needs a float32 output"):
+        GB.gemm_bf16(x, w, cuda.device_array((4, 3), np.uint16), acc=cuda.device_array((4, 3), np.float32))
+    with pytest.raises(KernelError, match="splits"):
+        GB.gemm_bf16(x, w, cuda.device_array((4, 3), np.uint16), splits=2)

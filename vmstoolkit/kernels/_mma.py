@@ -1,0 +1,270 @@
+"""Tensor cores from Numba: ``mma.sync``, ``ldmatrix`` and ``cp.async`` as inline PTX.
+
+numba-cuda has no MMA API; like :mod:`._vector`'s loads, these are ``numba.cuda.extending.intrinsic``
+functions whose codegen emits llvmlite ``ir.InlineAsm`` (NVVM passes inline PTX through to ptxas):
+
+- ``mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)``:
+  ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``, D = A B + C for one warp, A 16 x 16 and
+  B 16 x 8 bf16 as packed pairs in uint32 registers, C and D fp32 (lane layouts: :mod:`.mma_layout`);
+- ``ldmatrix_x4(smem, i)`` / ``ldmatrix_x4_trans(smem, i)`` -> 4 uint32: ``ldmatrix.sync.aligned.m8n8.x4
+  [.trans].shared.b16``, four 8 x 8 b16 matrices from shared memory; lane l names, by element index
+  ``i`` into the 1-D uint16 shared array ``smem``, the start of row ``l % 8`` of matrix ``l // 8``
+  (16 bytes, 16-byte aligned);
+- ``cp_async16(smem, i, g, r, c, nbytes)``: ``cp.async.cg.shared.global`` of the 16 bytes at
+  ``g[r, c]`` (a 2-D uint16/int16 array; the caller promises 16-byte alignment) to ``smem[i:i+8]``,
+  reading only ``nbytes`` (0 or 16) and zero-filling the rest; ``cp_async16_at(smem, i, g, off,
+  nbytes)`` the same from element ``off`` of ``g``'s memory (``r * row_stride + c`` in elements:
+  a loop can step it by one add instead of recomputing a 2-D address); ``cp_async_commit()`` and
+  ``cp_async_wait(n)`` (``n`` a constant: wait until at most ``n`` committed groups are pending);
+- ``pack_bf16x2(lo, hi) -> uint32``: two fp32 rounded to bf16 (``cvt.rn.bf16x2.f32``), ``lo`` in
+  the low half.
+
+bf16 data are uint16 arrays of bf16 bit patterns (a torch bf16 tensor viewed as int16 works too:
+both are accepted); pairs travel in uint32 registers. ``ldmatrix`` and ``cp.async`` are emitted
+with side effects and a memory clobber so that LLVM keeps them in order with the barriers.
+
+Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) no PTX runs, so each intrinsic has a twin
+with the same signature computing the same per-lane result from the reference layouts: the
+warp-wide ones (``mma_bf16``, ``ldmatrix_*``) exchange the 32 lanes' operands through a
+per-warp table at a block barrier. They therefore need every thread of the block to call
+them together (true of the GEMM, whose warps all run the same k loop), and they cost O(warp x
+fragment) Python per lane: tiny sizes only.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+
+from . import mma_layout
+from ._util import simulating
+
+_B16 = (types.uint16, types.int16)
+
+
+def _is_b16_array(a, ndim: int) -> bool:
+    return isinstance(a, types.Array) and a.ndim == ndim and a.dtype in _B16
+
+
+def _item_pointer(context, builder, aty, ary_val, idx_vals, idx_tys):
+    from numba.cuda import cgutils
+
+    ary = context.make_array(aty)(context, builder, value=ary_val)
+    idx = [context.cast(builder, v, t, types.intp) for v, t in zip(idx_vals, idx_tys)]
+    return cgutils.get_item_pointer(context, builder, aty, ary, idx, wraparound=False)
+
+
+def _shared_address(builder, ptr):
+    """A generic pointer into shared memory -> its 32-bit .shared address (NVVM: ``cvta.to.shared``)."""
+    shared = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 3))
+    return builder.ptrtoint(shared, ir.IntType(32))
+
+
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+
+
+def _make_gpu():
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        regs, accs = (a0, a1, a2, a3, b0, b1), (c0, c1, c2, c3)
+        if not all(isinstance(r, types.Integer) for r in regs) or not all(isinstance(c, types.Float) for c in accs):
+            return None
+        sig = types.UniTuple(types.float32, 4)(*regs, *accs)
+
+        def codegen(context, builder, sig, args):
+            ins = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[:6], sig.args[:6])]
+            ins += [context.cast(builder, v, t, types.float32) for v, t in zip(args[6:], sig.args[6:])]
+            fty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
+            asm = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                   "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+            out = builder.asm(fty, asm, "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", ins, side_effect=False)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(4)])
+
+        return sig, codegen
+
+    def _ldmatrix(trans: bool):
+        suffix = ".trans" if trans else ""
+
+        def typer(typingctx, smem, index):
+            if not _is_b16_array(smem, 1) or not isinstance(index, types.Integer):
+                return None
+            sig = types.UniTuple(types.uint32, 4)(smem, index)
+
+            def codegen(context, builder, sig, args):
+                ptr = _item_pointer(context, builder, sig.args[0], args[0], args[1:], sig.args[1:])
+                fty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
+                asm = f"ldmatrix.sync.aligned.m8n8.x4{suffix}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
+                out = builder.asm(fty, asm, "=r,=r,=r,=r,r,~{memory}", [_shared_address(builder, ptr)],
+                                  side_effect=True)
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(4)])
+
+            return sig, codegen
+
+        typer.__name__ = "ldmatrix_x4" + ("_trans" if trans else "")
+        return intrinsic(typer)
+
+    @intrinsic
+    def cp_async16(typingctx, smem, sindex, g, row, col, nbytes):
+        if not (_is_b16_array(smem, 1) and _is_b16_array(g, 2)
+                and all(isinstance(x, types.Integer) for x in (sindex, row, col, nbytes))):
+            return None
+        sig = types.void(smem, sindex, g, row, col, nbytes)
+
+        def codegen(context, builder, sig, args):
+            dst = _item_pointer(context, builder, sig.args[0], args[0], args[1:2], sig.args[1:2])
+            src = _item_pointer(context, builder, sig.args[2], args[2], args[3:5], sig.args[3:5])
+            src = builder.addrspacecast(src, ir.PointerType(src.type.pointee, 1))
+            n = context.cast(builder, args[5], sig.args[5], types.uint32)
+            fty = ir.FunctionType(ir.VoidType(), [_I32, src.type, _I32])
+            builder.asm(fty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                        [_shared_address(builder, dst), src, n], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async16_at(typingctx, smem, sindex, g, offset, nbytes):
+        if not (_is_b16_array(smem, 1) and _is_b16_array(g, 2)
+                and all(isinstance(x, types.Integer) for x in (sindex, offset, nbytes))):
+            return None
+        sig = types.void(smem, sindex, g, offset, nbytes)
+
+        def codegen(context, builder, sig, args):
+            dst = _item_pointer(context, builder, sig.args[0], args[0], args[1:2], sig.args[1:2])
+            ary = context.make_array(sig.args[2])(context, builder, value=args[2])
+            off = context.cast(builder, args[3], sig.args[3], types.intp)
+            src = builder.gep(ary.data, [off])
+            src = builder.addrspacecast(src, ir.PointerType(src.type.pointee, 1))
+            n = context.cast(builder, args[4], sig.args[4], types.uint32)
+            fty = ir.FunctionType(ir.VoidType(), [_I32, src.type, _I32])
+            builder.asm(fty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                        [_shared_address(builder, dst), src, n], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_commit(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            builder.asm(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;", "~{memory}", [],
+                        side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_wait(typingctx, n):
+        if not isinstance(n, types.IntegerLiteral):
+            return None
+        pending = int(n.literal_value)
+        sig = types.void(n)
+
+        def codegen(context, builder, sig, args):
+            builder.asm(ir.FunctionType(ir.VoidType(), []), f"cp.async.wait_group {pending};", "~{memory}", [],
+                        side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def pack_bf16x2(typingctx, lo, hi):
+        if not (isinstance(lo, types.Float) and isinstance(hi, types.Float)):
+            return None
+        sig = types.uint32(lo, hi)
+
+        def codegen(context, builder, sig, args):
+            vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args)]
+            fty = ir.FunctionType(_I32, [_F32, _F32])
+            # cvt.rn.bf16x2.f32 d, a, b puts a in the upper half: pass (hi, lo)
+            return builder.asm(fty, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [vals[1], vals[0]],
+                               side_effect=False)
+
+        return sig, codegen
+
+    return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
+            "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
+            "pack_bf16x2": pack_bf16x2}
+
+
+# ---- simulator twins ---------------------------------------------------------------------------
+
+_EXCHANGE: dict = {}
+_EXCHANGE_LOCK = threading.Lock()
+
+
+def _warp_exchange(value):
+    """Under the simulator: every lane of the calling warp posts ``value``; returns the 32 posted
+    values in lane order and the caller's lane. One block barrier: all threads of the block must
+    call it together. Two slot tables alternate, so a lane posting its next value cannot
+    overwrite one that a slower lane has yet to read (it passes a barrier first, which waits for
+    that lane)."""
+    me = threading.current_thread()
+    tid = me.thread_id
+    turn = getattr(me, "_mma_turn", 0)
+    me._mma_turn = turn ^ 1
+    key = (tuple(me.blockIdx), tid // mma_layout.WARP, turn)
+    with _EXCHANGE_LOCK:
+        slots = _EXCHANGE.setdefault(key, [None] * mma_layout.WARP)
+    slots[tid % mma_layout.WARP] = value
+    me.syncthreads()
+    return list(slots), tid % mma_layout.WARP
+
+
+def _make_sim():
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        posted, lane = _warp_exchange(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
+        a = np.array([p[0] for p in posted], np.uint32)
+        b = np.array([p[1] for p in posted], np.uint32)
+        c = np.array([p[2] for p in posted], np.float32)
+        d = mma_layout.mma(a, b, c)[lane]
+        return np.float32(d[0]), np.float32(d[1]), np.float32(d[2]), np.float32(d[3])
+
+    def _ldmatrix(trans: bool):
+        def ld(smem, index):
+            posted, lane = _warp_exchange(int(index))
+            regs = mma_layout.ldmatrix(np.asarray(smem), np.array(posted), trans)[lane]
+            return tuple(np.uint32(r) for r in regs)
+
+        return ld
+
+    def cp_async16(smem, sindex, g, row, col, nbytes):
+        n = int(nbytes) // 2
+        for e in range(8):
+            smem[sindex + e] = g[row, col + e] if e < n else 0
+
+    def cp_async16_at(smem, sindex, g, offset, nbytes):
+        pitch = g.strides[0] // 2 if g.shape[0] > 1 else g.shape[1]
+        cp_async16(smem, sindex, g, int(offset) // pitch, int(offset) % pitch, nbytes)
+
+    def cp_async_commit():
+        pass
+
+    def cp_async_wait(n):
+        pass
+
+    def pack_bf16x2(lo, hi):
+        bits = mma_layout.bf16_bits(np.array([lo, hi], np.float32))
+        return np.uint32(mma_layout.pack(bits[0], bits[1]))
+
+    return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
+            "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
+            "pack_bf16x2": pack_bf16x2}
+
+
+_IMPL = _make_sim() if simulating() else _make_gpu()
+mma_bf16 = _IMPL["mma_bf16"]
+ldmatrix_x4 = _IMPL["ldmatrix_x4"]
+ldmatrix_x4_trans = _IMPL["ldmatrix_x4_trans"]
+cp_async16 = _IMPL["cp_async16"]
+cp_async16_at = _IMPL["cp_async16_at"]
+cp_async_commit = _IMPL["cp_async_commit"]
+cp_async_wait = _IMPL["cp_async_wait"]
+pack_bf16x2 = _IMPL["pack_bf16x2"]

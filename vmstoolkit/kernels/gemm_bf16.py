@@ -1,0 +1,453 @@
+"""bf16 GEMMs of ``nn.Linear`` and its backward on the tensor cores (``mma.sync`` m16n8k16, fp32
+accumulate), in the three layouts of :mod:`.gemm`:
+
+- ``gemm_bf16``: ``y = x @ w.T``: x (M, K), w (N, K), y (M, N) ("nn");
+- ``linear_dx_bf16``: ``dx = dy @ w`` (+ ``acc``): dy (M, N), w (N, K), dx (M, K) ("nt");
+- ``linear_dw_bf16``: ``dw = dy.T @ x`` (+ ``acc``): dy (M, N), x (M, K), dw (N, K) ("tt").
+
+bf16 arrays are uint16 (or int16: a torch bf16 tensor ``.view(torch.int16)``) holding bf16 bits.
+The output is float32, or bf16 (uint16/int16, rounded to nearest even once, from the fp32 sums);
+``acc`` (float32) needs a float32 output.
+
+One kernel computes ``C (R, C) = [acc +] A @ B`` with A stored (R, K) ("n") or (K, R) ("t") and
+B (C, K) ("n") or (K, C) ("t"). mma's A is row major and its B "col" (k contiguous): an "n"
+operand's fragments come from ``ldmatrix.x4``, a "t" operand's from ``ldmatrix.x4.trans``; that is
+the only difference between the layouts besides the global fetch.
+
+Note [bf16 GEMM tile]
+---------------------
+A block of 4 warps (2 x 2) computes a 128 x 128 tile, each warp 64 x 64: per k step of 16 a warp
+issues 4 ldmatrix.x4 for A (four m16 tiles), 4 for B (eight n8 tiles) and 32 mma, and holds 128
+fp32 accumulators per lane. k slices of BK = 32 are staged in shared memory by ``cp.async`` (16
+bytes per instruction, bypassing registers and L1) in STAGES = 3 buffers: slices s+1 and s+2 are
+in flight while slice s is multiplied, one barrier per slice. 3 x (128 + 128) x 32 bf16 = 48 KiB,
+the static shared-memory limit. Shared tiles are XOR-swizzled by 16-byte chunk so that the 8
+rows one ldmatrix phase reads, and the cp.async writes, hit 8 distinct chunks of the 128-byte
+bank window: "n" tiles (rows x 32 k: 4 chunks a row) swap chunk c with c ^ ((row >> 1) & 3),
+"t" tiles (32 k x rows) chunk c with c ^ (k & 7).
+
+Global fetches by ``cp.async`` need 16-byte-aligned operands: base address a multiple of 16
+bytes, unit column stride, row stride a multiple of 8 elements (:func:`aligned_b16`). Other
+operands (a ragged row length, a view starting mid-row) take the same kernel with element-wise
+loads into the same shared layout (``cp_async=False``). Partial tiles are zero-filled (cp.async
+with 0 source bytes), so the mma loop has no bounds checks; the epilogue checks each output.
+
+Split k (fp32 output only): ``splits`` blocks share an output tile's k slices and add their
+partial tiles atomically into C, zeroed (or set to ``acc``) first; the launch rule is
+:func:`choose`.
+
+Under the simulator the kernel runs the intrinsics' twins (:mod:`._mma`) on one-warp 16 x 16 tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint16
+
+from vmstoolkit.errors import KernelError
+
+from . import _mma, mma_layout
+from ._util import check_ndim, simulating
+from .gemm import LAYOUTS, copy_fill, zero_fill
+
+BK = 32  # k depth of a staged slice (two mma k steps)
+CHUNK = 8  # bf16 elements per 16-byte chunk (one cp.async, one ldmatrix row)
+SM_COUNT_SIM = 132  # the H200's; only where no device can be asked (the simulator)
+
+
+@dataclass(frozen=True)
+class MmaTiles:
+    """``bm x bn`` outputs per block, ``wm x wn`` per warp, ``stages`` shared k slices in flight."""
+
+    bm: int = 128
+    bn: int = 128
+    wm: int = 64
+    wn: int = 64
+    stages: int = 3
+
+    @property
+    def warps(self) -> int:
+        return (self.bm // self.wm) * (self.bn // self.wn)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def label(self) -> str:
+        return f"{self.bm}x{self.bn}x{BK}/w{self.wm}x{self.wn}/s{self.stages}"
+
+    def check(self) -> None:
+        if self.bm % self.wm or self.bn % self.wn or self.wm % 16 or self.wn % 16:
+            raise KernelError(f"tiles {self}: warp tiles must divide the block tile and be multiples of 16")
+        if self.bm % CHUNK or self.bn % CHUNK or (self.bm * BK // CHUNK) % self.threads \
+                or (self.bn * BK // CHUNK) % self.threads:
+            raise KernelError(f"tiles {self}: each thread must fetch whole 16-byte chunks of both operands")
+        if self.stages < 2:
+            raise KernelError(f"tiles {self}: stages must be at least 2")
+        smem = self.stages * (self.bm + self.bn) * BK * 2
+        if smem > 48 * 1024:
+            raise KernelError(f"tiles {self}: {smem} bytes of shared memory (static limit 49152)")
+
+
+GPU_TILES = MmaTiles()
+SIM_TILES = MmaTiles(bm=16, bn=16, wm=16, wn=16, stages=3)
+
+
+@cuda.jit(device=True)
+def chunk_bytes(row_ok, k, K):
+    """Source bytes of a 16-byte chunk at ``k`` of a row that is (``row_ok``) inside the matrix."""
+    return 16 if row_ok and k < K else 0
+
+
+# Epilogues: a lane's two adjacent outputs (row, col), (row, col + 1), each stored if inside C.
+# Device functions (NVVM inlines them): as statements of the kernel their branches would
+# multiply its basic blocks, and Numba's SSA passes take time superlinear in those.
+@cuda.jit(device=True)
+def store_f32(c, acc, row, col, M, N, v0, v1):
+    if row < M:
+        if col < N:
+            c[row, col] = v0
+        if col + 1 < N:
+            c[row, col + 1] = v1
+
+
+@cuda.jit(device=True)
+def store_acc(c, acc, row, col, M, N, v0, v1):
+    if row < M:
+        if col < N:
+            c[row, col] = acc[row, col] + v0
+        if col + 1 < N:
+            c[row, col + 1] = acc[row, col + 1] + v1
+
+
+@cuda.jit(device=True)
+def store_add(c, acc, row, col, M, N, v0, v1):
+    if row < M:
+        if col < N:
+            cuda.atomic.add(c, (row, col), v0)
+        if col + 1 < N:
+            cuda.atomic.add(c, (row, col + 1), v1)
+
+
+@cuda.jit(device=True)
+def store_bf16(c, acc, row, col, M, N, v0, v1):
+    if row < M:
+        if col + 1 < N:
+            pk = _mma.pack_bf16x2(v0, v1)
+            c[row, col] = pk & 0xFFFF
+            c[row, col + 1] = pk >> 16
+        elif col < N:
+            c[row, col] = _mma.pack_bf16x2(v0, v0) & 0xFFFF
+
+
+def _swizzle_n(rows: str, chunk: str) -> str:
+    """Element offset in an "n" tile (rows x BK) of chunk ``chunk`` of row ``rows`` (source text)."""
+    return f"(({rows}) * {BK} + ((({chunk}) ^ ((({rows}) >> 1) & 3)) << 3))"
+
+
+def _swizzle_t(k: str, chunk: str, width: int) -> str:
+    """Element offset in a "t" tile (BK x width) of chunk ``chunk`` of k row ``k``."""
+    mask = min(8, width // CHUNK) - 1
+    return f"(({k}) * {width} + ((({chunk}) ^ (({k}) & {mask})) << 3))"
+
+
+def _fetch_setup(op: str, trans: bool, rows: int, threads: int, bound: str) -> list[str]:
+    """Source lines, before the k loop, of the cp.async fetch of operand ``op`` ('a' or 'b'): per
+    chunk ``i`` this thread copies, its swizzled shared offset ``d{op}{i}`` inside a stage, its
+    element offset ``o{op}{i}`` in global memory at the block's first slice (stepped by
+    ``step_{op}`` per slice), whether its row (column) is inside the matrix ``v{op}{i}``, and
+    its k inside the slice ``k{op}{i}``."""
+    per_row = rows // CHUNK if trans else BK // CHUNK
+    lines = [f"pitch_{op} = {op}.strides[0] // 2",
+             f"step_{op} = " + (f"{BK} * pitch_{op}" if trans else f"{BK}")]
+    for i in range(rows * BK // CHUNK // threads):
+        q = f"(tid + {i * threads})"
+        if trans:  # stored (K, rows): chunk cr of k row kr
+            lines += [f"kr = {q} // {per_row}", f"cr = {q} % {per_row}", f"gr = r0_{op} + cr * {CHUNK}",
+                      f"d{op}{i} = " + _swizzle_t("kr", "cr", rows), f"v{op}{i} = gr < {bound}",
+                      f"k{op}{i} = kr",
+                      f"o{op}{i} = (kbeg * {BK} + kr) * pitch_{op} + (gr if v{op}{i} else 0)"]
+        else:  # stored (rows, K): chunk cr of row rr
+            lines += [f"rr = {q} >> 2", f"cr = {q} & 3", f"gr = r0_{op} + rr",
+                      f"d{op}{i} = " + _swizzle_n("rr", "cr"), f"v{op}{i} = gr < {bound}",
+                      f"k{op}{i} = cr * {CHUNK}",
+                      f"o{op}{i} = (gr if v{op}{i} else 0) * pitch_{op} + kbeg * {BK} + cr * {CHUNK}"]
+    return lines
+
+
+def _fetch_lines(op: str, trans: bool, rows: int, threads: int, bound: str, async_: bool) -> list[str]:
+    """Source lines fetching the next slice of operand ``op`` ('a' or 'b') into stage ``st``
+    (``k0`` = the slice's first k; ``bound`` = the operand's row count R or C)."""
+    smem, base = op.upper() + "s", f"st * {rows * BK}"
+    lines = []
+    if async_:  # zero-fill (0 source bytes) outside the matrix: the mma loop needs no checks
+        for i in range(rows * BK // CHUNK // threads):
+            lines += [f"cp_async16_at({smem}, {base} + d{op}{i}, {op}, o{op}{i}, "
+                      f"chunk_bytes(v{op}{i}, k0 + k{op}{i}, K))",
+                      f"o{op}{i} += step_{op}"]
+        return lines
+    lines.append(f"for e in range(tid, {rows * BK}, {threads}):")
+    if trans:
+        lines += [f"    kr = e // {rows}", f"    rr = e % {rows}", f"    gk = k0 + kr", f"    gr = r0_{op} + rr",
+                  f"    v = {op}[gk, gr] if gk < K and gr < {bound} else 0",
+                  f"    {smem}[{base} + {_swizzle_t('kr', 'rr >> 3', rows)} + (rr & 7)] = v"]
+    else:
+        lines += [f"    rr = e // {BK}", f"    kr = e % {BK}", f"    gr = r0_{op} + rr", f"    gk = k0 + kr",
+                  f"    v = {op}[gr, gk] if gr < {bound} and gk < K else 0",
+                  f"    {smem}[{base} + {_swizzle_n('rr', 'kr >> 3')} + (kr & 7)] = v"]
+    return lines
+
+
+def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, accumulate: bool,
+                   atomic: bool, async_: bool) -> str:
+    MT, NT = t.wm // 16, t.wn // 8  # m16 tiles and n8 tiles per warp
+    WN_WARPS = t.bn // t.wn
+    T = t.threads
+    S = t.stages
+    src = ["def kernel(a, b, acc, c, per):",
+           f"    As = cuda.shared.array({S * t.bm * BK}, uint16)",
+           f"    Bs = cuda.shared.array({S * t.bn * BK}, uint16)",
+           "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5",
+           "    g = lane >> 2", "    tq = lane & 3",
+           f"    wy = warp // {WN_WARPS}", f"    wx = warp % {WN_WARPS}",
+           "    M = c.shape[0]", "    N = c.shape[1]",
+           f"    K = a.shape[{0 if a_trans else 1}]",
+           f"    r0_a = cuda.blockIdx.y * {t.bm}", f"    r0_b = cuda.blockIdx.x * {t.bn}",
+           f"    ksteps = (K + {BK - 1}) // {BK}",
+           "    kbeg = cuda.blockIdx.z * per", "    nk = min(ksteps, kbeg + per) - kbeg"]
+    # per-lane ldmatrix offsets inside a stage, for k steps kk = 0, 16 and each A / B-pair tile
+    for kk in (0, 16):
+        for i in range(MT):
+            if a_trans:  # ldmatrix.trans of the (K, rows) tile: k = kk + l%8 + (j//2)*8, m chunk + j%2
+                src.append(f"    oa{kk}_{i} = " + _swizzle_t(f"{kk} + (lane & 7) + ((lane >> 4) << 3)",
+                                                          f"((wy * {t.wm} + {i * 16}) >> 3) + ((lane >> 3) & 1)", t.bm))
+            else:  # rows wy*wm + 16i + l%16, chunk kk/8 + l/16
+                src.append(f"    oa{kk}_{i} = " + _swizzle_n(f"wy * {t.wm} + {i * 16} + (lane & 15)",
+                                                          f"{kk // 8} + (lane >> 4)"))
+        for p in range(NT // 2):
+            if b_trans:  # (K, cols) tile: k = kk + l%8 + ((l//8)%2)*8, n chunk + l//16
+                src.append(f"    ob{kk}_{p} = " + _swizzle_t(f"{kk} + (lane & 7) + (((lane >> 3) & 1) << 3)",
+                                                          f"((wx * {t.wn} + {p * 16}) >> 3) + (lane >> 4)", t.bn))
+            else:  # rows (n) wx*wn + 16p + l%8 + (l//16)*8, chunk kk/8 + (l//8)%2
+                src.append(f"    ob{kk}_{p} = " + _swizzle_n(f"wx * {t.wn} + {p * 16} + (lane & 7) + ((lane >> 4) << 3)",
+                                                          f"{kk // 8} + ((lane >> 3) & 1)"))
+    for i in range(MT):
+        for j in range(NT):
+            src.append(f"    " + ", ".join(f"c{i}_{j}_{r}" for r in range(4)) + " = "
+                       + ", ".join(["float32(0.0)"] * 4))
+    if async_:
+        src += ["    " + line for line in _fetch_setup("a", a_trans, t.bm, T, "M") + _fetch_setup("b", b_trans, t.bn, T, "N")]
+    fetch = (_fetch_lines("a", a_trans, t.bm, T, "M", async_) + _fetch_lines("b", b_trans, t.bn, T, "N", async_))
+
+    def emit_fetch(indent: str):
+        return [indent + line for line in fetch]
+
+    # prologue: slices 0 .. S-2
+    for s in range(S - 1):
+        src += [f"    if {s} < nk:", f"        st = {s}", f"        k0 = (kbeg + {s}) * {BK}"]
+        src += emit_fetch("        ")
+        src.append("    cp_async_commit()")
+    # stage rotation by counters: st (next written), sr (read)
+    src += [f"    st = {S - 1}", "    sr = 0", f"    k0 = (kbeg + {S - 1}) * {BK}",
+            "    for it in range(nk):",
+            f"        cp_async_wait({S - 2})",
+            "        cuda.syncthreads()",
+            f"        if it + {S - 1} < nk:"]
+    src += emit_fetch("            ")
+    src += ["        cp_async_commit()",
+            f"        k0 += {BK}",
+            "        st += 1",
+            f"        if st == {S}:",
+            "            st = 0",
+            f"        sa = sr * {t.bm * BK}",
+            f"        sb = sr * {t.bn * BK}",
+            "        sr += 1",
+            f"        if sr == {S}:",
+            "            sr = 0"]
+    lda = "ldmatrix_x4_trans" if a_trans else "ldmatrix_x4"
+    ldb = "ldmatrix_x4_trans" if b_trans else "ldmatrix_x4"
+    for kk in (0, 16):
+        for i in range(MT):
+            src.append(f"        a{i}_0, a{i}_1, a{i}_2, a{i}_3 = {lda}(As, sa + oa{kk}_{i})")
+        for p in range(NT // 2):
+            # registers: b0, b1 of n tile 2p, then b0, b1 of n tile 2p + 1 (both layouts' lane maps)
+            src.append(f"        b{2 * p}_0, b{2 * p}_1, b{2 * p + 1}_0, b{2 * p + 1}_1 = {ldb}(Bs, sb + ob{kk}_{p})")
+        for i in range(MT):
+            for j in range(NT):
+                cs = ", ".join(f"c{i}_{j}_{r}" for r in range(4))
+                src.append(f"        {cs} = mma_bf16(a{i}_0, a{i}_1, a{i}_2, a{i}_3, b{j}_0, b{j}_1, {cs})")
+    src.append("    cp_async_wait(0)")
+    # epilogue: lane owns rows g, g + 8 and columns 2tq, 2tq + 1 of each m16 x n8 tile
+    src += [f"    rw = r0_a + wy * {t.wm} + g", f"    cl = r0_b + wx * {t.wn} + 2 * tq"]
+    for i in range(MT):
+        for j in range(NT):
+            for h in range(2):
+                v0, v1 = f"c{i}_{j}_{2 * h}", f"c{i}_{j}_{2 * h + 1}"
+                store = "store_bf16" if out_bf16 else "store_add" if atomic else "store_acc" if accumulate \
+                    else "store_f32"
+                src.append(f"    {store}(c, acc, rw + {i * 16 + 8 * h}, cl + {j * 8}, M, N, {v0}, {v1})")
+    return "\n".join(src) + "\n"
+
+
+@lru_cache(maxsize=None)
+def make_gemm_bf16(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool = False, accumulate: bool = False,
+                   atomic: bool = False, cp_async: bool = True):
+    """The kernel ``kernel(a, b, acc, c, per)``: ``c = [acc +] A @ B`` for the layouts above,
+    ``per`` k slices per block along grid z (``atomic``: added into c). ``cp_async``: 16-byte
+    global fetches (operands must pass :func:`aligned_b16`)."""
+    t.check()
+    source = _kernel_source(t, a_trans, b_trans, out_bf16, accumulate, atomic, cp_async)
+    names = {"cuda": cuda, "uint16": uint16, "float32": float32, "min": min, "chunk_bytes": chunk_bytes,
+             "store_f32": store_f32, "store_acc": store_acc, "store_add": store_add, "store_bf16": store_bf16}
+    for name in ("mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16_at", "cp_async_commit",
+                 "cp_async_wait", "pack_bf16x2"):
+        names[name] = getattr(_mma, name)
+    code = compile(source, f"<gemm_bf16 {t.label()} {'t' if a_trans else 'n'}{'t' if b_trans else 'n'}>", "exec")
+    exec(code, names)  # noqa: S102 - the source is generated above from the tile constants alone
+    fn = names["kernel"]
+    fn.__doc__ = source
+    opts = {} if simulating() else {"max_registers": 255}
+    return cuda.jit(**opts)(fn)
+
+
+def kernel_source(t: MmaTiles = GPU_TILES, layout: str = "nn", out_bf16: bool = False, accumulate: bool = False,
+                  atomic: bool = False, cp_async: bool = True) -> str:
+    """The generated source of one build (for reading and for ``scripts/sass_report.py``)."""
+    a_trans, b_trans = LAYOUTS[layout]
+    return _kernel_source(t, a_trans, b_trans, out_bf16, accumulate, atomic, cp_async)
+
+
+def aligned_b16(a) -> bool:
+    """True if a 2-D 2-byte array can be fetched in 16-byte chunks from any column that is a
+    multiple of 8: base address 16-byte aligned, unit column stride, row stride a multiple of 8
+    elements (device arrays by ``__cuda_array_interface__``, the simulator's by ``__array_interface__``)."""
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    shape = tuple(iface["shape"])
+    row, col = iface.get("strides") or (shape[1] * 2, 2)
+    return (iface["data"][0] % 16 == 0 and (shape[0] <= 1 or row % 16 == 0) and (shape[1] <= 1 or col == 2))
+
+
+def _b16(name: str, a) -> None:
+    if np.dtype(a.dtype) not in (np.dtype(np.uint16), np.dtype(np.int16)):
+        raise KernelError(f"{name} must hold bf16 bits as uint16 or int16, got dtype={np.dtype(a.dtype)} "
+                          f"(shape={tuple(a.shape)})")
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device (the simulator: the H200's 132)."""
+    if simulating():
+        return SM_COUNT_SIM
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+MIN_SPLIT_SLICES = 8  # each split at least this many BK slices deep
+MAX_SPLITS = 4
+
+
+@dataclass(frozen=True)
+class MmaLaunch:
+    tiles: MmaTiles
+    splits: int = 1
+
+
+def choose(m: int, n: int, k: int, splits: int | None = None, out_bf16: bool = False,
+           sms: int | None = None) -> MmaLaunch:
+    """The launch of an (m, n, k) problem: 128 x 128 tiles (one-warp 16 x 16 under the simulator);
+    k split (fp32 output only) while a launch of whole tiles fills under one wave of ``sms`` SMs
+    (default: the device's) at about 2 blocks per SM, each split at least MIN_SPLIT_SLICES deep."""
+    t = SIM_TILES if simulating() else GPU_TILES
+    if splits is not None:
+        return MmaLaunch(t, splits)
+    sms = sms or sm_count()
+    blocks = -(-m // t.bm) * -(-n // t.bn)
+    slices = -(-k // BK)
+    s = 1
+    if not out_bf16:
+        while s < MAX_SPLITS and blocks * s < sms and slices // (2 * s) >= MIN_SPLIT_SLICES:
+            s *= 2
+    return MmaLaunch(t, s)
+
+
+def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits) -> None:
+    m, n = c.shape
+    if m == 0 or n == 0:
+        return
+    out_bf16 = np.dtype(c.dtype) != np.dtype(np.float32)
+    if out_bf16 and acc is not None:
+        raise KernelError("acc needs a float32 output; got a bf16 output")
+    if out_bf16 and splits not in (None, 1):
+        raise KernelError(f"split k adds float32 partial tiles: splits={splits} needs a float32 output")
+    if k == 0:  # an empty sum
+        if out_bf16:
+            raise KernelError("K=0 with a bf16 output: nothing to multiply")
+        (copy_fill(acc, c, stream) if acc is not None else zero_fill(c, stream))
+        return
+    launch = choose(m, n, k, splits, out_bf16)
+    tiles = tiles or launch.tiles
+    slices = -(-k // BK)
+    s = launch.splits
+    if not 1 <= s <= slices:
+        raise KernelError(f"splits={s} must be between 1 and the {slices} k slices of K={k}")
+    per = -(-slices // s)
+    s = -(-slices // per)  # no empty split
+    a_trans, b_trans = LAYOUTS[layout]
+    async_ = aligned_b16(a) and aligned_b16(b)
+    if s > 1:
+        (copy_fill(acc, c, stream) if acc is not None else zero_fill(c, stream))
+    kernel = make_gemm_bf16(tiles, a_trans, b_trans, out_bf16, acc is not None and s == 1, s > 1, async_)
+    grid = (-(-n // tiles.bn), -(-m // tiles.bm), s)
+    kernel[grid, tiles.threads, stream](a, b, c if acc is None else acc, c, per)
+
+
+def _check(op: str, names, arrays, shapes) -> None:
+    for name, a in zip(names, arrays):
+        if a is None:
+            continue
+        check_ndim(name, a, 2)
+    for name, a in zip(names[:2], arrays[:2]):
+        _b16(name, a)
+    out, acc = arrays[2], arrays[3]
+    if np.dtype(out.dtype) != np.dtype(np.float32):
+        _b16(names[2], out)
+    if acc is not None and np.dtype(acc.dtype) != np.dtype(np.float32):
+        raise KernelError(f"{op}: acc must be float32, got dtype={np.dtype(acc.dtype)}")
+    for name, a, want in zip(names, arrays, shapes):
+        if a is not None and tuple(a.shape) != want:
+            raise KernelError(f"{op}: {name} has shape {tuple(a.shape)}, expected {want} "
+                              f"(the others: {', '.join(f'{nm} {tuple(x.shape)}' for nm, x in zip(names, arrays) if x is not None)})")
+
+
+def gemm_bf16(x, w, y, stream=0, acc=None, tiles: MmaTiles | None = None, splits: int | None = None):
+    """Enqueue ``y = [acc +] x @ w.T``: x (M, K), w (N, K) bf16 bits; y (M, N) float32 or bf16."""
+    m, k = x.shape
+    n = w.shape[0]
+    _check("gemm_bf16", ("x", "w", "y", "acc"), (x, w, y, acc), ((m, k), (n, k), (m, n), (m, n)))
+    _launch("nn", x, w, acc, y, k, stream, tiles, splits)
+
+
+def linear_dx_bf16(dy, w, dx, stream=0, acc=None, tiles: MmaTiles | None = None, splits: int | None = None):
+    """Enqueue ``dx = [acc +] dy @ w``: dy (M, N), w (N, K) bf16 bits; dx (M, K) float32 or bf16."""
+    m, n = dy.shape
+    k = w.shape[1]
+    _check("linear_dx_bf16", ("dy", "w", "dx", "acc"), (dy, w, dx, acc), ((m, n), (n, k), (m, k), (m, k)))
+    _launch("nt", dy, w, acc, dx, n, stream, tiles, splits)
+
+
+def linear_dw_bf16(dy, x, dw, stream=0, acc=None, tiles: MmaTiles | None = None, splits: int | None = None):
+    """Enqueue ``dw = [acc +] dy.T @ x``: dy (M, N), x (M, K) bf16 bits; dw (N, K) float32 or bf16."""
+    m, n = dy.shape
+    k = x.shape[1]
+    _check("linear_dw_bf16", ("dy", "x", "dw", "acc"), (dy, x, dw, acc), ((m, n), (m, k), (n, k), (n, k)))
+    _launch("tt", dy, x, acc, dw, m, stream, tiles, splits)
+
+
+def reference(layout: str, a_bits, b_bits, acc=None) -> np.ndarray:
+    """numpy float64 ``[acc +] A @ B`` of bf16 operands in ``layout`` (stored as the launchers take them)."""
+    a = mma_layout.bf16_value(a_bits).astype(np.float64)
+    b = mma_layout.bf16_value(b_bits).astype(np.float64)
+    a_trans, b_trans = LAYOUTS[layout]
+    out = (a.T if a_trans else a) @ (b if b_trans else b.T)
+    return out if acc is None else out + acc

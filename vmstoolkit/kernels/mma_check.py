@@ -1,0 +1,161 @@
+"""One-warp kernels that check the tensor-core intrinsics (:mod:`._mma`) against the reference
+layouts (:mod:`.mma_layout`) and numpy: :func:`validate` runs them all and raises on a mismatch.
+
+On a GPU this proves the inline-PTX route (``mma.sync``, ``ldmatrix`` with and without ``.trans``,
+``cp.async`` with zero fill, ``cvt.rn.bf16x2``); under the simulator the same kernels run the
+intrinsics' twins, so the check there is of the twins and of the kernels' indexing.
+
+Cost: four one-warp launches and O(32 x 16 x 16) numpy per check.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, uint16, uint32
+
+from . import mma_layout as L
+from ._mma import cp_async16, cp_async_commit, cp_async_wait, ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, pack_bf16x2
+
+LD_WORDS = 512  # the ldmatrix probe's shared array (uint16 elements)
+
+
+@cuda.jit
+def _mma_probe(a, b, c, d):
+    """One warp: A (16, 16), B (16, 8) (k by n) bf16 bits, C (16, 8) fp32 -> D = A B + C, each
+    lane loading and storing its own fragments by the layout of ``mma_layout``."""
+    lane = cuda.threadIdx.x
+    g = lane >> 2
+    t = lane & 3
+    c2 = 2 * t
+    a0 = uint32(a[g, c2]) | (uint32(a[g, c2 + 1]) << 16)
+    a1 = uint32(a[g + 8, c2]) | (uint32(a[g + 8, c2 + 1]) << 16)
+    a2 = uint32(a[g, c2 + 8]) | (uint32(a[g, c2 + 9]) << 16)
+    a3 = uint32(a[g + 8, c2 + 8]) | (uint32(a[g + 8, c2 + 9]) << 16)
+    b0 = uint32(b[c2, g]) | (uint32(b[c2 + 1, g]) << 16)
+    b1 = uint32(b[c2 + 8, g]) | (uint32(b[c2 + 9, g]) << 16)
+    d0, d1, d2, d3 = mma_bf16(a0, a1, a2, a3, b0, b1, c[g, c2], c[g, c2 + 1], c[g + 8, c2], c[g + 8, c2 + 1])
+    d[g, c2] = d0
+    d[g, c2 + 1] = d1
+    d[g + 8, c2] = d2
+    d[g + 8, c2 + 1] = d3
+
+
+@cuda.jit
+def _ldmatrix_probe(mem, rows, out, out_t):
+    """One warp: ``mem`` copied to shared memory; lane l names row start ``rows[l]``; registers of
+    ``ldmatrix.x4`` into ``out[l, :]`` and of ``.x4.trans`` into ``out_t[l, :]``."""
+    smem = cuda.shared.array(LD_WORDS, uint16)
+    lane = cuda.threadIdx.x
+    for i in range(lane, LD_WORDS, 32):
+        smem[i] = mem[i]
+    cuda.syncthreads()
+    r0, r1, r2, r3 = ldmatrix_x4(smem, rows[lane])
+    out[lane, 0] = r0
+    out[lane, 1] = r1
+    out[lane, 2] = r2
+    out[lane, 3] = r3
+    cuda.syncthreads()
+    r0, r1, r2, r3 = ldmatrix_x4_trans(smem, rows[lane])
+    out_t[lane, 0] = r0
+    out_t[lane, 1] = r1
+    out_t[lane, 2] = r2
+    out_t[lane, 3] = r3
+
+
+@cuda.jit
+def _cp_async_probe(g, out, nbytes):
+    """One warp: lane l copies the 16 bytes at ``g[l // 2, 8 (l % 2)]`` (reading ``nbytes[l]``,
+    zero-filling the rest) into shared memory by ``cp.async``, in two commit groups (lanes' first
+    and second halves), waits, and writes shared memory back to ``out`` (32 x 8)."""
+    smem = cuda.shared.array(256, uint16)
+    lane = cuda.threadIdx.x
+    smem[lane * 8] = uint16(0xFFFF)  # cp.async must overwrite this even when reading 0 bytes
+    cuda.syncthreads()
+    cp_async16(smem, lane * 8, g, lane // 2, 8 * (lane % 2), nbytes[lane])
+    cp_async_commit()
+    cp_async_wait(0)
+    cuda.syncthreads()
+    for e in range(8):
+        out[lane, e] = smem[lane * 8 + e]
+
+
+@cuda.jit
+def _pack_probe(x, out):
+    i = cuda.threadIdx.x
+    if i < out.shape[0]:
+        out[i] = pack_bf16x2(x[2 * i], x[2 * i + 1])
+
+
+def _small_ints(rng, shape):
+    """bf16 bits of small integers: every product and sum of an m16n8k16 is exact in fp32."""
+    return L.bf16_bits(rng.integers(-8, 9, size=shape).astype(np.float32))
+
+
+def check_mma(rng) -> dict:
+    a = _small_ints(rng, (16, 16))
+    b = _small_ints(rng, (16, 8))
+    c = rng.integers(-64, 65, size=(16, 8)).astype(np.float32)
+    d = cuda.device_array((16, 8), np.float32)
+    _mma_probe[1, 32](cuda.to_device(a), cuda.to_device(b), cuda.to_device(c), d)
+    got = d.copy_to_host()
+    want = L.bf16_value(a) @ L.bf16_value(b) + c
+    layout = L.c_matrix(L.mma(L.a_fragments(a), L.b_fragments(b), L.c_fragments(c)))
+    if not (np.array_equal(got, want) and np.array_equal(layout, want)):
+        raise AssertionError(f"mma_bf16: {int(np.sum(got != want))} of 128 outputs differ from numpy")
+    # random (non-integer) values: fp32 accumulation, compare with a tolerance
+    a = L.bf16_bits(rng.standard_normal((16, 16)).astype(np.float32))
+    b = L.bf16_bits(rng.standard_normal((16, 8)).astype(np.float32))
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    _mma_probe[1, 32](cuda.to_device(a), cuda.to_device(b), cuda.to_device(c), d)
+    got = d.copy_to_host()
+    want = L.bf16_value(a).astype(np.float64) @ L.bf16_value(b).astype(np.float64) + c
+    err = float(np.max(np.abs(got - want)))
+    if not err < 1e-4:
+        raise AssertionError(f"mma_bf16 on normal values: max abs err {err:.3g}")
+    return {"check": "mma", "max_abs_err": err}
+
+
+def check_ldmatrix(rng) -> dict:
+    mem = rng.integers(0, 1 << 16, size=LD_WORDS, dtype=np.uint16)
+    # 32 distinct 16-byte-aligned row starts, in a shuffled order
+    rows = (rng.permutation(LD_WORDS // 8)[:32] * 8).astype(np.int32)
+    out = cuda.device_array((32, 4), np.uint32)
+    out_t = cuda.device_array((32, 4), np.uint32)
+    _ldmatrix_probe[1, 32](cuda.to_device(mem), cuda.to_device(rows), out, out_t)
+    for trans, got in ((False, out.copy_to_host()), (True, out_t.copy_to_host())):
+        want = L.ldmatrix(mem, rows, trans)
+        if not np.array_equal(got, want):
+            raise AssertionError(f"ldmatrix_x4{'_trans' if trans else ''}: {int(np.sum(got != want))} "
+                                 f"of 128 registers differ from the reference layout")
+    return {"check": "ldmatrix"}
+
+
+def check_cp_async(rng) -> dict:
+    g = rng.integers(0, 1 << 16, size=(16, 16), dtype=np.uint16)
+    nbytes = np.where(rng.random(32) < 0.7, 16, 0).astype(np.int32)
+    out = cuda.device_array((32, 8), np.uint16)
+    _cp_async_probe[1, 32](cuda.to_device(g), out, cuda.to_device(nbytes))
+    want = g.reshape(32, 8) * (nbytes[:, None] == 16)
+    got = out.copy_to_host()
+    if not np.array_equal(got, want):
+        raise AssertionError(f"cp_async16: {int(np.sum(got != want))} of 256 elements differ")
+    return {"check": "cp_async"}
+
+
+def check_pack(rng) -> dict:
+    x = np.concatenate([rng.standard_normal(60).astype(np.float32) * 1e3,
+                        np.array([1.00390625, 1.01171875, -0.0, 3.0e38], np.float32)])  # ties, -0, overflow
+    out = cuda.device_array(32, np.uint32)
+    _pack_probe[1, 32](cuda.to_device(x), out)
+    bits = L.bf16_bits(x)
+    want = L.pack(bits[0::2], bits[1::2])
+    got = out.copy_to_host()
+    if not np.array_equal(got, want):
+        raise AssertionError(f"pack_bf16x2: {int(np.sum(got != want))} of 32 pairs differ from round-to-nearest-even")
+    return {"check": "pack"}
+
+
+def validate(seed: int = 0) -> list[dict]:
+    """Every check above; raises ``AssertionError`` naming the first mismatch."""
+    rng = np.random.default_rng(seed)
+    return [check(rng) for check in (check_mma, check_ldmatrix, check_cp_async, check_pack)]
