@@ -31,7 +31,9 @@ def _start():
     try:
         import torch
     except ImportError as e:
-        _status(status, ok=False, message=f"PyTorch is not installed for {sys.executable} ({e})")
+        _status(status, ok=False, message=f"PyTorch is not installed for {sys.executable} ({e}); install it "
+                                          f"there with: {sys.executable} -m pip install torch "
+                                          "(a CUDA build: https://pytorch.org/get-started/locally/)")
         os._exit(86)  # the recorder prints why; running the program unrecorded would waste its time
     if not torch.cuda.is_available():
         _status(status, ok=False, message=f"no CUDA device is available to {sys.executable} "

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail, host_budget_option
+from vmstoolkit.cli.flags import format_flag
 
 
 class Variant(str, Enum):
@@ -25,9 +26,9 @@ class Executor(str, Enum):
 
 ModelOpt = Annotated[Path, typer.Option("--model", metavar="DIR", help="A local Hugging Face model folder: config.json and *.safetensors (nothing is downloaded).")]
 BudgetOpt = Annotated[Optional[list[str]], typer.Option("--budget", metavar="SIZE|FRACTION", help="GPU budget per GPU, repeatable: a size (16GiB) or a fraction of the no-offload working set (0.5, 50%).", show_default=False)]
-BackendOpt = Annotated[Backend, typer.Option(help="sim: discrete-event simulation on the CPU (numpy numerics for small models); cuda: the GPU.")]
+BackendOpt = Annotated[Backend, typer.Option("--backend", metavar="sim|cuda", help="sim: discrete-event simulation on the CPU (numpy numerics for small models); cuda: the GPU.")]
 HostOpt = Annotated[Optional[str], typer.Option("--host-budget", metavar="SIZE", help="Host memory the plan may use (default: available RAM less max(10%, 2 GiB)); 'none' turns the check off.", show_default=False)]
-FormatOpt = Annotated[OutputFormat, typer.Option("--format", help="table, json (JSON lines) or csv.")]
+FormatOpt = Annotated[OutputFormat, format_flag()]
 GpusOpt = Annotated[int, typer.Option("--gpus", min=1, help="GPUs of one machine (generation splits the blocks into pipeline stages).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the drawn prompt or tokens, dout, LoRA adapters and the simulated jitter.")]
 

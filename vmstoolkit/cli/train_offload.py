@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail, host_budget_option
+from vmstoolkit.cli.flags import format_flag
 
 
 class Variant(str, Enum):
@@ -31,13 +32,13 @@ def _seq_range(value: str | None) -> tuple[int, int] | None:
 
 
 def train_offload_command(
-    backend: Annotated[Backend, typer.Option(help="sim: discrete-event simulation on the CPU; cuda: the GPU.")] = Backend.sim,
+    backend: Annotated[Backend, typer.Option("--backend", metavar="sim|cuda", help="Executor: 'sim' (discrete-event simulation on the CPU, default) or 'cuda' (the GPU).")] = Backend.sim,
     variant: Annotated[Variant, typer.Option(help="lora: frozen base weights, trained adapters; full: every weight trained.")] = Variant.lora,
-    budget: Annotated[list[str] | None, typer.Option(help="GPU budget: a size (24GiB) or a fraction of the no-offload working set (0.5); repeat for several.")] = None,
+    budget: Annotated[list[str] | None, typer.Option(metavar="SIZE|FRACTION", help="GPU budget: a size (24GiB) or a fraction of the no-offload working set (0.5); repeat for several.")] = None,
     seq: Annotated[int | None, typer.Option(min=1, help="Fixed sequence length (batch 1); default 2048.")] = None,
     seq_range: Annotated[str | None, typer.Option(help="A:B, a new length drawn uniformly in [A, B] every step.")] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="Steps (default 3 with --seq, 100 with --seq-range).")] = None,
-    format: Annotated[OutputFormat, typer.Option("--format", help="table, json (JSON lines) or csv.")] = OutputFormat.table,
+    format: Annotated[OutputFormat, format_flag()] = OutputFormat.table,
     blocks: Annotated[int, typer.Option(min=1, help="LLaMA decoder blocks.")] = 16,
     hidden: Annotated[int, typer.Option(min=8, help="Hidden size.")] = 4096,
     heads: Annotated[int, typer.Option(min=1, help="Attention heads.")] = 32,

@@ -196,7 +196,7 @@ class StitchOptions(AllocatorOptions):
     stitch_min_bytes: int = option(512 * MiB, "size", "requests smaller than this never trigger a new stitch "
                                    "(unless memory is full)", min=0)
     reuse_max_ratio: float = option(10.0, "float", "a cached stitched block serves a request only if at most "
-                                    "this many times larger", min=1.0, max=MAX_REUSE_RATIO)
+                                    "this many times larger (only with stitched_prefix=false: a prefix of it is taken first)", min=1.0, max=MAX_REUSE_RATIO)
     selection: str = option("largest-first", "choice", "which free blocks to stitch",
                             choices=("largest-first", "best-fit"))
     max_cached_stitched: int = option(1024, "int", "stitched ranges kept for reuse (least recently used idle "
@@ -253,7 +253,7 @@ class VmsOptions(StitchOptions):
 
     stitch_min_bytes: int = option(0, "size", "requests smaller than this never trigger a new stitch", min=0)
     reuse_max_ratio: float = option(1.0, "float", "a cached stitched block serves a request only if at most "
-                                    "this many times larger", min=1.0, max=MAX_REUSE_RATIO)
+                                    "this many times larger (only with stitched_prefix=false: a prefix of it is taken first)", min=1.0, max=MAX_REUSE_RATIO)
     selection: str = option("best-fit", "choice", "which free blocks to stitch",
                             choices=("largest-first", "best-fit"))
     max_cached_stitched: int = option(256, "int", "stitched ranges kept for reuse", min=0, max=1 << 30)
