@@ -44,7 +44,7 @@ OUT = ROOT / "tests" / "data" / "checkpoints"
 PROMPT_LEN = 7
 NEW_TOKENS = 6
 LORA_RANK = 2
-TRAIN = ("llama-tied", "llama-sharded", "mistral")
+TRAIN = ("llama-tied", "llama-sharded", "mistral", "qwen2")  # qwen2: LoRA only (its biases frozen)
 PROJ = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
         "wg": "mlp.gate_proj", "wu": "mlp.up_proj", "wd": "mlp.down_proj"}
 NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}

@@ -282,7 +282,7 @@ def gemm_reports(args) -> list[Report]:
 def _fma_trips(G, v: int, t) -> int:
     """Trips of the FMA loop per k slice: variant 3 takes 4 k steps per trip, the
     double-buffered variant 2 (the rest of the slice unrolled)."""
-    return (t.bk - 1) // 2 if v in G.FRAG_DB_VARIANTS else t.bk // 4
+    return (t.bk - 1) // 2 if G.VARIANTS[v].frag_db else t.bk // 4
 
 
 def parse_flash_tiles(text: str):

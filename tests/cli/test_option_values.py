@@ -1,26 +1,10 @@
 """Option values that passed the check and failed later, or were silently taken (issue 37,
 items 1 and 9)."""
 
-import pickle
 import subprocess
 import sys
 
 import pytest
-
-
-@pytest.fixture(scope="module")
-def small_trace(tmp_path_factory):
-    """Eight allocations of 60 MiB, freed in pairs."""
-    events, addr = [], 1 << 32
-    for i in range(8):
-        events.append({"action": "alloc", "addr": addr + i * (64 << 20), "size": 60 << 20, "stream": 0, "time_us": i})
-        if i % 2:
-            for j in (i - 1, i):
-                events.append({"action": "free_completed", "addr": addr + j * (64 << 20), "size": 60 << 20,
-                               "stream": 0, "time_us": i})
-    p = tmp_path_factory.mktemp("t") / "tiny.pickle"
-    p.write_bytes(pickle.dumps({"device_traces": [events], "segments": []}))
-    return p
 
 
 def _cli(*args):

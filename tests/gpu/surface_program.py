@@ -102,7 +102,9 @@ def graphs(handle) -> dict:
         intact &= all(bool((e == 5).all()) for e in eager)
     ref1 = (lin(x) * 3 + 1).relu()
     ref2 = lin(ref1) - 1
-    out = {"equal": bool(torch.allclose(y1, ref1, atol=1e-3) and torch.allclose(y2, ref2, atol=1e-3)),
+    equal = bool(torch.allclose(y1, ref1, atol=1e-3) and torch.allclose(y2, ref2, atol=1e-3))
+    del ref1, ref2
+    out = {"equal": equal,
            "eager_intact": intact, "eager_in_graph_memory": bool(ptrs_eager & {y1.data_ptr(), y2.data_ptr()}),
            "pool_id": list(g1.pool())}
     held = torch.cuda.memory_allocated()
@@ -113,9 +115,9 @@ def graphs(handle) -> dict:
     torch.cuda.empty_cache()
     out["given_back"] = held - torch.cuda.memory_allocated()
     out["left_over_vs_start"] = torch.cuda.memory_allocated() - base
-    # cuBLAS keeps a workspace made during the first capture (on the capture stream): a few MiB may stay
-    out["ok"] = (out["equal"] and intact and not out["eager_in_graph_memory"] and out["given_back"] > 0
-                 and out["left_over_vs_start"] < 64 << 20)
+    # cuBLAS keeps the workspace it made during the first capture (for the capture stream): what
+    # stays is compared with PyTorch's own allocator's in the test
+    out["ok"] = out["equal"] and intact and not out["eager_in_graph_memory"] and out["given_back"] > 0
     return out
 
 
@@ -185,7 +187,7 @@ def fraction(handle) -> dict:
     except torch.OutOfMemoryError as e:
         out["raised"], out["message"] = "OutOfMemoryError", str(e)[:400]
     small = torch.ones(int(0.01 * total) // 4, device="cuda")
-    out["below_cap_works"] = bool(small.sum().item() == small.numel())
+    out["below_cap_works"] = bool((small == 1).all())
     del small
     torch.cuda.set_per_process_memory_fraction(1.0)
     big = torch.empty(int(0.06 * total), dtype=torch.uint8, device="cuda")  # what was refused, now lifted
@@ -296,6 +298,22 @@ def mempool(handle) -> dict:
     return out
 
 
+def barrier(phase: str = "compiled", timeout: float = 180.0) -> None:
+    """Wait until VMSTOOLKIT_SURFACE_BARRIER_N processes have reached ``phase``
+    (VMSTOOLKIT_SURFACE_BARRIER: a shared folder); nothing without it."""
+    import time
+
+    where, n = os.environ.get("VMSTOOLKIT_SURFACE_BARRIER"), int(os.environ.get("VMSTOOLKIT_SURFACE_BARRIER_N", "0"))
+    if not where or n <= 1:
+        return
+    where = os.path.join(where, phase)
+    os.makedirs(where, exist_ok=True)
+    Path(where, str(os.getpid())).touch()
+    t0 = time.monotonic()
+    while len(os.listdir(where)) < n and time.monotonic() - t0 < timeout:
+        time.sleep(0.2)
+
+
 def exit_case(handle) -> dict:
     """The program of issue 34 item 6: torch.compile'd training, a CUDA graph, a device filled until
     it refuses, threads; the exit status is the test's (and VMSTOOLKIT_SHIM_TRACE counts late calls)."""
@@ -316,6 +334,8 @@ def exit_case(handle) -> dict:
     with torch.cuda.graph(g):
         y = m(x)
     g.replay()
+    torch.cuda.synchronize()
+    barrier()  # processes run side by side: fill the device only once all of them are past compiling
     hog, refused = [], False
     try:
         while True:
@@ -323,7 +343,8 @@ def exit_case(handle) -> dict:
     except torch.OutOfMemoryError:
         refused = True
     filled = len(hog)
-    del hog[-2:]
+    del hog
+    barrier("freed")  # every process has given its fill back before the threads allocate again
 
     def worker():
         for _ in range(50):
@@ -334,9 +355,13 @@ def exit_case(handle) -> dict:
         t.start()
     for t in ts:
         t.join()
-    keep = torch.randn(1 << 20, device="cuda")  # noqa: F841 (left live at exit, with the graph and the hog)
+    # left live at exit, freed while the interpreter finalizes (module globals), as in the user's program
+    _KEPT.extend([torch.randn(1 << 20, device="cuda"), g, y, m, f, opt])
     torch.cuda.synchronize()
-    return {"filled_gib": 8 * filled, "refused": refused, "y": float(y.sum()), "ok": refused}
+    return {"filled_gib": 8 * filled, "refused": refused, "y": float(y.detach().sum()), "ok": refused}
+
+
+_KEPT: list = []
 
 
 CASES = {"compile_inference": compile_inference, "compile_training": compile_training, "graphs": graphs,

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,17 +28,23 @@ PROGRAM = Path(__file__).with_name("surface_program.py")
 ALIASES = ("aliases=True", "slack_pages=64")
 ALLOCATORS = [("paged", ()), ("paged", ALIASES), ("vms", ())]
 SHARED = [(case, name, opts) for case in ("compile_inference", "compile_training", "graphs", "snapshot", "fraction")
-          for name, opts in ALLOCATORS] + [("mempool", "default", ())]
+          for name, opts in ALLOCATORS] + [("mempool", "default", ()), ("graphs", "default", ())]
 EXITS = [("exit", name, opts) for name, opts in [("default", ()), *ALLOCATORS]]
 CLIENTS = [("clients", name, opts) for name, opts in [("default", ()), ("paged", ALIASES), ("vms", ())]]
 PARALLEL = int(os.environ.get("VMSTOOLKIT_SURFACE_PARALLEL", "8"))
+ONLY = set(filter(None, os.environ.get("VMSTOOLKIT_SURFACE_CASES", "").split(",")))  # run these cases only (all: empty)
+if ONLY:
+    SHARED, EXITS, CLIENTS = ([c for c in group if c[0] in ONLY] for group in (SHARED, EXITS, CLIENTS))
 
 
-def launch(case, name, opts):
-    env = dict(os.environ)
+def launch(case, name, opts, env=None):
+    shim_env = {k: v for k, v in (env or {}).items() if k.startswith("VMSTOOLKIT_SHIM")}
+    env = dict(os.environ, **(env or {}))
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # many processes compile at once
-    env["VMSTOOLKIT_SHIM_TRACE"] = "1" if case == "exit" else ""
+    env.pop("VMSTOOLKIT_SHIM_TRACE", None)
+    if case == "exit":
+        env["VMSTOOLKIT_SHIM_TRACE"] = "1"  # the shim says how many calls came after Python finalized
     t0 = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, "-X", "faulthandler", str(PROGRAM), case, name, *opts],
@@ -47,7 +54,7 @@ def launch(case, name, opts):
         rc, out, err = "timeout", e.stdout or "", (e.stderr or "") if isinstance(e.stderr, str) else ""
     lines = [ln for ln in (out or "").strip().splitlines() if ln.startswith("{")]
     r = json.loads(lines[-1]) if lines else {"case": case, "allocator": name, "ok": False}
-    r.update(returncode=rc, seconds=round(time.perf_counter() - t0, 1), options=list(opts),
+    r.update(returncode=rc, seconds=round(time.perf_counter() - t0, 1), options=list(opts), shim_env=shim_env,
              stderr_tail=(err or "")[-1500:])
     sink = os.environ.get("VMSTOOLKIT_SURFACE_OUT")
     if sink:
@@ -63,14 +70,24 @@ def results():
                     "print('shim', m is not None, why)"], check=False)  # build once, before the processes race
     with ThreadPoolExecutor(PARALLEL) as ex:
         found.update(ex.map(lambda c: launch(*c), SHARED))
-    with ThreadPoolExecutor(len(EXITS)) as ex:
-        found.update(ex.map(lambda c: launch(*c), EXITS))
+    if EXITS:
+        # VMSTOOLKIT_SURFACE_DIAGNOSE=1: one more exit run with the shim's exit guard off, to see what it prevents
+        runs = [(c, {}) for c in EXITS] + ([(("exit", "paged", ALIASES), {"VMSTOOLKIT_SHIM_CALL_AT_EXIT": "1"})]
+                                           if os.environ.get("VMSTOOLKIT_SURFACE_DIAGNOSE") == "1" else [])
+        barrier = tempfile.mkdtemp(prefix="vmstoolkit-exit-")  # they fill the device together, after compiling
+        extra = {"VMSTOOLKIT_SURFACE_BARRIER": barrier, "VMSTOOLKIT_SURFACE_BARRIER_N": str(len(runs))}
+        with ThreadPoolExecutor(len(runs)) as ex:
+            done = list(ex.map(lambda c: launch(*c[0], env={**extra, **c[1]}), runs))
+        found.update(done[:len(EXITS)])
+        found.update({("exit-unguarded", *k[1:]): r for k, r in done[len(EXITS):]})
     for c in CLIENTS:  # each alone: the batch that fits depends on the free memory
         found.update([launch(*c)])
     return found
 
 
 def get(results, case, name, opts):
+    if (case, name, tuple(opts)) not in results:
+        pytest.skip(f"{case} not run (VMSTOOLKIT_SURFACE_CASES)")
     r = results[(case, name, tuple(opts))]
     assert r["returncode"] == 0, r
     return r
@@ -79,28 +96,22 @@ def get(results, case, name, opts):
 IDS = ["paged", "paged-aliases", "vms"]
 
 
+CONTRACT = {
+    "compile_inference": "torch.compile reduce-overhead inference equals eager; eager tensors between replays intact",
+    "compile_training": "a reduce-overhead training step ends where eager ends",
+    "graphs": "graph pools keep eager tensors apart, share, and give back on reset as PyTorch's do",
+    "snapshot": "PyTorch's snapshot functions feed _memory_viz, vmstoolkit replay and vmstoolkit record",
+}
+
+
+@pytest.mark.parametrize("case", list(CONTRACT))
 @pytest.mark.parametrize("name,opts", ALLOCATORS, ids=IDS)
-def test_reduce_overhead_inference_equals_eager_and_keeps_eager_tensors(results, name, opts):
-    r = get(results, "compile_inference", name, opts)
-    assert r["shim"] and r["ok"], r
-
-
-@pytest.mark.parametrize("name,opts", ALLOCATORS, ids=IDS)
-def test_reduce_overhead_training_ends_where_eager_ends(results, name, opts):
-    r = get(results, "compile_training", name, opts)
-    assert r["ok"], r
-
-
-@pytest.mark.parametrize("name,opts", ALLOCATORS, ids=IDS)
-def test_graph_pools_keep_eager_tensors_apart_share_and_give_back(results, name, opts):
-    r = get(results, "graphs", name, opts)
-    assert r["ok"], r
-
-
-@pytest.mark.parametrize("name,opts", ALLOCATORS, ids=IDS)
-def test_pytorchs_snapshot_functions_feed_memory_viz_and_replay(results, name, opts):
-    r = get(results, "snapshot", name, opts)
-    assert r["ok"], r
+def test_the_contract_holds(results, case, name, opts):
+    r = get(results, case, name, opts)
+    assert r["shim"] and r["ok"], (CONTRACT[case], r)
+    if case == "graphs":  # what stays after reset and empty_cache: no more than under PyTorch's allocator
+        ref = get(results, "graphs", "default", ())
+        assert ref["ok"] and r["left_over_vs_start"] <= ref["left_over_vs_start"] + (4 << 20), (r, ref)
 
 
 @pytest.mark.parametrize("name,opts", ALLOCATORS, ids=IDS)

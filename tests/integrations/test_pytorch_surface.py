@@ -273,3 +273,17 @@ def test_limit_errors_are_the_allocators_out_of_memory_error(handle):
     err = handle._pending_error or handle.bridge(0).last_error or handle.last_error
     assert isinstance(err, OutOfMemoryError)
     handle.set_memory_fraction(1.0)
+
+
+def test_the_shims_pool_events_and_entry_points_are_the_python_sides():
+    """The C++ enum PoolEvent and struct EntryPoints against abi.POOL_EVENTS and shim_pointers."""
+    import re
+
+    src = (ROOT / "vmstoolkit/integrations/csrc/torch_shim.cpp").read_text()
+    enum = re.search(r"enum PoolEvent \{([^}]*)\}", src).group(1)
+    names = [n.split("=")[0].strip() for n in enum.split(",") if n.strip()]
+    assert names == [f"POOL_{e.upper()}" for e in POOL_EVENTS]
+    fields = re.search(r"struct EntryPoints \{([^}]*)\}", src).group(1)
+    assert len([ln for ln in fields.splitlines() if ln.strip().endswith(";")]) == 12
+    h = make("vms")
+    assert len(h.shim_pointers) == 12 and len(set(h.shim_pointers)) == 12

@@ -81,7 +81,7 @@ def test_heads_per_block_divide_the_group():
 
 def test_split_rule_fills_the_gpu_only_when_needed():
     tiles = A.FlashTiles()
-    target = A.SPLIT_MIN_BLOCKS_SIM if A.simulating() else A.SPLIT_MIN_BLOCKS
+    target = A.SPLIT_MIN_BLOCKS_SIM if A.simulating() else A.SPLIT_MIN_BLOCKS_PER_SM * A.sm_count()
     assert A._split_count(tiles, 4, 1, 8192, 32) == 1  # 8192 blocks
     assert A._split_count(tiles, 4, 1, 8, 4) == 1  # one key tile: nothing to split
     few = A._split_count(tiles, 4, 1, 64, 4)  # 8 positions of one group: 8 blocks

@@ -6,7 +6,8 @@ import pytest
 from numba import cuda
 
 from vmstoolkit.kernels import gemm as G
-from vmstoolkit.kernels._util import simulating
+from vmstoolkit.kernels import gemm_rules as GR
+from vmstoolkit.kernels._util import simulating, sm_count
 
 RAGGED = ((8, 8, 4), (5, 7, 9), (17, 3, 13), (16, 24, 8), (1, 1, 1))
 
@@ -158,7 +159,7 @@ def test_every_layout_follows_the_skinny_rule_which_is_proposed_above_skinny_max
     # the H200 sweep 5 of 2026-12-01 timed "proposed" in every layout (79-89% of cuBLAS against
     # 61-84%); sweep 6 the skinny tiles on LoRA's 16-wide outputs (41.7-44.1% against 24.9-39.2,
     # a tie at dy B): every layout runs "skinny", which is "proposed" for wider outputs
-    assert set(G.RULE_BY_LAYOUT.values()) == {"skinny"} and set(G.RULE_BY_LAYOUT) == set(G.LAYOUTS)
+    assert GR.DEFAULT_RULE == "skinny"
     for shape in ((4096, 4096, 4096), (2048, 1024, 4096), (1024, 512, 2048), (2048, 4096, 16)):
         for layout in G.LAYOUTS:
             assert R(*shape, layout=layout) == R(*shape, rule="proposed")
@@ -194,13 +195,39 @@ def test_every_layout_follows_the_skinny_rule_which_is_proposed_above_skinny_max
     assert R(2048, 1024, 4096, splits=3, rule="proposed") == G.GemmLaunch(13, G.PROPOSED_TILES, 3)
 
 
+def test_rules_scale_with_the_device_sm_count(monkeypatch):
+    """The thresholds come from the device's SM count (the H200's 132 only under the simulator):
+    half the SMs, half the blocks that fill a wave, so a launch of 132 tiles is no longer split."""
+    if not simulating():
+        pytest.skip("the simulator's SM count")
+    assert sm_count() == 132 and GR.split_target_blocks() == 264
+    assert GR.rule_launch(2048, 1024, 4096).splits == 2  # 128 tiles: under a wave of 264
+    monkeypatch.setattr(GR, "sm_count", lambda: 66)
+    assert GR.split_target_blocks() == 132
+    assert GR.rule_launch(2048, 1024, 4096).splits == 1  # 128 tiles fill a wave of 132
+
+
+def test_variant_table_rows_are_consistent():
+    """One row per variant; a variant with 16-byte accesses has a scalar twin, down to one without."""
+    for v, row in G.VARIANTS.items():
+        assert row.number == v
+        assert (row.scalar_twin is not None) == row.vector_loads
+        assert not row.staged_stores or row.vector_loads
+        seen = {v}
+        while G.VARIANTS[v].scalar_twin is not None:
+            v = G.VARIANTS[v].scalar_twin
+            assert v in G.VARIANTS and v not in seen
+            seen.add(v)
+        assert not G.VARIANTS[v].vector_loads
+
+
 def test_proposed_splits_follow_the_wave_cost():
     # cost(s): waves of SPLIT_TARGET_BLOCKS blocks per split, times 1 + SPLIT_COST per extra split
     c = G.split_cost
-    t = G.SPLIT_TARGET_BLOCKS
+    t = GR.split_target_blocks()
     assert c(t, 1) == 1.0 and c(t // 2, 2) == pytest.approx((1 + G.SPLIT_COST) / 2)  # one wave of half-deep blocks
     assert c(t + 1, 1) == 2.0  # one block over a wave costs a wave
-    for blocks in range(G.SM_COUNT // 2, 6 * t):  # the chosen split is never worse than unsplit
+    for blocks in range(sm_count() // 2, 6 * t):  # the chosen split is never worse than unsplit
         s = G.proposed_splits(blocks, 1 << 20)
         assert 1 <= s <= G.MAX_SPLITS
         assert s == 1 or c(blocks, s) < (1 - G.SPLIT_GAIN) * c(blocks, 1)
@@ -313,7 +340,7 @@ def test_loaded_variant_falls_back_to_scalar_loads_on_unaligned_operands():
     ok = cuda.to_device(np.zeros((5, 8), np.float32))
     odd = cuda.to_device(np.zeros((5, 9), np.float32))
     assert G.loaded_variant(11, ok, ok) == 11
-    assert G.loaded_variant(11, ok, odd) == G.SCALAR_TWIN[11] == 5
+    assert G.loaded_variant(11, ok, odd) == G.VARIANTS[11].scalar_twin == 5
     assert G.loaded_variant(11, ok[:, 1:5], ok) == 5
     assert G.loaded_variant(5, ok, ok) == 5
 

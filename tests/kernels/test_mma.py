@@ -98,6 +98,23 @@ def test_gemm_bf16_layouts(m, n, k):
         assert np.max(np.abs(L.bf16_value(out16.copy_to_host()) - want)) <= 2 ** -8 * np.max(np.abs(want)), layout
 
 
+def test_gemm_bf16_deep_slices_and_warps():
+    """Slices 64 deep (rows of 8 chunks, another swizzle) on 4 warps of 16 x 16, 2 and 3 stages."""
+    from numba import cuda
+
+    from vmstoolkit.kernels import gemm_bf16 as GB
+
+    rng = np.random.default_rng(4)
+    m, n, k = 17, 24, 136
+    x, w, dy = _bits(rng, (m, k)), _bits(rng, (n, k)), _bits(rng, (m, n))
+    tiles = GB.MmaTiles(bm=32, bn=32, wm=16, wn=16, stages=3, bk=64)
+    for layout, fn, a, b, shape in (("nn", GB.gemm_bf16, x, w, (m, n)), ("tt", GB.linear_dw_bf16, dy, x, (n, k))):
+        want = GB.reference(layout, a, b)
+        out = cuda.device_array(shape, np.float32)
+        fn(cuda.to_device(a), cuda.to_device(b), out, tiles=tiles)
+        assert np.max(np.abs(out.copy_to_host() - want)) <= 1e-5 * np.max(np.abs(want)), layout
+
+
 def test_gemm_bf16_split_and_acc():
     from numba import cuda
 

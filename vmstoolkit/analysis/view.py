@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -100,10 +101,11 @@ def peak_layout(driver, allocator, limit: int | None = MAX_SEGMENT_ROWS) -> list
 
 
 def view_data(path: str | Path, allocators: list[str], options: dict[str, dict], capacity: int | None = None,
-              max_segments: int | None = MAX_SEGMENT_ROWS) -> tuple:
+              max_segments: int | None = MAX_SEGMENT_ROWS, on_step: Callable[[str], None] | None = None) -> tuple:
     """Replay ``path`` through each allocator twice (whole, with a timeline; then up to its peak
     reserved, to read the layout there, the ``max_segments`` largest segments: None for all).
-    Returns (trace, [AllocatorView], hover texts per event)."""
+    Returns (trace, [AllocatorView], hover texts per event). ``on_step(what)`` is called before
+    each of the ``2 * len(allocators)`` replays (progress)."""
     from vmstoolkit.analysis.compare import site_of
     from vmstoolkit.pools import make_allocator, make_driver
     from vmstoolkit.pools.options import format_options
@@ -114,7 +116,9 @@ def view_data(path: str | Path, allocators: list[str], options: dict[str, dict],
     trace = load_trace(path)
     events = trace.alloc_free_events()
     views = []
+    step = on_step or (lambda what: None)
     for name in allocators:
+        step(f"{name}: the whole replay")
         driver = make_driver("sim", capacity=capacity)
         alloc = make_allocator(name, driver, **options.get(name, {}))
         try:
@@ -122,6 +126,7 @@ def view_data(path: str | Path, allocators: list[str], options: dict[str, dict],
         finally:
             alloc.close()
         k = int(np.argmax(res.timeline["reserved"])) if len(res.timeline["reserved"]) else 0
+        step(f"{name}: the layout at its peak")
         driver = make_driver("sim", capacity=capacity)
         alloc = make_allocator(name, driver, **options.get(name, {}))
         try:

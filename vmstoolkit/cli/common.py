@@ -70,6 +70,16 @@ def size_option(value: str | None, what: str) -> int | None:
     return n
 
 
+def host_budget_option(value: str | None) -> int | None:
+    """``--host-budget``: bytes; ``None`` (not given) is -1, the runtime's default (available
+    memory less a margin); ``none`` turns the check off (None)."""
+    if value is None:
+        return -1
+    if value.strip().lower() == "none":
+        return None
+    return size_option(value, "--host-budget")
+
+
 def allocator_options(items: list[str] | None, names: list[str], capacity: int | None,
                       device: Device | str = Device.sim) -> dict[str, dict]:
     """Per allocator, its checked ``-o`` options (``KEY=VALUE``: where taken; ``ALLOC:KEY=VALUE``:
@@ -175,6 +185,6 @@ def load_options(gpu: int | None, lenient: bool, max_bytes: str | None, max_obje
             "max_objects": max_objects}
 
 
-__all__ = ["OutputFormat", "Device", "Backend", "OOM_EXIT_CODE", "load_options", "fail", "console", "size_option", "allocator_options", "option_value",
+__all__ = ["OutputFormat", "Device", "Backend", "OOM_EXIT_CODE", "load_options", "fail", "console", "size_option", "host_budget_option", "allocator_options", "option_value",
            "check_allocators", "check_output_dir", "check_output_file", "rows_to_csv", "json_lines", "emit_rows",
            "VmsError"]

@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail, size_option
+from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail, host_budget_option
+from vmstoolkit.cli.flags import format_flag
 
 
 class Variant(str, Enum):
@@ -25,20 +26,11 @@ class Executor(str, Enum):
 
 ModelOpt = Annotated[Path, typer.Option("--model", metavar="DIR", help="A local Hugging Face model folder: config.json and *.safetensors (nothing is downloaded).")]
 BudgetOpt = Annotated[Optional[list[str]], typer.Option("--budget", metavar="SIZE|FRACTION", help="GPU budget per GPU, repeatable: a size (16GiB) or a fraction of the no-offload working set (0.5, 50%).", show_default=False)]
-BackendOpt = Annotated[Backend, typer.Option(help="sim: discrete-event simulation on the CPU (numpy numerics for small models); cuda: the GPU.")]
+BackendOpt = Annotated[Backend, typer.Option("--backend", metavar="sim|cuda", help="sim: discrete-event simulation on the CPU (numpy numerics for small models); cuda: the GPU.")]
 HostOpt = Annotated[Optional[str], typer.Option("--host-budget", metavar="SIZE", help="Host memory the plan may use (default: available RAM less max(10%, 2 GiB)); 'none' turns the check off.", show_default=False)]
-FormatOpt = Annotated[OutputFormat, typer.Option("--format", help="table, json (JSON lines) or csv.")]
+FormatOpt = Annotated[OutputFormat, format_flag()]
 GpusOpt = Annotated[int, typer.Option("--gpus", min=1, help="GPUs of one machine (generation splits the blocks into pipeline stages).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the drawn prompt or tokens, dout, LoRA adapters and the simulated jitter.")]
-
-
-def _host_budget(text: str | None) -> int | None:
-    """-1 (the default: available memory less a margin), None for 'none', else bytes."""
-    if text is None:
-        return -1
-    if text.strip().lower() == "none":
-        return None
-    return size_option(text, "--host-budget")
 
 
 def _prompt_ids(text: str | None) -> list[int] | None:
@@ -90,7 +82,7 @@ def generate_command(
     stages = Stages(enabled=True)
     rows = list(run_generate(model, prompt_ids=ids, prompt_len=prompt_len or 2048,
                              new_tokens=new_tokens, budgets=specs, backend=backend.value, n_gpus=gpus,
-                             host_budget=_host_budget(host_budget), executor=executor.value, seed=seed, stages=stages))
+                             host_budget=host_budget_option(host_budget), executor=executor.value, seed=seed, stages=stages))
     stages.note(f"first row after {stages.elapsed():.1f} s")
     emit_rows(rows, format, _generate_table)
 
@@ -120,7 +112,7 @@ def train_command(
     exs = tuple(e.value for e in (executor or list(Executor)))
     stages = Stages(enabled=True)
     rows = list(run_train(model, variant=variant.value, budgets=[s.text for s in specs], seq=seq, steps=steps,
-                          rank=rank, backend=backend.value, n_gpus=gpus, host_budget=_host_budget(host_budget),
+                          rank=rank, backend=backend.value, n_gpus=gpus, host_budget=host_budget_option(host_budget),
                           executors=exs, check_grads=check_grads, seed=seed, stages=stages))
     stages.note(f"first row after {stages.elapsed():.1f} s")
     emit_rows(rows, format, _train_table)

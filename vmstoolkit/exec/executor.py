@@ -48,9 +48,11 @@ Figures (sim backend, :meth:`CostModel.h200`, jitter 5%, mean of 3 seeds, step /
 copies), before -> after): the issue's shape at half 1.093 -> 1.063, at a quarter 1.231 ->
 1.177 (fixed-order 1.162, 1.380); 16 LLaMA-7B blocks LoRA at 2048 tokens, a quarter 1.156 ->
 1.122; prefill at 512 tokens, half 1.178 -> 1.164; with the default costs the same cases within
-0.6% of before. What remains at a quarter is mostly the bound: max(compute, copies) ignores
-that the reloads a vertex needs must all pass the one copy stream before it (a bound over
-ancestors on one stream and descendants on the other is 1.105x the old one there).
+0.6% of before (Yi-34B LoRA at a quarter excepted: 1.256 -> 1.300 with the default costs,
+which the copy window costs; with the H200's, 1.286 -> 1.277). What remains at a quarter is
+mostly the bound: max(compute, copies) ignores that the reloads a vertex needs must all pass the
+one copy stream before it. :mod:`vmstoolkit.exec.bounds`' precedence bound is 1.105x that at the
+issue's shape at a quarter, and the step 1.10x of it (``experiments/results/untuned-shapes``).
 """
 
 from __future__ import annotations

@@ -155,6 +155,7 @@ class LlamaConfig:
     eps: float = 1e-6
     rope_theta: float = 10000.0
     head_size: int | None = None  # features per head, when not hidden / heads (a checkpoint's head_dim)
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections (frozen; the LoRA training graph only)
 
     def __post_init__(self) -> None:
         """Refuse shapes the graph cannot be built from (:class:`InvalidShapeError`, naming them)."""

@@ -207,13 +207,36 @@ def step_lengths(seq: int | None, seq_range: tuple[int, int] | None, steps: int 
     return [seq] * (steps or 3)
 
 
+def check_train_host_memory(cfg: LlamaConfig, variant: str, budgets, host_budget: int | None, *, rank: int = 16,
+                            adamw: AdamWConfig | None = None, recompute: bool = False, real: bool = True,
+                            check_grads: bool = True, materialized: bool = True) -> None:
+    """Refuse (:class:`~vmstoolkit.exec.errors.HostBudgetError`, one line) a training run whose
+    plan at one of ``budgets`` needs more host memory than ``host_budget`` (-1: the default
+    budget; None: no check)."""
+    from vmstoolkit.exec.compiler import compile_memory_graph
+    from vmstoolkit.exec.errors import BudgetTooSmallError
+    from vmstoolkit.exec.host_plan import TRAIN_LABELS, check_host_budget, default_host_budget, host_plan
+
+    hb = default_host_budget() if host_budget == -1 else host_budget
+    if hb is None or not materialized:
+        return
+    tg = build_train_step(cfg, variant, rank=rank, adamw=adamw)
+    for budget in budgets:
+        try:
+            mg = compile_memory_graph(tg.graph, budget, recompute=recompute)
+        except BudgetTooSmallError:
+            continue  # the run says so itself
+        check_host_budget(host_plan(mg, sim_numerics=not real, reference=real and check_grads), hb,
+                          labels=TRAIN_LABELS)
+
+
 def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("0.5", "0.25"), *,
                          config: LlamaConfig | None = None, seq: int | None = None,
                          seq_range: tuple[int, int] | None = None, steps: int | None = None, rank: int = 16,
                          executors=EXECUTORS, seed: int = 0, jitter: float = 0.05,
                          check_grads: bool | None = None, adamw: AdamWConfig | None = None,
                          granule: int = DEFAULT_GRANULE, ratio: float = DEFAULT_RATIO,
-                         recompute: bool = False, schedule_dir=None) -> list[dict]:
+                         recompute: bool = False, schedule_dir=None, host_budget: int | None = None) -> list[dict]:
     """Rows of :data:`ROW_KEYS`, one per (budget, executor). Budget fractions are of the
     no-offload working set at the longest bucket of the run. Raises BudgetTooSmallError (naming
     the vertex, its bytes and the budget) when a budget cannot hold one vertex. ``recompute``
@@ -222,7 +245,14 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
     ``schedule_dir``: for each budget, ``schedule_<bytes>B.png`` (the last step's schedule under
     each executor, one above the other: :func:`vmstoolkit.exec.plots.schedules_figure`) and
     ``.json`` (their spans) there; on the cuda backend every vertex is then timed with CUDA events
-    (``CudaBackend(timeline=True)``, a few microseconds of host time each)."""
+    (``CudaBackend(timeline=True)``, a few microseconds of host time each).
+
+    ``host_budget``: bytes of host memory the run may hold (-1: available memory less a margin,
+    :func:`vmstoolkit.exec.host_plan.default_host_budget`; None: no check). Each budget's plan at
+    the longest bucket is added up (:func:`vmstoolkit.exec.host_plan.host_plan`: weights, AdamW
+    moments, updates read back, offload slots, the gradient check's reference) before any value
+    is drawn, and a plan above it raises :class:`~vmstoolkit.exec.errors.HostBudgetError` in one
+    line (issue 32: a 13B-width full fine-tune was killed by the kernel instead)."""
     cfg = config or LlamaConfig()
     seqs = step_lengths(seq, seq_range, steps, seed)
     buckets = {"granule": granule, "ratio": ratio, "max_seq": max(seqs)}
@@ -249,6 +279,9 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
             check_grads = sum(v.flops for v in tg.graph.vertices) <= SIM_CHECK_FLOPS
     runner = _Cuda(check_grads) if kind.real else _Sim(seed, jitter, check_grads)
     runner.timeline = schedule_dir is not None
+    check_train_host_memory(replace(cfg, seq=longest), variant, resolved, host_budget, rank=rank, adamw=adamw,
+                            recompute=recompute, real=kind.real, check_grads=check_grads,
+                            materialized=runner.needs_values)
     rows = []
     weights: dict[int, dict] = {}  # bucket -> values, shared by every budget and executor: drawn
     # once (13 GB of weights at the 13B width took seconds to draw for each executor)

@@ -20,11 +20,41 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, TypeVar
 
 from vmstoolkit.errors import OutOfMemoryError, VmsError
 from vmstoolkit.pools.adaptors import AllocatorAdaptor, unwrap
 from vmstoolkit.pools.base import Allocator, AllocatorStats
+from vmstoolkit.pools.drivers import VMMDriver, make_driver
+
+T = TypeVar("T")
+
+
+def per_device(table: dict[int, T], lock: threading.Lock, device: int, make: Callable[[], T]) -> T:
+    """``table[device]``, made by ``make()`` on first use, once, whichever threads ask at the same
+    time: the lookup takes no lock once the entry exists, and ``make`` runs under ``lock`` (its
+    result enters ``table`` only when it returns, so a failed ``make`` leaves nothing behind).
+    Every integration keeps one bridge per device so (PyTorch, its compiled hook, CuPy).
+    Runtime complexity: O(1) once made.
+
+    >>> table, made = {}, []
+    >>> per_device(table, threading.Lock(), 0, lambda: made.append(0) or "bridge 0")
+    'bridge 0'
+    >>> per_device(table, threading.Lock(), 0, lambda: made.append(0) or "again"), made
+    ('bridge 0', [0])
+    """
+    obj = table.get(device)
+    if obj is None:
+        with lock:
+            obj = table.get(device)
+            if obj is None:
+                obj = table[device] = make()
+    return obj
+
+
+def cuda_driver(device: int) -> VMMDriver:
+    """The real driver of ``device``: the integrations' default ``driver_factory``."""
+    return make_driver("cuda", device=device)
 
 
 class AllocatorBridge:
@@ -251,5 +281,5 @@ class HandleStats:
         return self.memory_stats(device)["allocated_bytes.all.peak"]
 
 
-__all__ = ["AllocatorBridge", "HandleStats", "OOM_PREFIX", "STAT_KEYS", "oom_message", "pytorch_size", "report_failed_malloc", "torch_stats", "torch_style_stats",
+__all__ = ["per_device", "cuda_driver", "AllocatorBridge", "HandleStats", "OOM_PREFIX", "STAT_KEYS", "oom_message", "pytorch_size", "report_failed_malloc", "torch_stats", "torch_style_stats",
            "OutOfMemoryError"]

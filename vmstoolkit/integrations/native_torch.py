@@ -34,7 +34,7 @@ from vmstoolkit._jit import njit
 
 from vmstoolkit.errors import IntegrationError
 from vmstoolkit.integrations.abi import ALLOC_FN, FREE_FN  # noqa: F401 (re-exported for callers)
-from vmstoolkit.integrations.bridge import report_failed_malloc, torch_stats
+from vmstoolkit.integrations.bridge import per_device, report_failed_malloc, torch_stats
 from vmstoolkit.integrations.torch import HookBase
 from vmstoolkit.pools.adaptors import past_limit
 from vmstoolkit.pools.base import AllocatorStats
@@ -249,24 +249,21 @@ class NativeHook(HookBase):
 
     # -- devices -----------------------------------------------------------------------------
     def device(self, dev: int) -> NativeDevice:
-        nd = self.devices.get(dev)
-        if nd is None:
-            with self._make_lock:
-                nd = self.devices.get(dev)
-                if nd is None:
-                    if not 0 <= dev < MAX_DEVICES:
-                        raise IntegrationError(f"device {dev} is outside 0..{MAX_DEVICES - 1}, the devices the compiled hook serves")
-                    pa = PagedAllocator(self._driver_factory(dev), **self._options)
-                    pa.reserve_ranges()
-                    pa.on_arrays_changed = lambda: _publish(dev, pa)  # block records grown: new addresses
-                    nd = NativeDevice(pa)
-                    if self._recording:
-                        nd.g[H.G_BUSY] += 1
-                    if dev in self.limits:
-                        nd.g[H.G_BUSY] += 1
-                    _publish(dev, pa)
-                    self.devices[dev] = nd
-        return nd
+        def make() -> NativeDevice:
+            if not 0 <= dev < MAX_DEVICES:
+                raise IntegrationError(f"device {dev} is outside 0..{MAX_DEVICES - 1}, the devices the compiled hook serves")
+            pa = PagedAllocator(self._driver_factory(dev), **self._options)
+            pa.reserve_ranges()
+            pa.on_arrays_changed = lambda: _publish(dev, pa)  # block records grown: new addresses
+            nd = NativeDevice(pa)
+            if self._recording:
+                nd.g[H.G_BUSY] += 1
+            if dev in self.limits:
+                nd.g[H.G_BUSY] += 1
+            _publish(dev, pa)
+            return nd
+
+        return per_device(self.devices, self._make_lock, dev, make)
 
     # -- the slow paths (called from the cfuncs, holding the GIL) -----------------------------
     @contextmanager

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -63,12 +62,11 @@ from vmstoolkit.errors import ConfigError, IntegrationError, NoGPUError
 from vmstoolkit.integrations.abi import (ALLOC_FN, EMPTY_FN, ERROR_FN, FREE_FN, GET_FRACTION_FN, POOL_ALLOC_FN,
                                          POOL_EVENT_FN, POOL_EVENTS, POOL_FREE_FN, RECORD_FN, RESET_FN,
                                          SET_FRACTION_FN, STATS_FN)
-from vmstoolkit.integrations.bridge import (STAT_KEYS, AllocatorBridge, HandleStats, oom_message, report_failed_malloc,
-                                           torch_stats)
+from vmstoolkit.integrations.bridge import (STAT_KEYS, AllocatorBridge, HandleStats, cuda_driver, oom_message,
+                                           per_device, report_failed_malloc, torch_stats)
 from vmstoolkit.integrations.callbacks import ThreadStatePins
-from vmstoolkit.pools import make_allocator, make_driver
+from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.adaptors import LimitingAdaptor, SnapshotLog, SnapshotLoggingAdaptor
-from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.graph_pools import PrivatePools
 from vmstoolkit.pools.registry import compiled_hook
 
@@ -333,17 +331,13 @@ class TorchAllocatorHandle(HookBase):
 
     def bridge(self, device: int) -> AllocatorBridge:
         """The device's bridge, made on first use, once, whichever threads ask at the same time."""
-        b = self.bridges.get(device)
-        if b is None:
-            with self._make_lock:
-                b = self.bridges.get(device)
-                if b is None:
-                    driver = self._driver_factory(device)
-                    b = AllocatorBridge(make_allocator(self.allocator_name, driver, **self._options))
-                    if self._recording:
-                        self._log_device(device, b)
-                    self.bridges[device] = b
-        return b
+        def make():
+            b = AllocatorBridge(make_allocator(self.allocator_name, self._driver_factory(device), **self._options))
+            if self._recording:
+                self._log_device(device, b)
+            return b
+
+        return per_device(self.bridges, self._make_lock, device, make)
 
     def _history_changed(self, enabled: bool) -> None:
         with self._make_lock:
@@ -426,14 +420,10 @@ def _import_torch():
     return torch
 
 
-def _cuda_driver(device: int) -> VMMDriver:
-    return make_driver("cuda", device=device)
-
-
 def make_handle(allocator: str = "vms", driver_factory=None, **options) -> HookBase:
     """The handle without installing it (``driver_factory(device) -> VMMDriver``): compiled
     entry points where the allocator's class names a hook, ``ctypes`` callbacks otherwise."""
-    driver_factory = driver_factory or _cuda_driver
+    driver_factory = driver_factory or cuda_driver
     from vmstoolkit.pools.registry import check_allocator
 
     check_allocator(allocator, options)  # name and options, before anything is built
@@ -482,22 +472,7 @@ def install(allocator: str = "vms", *, shim: bool = True, **options) -> HookBase
         raise IntegrationError(f"PyTorch refused the allocator ({e}); install it before the first CUDA allocation") from None
     _patch_history_api(torch, handle)
     _INSTALLED = handle
-    _resume_recording(handle)
     return handle
-
-
-RECORDING_ENV = "VMSTOOLKIT_RECORDING"
-"""Set by ``vmstoolkit record`` in the process it records (``PID:STACKS:MAX_ENTRIES``): PyTorch's
-history was asked for before any allocator was installed, so :func:`install` takes it over."""
-
-
-def _resume_recording(handle: HookBase) -> None:
-    pid, _, rest = os.environ.get(RECORDING_ENV, "").partition(":")
-    if pid != str(os.getpid()):
-        return
-    stacks, _, max_entries = rest.partition(":")
-    handle.record_history(True, max_entries=int(max_entries or 1_000_000),
-                          stacks="python" if stacks in ("python", "all") else None, keep="last")
 
 
 def _patch_history_api(torch, handle: HookBase) -> None:
@@ -514,7 +489,7 @@ def _patch_history_api(torch, handle: HookBase) -> None:
     def record(enabled, context="all", stacks="all", max_entries=sys.maxsize, clear_history=False,
                compile_context=False, global_record_annotations=False, skip_actions=()):
         if enabled not in (None, "state", "all"):
-            raise ValueError(f"enabled must be None, 'state' or 'all', got {enabled!r}")
+            raise ConfigError(f"enabled must be None, 'state' or 'all', got {enabled!r}")
         handle.record_history(enabled is not None, max_entries=max(1, int(max_entries)), clear=bool(clear_history),
                               stacks="python" if context else None, trace=enabled == "all", keep="last")
         if handle.history is not None:

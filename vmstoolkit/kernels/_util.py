@@ -29,6 +29,16 @@ def simulating() -> bool:
     return bool(_cuda_config.ENABLE_CUDASIM)
 
 
+SM_COUNT_SIM = 132  # the H200's: what sm_count() says where no device can be asked (the simulator)
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device (under the simulator: the H200's 132)."""
+    if simulating():
+        return SM_COUNT_SIM
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
 def check_float32(name: str, a) -> None:
     dtype = np.dtype(a.dtype)
     if dtype != np.float32:

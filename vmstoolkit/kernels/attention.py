@@ -80,11 +80,10 @@ from numba import cuda, float32, int64, uint64
 from vmstoolkit.errors import KernelError
 
 from . import reference
-from ._util import check_float32, check_ndim, simulating
+from ._util import check_float32, check_ndim, simulating, sm_count
 
 STATIC_SHARED_LIMIT = 48 * 1024
 NEG_INF = float32(-np.inf)
-SM_COUNT = 132  # the H200's; it only sets when split-KV adds blocks
 
 
 @dataclass(frozen=True)
@@ -726,7 +725,7 @@ MAX_SPLITS = 8
 # Split-KV adds blocks while a launch has fewer than this many (two per SM of the H200). Not
 # yet measured: experiments/kernels_bench.py times splits 1, 2 and 4 beside the rule's choice.
 # Under the simulator, where every block is slow and none run in parallel, only tiny launches split.
-SPLIT_MIN_BLOCKS = 2 * SM_COUNT
+SPLIT_MIN_BLOCKS_PER_SM = 2  # split KV until about this many blocks per SM of the device
 SPLIT_MIN_BLOCKS_SIM = 4
 
 
@@ -765,11 +764,11 @@ def default_flash_tiles(hd: int) -> FlashTiles | None:
 
 
 def _split_count(tiles: FlashTiles, heads: int, b: int, t: int, nh: int) -> int:
-    """Splits that bring a launch to SPLIT_MIN_BLOCKS blocks, at most MAX_SPLITS and at most
+    """Splits that bring a launch to SPLIT_MIN_BLOCKS_PER_SM blocks per SM, at most MAX_SPLITS and at most
     the longest query tile's key tiles."""
     bq = tiles.rows // heads
     blocks = -(-t // bq) * (nh // heads) * b
-    target = SPLIT_MIN_BLOCKS_SIM if simulating() else SPLIT_MIN_BLOCKS
+    target = SPLIT_MIN_BLOCKS_SIM if simulating() else SPLIT_MIN_BLOCKS_PER_SM * sm_count()
     if blocks >= target:
         return 1
     return max(1, min(MAX_SPLITS, -(-target // blocks), -(-t // tiles.bkv)))

@@ -50,12 +50,13 @@ from numba import cuda, float32, uint16
 from vmstoolkit.errors import KernelError
 
 from . import _mma, mma_layout
-from ._util import check_ndim, simulating
+from ._util import check_ndim, simulating, sm_count
 from .gemm import LAYOUTS, copy_fill, zero_fill
 
-BK = 32  # k depth of a staged slice (two mma k steps)
+BK = 32  # the default k depth of a staged slice (two mma k steps)
+STATIC_SMEM = 48 * 1024  # a kernel's static shared memory at most
+MAX_SMEM = 227 * 1024  # the H200's (sm_90) dynamic shared memory per block at most
 CHUNK = 8  # bf16 elements per 16-byte chunk (one cp.async, one ldmatrix row)
-SM_COUNT_SIM = 132  # the H200's; only where no device can be asked (the simulator)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,16 @@ class MmaTiles:
     wm: int = 64
     wn: int = 64
     stages: int = 3
+    bk: int = 32  # k depth of a staged slice: 32 or 64
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * (self.bm + self.bn) * self.bk * 2
+
+    @property
+    def dynamic(self) -> bool:
+        """Over the 48 KiB of static shared memory: dynamic, with the kernel's limit raised."""
+        return self.smem_bytes > STATIC_SMEM
 
     @property
     def warps(self) -> int:
@@ -77,19 +88,20 @@ class MmaTiles:
         return 32 * self.warps
 
     def label(self) -> str:
-        return f"{self.bm}x{self.bn}x{BK}/w{self.wm}x{self.wn}/s{self.stages}"
+        return f"{self.bm}x{self.bn}x{self.bk}/w{self.wm}x{self.wn}/s{self.stages}"
 
     def check(self) -> None:
         if self.bm % self.wm or self.bn % self.wn or self.wm % 16 or self.wn % 16:
             raise KernelError(f"tiles {self}: warp tiles must divide the block tile and be multiples of 16")
-        if self.bm % CHUNK or self.bn % CHUNK or (self.bm * BK // CHUNK) % self.threads \
-                or (self.bn * BK // CHUNK) % self.threads:
+        if self.bk not in (32, 64):
+            raise KernelError(f"tiles {self}: bk must be 32 or 64")
+        if self.bm % CHUNK or self.bn % CHUNK or (self.bm * self.bk // CHUNK) % self.threads \
+                or (self.bn * self.bk // CHUNK) % self.threads:
             raise KernelError(f"tiles {self}: each thread must fetch whole 16-byte chunks of both operands")
         if self.stages < 2:
             raise KernelError(f"tiles {self}: stages must be at least 2")
-        smem = self.stages * (self.bm + self.bn) * BK * 2
-        if smem > 48 * 1024:
-            raise KernelError(f"tiles {self}: {smem} bytes of shared memory (static limit 49152)")
+        if self.smem_bytes > MAX_SMEM:
+            raise KernelError(f"tiles {self}: {self.smem_bytes} bytes of shared memory (limit {MAX_SMEM})")
 
 
 GPU_TILES = MmaTiles()
@@ -143,9 +155,11 @@ def store_bf16(c, acc, row, col, M, N, v0, v1):
             c[row, col] = _mma.pack_bf16x2(v0, v0) & 0xFFFF
 
 
-def _swizzle_n(rows: str, chunk: str) -> str:
-    """Element offset in an "n" tile (rows x BK) of chunk ``chunk`` of row ``rows`` (source text)."""
-    return f"(({rows}) * {BK} + ((({chunk}) ^ ((({rows}) >> 1) & 3)) << 3))"
+def _swizzle_n(rows: str, chunk: str, bk: int) -> str:
+    """Element offset in an "n" tile (rows x bk) of chunk ``chunk`` of row ``rows`` (source text):
+    rows of 4 chunks (bk 32) swap chunk c with c ^ ((row >> 1) & 3), rows of 8 with c ^ (row & 7)."""
+    sw = f"((({rows}) >> 1) & 3)" if bk == 32 else f"(({rows}) & 7)"
+    return f"(({rows}) * {bk} + ((({chunk}) ^ {sw}) << 3))"
 
 
 def _swizzle_t(k: str, chunk: str, width: int) -> str:
@@ -154,7 +168,7 @@ def _swizzle_t(k: str, chunk: str, width: int) -> str:
     return f"(({k}) * {width} + ((({chunk}) ^ (({k}) & {mask})) << 3))"
 
 
-def _fetch_setup(op: str, trans: bool, rows: int, threads: int, bound: str) -> list[str]:
+def _fetch_setup(op: str, trans: bool, rows: int, threads: int, bound: str, BK: int) -> list[str]:
     """Source lines, before the k loop, of the cp.async fetch of operand ``op`` ('a' or 'b'): per
     chunk ``i`` this thread copies, its swizzled shared offset ``d{op}{i}`` inside a stage, its
     element offset ``o{op}{i}`` in global memory at the block's first slice (stepped by
@@ -171,17 +185,19 @@ def _fetch_setup(op: str, trans: bool, rows: int, threads: int, bound: str) -> l
                       f"k{op}{i} = kr",
                       f"o{op}{i} = (kbeg * {BK} + kr) * pitch_{op} + (gr if v{op}{i} else 0)"]
         else:  # stored (rows, K): chunk cr of row rr
-            lines += [f"rr = {q} >> 2", f"cr = {q} & 3", f"gr = r0_{op} + rr",
-                      f"d{op}{i} = " + _swizzle_n("rr", "cr"), f"v{op}{i} = gr < {bound}",
+            lines += [f"rr = {q} // {per_row}", f"cr = {q} % {per_row}", f"gr = r0_{op} + rr",
+                      f"d{op}{i} = " + _swizzle_n("rr", "cr", BK), f"v{op}{i} = gr < {bound}",
                       f"k{op}{i} = cr * {CHUNK}",
                       f"o{op}{i} = (gr if v{op}{i} else 0) * pitch_{op} + kbeg * {BK} + cr * {CHUNK}"]
     return lines
 
 
-def _fetch_lines(op: str, trans: bool, rows: int, threads: int, bound: str, async_: bool) -> list[str]:
+def _fetch_lines(op: str, trans: bool, rows: int, threads: int, bound: str, async_: bool, BK: int,
+                 offset: int) -> list[str]:
     """Source lines fetching the next slice of operand ``op`` ('a' or 'b') into stage ``st``
-    (``k0`` = the slice's first k; ``bound`` = the operand's row count R or C)."""
-    smem, base = op.upper() + "s", f"st * {rows * BK}"
+    (``k0`` = the slice's first k; ``bound`` = the operand's row count R or C; the operand's
+    stages start at element ``offset`` of the shared array)."""
+    smem, base = "Sm", f"{offset} + st * {rows * BK}"
     lines = []
     if async_:  # zero-fill (0 source bytes) outside the matrix: the mma loop needs no checks
         for i in range(rows * BK // CHUNK // threads):
@@ -197,19 +213,20 @@ def _fetch_lines(op: str, trans: bool, rows: int, threads: int, bound: str, asyn
     else:
         lines += [f"    rr = e // {BK}", f"    kr = e % {BK}", f"    gr = r0_{op} + rr", f"    gk = k0 + kr",
                   f"    v = {op}[gr, gk] if gr < {bound} and gk < K else 0",
-                  f"    {smem}[{base} + {_swizzle_n('rr', 'kr >> 3')} + (kr & 7)] = v"]
+                  f"    {smem}[{base} + {_swizzle_n('rr', 'kr >> 3', BK)} + (kr & 7)] = v"]
     return lines
 
 
 def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, accumulate: bool,
                    atomic: bool, async_: bool) -> str:
     MT, NT = t.wm // 16, t.wn // 8  # m16 tiles and n8 tiles per warp
+    BK = t.bk
+    BOFF = t.stages * t.bm * BK  # where B's stages start in the shared array
     WN_WARPS = t.bn // t.wn
     T = t.threads
     S = t.stages
     src = ["def kernel(a, b, acc, c, per):",
-           f"    As = cuda.shared.array({S * t.bm * BK}, uint16)",
-           f"    Bs = cuda.shared.array({S * t.bn * BK}, uint16)",
+           f"    Sm = cuda.shared.array({0 if t.dynamic else t.smem_bytes // 2}, uint16)",
            "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5",
            "    g = lane >> 2", "    tq = lane & 3",
            f"    wy = warp // {WN_WARPS}", f"    wx = warp % {WN_WARPS}",
@@ -218,29 +235,31 @@ def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, ac
            f"    r0_a = cuda.blockIdx.y * {t.bm}", f"    r0_b = cuda.blockIdx.x * {t.bn}",
            f"    ksteps = (K + {BK - 1}) // {BK}",
            "    kbeg = cuda.blockIdx.z * per", "    nk = min(ksteps, kbeg + per) - kbeg"]
-    # per-lane ldmatrix offsets inside a stage, for k steps kk = 0, 16 and each A / B-pair tile
-    for kk in (0, 16):
-        for i in range(MT):
-            if a_trans:  # ldmatrix.trans of the (K, rows) tile: k = kk + l%8 + (j//2)*8, m chunk + j%2
-                src.append(f"    oa{kk}_{i} = " + _swizzle_t(f"{kk} + (lane & 7) + ((lane >> 4) << 3)",
-                                                          f"((wy * {t.wm} + {i * 16}) >> 3) + ((lane >> 3) & 1)", t.bm))
-            else:  # rows wy*wm + 16i + l%16, chunk kk/8 + l/16
-                src.append(f"    oa{kk}_{i} = " + _swizzle_n(f"wy * {t.wm} + {i * 16} + (lane & 15)",
-                                                          f"{kk // 8} + (lane >> 4)"))
-        for p in range(NT // 2):
-            if b_trans:  # (K, cols) tile: k = kk + l%8 + ((l//8)%2)*8, n chunk + l//16
-                src.append(f"    ob{kk}_{p} = " + _swizzle_t(f"{kk} + (lane & 7) + (((lane >> 3) & 1) << 3)",
-                                                          f"((wx * {t.wn} + {p * 16}) >> 3) + (lane >> 4)", t.bn))
-            else:  # rows (n) wx*wn + 16p + l%8 + (l//16)*8, chunk kk/8 + (l//8)%2
-                src.append(f"    ob{kk}_{p} = " + _swizzle_n(f"wx * {t.wn} + {p * 16} + (lane & 7) + ((lane >> 4) << 3)",
-                                                          f"{kk // 8} + ((lane >> 3) & 1)"))
+    # per-lane ldmatrix offsets inside a stage at k step 0, per A tile and B tile pair; at k step
+    # kk an "n" tile's offset is that one with chunk bits XORed with kk / 8 (the stage and row
+    # parts of an offset have no bits there), a "t" tile's is kk rows further
+    for i in range(MT):
+        if a_trans:  # ldmatrix.trans of the (K, rows) tile: k = l%8 + (j//2)*8, m chunk + j%2
+            src.append(f"    oa_{i} = " + _swizzle_t("(lane & 7) + ((lane >> 4) << 3)",
+                                                  f"((wy * {t.wm} + {i * 16}) >> 3) + ((lane >> 3) & 1)", t.bm))
+        else:  # rows wy*wm + 16i + l%16, chunk l/16
+            src.append(f"    oa_{i} = " + _swizzle_n(f"wy * {t.wm} + {i * 16} + (lane & 15)", "(lane >> 4)", BK))
+    for p in range(NT // 2):
+        if b_trans:  # (K, cols) tile: k = l%8 + ((l//8)%2)*8, n chunk + l//16
+            src.append(f"    ob_{p} = " + _swizzle_t("(lane & 7) + (((lane >> 3) & 1) << 3)",
+                                                  f"((wx * {t.wn} + {p * 16}) >> 3) + (lane >> 4)", t.bn))
+        else:  # rows (n) wx*wn + 16p + l%8 + (l//16)*8, chunk (l//8)%2
+            src.append(f"    ob_{p} = " + _swizzle_n(f"wx * {t.wn} + {p * 16} + (lane & 7) + ((lane >> 4) << 3)",
+                                                  "((lane >> 3) & 1)", BK))
     for i in range(MT):
         for j in range(NT):
             src.append(f"    " + ", ".join(f"c{i}_{j}_{r}" for r in range(4)) + " = "
                        + ", ".join(["float32(0.0)"] * 4))
     if async_:
-        src += ["    " + line for line in _fetch_setup("a", a_trans, t.bm, T, "M") + _fetch_setup("b", b_trans, t.bn, T, "N")]
-    fetch = (_fetch_lines("a", a_trans, t.bm, T, "M", async_) + _fetch_lines("b", b_trans, t.bn, T, "N", async_))
+        src += ["    " + line for line in _fetch_setup("a", a_trans, t.bm, T, "M", BK)
+                + _fetch_setup("b", b_trans, t.bn, T, "N", BK)]
+    fetch = (_fetch_lines("a", a_trans, t.bm, T, "M", async_, BK, 0)
+             + _fetch_lines("b", b_trans, t.bn, T, "N", async_, BK, BOFF))
 
     def emit_fetch(indent: str):
         return [indent + line for line in fetch]
@@ -263,18 +282,24 @@ def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, ac
             f"        if st == {S}:",
             "            st = 0",
             f"        sa = sr * {t.bm * BK}",
-            f"        sb = sr * {t.bn * BK}",
+            f"        sb = {BOFF} + sr * {t.bn * BK}",
             "        sr += 1",
             f"        if sr == {S}:",
             "            sr = 0"]
     lda = "ldmatrix_x4_trans" if a_trans else "ldmatrix_x4"
     ldb = "ldmatrix_x4_trans" if b_trans else "ldmatrix_x4"
-    for kk in (0, 16):
+    def at(base: str, off: str, trans: bool, width: int, kk: int) -> str:
+        if kk == 0:
+            return f"{base} + {off}"
+        return f"{base} + {off} + {kk * width}" if trans else f"({base} + {off}) ^ {(kk // 8) << 3}"
+
+    for kk in range(0, BK, 16):
         for i in range(MT):
-            src.append(f"        a{i}_0, a{i}_1, a{i}_2, a{i}_3 = {lda}(As, sa + oa{kk}_{i})")
+            src.append(f"        a{i}_0, a{i}_1, a{i}_2, a{i}_3 = {lda}(Sm, {at('sa', f'oa_{i}', a_trans, t.bm, kk)})")
         for p in range(NT // 2):
             # registers: b0, b1 of n tile 2p, then b0, b1 of n tile 2p + 1 (both layouts' lane maps)
-            src.append(f"        b{2 * p}_0, b{2 * p}_1, b{2 * p + 1}_0, b{2 * p + 1}_1 = {ldb}(Bs, sb + ob{kk}_{p})")
+            src.append(f"        b{2 * p}_0, b{2 * p}_1, b{2 * p + 1}_0, b{2 * p + 1}_1 = "
+                       f"{ldb}(Sm, {at('sb', f'ob_{p}', b_trans, t.bn, kk)})")
         for i in range(MT):
             for j in range(NT):
                 cs = ", ".join(f"c{i}_{j}_{r}" for r in range(4))
@@ -336,13 +361,6 @@ def _b16(name: str, a) -> None:
                           f"(shape={tuple(a.shape)})")
 
 
-def sm_count() -> int:
-    """Streaming multiprocessors of the current device (the simulator: the H200's 132)."""
-    if simulating():
-        return SM_COUNT_SIM
-    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-
-
 MIN_SPLIT_SLICES = 8  # each split at least this many BK slices deep
 MAX_SPLITS = 4
 
@@ -363,7 +381,7 @@ def choose(m: int, n: int, k: int, splits: int | None = None, out_bf16: bool = F
         return MmaLaunch(t, splits)
     sms = sms or sm_count()
     blocks = -(-m // t.bm) * -(-n // t.bn)
-    slices = -(-k // BK)
+    slices = -(-k // t.bk)
     s = 1
     if not out_bf16:
         while s < MAX_SPLITS and blocks * s < sms and slices // (2 * s) >= MIN_SPLIT_SLICES:
@@ -387,7 +405,7 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits) -> None:
         return
     launch = choose(m, n, k, splits, out_bf16)
     tiles = tiles or launch.tiles
-    slices = -(-k // BK)
+    slices = -(-k // tiles.bk)
     s = launch.splits
     if not 1 <= s <= slices:
         raise KernelError(f"splits={s} must be between 1 and the {slices} k slices of K={k}")
@@ -399,7 +417,34 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits) -> None:
         (copy_fill(acc, c, stream) if acc is not None else zero_fill(c, stream))
     kernel = make_gemm_bf16(tiles, a_trans, b_trans, out_bf16, acc is not None and s == 1, s > 1, async_)
     grid = (-(-n // tiles.bn), -(-m // tiles.bm), s)
-    kernel[grid, tiles.threads, stream](a, b, c if acc is None else acc, c, per)
+    args = (a, b, c if acc is None else acc, c, per)
+    if tiles.dynamic:
+        _allow_dynamic_smem(kernel, args, tiles.smem_bytes)
+        kernel[grid, tiles.threads, stream, tiles.smem_bytes](*args)
+    else:
+        kernel[grid, tiles.threads, stream](*args)
+
+
+_DYNAMIC_DONE: set = set()
+
+
+def _allow_dynamic_smem(kernel, args, nbytes: int) -> None:
+    """Raise the compiled kernel's dynamic shared-memory limit (48 KiB by default) to ``nbytes``:
+    ``cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)``, once per build and
+    device (numba-cuda has no launch option for it)."""
+    if simulating():
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    argtypes = tuple(kernel.typeof_pyval(x) for x in args)
+    compiled = kernel.compile(argtypes)
+    cufunc = compiled._codelibrary.get_cufunc()
+    key = (id(kernel), argtypes, cufunc.device.id)
+    if key in _DYNAMIC_DONE:
+        return
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
+    _DYNAMIC_DONE.add(key)
 
 
 def _check(op: str, names, arrays, shapes) -> None:

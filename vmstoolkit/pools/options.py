@@ -103,7 +103,8 @@ _CONVERT = {"bool": _bool, "int": _int, "float": _float, "size": _size, "str": s
 def option(default: Any, kind: str, help: str, *, min: float | None = None, max: float | None = None,
            choices: tuple[str, ...] = (), power_of_two: bool = False, optional: bool = False):
     """A documented option field: ``kind`` is bool, int, float, size, str or choice; ``min``/``max``
-    bound numbers and sizes; ``optional``: ``None`` (the allocator's own default) is allowed."""
+    bound numbers and sizes; ``optional``: ``None`` (the allocator's own default) is allowed.
+    Runtime complexity: O(1)."""
     return field(default=default, metadata=dict(kind=kind, help=help, min=min, max=max, choices=choices,
                                                 power_of_two=power_of_two, optional=optional))
 
@@ -162,15 +163,17 @@ class AllocatorOptions:
         """Checks that involve several fields; subclasses add theirs."""
 
     def check_for_driver(self, capacity: int, granularity: int) -> None:
-        """Checks that need the device (capacity and page size); subclasses add theirs."""
+        """Checks that need the device (capacity and page size); subclasses add theirs.
+        Raises :class:`~vmstoolkit.errors.ConfigError` naming the option. Runtime complexity: O(1)."""
 
     @classmethod
     def keys(cls) -> list[str]:
+        """The option names, in field order. Runtime complexity: O(fields)."""
         return [f.name for f in fields(cls)]
 
     @classmethod
     def describe(cls) -> dict[str, str]:
-        """``{key: "kind, default X: help"}`` for help texts."""
+        """``{key: "kind, default X: help"}`` for help texts. Runtime complexity: O(fields)."""
         out = {}
         for f in fields(cls):
             default = f.default if f.default is not MISSING else None
@@ -193,7 +196,7 @@ class StitchOptions(AllocatorOptions):
     stitch_min_bytes: int = option(512 * MiB, "size", "requests smaller than this never trigger a new stitch "
                                    "(unless memory is full)", min=0)
     reuse_max_ratio: float = option(10.0, "float", "a cached stitched block serves a request only if at most "
-                                    "this many times larger", min=1.0, max=MAX_REUSE_RATIO)
+                                    "this many times larger (only with stitched_prefix=false: a prefix of it is taken first)", min=1.0, max=MAX_REUSE_RATIO)
     selection: str = option("largest-first", "choice", "which free blocks to stitch",
                             choices=("largest-first", "best-fit"))
     max_cached_stitched: int = option(1024, "int", "stitched ranges kept for reuse (least recently used idle "
@@ -205,6 +208,7 @@ class StitchOptions(AllocatorOptions):
                              "one-chunk segments, so it may not exceed a chunk (2 MiB)", min=0, max=PAGE)
 
     def check_for_driver(self, capacity: int, granularity: int) -> None:
+        """``small_size`` fits one chunk of the driver (its granularity)."""
         if self.small_size > granularity:
             raise ConfigError(f"small_size must be at most the driver's granularity ({granularity} bytes), "
                               f"got {self.small_size}")
@@ -249,7 +253,7 @@ class VmsOptions(StitchOptions):
 
     stitch_min_bytes: int = option(0, "size", "requests smaller than this never trigger a new stitch", min=0)
     reuse_max_ratio: float = option(1.0, "float", "a cached stitched block serves a request only if at most "
-                                    "this many times larger", min=1.0, max=MAX_REUSE_RATIO)
+                                    "this many times larger (only with stitched_prefix=false: a prefix of it is taken first)", min=1.0, max=MAX_REUSE_RATIO)
     selection: str = option("best-fit", "choice", "which free blocks to stitch",
                             choices=("largest-first", "best-fit"))
     max_cached_stitched: int = option(256, "int", "stitched ranges kept for reuse", min=0, max=1 << 30)
@@ -312,6 +316,9 @@ class PagedOptions(AllocatorOptions):
                              min=PAGED_MIN_BLOCKS, max=PAGED_MAX_BLOCKS)
 
     def check_for_driver(self, capacity: int, granularity: int) -> None:
+        """The page is a power of two of at least 512 B, the ranges hold whole pages, ``large_unit``
+        fits a page, and the heaps' host arrays (:func:`paged_host_bytes`) fit
+        :data:`PAGED_MAX_HOST_BYTES`. Runtime complexity: O(1)."""
         if granularity & (granularity - 1) or granularity < 512:
             raise ConfigError(f"paged: the granularity {granularity} is not a power of two of at least 512 B")
         for key in ("va_bytes", "small_va_bytes"):
@@ -333,7 +340,7 @@ class PagedOptions(AllocatorOptions):
 def paged_host_bytes(va_bytes: int, small_va_bytes: int, page: int, large_unit: int, max_blocks: int) -> int:
     """Host memory of ``paged``'s arrays (``pools/paged/heap.py``, ``allocator.py``), in bytes:
     per chunk 24 (chunk_live, nmaps, chunk_stack, out_pages, out_chunks), per page 8 (page_chunk,
-    page_used), per unit 4 (block_at), per block record 37, for both heaps."""
+    page_used), per unit 4 (block_at), per block record 37, for both heaps. Runtime complexity: O(1)."""
     chunks = va_bytes // page + small_va_bytes // page
     units = va_bytes // large_unit + small_va_bytes // 512
     return 24 * chunks + 8 * chunks + 4 * units + 2 * 37 * max_blocks
@@ -381,7 +388,7 @@ def parse_option_item(item: str) -> tuple[str | None, list[tuple[str, str]]]:
     "2"), ("coalesce", "false")])``; no prefix -> ``None``.
 
     The prefix is what stands before the last ``:`` of the first key (values may hold ``:``,
-    as PyTorch's ``config=max_split_size_mb:128`` does)."""
+    as PyTorch's ``config=max_split_size_mb:128`` does). Runtime complexity: O(length of ``item``)."""
     head, eq, rest = item.partition("=")
     alloc, colon, key = head.rpartition(":")
     if not eq or not key.strip() or (colon and not alloc.strip()):
@@ -391,7 +398,7 @@ def parse_option_item(item: str) -> tuple[str | None, list[tuple[str, str]]]:
 
 def split_option_item(item: str) -> tuple[str | None, str, str]:
     """``"vms:reuse_max_ratio=2"`` -> ``("vms", "reuse_max_ratio", "2")``: an item of one pair
-    (:func:`parse_option_item` takes several)."""
+    (:func:`parse_option_item` takes several). Runtime complexity: O(length of ``item``)."""
     alloc, pairs = parse_option_item(item)
     if len(pairs) != 1:
         raise ConfigError(f"expected one KEY=VALUE, got {len(pairs)} in {item!r}")
@@ -400,7 +407,8 @@ def split_option_item(item: str) -> tuple[str | None, str, str]:
 
 def format_options(options: Mapping[str, Any], sep: str = " ") -> str:
     """``{"reuse_max_ratio": 2.0, "coalesce": False}`` -> ``"reuse_max_ratio=2.0 coalesce=false"``
-    (re-usable as ``-o`` items; ``sep=","``: as one item; empty for an allocator's defaults)."""
+    (re-usable as ``-o`` items; ``sep=","``: as one item; empty for an allocator's defaults).
+    Runtime complexity: O(options)."""
     def show(v: Any) -> str:
         return str(v).lower() if isinstance(v, bool) else str(v)
 

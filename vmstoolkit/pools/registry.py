@@ -80,14 +80,15 @@ def options_class(name: str) -> type[AllocatorOptions]:
 
 def compiled_hook(name: str) -> str | None:
     """``"module:Class"`` of the compiled PyTorch hook that serves allocator ``name``, or None
-    (served through Python callbacks); see :attr:`~vmstoolkit.pools.base.Allocator.compiled_hook`."""
+    (served through Python callbacks); see :attr:`~vmstoolkit.pools.base.Allocator.compiled_hook`.
+    Runtime complexity: O(1)."""
     return getattr(registration(name).factory, "compiled_hook", None)
 
 
 def recorded_settings_option(name: str) -> str | None:
     """The option of allocator ``name`` that takes the allocator settings a snapshot recorded
     (:mod:`vmstoolkit.trace.settings`), or None when it takes none; see
-    :attr:`~vmstoolkit.pools.base.Allocator.recorded_settings_option`."""
+    :attr:`~vmstoolkit.pools.base.Allocator.recorded_settings_option`. Runtime complexity: O(1)."""
     return getattr(registration(name).factory, "recorded_settings_option", None)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "data" / "checkpoints"
 NAMES = ("llama-tied", "llama-sharded", "mistral", "qwen2")
-TRAIN_NAMES = ("llama-tied", "llama-sharded", "mistral")
+TRAIN_NAMES = ("llama-tied", "llama-sharded", "mistral", "qwen2")  # qwen2: LoRA only
 
 
 def folder(name: str) -> Path:

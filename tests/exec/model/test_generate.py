@@ -97,6 +97,9 @@ def test_cuda_backend_on_the_simulator_equals_the_sim_backend(sim_gpu, monkeypat
         def elapsed_time(self, other):
             return 0.0
 
+        def wait(self, stream):  # a stream waiting on it: every vertex is done at once here
+            pass
+
     monkeypatch.setattr(cuda, "event", lambda timing=True: Event())
     monkeypatch.setattr("vmstoolkit.exec.model.generate.require_gpus", lambda n: None)
     one = tmp_path / "qwen2-1"

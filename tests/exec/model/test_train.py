@@ -29,8 +29,10 @@ def grads(name, variant, fraction):
     return grads_from_updates(tg, values, be.result()), fx, mg
 
 
-@pytest.mark.parametrize("name", TRAIN_NAMES)
-@pytest.mark.parametrize("variant", ["lora", "full"])
+CASES = [(n, v) for n in TRAIN_NAMES for v in ("lora", "full") if not (n == "qwen2" and v == "full")]
+
+
+@pytest.mark.parametrize("name,variant", CASES)
 def test_gradients_equal_torch_autograd(name, variant):
     got, fx, mg = grads(name, variant, 0.4)
     assert mg.offloaded_bytes > 0 and mg.reloaded_bytes > 0
@@ -51,11 +53,16 @@ def test_run_train_rows_check_gradients_against_the_reference():
         assert r["step_s"] >= r["lower_bound_s"] * 0.999 and len(r["steps_s"]) == 2
         assert r["host_plan_bytes"] > 0 and r["peak_bytes"] <= r["budget"]
     assert rows[2]["reloaded_bytes"] > rows[0]["reloaded_bytes"]
+    (q,) = run_train(folder("qwen2"), variant="lora", budgets=("0.3",), seq=16, steps=1, rank=2)
+    assert q["max_abs_grad_err"] < 1e-3 and q["reloaded_bytes"] > 0  # the numpy reference adds the biases too
 
 
-def test_qwen2_training_is_refused_in_one_line():
-    with pytest.raises(CheckpointError, match="training a qwen2 checkpoint is not supported: its q/k/v biases"):
-        next(run_train(folder("qwen2"), seq=8, steps=1))
+def test_qwen2_lora_keeps_its_biases_and_full_fine_tuning_is_refused():
+    ck = load_model(folder("qwen2"))
+    tg = build_train_step(train_config(ck, 4), "lora", rank=2)
+    assert sum(v.op == "bias_add" for v in tg.graph.vertices) == 3 * ck.config.n_blocks
+    with pytest.raises(CheckpointError, match="full fine-tuning of a qwen2 checkpoint is not supported"):
+        next(run_train(folder("qwen2"), variant="full", seq=8, steps=1))
 
 
 def test_training_on_two_gpus_is_refused():

@@ -37,6 +37,7 @@ import numpy as np
 
 from vmstoolkit.exec.errors import ExecutionError, InvalidOptionError
 from vmstoolkit.exec.backends.base import select_outputs
+from vmstoolkit.exec.bounds import precedence_bound
 from vmstoolkit.exec.ops import run_op
 
 
@@ -93,8 +94,11 @@ class CostModel:
         return self.kernel_s + max(v.flops / self.flops_per_s, moved / self.mem_bytes_per_s)
 
     def lower_bound(self, mg) -> dict:
-        """max(compute time, H2D bytes / bandwidth, D2H bytes / bandwidth), the worst GPU (and,
-        with a shared host link, every GPU's bytes over the link's rate)."""
+        """The larger of two bounds on the makespan (:mod:`vmstoolkit.exec.bounds`), jitter-free:
+        ``resource_s``, max(compute time, H2D bytes / bandwidth, D2H bytes / bandwidth) of the
+        worst GPU (with a shared host link, also every GPU's bytes over the link's rate), and
+        ``precedence_s``, the work a vertex's ancestors do on one stream, itself and its
+        descendants' work on another (None above ``bounds.MAX_VERTICES`` vertices)."""
         comp = [0.0] * mg.n_gpus
         h2d = [0] * mg.n_gpus
         d2h = [0] * mg.n_gpus
@@ -114,7 +118,11 @@ class CostModel:
         if self.host_link_bytes_per_s is not None:
             h2d_s = max(h2d_s, sum(h2d) / self.host_link_bytes_per_s)
             d2h_s = max(d2h_s, sum(d2h) / self.host_link_bytes_per_s)
-        return {"compute_s": compute, "h2d_s": h2d_s, "d2h_s": d2h_s, "lower_bound_s": max(compute, h2d_s, d2h_s)}
+        resource = max(compute, h2d_s, d2h_s)
+        prec = precedence_bound(mg, [self.duration(mg, v) for v in mg.vertices])
+        prec_s = None if prec is None else prec[0]
+        return {"compute_s": compute, "h2d_s": h2d_s, "d2h_s": d2h_s, "resource_s": resource, "precedence_s": prec_s,
+                "lower_bound_s": max(resource, prec_s or 0.0)}
 
 
 def _is_pipeline(mg) -> bool:

@@ -3,8 +3,9 @@ whole run (:mod:`.graph`), run on the sim or the cuda backend.
 
 :func:`run_generate` yields one row per budget: the prompt and generated ids, the timings split
 at the prefill's last vertex (``prefill_s``: the prompt through the model up to the first new
-token; ``decode_s``: the rest), tokens per second of each, bytes moved each way, the plan's
-peak GPU bytes and host bytes (:mod:`.host_plan`), compile seconds.
+token, from the backend's spans; ``decode_s``: the rest of the makespan; both ``None`` on cuda
+with several GPUs, whose spans have a clock per GPU), tokens per second of each, bytes moved each way, the plan's
+peak GPU bytes and host bytes (:mod:`vmstoolkit.exec.host_plan`), compile seconds.
 
 Numerics. On cuda the kernels compute every token. On the sim backend the numpy kernels run when
 the generation is small (at most :data:`SIM_NUMERICS_FLOPS`, or when asked); otherwise it
@@ -25,7 +26,7 @@ from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.experiment import BudgetSpec, require_gpus
 from vmstoolkit.exec.model.checkpoint import Checkpoint, load_model
 from vmstoolkit.exec.model.graph import build_generate
-from vmstoolkit.exec.model.host_plan import check_host_budget, default_host_budget, host_plan
+from vmstoolkit.exec.host_plan import check_host_budget, default_host_budget, host_plan
 from vmstoolkit.exec.model.progress import Stages
 
 SIM_NUMERICS_FLOPS = 5e10  # a few seconds of numpy
@@ -132,7 +133,8 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
                     raise
                 planned.append(({**row, "error": str(e)}, None))
                 continue
-        plan = host_plan(mg, mapped=mapped, pinned_copies=backend == "cuda", sim_numerics=backend == "sim" and numerics)
+        plan = host_plan(mg, mapped=mapped, pinned_copies=backend == "cuda", sim_numerics=backend == "sim" and numerics,
+                         materialized=numerics)
         check_host_budget(plan, hb)
         row.update(plan.as_row(), host_budget=hb, compile_s=stages.times[f"planning at {spec.text}"],
                    vertices=len(mg.vertices), peak_bytes=max(mg.peak_bytes), offloaded_bytes=mg.offloaded_bytes,
@@ -154,10 +156,10 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
             res = _run_once(mg, backend, values, executor, seed, jitter, pool, first=gg.first_token_vertex,
                             outputs=[gg.logits, *gg.tokens] if numerics else None)
         makespan, prefill_s, lb, out = res
-        decode_s = makespan - prefill_s
+        decode_s = None if prefill_s is None else makespan - prefill_s
         row.update(makespan_s=makespan, prefill_s=prefill_s, decode_s=decode_s, lower_bound_s=lb,
-                   prefill_tokens_per_s=len(ids) / prefill_s if prefill_s > 0 else None,
-                   decode_tokens_per_s=(new_tokens - 1) / decode_s if new_tokens > 1 and decode_s > 0 else None)
+                   prefill_tokens_per_s=len(ids) / prefill_s if prefill_s else None,
+                   decode_tokens_per_s=(new_tokens - 1) / decode_s if new_tokens > 1 and decode_s else None)
         if out is not None:
             row["tokens"] = [int(out[t][0]) for t in gg.tokens]
             if logits == "all":
@@ -183,7 +185,9 @@ def _run_once(mg, backend, values, executor, seed, jitter, pool, first=-1, outpu
     try:
         res = execute(mg, be, executor)
         out = be.result(outputs) if outputs is not None else None
-        prefill = _prefill_end(mg, be, first) if first >= 0 else float("nan")
+        # the CUDA backend's spans count from each GPU's own first vertex: one GPU's are the run's clock
+        one_clock = backend == "sim" or mg.n_gpus == 1
+        prefill = _prefill_end(mg, be, first) if first >= 0 and one_clock else None
     finally:
         be.close()
     return res.makespan_s, prefill, lb, out

@@ -8,8 +8,9 @@ where ``x`` is the checkpoint's embedding of the token ids and ``dout`` the grad
 loss would hand to the last block (random with the seed, or given). The embedding, the final
 norm and the LM head are not trained (their gradients are not in the graph), and every step of a
 run times the same step from the checkpoint's weights (updates are new tensors; the runtime never
-writes a value). Qwen2's q/k/v biases are not in the training graph: training a Qwen2 checkpoint
-is refused in one line.
+writes a value). Qwen2's q/k/v biases are in the LoRA graph, frozen (``bias_add`` after the
+projection: the gradient passes through unchanged); full fine-tuning would have to train them and
+is refused for Qwen2 in one line.
 
 Gradients: on the sim backend (small models) every run is compared with the float64 numpy
 reference (``max_abs_grad_err``); the tests compare them with torch.autograd on the tiny
@@ -29,7 +30,7 @@ from vmstoolkit.exec.errors import BudgetTooSmallError, CheckpointError, Invalid
 from vmstoolkit.exec.experiment import require_gpus
 from vmstoolkit.exec.graph import LlamaConfig, TensorKind
 from vmstoolkit.exec.model.checkpoint import Checkpoint, load_model
-from vmstoolkit.exec.model.host_plan import check_host_budget, default_host_budget, host_plan
+from vmstoolkit.exec.host_plan import TRAIN_LABELS, check_host_budget, default_host_budget, host_plan
 from vmstoolkit.exec.model.progress import Stages
 from vmstoolkit.exec.plan_cache import Plan
 from vmstoolkit.exec.train_experiment import SIM_CHECK_FLOPS, parse_budget
@@ -38,17 +39,12 @@ from vmstoolkit.exec.train_graph import VARIANTS, AdamWConfig, TrainGraph, build
 HF_PROJ = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
            "wg": "mlp.gate_proj", "wu": "mlp.up_proj", "wd": "mlp.down_proj"}
 HF_NORM = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-TRAIN_LABELS = {"weights": "weights", "state": "optimizer state and inputs", "outputs": "updated weights and moments",
-                "offload": "offloaded activations and gradients"}
 
 
 def train_config(ckpt: Checkpoint, seq: int) -> LlamaConfig:
     """The training graph's shape for ``seq`` positions of ``ckpt``'s blocks."""
     c = ckpt.config
-    if c.qkv_bias:
-        raise CheckpointError(f"{ckpt.folder.name}: training a {c.model_type} checkpoint is not supported: its q/k/v "
-                              f"biases are not in the training graph (generation runs it)")
-    return LlamaConfig(n_blocks=c.n_blocks, seq=seq, hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, ffn=c.ffn,
+    return LlamaConfig(qkv_bias=c.qkv_bias, n_blocks=c.n_blocks, seq=seq, hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, ffn=c.ffn,
                        eps=c.eps, rope_theta=c.rope_theta,
                        head_size=c.head_dim if c.head_dim * c.heads != c.hidden else None)
 
@@ -64,6 +60,8 @@ def hf_name(name: str) -> str | None:
         return f"model.layers.{blk[1:]}.{HF_PROJ[rest]}.weight"
     if rest in HF_NORM:
         return f"model.layers.{blk[1:]}.{HF_NORM[rest]}.weight"
+    if rest.endswith(".bias") and rest[:-5] in HF_PROJ:
+        return f"model.layers.{blk[1:]}.{HF_PROJ[rest[:-5]]}.bias"
     return None
 
 
@@ -117,9 +115,10 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
               check_grads: bool | None = None, seed: int = 0, jitter: float = 0.0, adamw: AdamWConfig | None = None,
               token_ids=None, stages: Stages | None = None) -> Iterator[dict]:
     """Rows of ``experiment train-offload``'s keys (``budget``, ``executor``, ``variant``,
-    ``step_s`` (mean over the steps after the first), ``lower_bound_s``, ``offloaded_bytes``,
+    ``step_s`` (mean over the steps after the first; on cuda one untimed step before them all
+    compiles the kernels), ``lower_bound_s``, ``offloaded_bytes``,
     ``reloaded_bytes``, ``recomputed_flops``, ``plan_s``, ``max_abs_grad_err``), with the model,
-    the host plan (:mod:`.host_plan`) and ``steps_s`` (every step), one per (budget, executor).
+    the host plan (:mod:`vmstoolkit.exec.host_plan`) and ``steps_s`` (every step), one per (budget, executor).
 
     ``budgets``: sizes or fractions in (0, 1] of the step's working set. ``host_budget``: bytes,
     None (no check) or -1 (the default: available memory less a margin); a plan above it is
@@ -129,6 +128,7 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
     stages = stages or Stages()
     if variant not in VARIANTS:
         raise InvalidOptionError(f"unknown variant {variant!r} (choose one of {', '.join(VARIANTS)})")
+
     backend = backend_kind(backend).value
     if n_gpus != 1:
         raise InvalidOptionError(f"--gpus {n_gpus}: the training graph runs on one GPU (pipeline stages are "
@@ -137,6 +137,10 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
         require_gpus(n_gpus)
     with stages.stage("loading the checkpoint"):
         ckpt = model if isinstance(model, Checkpoint) else load_model(model)
+        if ckpt.config.qkv_bias and variant == "full":
+            raise CheckpointError(f"{ckpt.folder.name}: full fine-tuning of a {ckpt.config.model_type} checkpoint is "
+                                  f"not supported: the graph does not train its q/k/v biases (--variant lora keeps "
+                                  f"them frozen)")
         cfg = train_config(ckpt, seq)
     with stages.stage("building the training graph"):
         tg = build_train_step(cfg, variant, rank=rank, adamw=adamw)
@@ -159,6 +163,7 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
               and ckpt.is_mapped(hf_name(t.name))}
     runner = _Sim(seed, jitter, check_grads) if backend == "sim" else _Cuda(check_grads)
     values = None
+    warm = False
     try:
         planned = []  # every budget planned and its host memory checked before anything is allocated
         for spec, budget in resolved:
@@ -172,7 +177,7 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
             plan = Plan(seq, tg, mg, time.perf_counter() - t0)
             hp = host_plan(mg, mapped=mapped, pinned_copies=backend == "cuda",
                            sim_numerics=backend == "sim" and check_grads,
-                           reference=backend == "cuda" and check_grads)
+                           reference=backend == "cuda" and check_grads, materialized=runner.needs_values)
             check_host_budget(hp, hb, labels=TRAIN_LABELS)
             planned.append((spec, budget, plan, hp, None))
         for spec, budget, plan, hp, error in planned:
@@ -184,6 +189,10 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
             if values is None and runner.needs_values:
                 with stages.stage("reading the weights"):
                     values = train_values(ckpt, tg, ids, seed=seed, copy=backend == "cuda")
+            if backend == "cuda" and not warm:
+                with stages.stage("JIT compiling the kernels (an untimed step)"):
+                    runner.run(plan, executors[0], values, 0)
+                warm = True
             for ex in executors:
                 spans, errs, lbs = [], [], []
                 with stages.stage(f"{steps} step(s) at {spec}, {ex}"):

@@ -60,6 +60,7 @@ kRoundLarge = 2 << 20  # larger requests get a segment rounded up to 2 MiB
 
 def roundup_power2_next_division(size: int, divisions: int) -> int:
     """``size`` rounded up to the next of ``divisions`` equal steps between two powers of two.
+    Runtime complexity: O(1).
 
     >>> roundup_power2_next_division(1200, 4)   # steps 1024, 1280, 1536, 1792
     1280
@@ -75,7 +76,7 @@ def roundup_power2_next_division(size: int, divisions: int) -> int:
 
 
 def round_size(size: int, config: PyTorchAllocConfig | None = None) -> int:
-    """The block size PyTorch gives a request of ``size`` bytes.
+    """The block size PyTorch gives a request of ``size`` bytes. Runtime complexity: O(1).
 
     >>> round_size(1), round_size(513), round_size(1 << 20)
     (512, 1024, 1048576)
@@ -91,6 +92,7 @@ def round_size(size: int, config: PyTorchAllocConfig | None = None) -> int:
 
 def allocation_size(size: int) -> int:
     """The segment ``cudaMalloc``-ed for a rounded request no cached block can serve.
+    Runtime complexity: O(1).
 
     >>> [allocation_size(s) >> 20 for s in (4096, 3 << 20, 10 << 20, (21 << 20) + 1)]
     [2, 20, 10, 22]
@@ -124,9 +126,11 @@ class Block:
         self.gc_base = 0
 
     def is_split(self) -> bool:
+        """The block is part of a segment split in several blocks. Runtime complexity: O(1)."""
         return self.prev is not None or self.next is not None
 
     def key(self) -> tuple[int, int, int]:
+        """``(stream, size, ptr)``: the block's place in its pool's order. Runtime complexity: O(1)."""
         return (self.stream, self.size, self.ptr)
 
     def __repr__(self) -> str:
@@ -152,19 +156,23 @@ class BlockPool:
         self.unmapped_by_ptr: dict[int, Block] = {}
 
     def insert(self, b: Block) -> None:
+        """Cache the free block ``b``. Runtime complexity: O(log n)."""
         b.gc_base = self.lookups
         self.blocks.add((b.stream, b.size, b.ptr))
         self.by_ptr[b.ptr] = b
 
     def remove(self, b: Block) -> None:
+        """Take the cached block ``b`` out. Runtime complexity: O(log n)."""
         self.blocks.remove((b.stream, b.size, b.ptr))
         del self.by_ptr[b.ptr]
 
     def insert_unmapped(self, b: Block) -> None:
+        """Keep the unmapped block ``b`` (an expandable segment's hole). Runtime complexity: O(log n)."""
         self.unmapped.add((b.stream, b.ptr))
         self.unmapped_by_ptr[b.ptr] = b
 
     def remove_unmapped(self, b: Block) -> None:
+        """Take the unmapped block ``b`` out. Runtime complexity: O(log n)."""
         self.unmapped.remove((b.stream, b.ptr))
         del self.unmapped_by_ptr[b.ptr]
 
@@ -177,7 +185,13 @@ class PyTorchCachingAllocator(Allocator):
     """See the module docstring. ``options``: the checked
     :class:`~vmstoolkit.pools.options.PyTorchCachingOptions` (as
     :func:`~vmstoolkit.pools.make_allocator` passes them), or its ``config`` alone, a
-    ``PYTORCH_CUDA_ALLOC_CONF``-style string (checked by the options class)."""
+    ``PYTORCH_CUDA_ALLOC_CONF``-style string (checked by the options class).
+
+    Runtime complexity, for ``n`` cached blocks of the request's pool (small or large): an
+    allocation is O(log n) (best fit in a sorted list, a split) plus one ``cudaMalloc`` when no
+    block fits; garbage collection (``garbage_collection_threshold``) and the retry after a
+    failed ``cudaMalloc`` walk the cached blocks, O(n) and their frees. A free is O(log n)
+    (merging with free neighbours of its segment)."""
 
     streams_apart = True  # a pool per stream, as in PyTorch
     recorded_settings_option = "config"  # a snapshot's recorded allocator settings apply (trace/settings.py)
@@ -212,6 +226,7 @@ class PyTorchCachingAllocator(Allocator):
         """The parsed ``config`` (checked already by the options class)."""
         return as_config(config)
     def round_size(self, size: int) -> int:
+        """:func:`round_size` under this allocator's settings. Runtime complexity: O(1)."""
         if self._plain_rounding:  # the common case, inlined: 2x faster replays than calling round_size()
             return -(-size // kMinBlockSize) * kMinBlockSize if size >= kMinBlockSize else kMinBlockSize
         return round_size(size, self.config)
@@ -418,6 +433,8 @@ class PyTorchCachingAllocator(Allocator):
         return heads
 
     def _check(self) -> None:
+        """Assert the live blocks, both pools and every segment's chain of blocks. Runtime
+        complexity: O(blocks)."""
         super()._check()
         core = self._held_by_core()
         assert set(self.active) == set(core), f"{self.name}: allocated blocks differ from live allocations"

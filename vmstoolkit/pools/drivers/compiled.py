@@ -30,8 +30,8 @@ move of the mappings after the one inserted or removed (a memmove of at most a f
 from __future__ import annotations
 
 import numpy as np
-from vmstoolkit._jit import njit
 
+from vmstoolkit._jit import njit
 from vmstoolkit.errors import DriverError, DriverOutOfMemoryError
 from vmstoolkit.pools.drivers.base import Handle
 from vmstoolkit.pools.drivers.sim import GRANULARITY, VA_BASE, SimulatedDriver
@@ -182,8 +182,9 @@ def _map(S, H, R, M, va, size, h, offset):
     if nm >= M.shape[0]:
         return GROW
     i = _bisect_right(M, nm, va)
-    if i < nm:
-        M[i + 1:nm + 1] = M[i:nm].copy()
+    for j in range(nm, i, -1):  # make room at i, from the end (in place, no temporary)
+        for c in range(5):
+            M[j, c] = M[j - 1, c]
     M[i, M_START] = va
     M[i, M_SIZE] = size
     M[i, M_HANDLE] = h
@@ -216,7 +217,9 @@ def _unmap(S, H, M, va, size):
             H[h, H_STATE] = 0
             S[S_LIVE_HB] -= H[h, H_SIZE]
     k = last - first
-    M[first:nm - k] = M[last:nm].copy()
+    for j in range(first, nm - k):  # close the gap, from the front (in place)
+        for c in range(5):
+            M[j, c] = M[j + k, c]
     S[S_NM] = nm - k
     return OK
 
@@ -283,6 +286,23 @@ def _grown(t: np.ndarray) -> np.ndarray:
 
 
 _INVALID = "CUDA_ERROR_INVALID_VALUE"
+_ERRORS = {
+    E_OOM: ("CUDA_ERROR_OUT_OF_MEMORY", "{call} of {size} bytes with {e0} of {cap} in use"),
+    E_HANDLE: (_INVALID, "{call} of unknown or released handle {handle}"),
+    E_RES_MATCH: (_INVALID, "cuMemAddressFree({va:#x}, {size}) does not match a reservation"),
+    E_RES_MAPPED: (_INVALID, "cuMemAddressFree({va:#x}, {size}) of a range that is still mapped"),
+    E_ALIGN: (_INVALID, "cuMemMap({va:#x}, {size}, offset={offset}) is not aligned to {g}"),
+    E_OFFSET: (_INVALID, "cuMemMap of {size} bytes at offset {offset} of a {e0}-byte handle"),
+    E_RANGE: (_INVALID, "range [{va:#x}, +{size}) is not inside one reserved range"),
+    E_OVERLAP: (_INVALID, "cuMemMap({va:#x}, {size}) overlaps an existing mapping"),
+    E_UNMAP_WHOLE: (_INVALID, "cuMemUnmap({va:#x}, {size}) does not cover whole mappings exactly"),
+    E_UNMAP_HOLE: (_INVALID, "cuMemUnmap({va:#x}, {size}) spans a hole at {e0:#x}"),
+    E_HOLE: (_INVALID, "range [{va:#x}, +{size}) is not fully mapped (hole at {e0:#x})"),
+    E_ACCESS: ("CUDA_ERROR_ILLEGAL_ADDRESS", "memset of [{va:#x}, +{size}) touches a mapping without access rights"),
+    E_PTR: (_INVALID, "cuMemFree of unknown pointer {va:#x}"),
+}
+"""Result code -> (CUresult, message template): the reference driver's messages, filled in by
+``_raise`` (``e0``: the value the compiled operation left in ``_S[S_E0]``)."""
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -302,39 +322,14 @@ class CompiledSimulatedDriver(SimulatedDriver):
         self._A = np.zeros((256, 2), dtype=np.int64)
 
     def _raise(self, code: int, op: str, va: int = 0, size: int = 0, handle: int = 0, offset: int = 0) -> None:
-        """The reference driver's error for ``code`` (its message, word for word)."""
-        S, g = self._S, self._granularity
-        if code == E_OOM:
-            call = "cuMemCreate" if op == "create" else "cuMemAlloc"
-            raise DriverOutOfMemoryError("CUDA_ERROR_OUT_OF_MEMORY",
-                                         f"{call} of {size} bytes with {int(S[S_E0])} of {self._capacity} in use")
-        if code == E_HANDLE:
-            call = "cuMemRelease" if op == "release" else "cuMemMap"
-            raise DriverError(_INVALID, f"{call} of unknown or released handle {handle}")
-        if code == E_RES_MATCH:
-            raise DriverError(_INVALID, f"cuMemAddressFree({va:#x}, {size}) does not match a reservation")
-        if code == E_RES_MAPPED:
-            raise DriverError(_INVALID, f"cuMemAddressFree({va:#x}, {size}) of a range that is still mapped")
-        if code == E_ALIGN:
-            raise DriverError(_INVALID, f"cuMemMap({va:#x}, {size}, offset={offset}) is not aligned to {g}")
-        if code == E_OFFSET:
-            raise DriverError(_INVALID, f"cuMemMap of {size} bytes at offset {offset} of a {int(S[S_E0])}-byte handle")
-        if code == E_RANGE:
-            raise DriverError(_INVALID, f"range [{va:#x}, +{size}) is not inside one reserved range")
-        if code == E_OVERLAP:
-            raise DriverError(_INVALID, f"cuMemMap({va:#x}, {size}) overlaps an existing mapping")
-        if code == E_UNMAP_WHOLE:
-            raise DriverError(_INVALID, f"cuMemUnmap({va:#x}, {size}) does not cover whole mappings exactly")
-        if code == E_UNMAP_HOLE:
-            raise DriverError(_INVALID, f"cuMemUnmap({va:#x}, {size}) spans a hole at {int(S[S_E0]):#x}")
-        if code == E_HOLE:
-            raise DriverError(_INVALID, f"range [{va:#x}, +{size}) is not fully mapped (hole at {int(S[S_E0]):#x})")
-        if code == E_ACCESS:
-            raise DriverError("CUDA_ERROR_ILLEGAL_ADDRESS",
-                              f"memset of [{va:#x}, +{size}) touches a mapping without access rights")
-        if code == E_PTR:
-            raise DriverError(_INVALID, f"cuMemFree of unknown pointer {va:#x}")
-        raise AssertionError(f"compiled driver: unknown result {code}")  # pragma: no cover
+        """The reference driver's error for ``code`` (its message, word for word: :data:`_ERRORS`)."""
+        if code not in _ERRORS:  # pragma: no cover - a compiled result without a message
+            raise AssertionError(f"compiled driver: unknown result {code}")
+        result, template = _ERRORS[code]
+        cls = DriverOutOfMemoryError if result == "CUDA_ERROR_OUT_OF_MEMORY" else DriverError
+        call = {"create": "cuMemCreate", "mem_alloc": "cuMemAlloc", "release": "cuMemRelease"}.get(op, "cuMemMap")
+        raise cls(result, template.format(va=va, size=size, handle=handle, offset=offset, g=self._granularity,
+                                          cap=self._capacity, e0=int(self._S[S_E0]), call=call))
 
     # -- physical memory -------------------------------------------------------------------
     def _in_use(self) -> int:

@@ -44,11 +44,13 @@ class VMMAllocator(Allocator):
     """Primitive pool + stitched pool + small pool, driven by a checked
     :class:`~vmstoolkit.pools.options.StitchOptions` (``gmlake``'s or ``vms``'s).
 
-    Runtime complexity, with ``n`` the chunks a request needs and ``B`` the free primitive blocks:
-    a small request O(log s) in the small pool's ``s`` free blocks; a large one O(log B) when a
-    free block or a cached stitched range fits, O(n log B) when it stitches (each part taken from
-    the sorted free lists), plus the driver calls of what it creates or maps. A free is O(log B)
-    (merging neighbours with ``coalesce``)."""
+    Runtime complexity, with ``n`` the chunks a request needs, ``B`` the free primitive blocks
+    and ``S`` the cached stitched ranges: a small request O(log s) in the small pool's ``s`` free
+    blocks; a large one O(log B + log S) when a free block or a cached range fits (the range
+    search skips at most ``StitchedPool.SCAN_LIMIT`` busy ones), O(n log B) when it stitches
+    (each part taken from the sorted free list), plus the driver calls of what it creates or
+    maps (one per chunk). A free is O(parts x log B), merging neighbours with ``coalesce``.
+    Past ``max_cached_stitched`` ranges a new stitch also evicts the least recently used, O(S log S)."""
 
     def __init__(self, driver: VMMDriver, policy: StitchOptions, name: str) -> None:
         super().__init__(driver)
@@ -190,7 +192,8 @@ class VMMAllocator(Allocator):
             self.primitives.give_back(b)
 
     def block_at(self, addr: int) -> BlockInfo:
-        """What backs the live allocation at ``addr`` (see :class:`~vmstoolkit.pools.vmm.blocks.BlockInfo`)."""
+        """What backs the live allocation at ``addr`` (see :class:`~vmstoolkit.pools.vmm.blocks.BlockInfo`).
+        Runtime complexity: O(chunks of the block)."""
         self.size_of(addr)  # raises InvalidFreeError naming the address if nothing lives there
         if self.small.owns(addr):
             b = self.small.used[addr]
@@ -213,6 +216,9 @@ class VMMAllocator(Allocator):
 
     # -- invariants -----------------------------------------------------------------------
     def _check(self) -> None:
+        """Assert the three pools' invariants and that, together with the graveyard, they hold
+        exactly the driver's physical bytes, handles, mappings and reservations (no leak, no
+        dead handle). Runtime complexity: O(blocks + chunks + stitched parts)."""
         super()._check()
         owned = self.primitives._check()
         self.stitched._check(self.primitives.blocks)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from vmstoolkit.exec.errors import HostBudgetError
 from vmstoolkit.exec.graph import TensorKind
 
+TRAIN_LABELS = {"weights": "weights", "state": "optimizer state and inputs", "outputs": "updated weights and moments",
+                "offload": "offloaded activations and gradients"}  # what the parts hold in a training step
 MARGIN_FRACTION = 0.10  # of available memory kept free for the interpreter, numba and the OS
 MARGIN_MIN = 2 << 30
 
@@ -55,10 +57,13 @@ class HostPlan:
 
 
 def host_plan(mg, *, mapped: set[int] = frozenset(), pinned_copies: bool = False, sim_numerics: bool = False,
-              reference: bool = False) -> HostPlan:
+              reference: bool = False, materialized: bool = True) -> HostPlan:
     """The host bytes of running memory graph ``mg`` (module docstring). ``mapped``: weight
     tensors whose values are views of a memory-mapped file; ``pinned_copies``: the backend pins a
-    copy of each (cuda), so mapped weights cost RAM too."""
+    copy of each (cuda), so mapped weights cost RAM too. ``materialized=False``: the run holds no
+    values at all (the sim backend timing a plan without numerics): nothing."""
+    if not materialized:
+        return HostPlan()
     g = mg.graph
     weights = state = 0
     for t in g.tensors:

@@ -9,7 +9,7 @@ from vmstoolkit.exec.errors import HostBudgetError
 from vmstoolkit.exec.model import load_model
 from vmstoolkit.exec.model.generate import run_generate
 from vmstoolkit.exec.model.graph import build_generate
-from vmstoolkit.exec.model.host_plan import check_host_budget, default_host_budget, host_plan
+from vmstoolkit.exec.host_plan import check_host_budget, default_host_budget, host_plan
 from vmstoolkit.exec.model.train import run_train, train_config
 from vmstoolkit.exec.train_graph import build_train_step
 
@@ -39,7 +39,7 @@ def test_full_fine_tuning_counts_moments_and_updates():
 
 
 def test_refusal_is_one_line_naming_the_figures():
-    from vmstoolkit.exec.model.host_plan import HostPlan
+    from vmstoolkit.exec.host_plan import HostPlan
 
     with pytest.raises(HostBudgetError) as e:
         check_host_budget(HostPlan(weights=26 << 30, state=52 << 30), 58 << 30)
@@ -62,3 +62,28 @@ def test_runs_are_refused_before_anything_is_read(monkeypatch):
         list(run_generate(folder("qwen2"), prompt_len=4, new_tokens=2, budgets=("1.0", "0.5"), host_budget=1000))
     with pytest.raises(HostBudgetError, match="optimizer state and inputs"):
         list(run_train(folder("mistral"), variant="full", seq=8, steps=1, host_budget=1000))
+
+
+def test_train_offload_refuses_a_plan_above_the_host_budget():
+    """Issue 32: the 13B-width full fine-tune was killed by the kernel; the plan now says first."""
+    from vmstoolkit.exec.graph import LlamaConfig
+    from vmstoolkit.exec.train_experiment import run_train_experiment
+
+    tiny = LlamaConfig(n_blocks=2, hidden=32, heads=4, kv_heads=2, ffn=48)
+    with pytest.raises(HostBudgetError, match=r"updated weights and moments .* 1.00 KiB available"):
+        run_train_experiment("sim", "full", ("0.5",), config=tiny, seq=16, steps=1, host_budget=1024)
+    assert run_train_experiment("sim", "full", ("0.5",), config=tiny, seq=16, steps=1, host_budget=None)
+    # timing alone holds no values: nothing to refuse
+    assert run_train_experiment("sim", "full", ("0.5",), config=tiny, seq=16, steps=1, host_budget=1024,
+                                check_grads=False)
+
+
+def test_13b_width_full_fine_tuning_is_refused_on_a_128_gib_host():
+    """The issue's shape (12 blocks, 5120 wide, 40/8 heads, FFN 13824, 1536 tokens, full, on cuda
+    with the gradient check) needs more than a 128 GiB host has: refused, before any value."""
+    from vmstoolkit.exec.graph import LlamaConfig
+    from vmstoolkit.exec.train_experiment import check_train_host_memory
+
+    cfg = LlamaConfig(n_blocks=12, seq=1536, hidden=5120, heads=40, kv_heads=8, ffn=13824)
+    with pytest.raises(HostBudgetError, match=r"needs 1[0-9]{2}\.\d\d GiB of host memory .* 115.00 GiB available"):
+        check_train_host_memory(cfg, "full", [20 << 30], 115 << 30)
