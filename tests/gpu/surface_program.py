@@ -344,6 +344,7 @@ def exit_case(handle) -> dict:
         refused = True
     filled = len(hog)
     del hog
+    torch.cuda.empty_cache()  # PyTorch's own allocator caches the fill otherwise, and the processes beside it starve
     barrier("freed")  # every process has given its fill back before the threads allocate again
 
     def worker():
