@@ -126,6 +126,24 @@ class AllocatorAdaptor(Allocator):
     def close(self) -> None:
         self.upstream.close()
 
+    # The compiled-path bookkeeping (Allocator.export_counters ... note_oom) is the upstream's: an
+    # adaptor runs no compiled path itself (compiled_replay is None), so these only ever reach the
+    # counters the upstream keeps.
+    def export_counters(self):
+        return self.upstream.export_counters()
+
+    def stream_home(self):
+        return self.upstream.stream_home()
+
+    def block_streams(self):
+        return self.upstream.block_streams()
+
+    def report_compiled(self, counters, **state) -> None:
+        self.upstream.report_compiled(counters, **state)
+
+    def note_oom(self) -> None:
+        self.upstream.note_oom()
+
     def compiled_replay(self, events) -> None:
         return None
 
