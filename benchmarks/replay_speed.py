@@ -6,11 +6,15 @@
 One run measures, on each bundled trace (both recording modes by default) and on long synthetic
 traces (``--synthetic KIND:STEPS``, steady state: the driver's work is done in the first steps):
 
-- every allocator through the Python replay (``replay(..., compiled=False)``), and its ratio to
-  ``pytorch-caching`` measured in the same run;
+- every allocator through the Python replay (``replay(..., compiled=False)``) on the compiled
+  simulated driver (``make_driver("sim")``), and its ratio to ``pytorch-caching`` measured in
+  the same run;
+- ``--reference-driver NAME`` (default ``vms``): that allocator once more on the Python
+  reference driver (``make_driver("sim-reference")``), so the compiled driver's gain is
+  measured side by side (the results are the same: ``tests/pools/drivers/test_compiled_driver.py``);
 - ``paged (compiled)``: the same replay through ``paged``'s compiled path
   (:meth:`~vmstoolkit.pools.base.Allocator.compiled_replay`), whose results are the same to the
-  byte (``tests/pools/test_paged_replay.py``); ``loop ev/s`` is events over the time spent in
+  byte (``tests/pools/paged/test_paged_replay.py``); ``loop ev/s`` is events over the time spent in
   compiled code alone (the rest is the simulated driver's work, in Python, shared with the
   Python replay).
 
@@ -32,19 +36,20 @@ import numba
 from rich.console import Console
 from rich.table import Table
 
-from vmstoolkit.pools import allocator_names, make_allocator
+from vmstoolkit.pools import allocator_names, make_allocator, make_driver
 from vmstoolkit.trace import bundled_trace_paths, load_trace, replay
 from vmstoolkit.trace.replay import event_arrays
 from vmstoolkit.trace.synthetic import synthetic_trace
 
 BASE = "pytorch-caching"
 COMPILED = "paged (compiled)"
+REFERENCE = " (reference driver)"
 
 
-def _best(trace, name: str, repeat: int, compiled: bool) -> dict:
+def _best(trace, name: str, repeat: int, compiled: bool, driver: str = "sim") -> dict:
     best = None
     for _ in range(repeat):
-        a = make_allocator(name)
+        a = make_allocator(name, make_driver(driver))
         r = replay(trace, a, compiled=compiled)
         a.close()
         if best is None or r.seconds < best.seconds:
@@ -72,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", action="append", default=None, help="bundled recording mode (caching, expandable)")
     ap.add_argument("--synthetic", action="append", default=None, help="KIND:STEPS of a synthetic trace")
     ap.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    ap.add_argument("--reference-driver", action="append", default=None, metavar="NAME",
+                    help="also replay NAME on the Python reference driver (default: vms; 'none': no such rows)")
     args = ap.parse_args(argv)
     names = args.allocator or allocator_names()
     if BASE not in names:
@@ -88,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         group = []
         for name in names:
             group.append({"trace": trace.name, "allocator": name, **_best(trace, name, args.repeat, False)})
+        for name in args.reference_driver or ["vms"]:
+            if name != "none":
+                group.append({"trace": trace.name, "allocator": name + REFERENCE,
+                              **_best(trace, name, args.repeat, False, "sim-reference")})
         if "paged" in names:
             group.append({"trace": trace.name, "allocator": COMPILED, **_best(trace, "paged", args.repeat, True),
                           "loop_events_per_second": _loop_rate(trace, args.repeat)})
@@ -96,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             r["vs_caching"] = r["events_per_second"] / base
         rows += group
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-               f"{sys.version.split()[0]}, Numba {numba.__version__}, simulated driver")
+               f"{sys.version.split()[0]}, Numba {numba.__version__}, compiled simulated driver unless marked")
     if args.json:
         for r in rows:
             print(json.dumps({**r, "machine": machine}))

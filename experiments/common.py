@@ -247,34 +247,6 @@ def step_starts(events, plan: list[tuple[int, int]], rounds: int) -> list[int]:
     return starts
 
 
-class CompiledHook:
-    """``paged``'s compiled hook, the one PyTorch runs (:mod:`vmstoolkit.integrations.native_torch`),
-    on ``driver``, behind the allocate/free calls :func:`replay_steps` makes."""
-
-    def __init__(self, driver, options: dict) -> None:
-        from vmstoolkit.integrations.torch import ALLOC_FN, FREE_FN, make_handle
-
-        self._hook = make_handle("paged", driver_factory=lambda device: driver, **options)
-        self._alloc, self._free = ALLOC_FN(self._hook.alloc_ptr), FREE_FN(self._hook.free_ptr)
-        self._sizes: dict[int, int] = {}
-
-    def allocate(self, size: int, stream: int = 0) -> int:
-        ptr = self._alloc(size, 0, None)
-        if not ptr:
-            raise RuntimeError(f"the hook failed to allocate {size} bytes: {self._hook.last_error}")
-        self._sizes[ptr] = size
-        return ptr
-
-    def free(self, ptr: int, stream: int | None = None) -> None:
-        self._free(ptr, self._sizes.pop(ptr), 0, stream)
-
-    def peak_reserved(self) -> int:
-        return self._hook.bridge(0).allocator.driver.peak_physical_bytes
-
-    def close(self) -> None:
-        self._hook.close()
-
-
 def replay_steps(trace, options: dict, plan: list[tuple[int, int]], rounds: int = 3, native: bool = False) -> dict:
     """Replay a training history through ``paged`` with ``options`` on the simulated driver, step
     by step (steps found by :func:`step_starts`): per step the driver calls, their modelled
@@ -284,7 +256,12 @@ def replay_steps(trace, options: dict, plan: list[tuple[int, int]], rounds: int 
     starts = step_starts(events, plan, rounds)
     driver = make_driver("sim")
     meter = DriverMeter(driver)
-    alloc = CompiledHook(driver, options) if native else make_allocator("paged", driver, **options)
+    if native:
+        from vmstoolkit.integrations.hook_allocator import HookAllocator
+
+        alloc = HookAllocator("paged", driver, **options)
+    else:
+        alloc = make_allocator("paged", driver, **options)
     bounds = starts[1:] + [len(events)]
     live: dict[int, int] = {}
     calls, ms, syncs = [], [], []
@@ -302,7 +279,7 @@ def replay_steps(trace, options: dict, plan: list[tuple[int, int]], rounds: int 
             calls.append(sum(step["calls"].values()))
             ms.append(step["us"] / 1000)
             syncs.append(step["syncs"])
-        peak = alloc.peak_reserved() if native else alloc.stats().peak_reserved_bytes
+        peak = alloc.stats().peak_reserved_bytes
     finally:
         alloc.close()
     return {"driver_calls_per_step": calls, "driver_ms_per_step": ms, "syncs_per_step": syncs, "peak_reserved": peak}

@@ -184,16 +184,25 @@ def run_ours(tg, values, emit, a, variant, seq):
 # ---- PyTorch eager baseline (run in its own process: --torch-only) --------------------------
 
 
-def torch_step(cfg: LlamaConfig, variant: str, rank: int, budget: int, seed: int, repeats: int) -> dict:
+def torch_step(cfg: LlamaConfig, variant: str, rank: int, budget: int, seed: int, repeats: int,
+               model: str | None = None) -> dict:
     """One PyTorch eager training step under ``budget`` bytes of GPU memory (module docstring);
-    the same values as ours (``random_train_values`` of the same graph and seed)."""
+    the same values as ours (``random_train_values`` of the same graph and seed, or with ``model``
+    a checkpoint folder's weights as ``vmstoolkit run train`` reads them: ``train_values``)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     tg = build_train_step(cfg, variant, rank=rank)
-    values = random_train_values(tg, seed)
+    if model is not None:
+        from vmstoolkit.exec.model import load_model
+        from vmstoolkit.exec.model.train import train_token_ids, train_values
+
+        ckpt = load_model(model)
+        values = train_values(ckpt, tg, train_token_ids(ckpt, cfg.seq, seed), seed=seed, copy=True)
+    else:
+        values = random_train_values(tg, seed)
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
     dev = torch.device("cuda")
@@ -326,6 +335,7 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-budgets", nargs="+", default=list(FRACTIONS), choices=list(FRACTIONS),
                     help="budgets at which the PyTorch baseline runs (each is a process of its own)")
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)  # with --torch-only: a checkpoint's weights
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--npz", type=Path, default=None, help=argparse.SUPPRESS)
@@ -338,7 +348,12 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     cfg = config(a, a.seq[0])
     if a.torch_only:
-        res = torch_step(cfg, a.variant, a.rank, a.budget, a.seed, a.repeats)
+        if a.model is not None:  # the checkpoint's shape, eps and rope_theta
+            from vmstoolkit.exec.model import load_model
+            from vmstoolkit.exec.model.train import train_config
+
+            cfg = train_config(load_model(a.model), a.seq[0])
+        res = torch_step(cfg, a.variant, a.rank, a.budget, a.seed, a.repeats, model=a.model)
         np.savez(a.npz, **res.pop("grads"))
         print(json.dumps(res), flush=True)
         return 0

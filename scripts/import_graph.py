@@ -22,7 +22,8 @@ PACKAGE = "vmstoolkit"
 # Lower layers first; a module may import only from its own layer or below. Within ``pools`` the
 # driver seam sits below the allocators (``pools.drivers`` never imports an allocator).
 LAYERS: list[tuple[str, ...]] = [
-    ("vmstoolkit.units", "vmstoolkit.errors", "vmstoolkit._thread_states", "vmstoolkit._version", "vmstoolkit.data"),
+    ("vmstoolkit.units", "vmstoolkit.errors", "vmstoolkit._thread_states", "vmstoolkit._version", "vmstoolkit.data",
+     "vmstoolkit._jit"),
     ("vmstoolkit.pools.drivers",),
     ("vmstoolkit.pools", "vmstoolkit.kernels"),
     ("vmstoolkit.trace", "vmstoolkit.exec"),

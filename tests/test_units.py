@@ -28,3 +28,16 @@ def test_whole_refuses_fractions_of_a_byte(value, match):
 def test_what_is_not_a_size_is_named(value, match):
     with pytest.raises(ValueError, match=match):
         parse_size(value)
+
+
+@pytest.mark.parametrize("value", ["99999999999999999999999GiB", "9223372036854775808", 2**63, "8388608TiB"])
+def test_a_size_beyond_64_bit_bytes_is_refused_naming_it(value):
+    """Issue 37, item 9: ``--capacity 99999999999999999999999GiB`` was taken as a device of
+    that size. No device, array or driver call holds more than 2**63 - 1 bytes."""
+    with pytest.raises(ValueError, match="larger than") as e:
+        parse_size(value)
+    assert str(value) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_largest_size_is_taken():
+    assert parse_size(str(2**63 - 1)) == 2**63 - 1

@@ -31,6 +31,10 @@ class DoubleFreeError(InvalidFreeError):
     """A free of an address whose allocation was already freed."""
 
 
+class AllocatorClosedError(VmsError, RuntimeError):
+    """A request to an allocator after its ``close()``: it gave everything back and serves nothing."""
+
+
 class OutOfMemoryError(VmsError, MemoryError):
     """The physical memory cannot serve a request, even after releasing every cached block."""
 

@@ -16,9 +16,7 @@ replay).
 
 from __future__ import annotations
 
-import gzip
 import os
-import pickle
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,6 +55,9 @@ def count_allocs(snapshot: dict) -> int:
 
 def write_snapshot(snapshot: dict, path: str | Path) -> Path:
     """Write ``snapshot`` as a pickle (gzipped for ``.gz``), atomically: a reader never sees half."""
+    import gzip  # here, not at the top: ``import vmstoolkit`` stays quick (the CLI's start-up)
+    import pickle
+
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     opener = gzip.open if path.name.endswith(".gz") else open

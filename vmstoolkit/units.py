@@ -27,6 +27,10 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "k": KiB, "m": MiB, "g": GiB, "t": TiB,
 }
+MAX_SIZE = (1 << 63) - 1
+"""The largest size taken: no device, host array, driver call or compiled path (int64 everywhere)
+holds more bytes. A larger one is a typo (``--capacity 99999999999999999999999GiB``), refused."""
+
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -37,7 +41,8 @@ def parse_size(value: int | str, *, whole: bool = False) -> int:
     units (kB, MB, GB, TB) powers of 1000. The number is read exactly (no float rounding) and
     rounded to a byte; with ``whole=True`` a size that is not a whole number of bytes
     (``"1.5"``, ``"0.3KiB"``) is refused instead. Raises :class:`~vmstoolkit.errors.InvalidSizeError`
-    (a ``ValueError``) naming the value when it is not a size; zero is allowed here (callers that need a positive size check it).
+    (a ``ValueError``) naming the value when it is not a size or is larger than :data:`MAX_SIZE`;
+    zero is allowed here (callers that need a positive size check it). Runtime complexity: O(length).
 
     >>> parse_size("1.5GiB") == 3 * 2**29
     True
@@ -51,7 +56,7 @@ def parse_size(value: int | str, *, whole: bool = False) -> int:
     if isinstance(value, int):
         if value < 0:
             raise InvalidSizeError(f"size must not be negative: {value}")
-        return value
+        return _at_most_max(value, value)
     if not isinstance(value, str):
         raise InvalidSizeError(f"not a size: {value!r}")
     m = _SIZE_RE.match(value)
@@ -64,11 +69,17 @@ def parse_size(value: int | str, *, whole: bool = False) -> int:
     exact = Fraction(number) * factor
     if whole and exact.denominator != 1:
         raise InvalidSizeError(f"not a whole number of bytes: {value!r}")
-    return round(exact)
+    return _at_most_max(round(exact), value)
+
+
+def _at_most_max(n: int, value: int | str) -> int:
+    if n > MAX_SIZE:
+        raise InvalidSizeError(f"size {value} is larger than {MAX_SIZE} bytes (2**63 - 1), more than any device holds")
+    return n
 
 
 def format_size(nbytes: int | float) -> str:
-    """A human-readable binary size: ``'1.00 GiB'``, ``'512.00 MiB'``, ``'12 B'``."""
+    """A human-readable binary size: ``'1.00 GiB'``, ``'512.00 MiB'``, ``'12 B'``. Runtime complexity: O(1)."""
     n = float(nbytes)
     sign = "-" if n < 0 else ""
     n = abs(n)
@@ -79,5 +90,5 @@ def format_size(nbytes: int | float) -> str:
 
 
 def round_up(n: int, multiple: int) -> int:
-    """The smallest multiple of ``multiple`` that is >= ``n``."""
+    """The smallest multiple of ``multiple`` that is >= ``n``. Runtime complexity: O(1)."""
     return -(-n // multiple) * multiple

@@ -50,11 +50,13 @@ def test_two_runs_side_by_side(tmp_path):
     b = write(tmp_path, "b.pickle", [("x", 1, 100 * MiB), ("y", 2, 150 * MiB)])
     r = runner.invoke(app, ["compare", str(a), str(b), "-f", "json"])
     assert r.exit_code == 0, r.output
-    doc = json.loads(r.stdout)
-    ra, rb = doc["runs"]
+    lines = [json.loads(x) for x in r.stdout.splitlines()]  # JSON Lines: the runs, then the sites
+    ra, rb = [x for x in lines if x["kind"] == "run"]
+    sites = [x for x in lines if x["kind"] == "site"]
+    assert [x["kind"] for x in lines] == ["run", "run"] + ["site"] * len(sites)
     assert rb["peak_allocated_diff"] == 100 * MiB and ra["peak_allocated_diff"] == 0
     assert rb["peak_reserved_diff"] == rb["peak_reserved"] - ra["peak_reserved"] > 0
-    assert doc["sites"][0] == {"site": "/home/me/train.py:2 (y)", "a_bytes": 50 * MiB, "b_bytes": 150 * MiB}
+    assert sites[0] == {"kind": "site", "site": "/home/me/train.py:2 (y)", "a_bytes": 50 * MiB, "b_bytes": 150 * MiB}
     tab = runner.invoke(app, ["compare", str(a), str(b)])
     assert tab.exit_code == 0 and "train.py:2 (y)" in tab.stdout and "100.00 MiB" in tab.stdout
 
@@ -63,7 +65,8 @@ def test_one_run_under_two_allocators(tmp_path):
     a = write(tmp_path, "a.pickle", [("x", 1, 100 * MiB), ("y", 2, 50 * MiB)])
     r = runner.invoke(app, ["compare", str(a), "-a", "native", "-a", "vms", "-f", "json"])
     assert r.exit_code == 0, r.output
-    assert [x["allocator"] for x in json.loads(r.stdout)["runs"]] == ["native", "vms"]
+    runs = [x for x in map(json.loads, r.stdout.splitlines()) if x["kind"] == "run"]
+    assert [x["allocator"] for x in runs] == ["native", "vms"]
 
 
 def test_user_errors(tmp_path):

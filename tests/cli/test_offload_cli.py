@@ -35,9 +35,16 @@ def test_impossible_shapes(shape, needle):
     one_line_error(invoke(*shape), needle)
 
 
-def test_figure_in_a_missing_folder(tmp_path):
+def test_figure_in_a_missing_folder_makes_it(tmp_path):
+    """Issue 37: view --out made missing folders where --figure refused them; both make them now."""
     target = tmp_path / "nowhere" / "fig.png"
-    one_line_error(invoke(*OK_SHAPE, "--figure", str(target)), str(target.parent))
+    r = invoke(*OK_SHAPE, "--figure", str(target))
+    assert r.exit_code == 0 and target.is_file() and f"wrote {target}" in r.output, r.output
+
+
+def test_figure_under_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    one_line_error(invoke(*OK_SHAPE, "--figure", str(tmp_path / "f" / "fig.png")), str(tmp_path / "f"), "a file")
 
 
 def test_figure_with_an_unknown_extension(tmp_path):

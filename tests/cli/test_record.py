@@ -86,7 +86,8 @@ def test_a_run_that_allocates_nothing_writes_a_valid_empty_snapshot(tmp_path, fa
 
 
 @pytest.mark.parametrize("fake, env, command, message", [
-    (False, {}, ["{py}", "train.py", "1", "0"], "PyTorch is not installed"),
+    (False, {}, ["{py}", "train.py", "1", "0"], "PyTorch is not installed for {py} (No module named 'torch'); "
+                                                "install it there with: {py} -m pip install torch"),
     (True, {"FAKE_CUDA": "0"}, ["{py}", "train.py", "1", "0"], "no CUDA device"),
     (True, {}, ["true"], "did not start Python"),
     (True, {}, ["/no/such/program"], "cannot run '/no/such/program'"),
@@ -98,6 +99,7 @@ def test_clear_one_line_errors(tmp_path, fake_torch, fake, env, command, message
         no_torch.mkdir(parents=True)
         (no_torch / "__init__.py").write_text("raise ImportError(\"No module named 'torch'\")\n")
     r = record(tmp_path, fake_torch if fake else tmp_path / "no_torch", *command, env=env)
+    message = message.replace("{py}", sys.executable)
     assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 

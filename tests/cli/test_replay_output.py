@@ -5,7 +5,6 @@ import csv
 import hashlib
 import io
 import json
-import pickle
 import subprocess
 import sys
 
@@ -18,21 +17,6 @@ from vmstoolkit.cli import app
 runner = CliRunner(env={"COLUMNS": "250"})
 SAME_KEYS = ("trace", "source", "source_sha256", "device", "allocator", "options", "capacity", "vmstoolkit",
              "peak_allocated", "peak_reserved", "utilization", "oom", "oom_event", "oom_message")
-
-
-@pytest.fixture(scope="module")
-def small_trace(tmp_path_factory):
-    """A tiny snapshot: 8 allocations of 60 MiB, freed in pairs (fits 1 GiB, not 256 MiB)."""
-    events, addr = [], 1 << 32
-    for i in range(8):
-        events.append({"action": "alloc", "addr": addr + i * (64 << 20), "size": 60 << 20, "stream": 0, "time_us": i})
-        if i % 2:
-            for j in (i - 1, i):
-                events.append({"action": "free_completed", "addr": addr + j * (64 << 20), "size": 60 << 20,
-                               "stream": 0, "time_us": i})
-    p = tmp_path_factory.mktemp("t") / "tiny.pickle"
-    p.write_bytes(pickle.dumps({"device_traces": [events], "segments": []}))
-    return p
 
 
 def test_csv_of_allocators_with_different_counts_has_every_column(small_trace):

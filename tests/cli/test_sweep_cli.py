@@ -15,7 +15,7 @@ LORA = "llama-lora.caching.pickle.gz"
 
 def rows_of(r):
     assert r.exit_code == 0, r.output
-    return [json.loads(x) for x in r.output.splitlines()]
+    return [json.loads(x) for x in r.stdout.splitlines()]  # notes (stderr) apart
 
 
 def test_grid_runs_every_combination(traces_dir):

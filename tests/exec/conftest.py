@@ -34,6 +34,9 @@ def sim_gpu(monkeypatch):
         def query(self):
             return True
 
+        def wait(self, stream):  # the simulator runs every stream's work at once, in order
+            pass
+
     import vmstoolkit.exec.backends.cuda as cuda_backend
 
     monkeypatch.setattr(cuda_backend, "take_region", take_region)

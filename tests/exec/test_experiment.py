@@ -252,3 +252,19 @@ def test_sweep_rows_say_where_the_host_time_went():
         assert r["host_s"]["check"] >= 0.05 and all(v >= 0 for v in r["host_s"].values())
     rows = list(sweep_budgets(graph, [({}, ws // 2)], make, lb, repeats=2))
     assert all(r["host_s"]["check"] == 0 and r["host_s"]["execute"] > 0 for r in rows)
+
+
+def test_points_below_a_measured_bound_are_called_out_not_drawn_under_a_lower_bound(tmp_path):
+    """Issue 37: run 9's makespan plot showed points below its "lower bound" with no caveat (the
+    compute term on a GPU is a measured direct forward, which the runtime beat by up to 2.7%)."""
+    from vmstoolkit.exec.experiment import plot_makespan
+
+    rows = [{"executor": "event-driven", "budget": b << 30, "makespan_s": m, "lower_bound_s": 0.333}
+            for b, m in ((12, 0.3307), (6, 0.3243), (3, 0.3498))]
+    labels = lambda fig: [t.get_text() for t in fig.axes[0].get_legend().get_texts()]  # noqa: E731
+    fig = plot_makespan(rows, tmp_path / "m.png")
+    assert "bound estimate: max(direct forward, copies)" in labels(fig) and "lower bound" not in labels(fig)
+    assert any("2 points below the estimate" in t.get_text() for t in fig.axes[0].texts)
+    above = [dict(r, makespan_s=max(r["makespan_s"], 0.334)) for r in rows]
+    fig = plot_makespan(above, tmp_path / "m2.png")
+    assert "lower bound" in labels(fig) and not fig.axes[0].texts

@@ -183,7 +183,7 @@ def test_other_allocator_errors_raise_as_themselves(cupy):
 
 
 def test_install_and_uninstall(cupy, monkeypatch):
-    monkeypatch.setattr(vc, "_cuda_driver", sim())  # the real driver, simulated
+    monkeypatch.setattr(vc, "cuda_driver", sim())  # the real driver, simulated
     previous = cupy.cuda.get_allocator()
     h = vc.install("paged", large_unit="512KiB")
     assert cupy.cuda.get_allocator() == h.malloc and h.installed

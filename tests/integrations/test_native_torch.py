@@ -184,10 +184,10 @@ def test_install_paged_hands_pytorch_the_compiled_pointers(monkeypatch):
 
 @pytest.mark.parametrize("name", ["paged", "vms"])
 def test_install_with_the_shim_hands_it_every_entry_point(monkeypatch, name):
-    """With the shim built (a stand-in here), it receives the seven entry points and whether they
+    """With the shim built (a stand-in here), it receives the twelve entry points, whether they
     run Python (the Python allocators' do: the shim keeps a Python exception in flight out of their
-    way), and the handle leaves failed allocations to it (no report on stderr: the shim raises
-    torch.OutOfMemoryError)."""
+    way) and the handle to keep alive; the handle leaves failed allocations to it (no report on
+    stderr: the shim raises torch.OutOfMemoryError), and PyTorch's snapshot functions answer from it."""
     import sys
     import types
 
@@ -196,15 +196,24 @@ def test_install_with_the_shim_hands_it_every_entry_point(monkeypatch, name):
     seen = {}
     fake = types.ModuleType("torch")
     fake.cuda = types.SimpleNamespace(is_available=lambda: True)
-    shim = types.SimpleNamespace(install=lambda *args: seen.update(pointers=args[:-1], python=args[-1]))
+    fake._C = types.SimpleNamespace()
+    shim = types.SimpleNamespace(install=lambda p, python, keep: seen.update(pointers=tuple(p), python=python, keep=keep),
+                                 live_blocks=lambda: [])
     monkeypatch.setitem(sys.modules, "torch", fake)
     monkeypatch.setattr(vt, "_INSTALLED", None)
     monkeypatch.setattr(vt, "_load_shim", lambda: (shim, ""))
     h = vt.install(name)
     try:
-        assert seen["pointers"] == h.shim_pointers and len(set(h.shim_pointers)) == 7
-        assert seen["python"] is (name != "paged")
+        assert seen["pointers"] == h.shim_pointers and len(set(h.shim_pointers)) == 12
+        assert seen["python"] is (name != "paged") and seen["keep"] is h
         assert h.raises
+        assert fake._C._cuda_isHistoryEnabled() is False
+        fake._C._cuda_record_memory_history("all", "all", "python", 10)
+        assert fake._C._cuda_isHistoryEnabled() is True
+        snap = fake._C._cuda_memorySnapshot(None)
+        assert set(snap) >= {"segments", "device_traces"}
+        fake._C._cuda_record_memory_history(None)
+        assert fake._C._cuda_isHistoryEnabled() is False
     finally:
         if name == "paged":
             h.close()

@@ -14,6 +14,7 @@ from vmstoolkit.pools.drivers.sim import SimulatedDriver
 from vmstoolkit.trace import load_trace
 
 PREFIX = 160  # alloc/free events of a real trace: enough to reach every path of each allocator
+CAPACITY = 16 << 30  # the prefix needs under 2 GiB; paged's arrays scale with the device (85 MB at 141 GiB)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def _after_fault(name, d, a, op, n, err, kept) -> None:
 
 
 def _calls_reached(name, events, **options):
-    a = make_allocator(name, SimulatedDriver(), **options)
+    a = make_allocator(name, SimulatedDriver(capacity=CAPACITY), **options)
     assert _replay(a, events, after_each=a.empty_cache if name != "native" else None) is None
     assert a.driver.is_empty()
     return dict(a.driver.calls)
@@ -80,7 +81,7 @@ def test_every_nth_call_of_every_operation(name, options, events):
         step = max(1, (last - 20) // 15)
         ns = sorted(set(range(1, min(last, 20) + 1)) | set(range(21, last + 1, step)) | {last})
         for n in ns:
-            d = SimulatedDriver()
+            d = SimulatedDriver(capacity=CAPACITY)
             d.fail_on(op, n)
             a = make_allocator(name, d, **options)
             err = _replay(a, events, after_each=a.empty_cache if name != "native" else None)

@@ -1,17 +1,17 @@
 """Allocator options: typed, range-checked in one place, before anything is built (issue 15 item 10,
 issue 19 "Options", issue 21 "CLI conventions")."""
 
-import inspect
 from dataclasses import fields
 
 import pytest
 
 from vmstoolkit.errors import ConfigError
 from vmstoolkit.pools import make_allocator, registry
-from vmstoolkit.pools.options import (
-    OPTIONS, check_options, format_options, parse_options, resolve_option_items, split_option_item,
+from vmstoolkit.pools.options import format_options, split_option_item
+from vmstoolkit.pools.registry import (
+    AllocatorSpec, allocator_names, options_class, parse_allocator_spec, resolve_option_items,
 )
-from vmstoolkit.pools.registry import AllocatorSpec, parse_allocator_spec
+from vmstoolkit.pools.registry import check_allocator as check_options
 
 
 @pytest.mark.parametrize("name, key, value", [
@@ -100,10 +100,7 @@ def test_capacity_that_paged_cannot_represent_is_refused_before_building():
     assert check_options("paged", {}, capacity=141 << 30) == {}
 
 
-def test_legacy_parse_options_and_formatting():
-    assert parse_options(["a=1", "b=true", "c=2.5", "d=x:y"]) == {"a": 1, "b": True, "c": 2.5, "d": "x:y"}
-    with pytest.raises(ConfigError, match="names an allocator"):
-        parse_options(["vms:a=1"])
+def test_formatting():
     assert format_options({"reuse_max_ratio": 2.0, "coalesce": False}) == "reuse_max_ratio=2.0 coalesce=false"
 
 
@@ -154,32 +151,29 @@ def test_a_bad_allocator_spec_is_one_config_error_naming_it(text, match):
 
 
 def test_a_type_error_inside_a_factory_surfaces_as_itself(monkeypatch):
-    def broken(driver, **options):
+    def broken(driver, options):
         raise TypeError("a real bug")
 
-    monkeypatch.setitem(registry._FACTORIES, "native", broken)
+    monkeypatch.setitem(registry._REGISTRY, "native", registry._REGISTRY["native"]._replace(factory=broken))
     with pytest.raises(TypeError, match="a real bug"):
         make_allocator("native")
 
 
-def _defaults_of(name):
-    from vmstoolkit.pools.paged import PagedAllocator
-    from vmstoolkit.pools.vmm.allocator import GMLAKE_POLICY, VMS_POLICY
-
-    if name in ("gmlake", "vms"):
-        policy = GMLAKE_POLICY if name == "gmlake" else VMS_POLICY
-        return {f.name: getattr(policy, f.name) for f in fields(policy)}
-    if name == "paged":
-        return {k: p.default for k, p in inspect.signature(PagedAllocator.__init__).parameters.items()
-                if k not in ("self", "driver")}
-    return {"config": None} if name.startswith("pytorch") else {}
+@pytest.mark.parametrize("name", allocator_names())
+def test_every_option_is_documented(name):
+    """Each registered allocator's options class documents every field, with its default there."""
+    for f in fields(options_class(name)):
+        assert f.metadata["help"] and f.metadata["kind"]
 
 
-@pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_options_classes_match_the_allocators(name):
-    """The documented defaults are the allocators' own, and every keyword is documented."""
-    cls = OPTIONS[name]
-    documented = {f.name: f.default for f in fields(cls)}
-    assert documented == _defaults_of(name)
-    for f in fields(cls):
-        assert f.metadata["help"]
+def test_a_key_is_set_once_per_level_and_the_prefixed_one_wins():
+    """Issue 37, item 9: a repeated key was taken silently, the last one winning."""
+    for items in (["reuse_max_ratio=2", "reuse_max_ratio=3"], ["vms:reuse_max_ratio=2", "vms:reuse_max_ratio=3"],
+                  ["reuse_max_ratio=2,reuse_max_ratio=3"]):
+        with pytest.raises(ConfigError, match=r"reuse_max_ratio is given twice .*'2', then '3'"):
+            resolve_option_items(items, ["vms"])
+    for items in (["reuse_max_ratio=2", "vms:reuse_max_ratio=3"], ["vms:reuse_max_ratio=3", "reuse_max_ratio=2"]):
+        assert resolve_option_items(items, ["vms", "gmlake"]) == {"vms": {"reuse_max_ratio": 3.0},
+                                                                 "gmlake": {"reuse_max_ratio": 2.0}}
+    with pytest.raises(ConfigError, match="given twice"):
+        parse_allocator_spec("vms:coalesce=true,coalesce=false")

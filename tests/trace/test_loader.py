@@ -295,3 +295,40 @@ def test_every_device_and_a_missing_one(tmp_path):
 def test_streams_are_kept(tmp_path):
     p = _write(tmp_path, {"device_traces": [[dict(E, stream=94_000_000_000_000)]]})
     assert load_trace(p).events[0].stream == 94_000_000_000_000
+
+
+# --------------------------------------------------------------------------- issue 37 attack items 8, 9
+def test_a_root_that_is_not_a_dict_is_refused_without_unpickling_it(tmp_path, monkeypatch):
+    # 2M small ints in one list: the scanner knows the root is a list, so pickle never builds it
+    n = 2_000_000
+    raw = b"\x80\x04](" + b"K\x01" * n + b"e."
+    p = _write(tmp_path, raw)
+    from vmstoolkit.trace import loader
+
+    def unpickle(*a, **k):
+        raise AssertionError("the restricted unpickler ran on a file the scanner had already refused")
+
+    monkeypatch.setattr(loader, "_unpickle", unpickle)
+    with pytest.raises(TraceFormatError, match="not a PyTorch memory snapshot.*got a list"):
+        load_trace(p)
+
+
+@pytest.mark.parametrize("entry, match", [
+    ({"addr": -4096}, r"event 1 has a negative address -4096"),
+    ({"size": -1}, r"event 1 has a negative size -1"),
+    ({"action": "free_completed", "addr": -4096}, r"event 1 has a negative address -4096"),
+])
+def test_negative_addresses_and_sizes_are_refused(tmp_path, entry, match):
+    p = _write(tmp_path, {"device_traces": [[dict(E), {**E, "addr": 1 << 20, **entry}]]})
+    with pytest.raises(TraceFormatError, match=match):
+        load_trace(p)
+    t = load_trace(p, lenient=True)
+    assert t.skipped == {"negative": 1} and len(t.events) == 1 and t.preexisting == ()
+
+
+def test_negative_block_address_is_refused(tmp_path):
+    seg = {"device": 0, "address": -8192, "total_size": 4096, "stream": 0,
+           "blocks": [{"size": 4096, "requested_size": 4096, "state": "active_allocated"}]}
+    p = _write(tmp_path, {"segments": [seg], "device_traces": [[dict(E)]]})
+    with pytest.raises(TraceFormatError, match="block at negative address -8192"):
+        load_trace(p)

@@ -31,15 +31,24 @@ def _start():
     try:
         import torch
     except ImportError as e:
-        _status(status, ok=False, message=f"PyTorch is not installed for {sys.executable} ({e})")
+        _status(status, ok=False, message=f"PyTorch is not installed for {sys.executable} ({e}); install it "
+                                          f"there with: {sys.executable} -m pip install torch "
+                                          "(a CUDA build: https://pytorch.org/get-started/locally/)")
         os._exit(86)  # the recorder prints why; running the program unrecorded would waste its time
     if not torch.cuda.is_available():
         _status(status, ok=False, message=f"no CUDA device is available to {sys.executable} "
                                           "(torch.cuda.is_available() is False)")
         os._exit(86)  # the recorder prints why; running the program unrecorded would waste its time
     out = env["VMSTOOLKIT_RECORD_OUT"]
-    torch.cuda.memory._record_memory_history(enabled="all", stacks=env.get("VMSTOOLKIT_RECORD_STACKS", "python"),
-                                             max_entries=int(env.get("VMSTOOLKIT_RECORD_MAX_ENTRIES", "1000000")))
+    stacks, max_entries = env.get("VMSTOOLKIT_RECORD_STACKS", "python"), int(env.get("VMSTOOLKIT_RECORD_MAX_ENTRIES", "1000000"))
+    # Asked for when CUDA starts, not now: a program that installs a vmstoolkit allocator first
+    # (which must precede CUDA's start) then records through it; asking now would start PyTorch's
+    # own allocator and the install would be refused. CUDA starts before its first allocation.
+    def start():
+        torch.cuda.memory._record_memory_history(enabled="all", stacks=stacks, max_entries=max_entries)
+
+    lazy = getattr(torch.cuda, "_lazy_call", None)  # PyTorch's hook for "when CUDA starts"
+    lazy(start) if lazy is not None else start()
 
     def dump():
         import gzip

@@ -50,14 +50,18 @@ def flatten(d: dict, prefix: str = "") -> dict:
 def file_sha256(path: str | Path) -> str:
     """Hex SHA-256 of a file's bytes (as stored: of the gzip file for ``.gz``). Cost: one read.
     Anything but a regular file (``/dev/zero``, a FIFO) is the loader's one-line error, before
-    a single byte is read."""
+    a single byte is read; a file whose read fails (``/proc/self/mem``) is that error in one line."""
+    from vmstoolkit.errors import TraceFormatError
     from vmstoolkit.trace.source import regular_file
 
     regular_file(Path(path))
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            h.update(block)
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(_HASH_BLOCK):
+                h.update(block)
+    except OSError as e:
+        raise TraceFormatError(f"cannot read snapshot {path}: {e.strerror or e}") from None
     return h.hexdigest()
 
 

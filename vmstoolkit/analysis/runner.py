@@ -70,14 +70,28 @@ def run_jobs(fn: Callable[[J], R], jobs: list[J], n_workers: int = 1, *, cluster
             if on_done:
                 on_done(job, results[i])
         return results
-    with ProcessPoolExecutor(max_workers=min(n_workers, len(jobs))) as pool:
+    pool = ProcessPoolExecutor(max_workers=min(n_workers, len(jobs)), initializer=_quiet_on_interrupt)
+    try:
         futures = {pool.submit(fn, job): i for i, job in enumerate(jobs)}
         for fut in as_completed(futures):
             i = futures[fut]
             results[i] = fut.result()
             if on_done:
                 on_done(jobs[i], results[i])
+    except BaseException:  # Ctrl-C or a job's error: stop the rest now instead of waiting for them
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     return results
+
+
+def _quiet_on_interrupt() -> None:
+    """In a worker: Ctrl-C (which the terminal sends to every process of the group) ends it at
+    once and silently; the parent reports the interruption in one line."""
+    import os
+    import signal
+
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 
 
 def _run_dask(fn, jobs, spec: str, on_done) -> list:

@@ -13,6 +13,8 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
+from vmstoolkit.errors import ConfigError
+
 SNAPSHOT_SUFFIXES = (".pickle", ".pickle.gz", ".pkl", ".pkl.gz")
 
 
@@ -20,12 +22,15 @@ SNAPSHOT_SUFFIXES = (".pickle", ".pickle.gz", ".pkl", ".pkl.gz")
 class SweepJob:
     """One replay: ``trace`` (a snapshot path) through ``allocator`` built with ``options``
     (sorted ``(key, value)`` pairs, so jobs stay hashable and picklable) on a simulated device
-    of ``capacity`` bytes (None: the driver's default)."""
+    of ``capacity`` bytes (None: the driver's default); ``load``: how the snapshot is read
+    (``(key, value)`` pairs of :func:`~vmstoolkit.trace.run.replay_one`'s ``gpu``, ``lenient``,
+    ``max_bytes``, ``max_objects``)."""
 
     trace: str
     allocator: str
     options: tuple[tuple[str, object], ...] = ()
     capacity: int | None = None
+    load: tuple[tuple[str, object], ...] = ()
 
 
 def expand_grid(grid: dict[str, list]) -> list[dict]:
@@ -48,10 +53,18 @@ def snapshot_paths(items: list[str | Path]) -> list[Path]:
 
 
 def plan_sweep(traces: list[str | Path], allocators: list[str], grid: dict[str, list],
-               capacity: int | None = None) -> list[SweepJob]:
-    """Jobs in the order trace, allocator, grid combination."""
+               capacity: int | None = None, *, fixed: dict[str, dict] | None = None,
+               load: dict | None = None) -> list[SweepJob]:
+    """Jobs in the order trace, allocator, grid combination; ``fixed[allocator]``: options every
+    one of that allocator's jobs takes besides the grid's (a key may not be in both)."""
     combos = expand_grid(grid)
-    return [SweepJob(str(t), a, tuple(sorted(c.items())), capacity)
+    fixed = fixed or {}
+    for a in allocators:
+        both = sorted(set(fixed.get(a, {})) & set(grid))
+        if both:
+            raise ConfigError(f"{a}: option {both[0]} is given both as -o and as --grid; give it once")
+    loading = tuple(sorted((k, v) for k, v in (load or {}).items() if v is not None and v is not False))
+    return [SweepJob(str(t), a, tuple(sorted({**fixed.get(a, {}), **c}.items())), capacity, loading)
             for t in traces for a in allocators for c in combos]
 
 
@@ -59,9 +72,12 @@ def run_sweep_job(job: SweepJob) -> dict:
     """Replay one job on a fresh simulated driver; its figures as a flat row. Runs in workers."""
     from vmstoolkit.trace.run import replay_one
 
-    r = replay_one(job.trace, job.allocator, capacity=job.capacity, options=dict(job.options))
+    from vmstoolkit.pools.drivers.sim import DEFAULT_CAPACITY
+
+    r = replay_one(job.trace, job.allocator, capacity=job.capacity, options=dict(job.options), **dict(job.load))
     return {
         "trace": r.trace,
+        "source": job.trace,
         "allocator": r.allocator,
         "options": ",".join(f"{k}={v}" for k, v in job.options),
         **{f"option.{k}": v for k, v in job.options},
@@ -71,6 +87,7 @@ def run_sweep_job(job: SweepJob) -> dict:
         "utilization": round(r.utilization, 6),
         "oom": r.oom,
         "driver_calls": sum(r.driver_calls.values()),
+        "capacity": job.capacity or DEFAULT_CAPACITY,
         "seconds": round(r.seconds, 4),
     }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -19,7 +20,9 @@ from vmstoolkit.units import GiB, MiB
 MAX_POINTS = 3000
 """Points per line: buckets of events keep their highest value, so peaks survive; 3000 points
 per allocator keep a page of four allocators under ~5 MB beside plotly's 4.6 MB of JavaScript."""
-MAX_SEGMENT_ROWS = 48  # the largest segments drawn in the layout; the rest are summed in the title
+MAX_SEGMENT_ROWS = 48
+"""Segments drawn in each layout figure by default, the largest first; the figure's title says
+how many were left out and their bytes (``vmstoolkit view --segments all`` draws every one)."""
 
 
 class ViewError(VmsError):
@@ -35,6 +38,12 @@ class AllocatorView:
     peak_index: int
     layout: list[dict] = field(default_factory=list)  # segment rows at the peak: see peak_layout
     oom_event: int | None = None
+    segments: int = 0  # segments live at the peak, drawn or not
+    hidden_bytes: int = 0  # bytes of the segments not drawn (beyond the row limit)
+
+    @property
+    def hidden(self) -> int:
+        return self.segments - len(self.layout)
 
 
 def _plotly():
@@ -67,14 +76,20 @@ def _runs(items: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
     return [tuple(r) for r in out]
 
 
-def peak_layout(driver, allocator) -> list[dict]:
-    """Segments at this moment: each reserved range (or plain allocation) with its mapped chunks
-    (``stitched`` where a chunk is mapped in more than one range), and the live blocks in it."""
-    segments = {**driver.live_reservations(), **driver.live_allocs()}
+def live_segments(driver) -> dict[int, int]:
+    """base -> size of every segment now: each reserved range and each plain allocation."""
+    return {**driver.live_reservations(), **driver.live_allocs()}
+
+
+def peak_layout(driver, allocator, limit: int | None = MAX_SEGMENT_ROWS) -> list[dict]:
+    """Segments at this moment, the ``limit`` largest (None: all): each reserved range (or plain
+    allocation) with its mapped chunks (``stitched`` where a chunk is mapped in more than one
+    range), and the live blocks in it."""
+    segments = live_segments(driver)
     maps = driver.live_mappings()
     live = allocator.live_allocations()
     rows = []
-    for base, size in sorted(segments.items(), key=lambda kv: -kv[1])[:MAX_SEGMENT_ROWS]:
+    for base, size in sorted(segments.items(), key=lambda kv: -kv[1])[:limit]:
         end = base + size
         kinds = [(va - base, s, "stitched" if driver.aliases(h) > 1 else "mapped")
                  for va, (s, h) in maps.items() if base <= va < end]
@@ -85,9 +100,12 @@ def peak_layout(driver, allocator) -> list[dict]:
     return rows
 
 
-def view_data(path: str | Path, allocators: list[str], options: dict[str, dict], capacity: int | None = None) -> tuple:
+def view_data(path: str | Path, allocators: list[str], options: dict[str, dict], capacity: int | None = None,
+              max_segments: int | None = MAX_SEGMENT_ROWS, on_step: Callable[[str], None] | None = None) -> tuple:
     """Replay ``path`` through each allocator twice (whole, with a timeline; then up to its peak
-    reserved, to read the layout there). Returns (trace, [AllocatorView], hover texts per event)."""
+    reserved, to read the layout there, the ``max_segments`` largest segments: None for all).
+    Returns (trace, [AllocatorView], hover texts per event). ``on_step(what)`` is called before
+    each of the ``2 * len(allocators)`` replays (progress)."""
     from vmstoolkit.analysis.compare import site_of
     from vmstoolkit.pools import make_allocator, make_driver
     from vmstoolkit.pools.options import format_options
@@ -98,7 +116,9 @@ def view_data(path: str | Path, allocators: list[str], options: dict[str, dict],
     trace = load_trace(path)
     events = trace.alloc_free_events()
     views = []
+    step = on_step or (lambda what: None)
     for name in allocators:
+        step(f"{name}: the whole replay")
         driver = make_driver("sim", capacity=capacity)
         alloc = make_allocator(name, driver, **options.get(name, {}))
         try:
@@ -106,15 +126,18 @@ def view_data(path: str | Path, allocators: list[str], options: dict[str, dict],
         finally:
             alloc.close()
         k = int(np.argmax(res.timeline["reserved"])) if len(res.timeline["reserved"]) else 0
+        step(f"{name}: the layout at its peak")
         driver = make_driver("sim", capacity=capacity)
         alloc = make_allocator(name, driver, **options.get(name, {}))
         try:
             replay(Trace(name=trace.name, events=tuple(events[: k + 1]), device=trace.device), alloc)
-            layout = peak_layout(driver, alloc)
+            layout = peak_layout(driver, alloc, max_segments)
+            segments = live_segments(driver)
         finally:
             alloc.close()
         views.append(AllocatorView(name, format_options(options.get(name, {})), res.timeline, res.peak_reserved, k,
-                                   layout, res.oom_event))
+                                   layout, res.oom_event, segments=len(segments),
+                                   hidden_bytes=sum(segments.values()) - sum(r["size"] for r in layout)))
     raw = load_snapshot_dict(path)  # for the frames (the typed events do not keep them)
     entries = (raw.get("device_traces") or [[]])[trace.device]
     free = "free_completed" if any(e.get("action") == "free_completed" for e in entries) else "free_requested"
@@ -163,7 +186,10 @@ def report_html(trace, views: list[AllocatorView], hover: list[str]) -> str:
                                  hovertemplate="%{y}<br>" + kind + " from %{base:.1f} MiB, %{x:.1f} MiB<extra></extra>"))
         lay.update_layout(title=f"{v.name}{' ' + v.options if v.options else ''}: segments at its peak reserved "
                                 f"({v.peak_reserved / GiB:.2f} GiB, event {v.peak_index})"
-                                + (f"; OOM at event {v.oom_event}" if v.oom_event is not None else ""),
+                                + (f"; OOM at event {v.oom_event}" if v.oom_event is not None else "")
+                                + (f"<br>the {len(v.layout)} largest of {v.segments} segments drawn; {v.hidden} smaller "
+                                   f"ones ({v.hidden_bytes / GiB:.2f} GiB) are not: --segments all draws every one"
+                                   if v.hidden else ""),
                           barmode="overlay", xaxis_title="MiB from the segment's start",
                           yaxis={"autorange": "reversed"}, height=max(300, 22 * len(v.layout) + 160))
         parts.append(lay.to_html(include_plotlyjs=False, full_html=False, div_id=f"layout-{v.name}"))

@@ -4,7 +4,12 @@ Every command module defines plain functions with ``Annotated`` options; this mo
 them. User errors (bad files, names, sizes) print one line and exit with code 1 or 2, never a
 traceback: the one handler, :meth:`Group.invoke`, turns every :class:`~vmstoolkit.errors.VmsError`
 (the runtime's :class:`~vmstoolkit.exec.errors.ExecError` included) that a command lets through
-into that line (:func:`error_line`) and exit status 1.
+into that line (:func:`error_line`) and exit status 1, and Ctrl-C into ``error: interrupted`` and
+exit status 130 (output files are written whole or not at all: :mod:`vmstoolkit.cli.output`).
+
+Help texts are printed as written: Rich would read ``pip install 'vmstoolkit[cluster]'`` as
+markup and print ``pip install 'vmstoolkit'`` (:func:`_as_written`). Flags that several commands
+share are defined once, in :mod:`vmstoolkit.cli.flags`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from vmstoolkit.errors import VmsError
+
+INTERRUPTED = 130  # exit status on Ctrl-C: 128 + SIGINT, what a shell reports for a process it ended
 
 
 _LABELS = {"int": "INTEGER", "str": "TEXT", "float": "FLOAT", "Path": "PATH", "bool": ""}
@@ -32,6 +39,16 @@ def _label(typed: str | None) -> str | None:
     return _LABELS.get(t, t.upper()) or None
 
 
+def _as_written(text: str | None, mode) -> str | None:
+    """``text`` escaped for Rich markup when Typer renders help with it (the terminal's help and
+    ``typer ... utils docs``), so that ``[cluster]`` and ``[ALLOC:]`` come out as written."""
+    if not text or mode != "rich":
+        return text
+    from rich.markup import escape
+
+    return escape(text)
+
+
 class _PlainTypes:
     """Help that names values the way a user types them, never as Python types.
 
@@ -40,12 +57,22 @@ class _PlainTypes:
     label (``INTEGER``, ``TEXT``, ``[table|json|csv]``), a flag by nothing.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        mode = getattr(self, "rich_markup_mode", None)
+        self.help = _as_written(self.help, mode)
+        self.short_help = _as_written(self.short_help, mode)
+        self.epilog = _as_written(self.epilog, mode)
+
     def get_params(self, ctx):
         params = super().get_params(ctx)
+        mode = getattr(self, "rich_markup_mode", None)
         for p in params:
             if getattr(p, "_plain_types", False):
                 continue
             p._plain_types = True
+            if getattr(p, "help", None):
+                p.help = _as_written(p.help, mode)
             label = getattr(p, "display_type_rich", None)
             if label is None:  # a Typer without this hook (the H200 image's): its own labels stay
                 continue
@@ -69,6 +96,9 @@ class Group(_PlainTypes, TyperGroup):
         except VmsError as e:
             typer.secho(error_line(e), err=True, fg="red")
             raise typer.Exit(code=1) from None
+        except KeyboardInterrupt:
+            typer.secho("error: interrupted", err=True, fg="red")
+            raise typer.Exit(code=INTERRUPTED) from None
 
 
 def error_line(e: BaseException) -> str:
@@ -94,6 +124,9 @@ app = typer.Typer(
 )
 experiment_app = typer.Typer(help="Reproduce the published experiments.", no_args_is_help=True, cls=Group)
 app.add_typer(experiment_app, name="experiment")
+run_app = typer.Typer(help="Run your own model (a local Hugging Face folder: LLaMA, Mistral, Qwen2) under a GPU budget.",
+                      no_args_is_help=True, cls=Group)
+app.add_typer(run_app, name="run")
 
 
 @app.callback()
@@ -106,10 +139,10 @@ def _main(
 
 
 def _register() -> None:
-    from vmstoolkit.cli import replay as _replay
+    from vmstoolkit.cli import allocators as _allocators, replay as _replay
 
     app.command("replay", cls=Command)(_replay.replay_command)
-    app.command("allocators", cls=Command)(_replay.allocators_command)
+    app.command("allocators", cls=Command)(_allocators.allocators_command)
     for module, name, attr in (
         ("vmstoolkit.cli.compare", "compare", "compare_command"),
         ("vmstoolkit.cli.view", "view", "view_command"),
@@ -124,6 +157,8 @@ def _register() -> None:
         ("vmstoolkit.cli.train_offload", "train-offload", "train_offload_command"),
     ):
         _maybe(experiment_app, module, name, attr)
+    for name in ("generate", "train"):
+        _maybe(run_app, "vmstoolkit.cli.run", name, f"{name}_command")
 
 
 def _maybe(target: typer.Typer, module: str, name: str, attr: str) -> None:
@@ -142,5 +177,10 @@ _register()
 
 
 def main() -> None:
-    """The ``vmstoolkit`` command (errors: :meth:`Group.invoke`)."""
-    app()
+    """The old entry point (``vmstoolkit.cli:main``); :func:`vmstoolkit.__main__.main` is the
+    command's, and covers Ctrl-C while this module imports as well. Errors: :meth:`Group.invoke`."""
+    try:
+        app()
+    except KeyboardInterrupt:  # outside a command (Typer's own start-up and exit)
+        typer.secho("error: interrupted", err=True, fg="red")
+        raise SystemExit(INTERRUPTED) from None

@@ -29,6 +29,20 @@ class OutputFormat(str, Enum):
     csv = "csv"
 
 
+class Device(str, Enum):
+    """Where the work runs, for every command that asks: ``sim`` (simulated, any machine) or
+    ``cuda`` (the GPU). ``replay --device`` picks the driver with it
+    (:func:`~vmstoolkit.pools.drivers.make_driver`), the experiments' ``--backend`` the runtime's
+    backend (:func:`~vmstoolkit.exec.backends.make_backend`); the values are the kinds both take."""
+
+    sim = "sim"
+    cuda = "cuda"
+
+
+Backend = Device
+"""The experiments' ``--backend`` type: the same choices as ``--device``."""
+
+
 def fail(message: str, code: int = 1) -> None:
     """Print one error line and exit: the CLI's only way out on a user error."""
     typer.secho(f"error: {message}", err=True, fg="red")
@@ -56,25 +70,40 @@ def size_option(value: str | None, what: str) -> int | None:
     return n
 
 
-def parse_options(items: list[str] | None) -> dict:
-    """``["reuse_max_ratio=2", "aliases=true"]`` -> keyword options for one allocator
-    (:func:`vmstoolkit.pools.options.parse_options`); a malformed item exits with one line."""
-    from vmstoolkit.pools.options import parse_options as _parse
+def host_budget_option(value: str | None) -> int | None:
+    """``--host-budget``: bytes; ``None`` (not given) is -1, the runtime's default (available
+    memory less a margin); ``none`` turns the check off (None)."""
+    if value is None:
+        return -1
+    if value.strip().lower() == "none":
+        return None
+    return size_option(value, "--host-budget")
 
+
+def allocator_options(items: list[str] | None, names: list[str], capacity: int | None,
+                      device: Device | str = Device.sim) -> dict[str, dict]:
+    """Per allocator, its checked ``-o`` options (``KEY=VALUE``: where taken; ``ALLOC:KEY=VALUE``:
+    that one; :func:`vmstoolkit.pools.registry.resolve_option_items`); on the simulated driver
+    checked against its capacity too (``capacity``, default the simulated H200's). On ``cuda`` the
+    device's own capacity is checked when its driver is made, before any event. A bad option
+    exits with one line (status 2)."""
+    from vmstoolkit.pools.drivers.sim import DEFAULT_CAPACITY
+    from vmstoolkit.pools.registry import resolve_option_items
+
+    sim = Device(device) is Device.sim
     try:
-        return _parse(items)
+        return resolve_option_items(items, names, capacity=(capacity or DEFAULT_CAPACITY) if sim else None)
     except ConfigError as e:
         fail(str(e), code=2)
 
 
-def allocator_options(items: list[str] | None, names: list[str], capacity: int | None) -> dict[str, dict]:
-    """Per allocator, its checked ``-o`` options (``KEY=VALUE``: where taken; ``ALLOC:KEY=VALUE``:
-    that one), checked against the capacity too; a bad one exits with one line (status 2)."""
-    from vmstoolkit.pools.options import resolve_option_items
-    from vmstoolkit.pools.drivers.sim import DEFAULT_CAPACITY
+def option_value(key: str, text: str, names: list[str]):
+    """``text`` as the value of option ``key`` for the allocators ``names``, read as ``-o`` reads
+    it (:func:`vmstoolkit.pools.registry.option_value`); a bad one exits with one line (status 2)."""
+    from vmstoolkit.pools.registry import option_value as _value
 
     try:
-        return resolve_option_items(items, names, capacity=capacity or DEFAULT_CAPACITY)
+        return _value(key, text, names)
     except ConfigError as e:
         fail(str(e), code=2)
 
@@ -133,7 +162,8 @@ def check_output_file(path: Path, what: str = "--out") -> None:
 def emit_rows(rows: list[dict], fmt: OutputFormat, table) -> None:
     """Print ``rows`` as JSON lines, CSV, or a table: ``table(rows)`` either returns a rich
     renderable (printed here; a table that is piped or captured gets 200 columns instead of being
-    squeezed into 80) or prints itself and returns None."""
+    squeezed into 80: :func:`console`) or prints itself and returns None. Every command that prints
+    rows prints them here."""
     if fmt is OutputFormat.json:
         typer.echo(json_lines(rows), nl=False)
     elif fmt is OutputFormat.csv:
@@ -141,12 +171,7 @@ def emit_rows(rows: list[dict], fmt: OutputFormat, table) -> None:
     else:
         rendered = table(rows)
         if rendered is not None:
-            from rich.console import Console
-
-            out = Console()
-            if not out.is_terminal:
-                out = Console(width=200)
-            out.print(rendered)
+            console().print(rendered)
 
 
 def load_options(gpu: int | None, lenient: bool, max_bytes: str | None, max_objects: int | None) -> dict:
@@ -160,6 +185,6 @@ def load_options(gpu: int | None, lenient: bool, max_bytes: str | None, max_obje
             "max_objects": max_objects}
 
 
-__all__ = ["OutputFormat", "OOM_EXIT_CODE", "load_options", "fail", "console", "size_option", "parse_options", "allocator_options",
+__all__ = ["OutputFormat", "Device", "Backend", "OOM_EXIT_CODE", "load_options", "fail", "console", "size_option", "host_budget_option", "allocator_options", "option_value",
            "check_allocators", "check_output_dir", "check_output_file", "rows_to_csv", "json_lines", "emit_rows",
            "VmsError"]

@@ -10,14 +10,21 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from vmstoolkit.cli.common import (
     OOM_EXIT_CODE, allocator_options, check_allocators, check_output_dir, console, fail, load_options, size_option,
 )
-from vmstoolkit.cli.replay import OOM_HELP, OPTION_HELP
+from vmstoolkit.cli.allocators import warn_ineffective
+from vmstoolkit.cli.flags import (
+    allocator_flag, capacity_flag, capacity_label, cluster_flag, complete_allocator, gpu_flag, jobs_flag,
+    lenient_flag, max_bytes_flag, max_objects_flag, oom_exit_code_flag, option_flag,
+)
+from vmstoolkit.cli.output import staged_dir
+from vmstoolkit.cli.progress import progress_bar
 from vmstoolkit.errors import VmsError
+
+DEFAULT_OUT = "fragmentation-results"  # in .gitignore: a run in a checkout leaves git status clean
 
 
 def machine_description() -> str:
@@ -33,14 +40,14 @@ def fragmentation_table(rows: list[dict], allocators: list[str], baseline: str |
     from vmstoolkit import __version__
     from vmstoolkit.analysis.fragmentation import table_cells
     from vmstoolkit.trace.synthetic import SYNTHETIC_NOTE
-    from vmstoolkit.units import format_size
 
     head, body = table_cells(rows, allocators, baseline)
-    notes = [f"capacity {format_size(rows[0]['capacity'])}; vmstoolkit {__version__}" if rows else ""]
+    notes = [f"capacity {capacity_label(rows[0]['capacity'])}; vmstoolkit {__version__}" if rows else ""]
     notes += [f"{a}: {rows[0][f'{a}.options']}" for a in allocators if rows and rows[0].get(f"{a}.options")]
     if any(r["synthetic"] for r in rows):
         notes.append(f"* {SYNTHETIC_NOTE}")
-    t = Table(title="Fragmentation: peak reserved (utilization = peak allocated / peak reserved)",
+    on = f" on {capacity_label(rows[0]['capacity'])}" if rows else ""
+    t = Table(title=f"Fragmentation{on}: peak reserved (utilization = peak allocated / peak reserved)",
               caption="\n".join(n for n in notes if n), caption_justify="left")
     for i, h in enumerate(head):
         t.add_column(h.replace(" reserved", "\nreserved").replace(" saves vs ", " saves vs\n"),
@@ -54,31 +61,27 @@ def fragmentation_command(
     traces: Annotated[Optional[list[str]], typer.Argument(
         help="Snapshots (.pickle/.pickle.gz) or synthetic:KIND[:SEED]. None: the bundled H200 traces.",
         metavar="TRACE", show_default=False)] = None,
-    allocator: Annotated[Optional[list[str]], typer.Option(
-        "--allocator", "-a", metavar="NAME", help="Allocator to compare; repeat for several. Default: "
-                                                   "pytorch-caching, pytorch-expandable, gmlake, vms.")] = None,
-    out: Annotated[Path, typer.Option(metavar="DIR", help="Directory for the CSV, JSON and PNG figures.")] = Path("fragmentation-results"),
-    jobs: Annotated[Optional[int], typer.Option(metavar="N", help="Worker processes for the replays (default: the machine's cores).")] = None,
+    allocator: Annotated[Optional[list[str]], allocator_flag(
+        "pytorch-caching, pytorch-expandable, gmlake, vms")] = None,
+    out: Annotated[Path, typer.Option(metavar="DIR", help="Directory for the CSV, JSON and PNG figures (made if "
+                                      "missing; git ignores the default one).")] = Path(DEFAULT_OUT),
+    jobs: Annotated[Optional[int], jobs_flag()] = None,
     synthetic: Annotated[bool, typer.Option(
         help="Add one SYNTHETIC trace of every kind (recompute, LoRA, offload, ZeRO, growing sequences, ...).")] = False,
     timeline: Annotated[Optional[str], typer.Option(
         metavar="WORKLOAD", help="Draw the reserved/allocated timeline of this workload only (default: every workload).")] = None,
-    capacity: Annotated[Optional[str], typer.Option(
-        metavar="SIZE", help="Device memory for the simulated driver, e.g. 80GiB (default 141GiB, an H200).")] = None,
-    option: Annotated[Optional[list[str]], typer.Option("--option", "-o", metavar="[ALLOC:]KEY=VALUE",
-                                                        help=OPTION_HELP)] = None,
+    capacity: Annotated[Optional[str], capacity_flag()] = None,
+    option: Annotated[Optional[list[str]], option_flag()] = None,
     baseline: Annotated[Optional[str], typer.Option(
-        metavar="NAME", help="Savings columns: what every other allocator saves against this one. "
-                             "Default: what vms saves against every other one (the published table).")] = None,
-    oom_exit_code: Annotated[int, typer.Option(metavar="N", min=0, max=255, help=OOM_HELP)] = OOM_EXIT_CODE,
-    cluster: Annotated[Optional[str], typer.Option(
-        metavar="local:N|ADDRESS", help="Run the replays on a Dask cluster instead of local processes: local:N starts N local workers, "
-             "tcp://HOST:PORT joins a running scheduler (workers need the traces at the same path). "
-             "Needs pip install 'vmstoolkit[cluster]'.")] = None,
-    gpu: Annotated[Optional[int], typer.Option(metavar="N", help="Device of the snapshots to replay (default: the busiest).")] = None,
-    lenient: Annotated[bool, typer.Option(help="Skip and count corrupt events instead of failing.")] = False,
-    max_bytes: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Most decompressed bytes read from a snapshot, e.g. 64GiB (default 32 GiB, and 100x the size of a gzip file).")] = None,
-    max_objects: Annotated[Optional[int], typer.Option(metavar="N", help="Most pickle values built while reading a snapshot (default 1e9).")] = None,
+        metavar="NAME", autocompletion=complete_allocator,
+        help="Savings columns: what every other allocator saves against this one. "
+             "Default: what vms saves against every other one (the published table).")] = None,
+    oom_exit_code: Annotated[int, oom_exit_code_flag()] = OOM_EXIT_CODE,
+    cluster: Annotated[Optional[str], cluster_flag()] = None,
+    gpu: Annotated[Optional[int], gpu_flag("Device of the snapshots to replay (default: the busiest).")] = None,
+    lenient: Annotated[bool, lenient_flag()] = False,
+    max_bytes: Annotated[Optional[str], max_bytes_flag()] = None,
+    max_objects: Annotated[Optional[int], max_objects_flag()] = None,
 ) -> None:
     """Replay traces through the allocators and print the fragmentation table; write it as CSV
     and JSON with figures (utilization per workload, memory over time)."""
@@ -105,6 +108,7 @@ def fragmentation_command(
             fail(str(e), code=2)
     cap = size_option(capacity, "--capacity")
     options = allocator_options(option, names, cap)
+    warn_ineffective(options)
     check_output_dir(out)
     specs = list(traces) if traces else default_specs()
     if synthetic:
@@ -120,17 +124,18 @@ def fragmentation_command(
         workloads = [spec_workload(s) for s in specs]
     except VmsError as e:
         fail(str(e), code=2)
-    if len(set(workloads)) != len(workloads):
-        fail("two traces have the same workload name; give each once", code=2)
+    for w in dict.fromkeys(workloads):
+        same = [s for s, x in zip(specs, workloads) if x == w]
+        if len(same) > 1:
+            fail(f"two traces have the workload name {w!r}: {same[0]} and {same[1]}; give each once "
+                 f"(or rename one)", code=2)
     if timeline is not None and timeline not in workloads:
         fail(f"--timeline {timeline!r} is not one of the workloads: {', '.join(workloads)}", code=2)
 
     job_list = plan_jobs(specs, names, timeline, options=options, capacity=cap,
                          load=load_options(gpu, lenient, max_bytes, max_objects))
     n_workers = jobs or os.cpu_count() or 1
-    err = console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True, disable=not err.is_terminal) as progress:
+    with progress_bar() as progress:
         task = progress.add_task(f"replaying {len(specs)} traces x {len(names)} allocators "
                                  f"({min(n_workers, len(job_list))} workers)", total=len(job_list))
         results = run_jobs(job_list, n_workers,
@@ -143,9 +148,12 @@ def fragmentation_command(
         command = "vmstoolkit experiment fragmentation " + shlex.join(argv[argv.index("fragmentation") + 1:])
     else:
         command = shlex.join(["python", sys.argv[0], *argv])
-    written = write_outputs(out, rows, results, allocators=names, timeline_workload=timeline, command=command,
-                            machine=machine_description(), baseline=baseline, replays=replay_rows(results, job_list))
+    with staged_dir(out) as stage:  # interrupted or failing: no partial file in --out
+        written = write_outputs(stage, rows, results, allocators=names, timeline_workload=timeline, command=command,
+                                machine=machine_description(), baseline=baseline,
+                                replays=replay_rows(results, job_list))
+    err = console(stderr=True)
     for p in written:
-        err.print(f"wrote {p}")
+        err.print(f"wrote {out / p.name}", markup=False, highlight=False)
     if oom_exit_code and any(r.oom for r in results):
         raise typer.Exit(code=oom_exit_code)

@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from vmstoolkit.cli.common import OutputFormat, emit_rows, fail
+from vmstoolkit.cli.common import Backend, OutputFormat, check_output_file, emit_rows, fail
+from vmstoolkit.cli.flags import format_flag
+from vmstoolkit.cli.output import atomic_file
 from vmstoolkit.errors import VmsError
 from vmstoolkit.units import format_size
 
 
-class Backend(str, Enum):
-    sim = "sim"
-    cuda = "cuda"
-
-
 def offload_command(
-    backend: Annotated[Backend, typer.Option(help="sim: discrete-event simulation on the CPU; cuda: the GPU.")] = Backend.sim,
+    backend: Annotated[Backend, typer.Option("--backend", metavar="sim|cuda", help="Executor: 'sim' (discrete-event simulation on the CPU, default) or 'cuda' (the GPU).")] = Backend.sim,
     gpus: Annotated[int, typer.Option(min=1, help="GPUs of one machine (blocks are split into pipeline stages).")] = 1,
-    format: Annotated[OutputFormat, typer.Option("--format", help="table, json (JSON lines) or csv.")] = OutputFormat.table,
+    format: Annotated[OutputFormat, format_flag()] = OutputFormat.table,
     blocks: Annotated[int, typer.Option(min=1, help="LLaMA decoder blocks.")] = 16,
     parts: Annotated[int, typer.Option(min=1, help="Split GEMMs by weight rows and attention by heads into this many vertices.")] = 1,
     seq: Annotated[int, typer.Option(min=1, help="Prompt length (batch 1).")] = 2048,
@@ -33,7 +29,7 @@ def offload_command(
         help="GPU budget per GPU, repeatable: a size with its unit (12GiB, 512MiB) or a fraction of the "
              "no-offload working set (0.5, 50%). Default: 1, 0.75, 0.5, 0.375, 0.25, 0.125.",
         show_default=False)] = None,
-    figure: Annotated[Path | None, typer.Option(help="Write a figure of makespan against budget here (.png, .pdf, .svg, ...).")] = None,
+    figure: Annotated[Path | None, typer.Option(metavar="FILE", help="Write a figure of makespan against budget here (.png, .pdf, .svg, ...; missing folders are made).")] = None,
     schedule: Annotated[Path | None, typer.Option(help="Folder for each budget's first run under both executors, one above the other (schedule_<bytes>B.png and .json); on cuda every vertex is timed with CUDA events.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the simulated jitter.")] = 0,
 ) -> None:
@@ -58,15 +54,18 @@ def offload_command(
     cfg = LlamaConfig(n_blocks=blocks, seq=seq, hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn)
     rows = run_offload_experiment(backend.value, gpus, config=cfg, parts=parts, seed=seed, budgets=specs,
                                   schedule_dir=schedule)
-    if figure is not None:
-        plot_makespan(rows, figure)
     emit_rows(rows, format, offload_table)
+    if figure is not None:
+        with atomic_file(figure) as tmp:
+            plot_makespan(rows, tmp)
+        typer.echo(f"wrote {figure}", err=True)
 
 
 def check_figure_path(path: Path, flag: str) -> None:
-    """Fail (one line, exit 2) unless ``path`` names a file matplotlib can write: an existing
-    folder, a known extension. Matplotlib would otherwise add ``.png`` to a folder's name or an
-    extensionless name and write beside it, or fail with a traceback after the whole run."""
+    """Fail (one line, exit 2) unless ``path`` names a file matplotlib can write: a known
+    extension, in a folder that exists or can be made. Matplotlib would otherwise add ``.png`` to
+    a folder's name or an extensionless name and write beside it, or fail with a traceback after
+    the whole run."""
     from matplotlib.figure import Figure
 
     formats = sorted(Figure().canvas.get_supported_filetypes())
@@ -76,8 +75,7 @@ def check_figure_path(path: Path, flag: str) -> None:
         fail(f"{flag} {path} has no extension: end it with one of .{', .'.join(formats)}", code=2)
     if path.suffix[1:].lower() not in formats:
         fail(f"{flag} {path}: unknown figure format {path.suffix!r}; known: {', '.join(formats)}", code=2)
-    if not path.parent.is_dir():
-        fail(f"{flag} {path}: folder {path.parent} does not exist", code=2)
+    check_output_file(path, flag)  # a missing folder is made, as for every output path (vmstoolkit.cli.output)
 
 
 TABLE_NOTE = ("offloaded: GPU -> host copies of activations evicted before their last use (weights and inputs "

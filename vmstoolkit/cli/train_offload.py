@@ -9,12 +9,8 @@ from typing import Annotated
 
 import typer
 
-from vmstoolkit.cli.common import OutputFormat, emit_rows, fail
-
-
-class Backend(str, Enum):
-    sim = "sim"
-    cuda = "cuda"
+from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail, host_budget_option
+from vmstoolkit.cli.flags import format_flag
 
 
 class Variant(str, Enum):
@@ -36,13 +32,13 @@ def _seq_range(value: str | None) -> tuple[int, int] | None:
 
 
 def train_offload_command(
-    backend: Annotated[Backend, typer.Option(help="sim: discrete-event simulation on the CPU; cuda: the GPU.")] = Backend.sim,
+    backend: Annotated[Backend, typer.Option("--backend", metavar="sim|cuda", help="Executor: 'sim' (discrete-event simulation on the CPU, default) or 'cuda' (the GPU).")] = Backend.sim,
     variant: Annotated[Variant, typer.Option(help="lora: frozen base weights, trained adapters; full: every weight trained.")] = Variant.lora,
-    budget: Annotated[list[str] | None, typer.Option(help="GPU budget: a size (24GiB) or a fraction of the no-offload working set (0.5); repeat for several.")] = None,
+    budget: Annotated[list[str] | None, typer.Option(metavar="SIZE|FRACTION", help="GPU budget: a size (24GiB) or a fraction of the no-offload working set (0.5); repeat for several.")] = None,
     seq: Annotated[int | None, typer.Option(min=1, help="Fixed sequence length (batch 1); default 2048.")] = None,
     seq_range: Annotated[str | None, typer.Option(help="A:B, a new length drawn uniformly in [A, B] every step.")] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="Steps (default 3 with --seq, 100 with --seq-range).")] = None,
-    format: Annotated[OutputFormat, typer.Option("--format", help="table, json (JSON lines) or csv.")] = OutputFormat.table,
+    format: Annotated[OutputFormat, format_flag()] = OutputFormat.table,
     blocks: Annotated[int, typer.Option(min=1, help="LLaMA decoder blocks.")] = 16,
     hidden: Annotated[int, typer.Option(min=8, help="Hidden size.")] = 4096,
     heads: Annotated[int, typer.Option(min=1, help="Attention heads.")] = 32,
@@ -52,6 +48,7 @@ def train_offload_command(
     check_grads: Annotated[bool | None, typer.Option("--check-grads/--no-check-grads", help="Compare gradients with the reference (default: on cuda, and on sim for small models).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the values, the lengths and the simulated jitter.")] = 0,
     recompute: Annotated[bool, typer.Option("--recompute/--no-recompute", help="Drop RMSNorm and SwiGLU outputs under memory pressure and rerun them before their backward use, instead of offloading them.")] = False,
+    host_budget: Annotated[str | None, typer.Option("--host-budget", metavar="SIZE", help="Host memory the run may use (default: available RAM less max(10%, 2 GiB)); 'none' turns the check off. A plan above it is refused before anything is allocated.", show_default=False)] = None,
     schedule: Annotated[Path | None, typer.Option(help="Folder for each budget's schedule of the last step, both executors one above the other (schedule_<bytes>B.png and .json); on cuda every vertex is timed with CUDA events.")] = None,
 ) -> None:
     """Run a training step at each budget with the event-driven and the fixed-order executors;
@@ -66,7 +63,8 @@ def train_offload_command(
     cfg = LlamaConfig(n_blocks=blocks, hidden=hidden, heads=heads, kv_heads=kv_heads or heads, ffn=ffn)
     rows = run_train_experiment(backend.value, variant.value, tuple(budget or ("0.5", "0.25")), config=cfg,
                                 seq=seq, seq_range=rng, steps=steps, rank=rank, seed=seed,
-                                check_grads=check_grads, recompute=recompute, schedule_dir=schedule)
+                                check_grads=check_grads, recompute=recompute, schedule_dir=schedule,
+                                host_budget=host_budget_option(host_budget))
     emit_rows(rows, format, _table)
 
 

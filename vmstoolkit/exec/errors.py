@@ -76,3 +76,13 @@ class CycleError(ExecError):
             steps = steps[: self.SHOWN // 2] + [f"... ({len(vertices) - self.SHOWN} more)"] + steps[-self.SHOWN // 2:]
         super().__init__(f"the memory graph has a cycle of {len(vertices) - 1} vertices, which can never "
                          f"run: {' -> '.join(steps)}")
+
+
+class CheckpointError(ExecError, ValueError):
+    """A model folder that cannot be loaded: no ``config.json``, a missing, truncated or corrupt
+    safetensors shard, a tensor missing or of the wrong shape, or a setting the runtime does not
+    implement (the message names the field and its value)."""
+
+
+class HostBudgetError(ExecError, MemoryError):
+    """A plan needs more host memory than the host budget; refused before anything is allocated."""

@@ -21,6 +21,38 @@ streams always wait for the completion.
 
 The **fixed-order** executor applies the same rules but launches in compile order only: a
 vertex waits for every vertex before it to have been launched (head-of-line blocking).
+
+Note [Scheduling at shapes nobody tuned]
+----------------------------------------
+Rationale. Issue 32: LoRA on 12 blocks 5120 wide (40 heads, 8 KV heads, FFN 13824, 1 x 1536) at
+half its working set ran at 1.27x its bound on the H200, fixed-order a little faster; the
+project's own shape sits at 0.99-1.06x. That step moves 13.9 GB in 688 reloads, 400 of them
+LoRA adapters and their Adam moments of 0.1-1 MB, against 0.58 s of compute, and our GEMM
+launches cost 70-225 us of host time each (``experiments/results/gemm-h200/run8``). The sim
+backend with the default costs (6 us a launch) put the executor at 1.06x; with the H200's host
+costs (:meth:`~vmstoolkit.exec.backends.sim.CostModel.h200`) it gives 1.09x at half and 1.23x at
+a quarter. Two host round trips were in the way: (1) a compute vertex whose reload had been
+launched still waited for the host to see the copy finish before it was queued, while the
+host was busy launching 150-us GEMMs; (2) at most two copies in flight per copy stream meant a
+host round trip every two 20-us copies.
+
+Approach. (1) With a backend that can make a stream wait on the GPU (``device_waits``: the sim
+and CUDA backends, ``cuStreamWaitEvent``), a compute vertex whose predecessors are all launched
+on its GPU is *armed* and may be queued at once, its stream waiting on the copies' events.
+Copies are never armed: a copy queued behind a wait would hold up every copy after it in its
+FIFO (armed copies took prefill at 512 tokens from 1.06x to 1.38x of its bound in the sim).
+(2) Besides ``COPY_DEPTH``, a copy stream takes more copies while those in flight hold at
+most ``COPY_WINDOW`` bytes.
+
+Figures (sim backend, :meth:`CostModel.h200`, jitter 5%, mean of 3 seeds, step / max(compute,
+copies), before -> after): the issue's shape at half 1.093 -> 1.063, at a quarter 1.231 ->
+1.177 (fixed-order 1.162, 1.380); 16 LLaMA-7B blocks LoRA at 2048 tokens, a quarter 1.156 ->
+1.122; prefill at 512 tokens, half 1.178 -> 1.164; with the default costs the same cases within
+0.6% of before (Yi-34B LoRA at a quarter excepted: 1.256 -> 1.300 with the default costs,
+which the copy window costs; with the H200's, 1.286 -> 1.277). What remains at a quarter is
+mostly the bound: max(compute, copies) ignores that the reloads a vertex needs must all pass the
+one copy stream before it. :mod:`vmstoolkit.exec.bounds`' precedence bound is 1.105x that at the
+issue's shape at a quarter, and the step 1.10x of it (``experiments/results/untuned-shapes``).
 """
 
 from __future__ import annotations
@@ -42,6 +74,11 @@ from vmstoolkit.exec.errors import ExecutionError, InvalidOptionError
 # Depth 1 would leave the copy engine idle for a host round trip between small copies on a
 # real GPU, so 2.
 COPY_DEPTH = 2
+# ... unless the copies in flight are small: up to COPY_WINDOW bytes (1.2 ms at 54 GB/s) may be
+# queued, so that a run of small copies (LoRA adapters and their moments: 0.3-1 MB each) does not
+# leave the copy engine idle for a host round trip every two copies. Note [Scheduling at shapes
+# nobody tuned].
+COPY_WINDOW = 64 << 20
 
 
 @dataclass
@@ -54,17 +91,27 @@ class RunResult:
     host_s: float = 0.0  # host wall time of the whole run
 
 
-async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: int | None = None) -> RunResult:
+async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: int | None = None,
+               copy_window: int = 0, device_waits: bool = False) -> RunResult:
     """The executors' common loop.
 
     Ready vertices wait in one heap per stream (by compile order). A drain launches, while any
     stream may take work, the smallest ready vertex among the streams that may: compute
     streams always may; a copy stream while fewer than ``copy_depth`` of its copies are in
-    flight. That is the most urgent launchable vertex first, as one global heap would give,
+    flight, or while its bytes in flight, the next copy's included, stay within
+    ``copy_window``. That is the most urgent launchable vertex first, as one global heap would give,
     but a copy held back by a full stream is not touched again until its stream has room: one
     global heap popped and re-pushed every held-back copy on every completion, O(V) per
     completion and O(V^2) per run (2000 small LLaMA blocks, 41k vertices with thousands of
     reloads waiting: 33 s on the sim backend, now 0.4 s; ``benchmarks/offload_executor_scale.py``).
+
+    With ``device_waits`` (the backend's ``launch(v, after)`` makes the stream wait on the GPU
+    for the ends of the vertices ``after``), a vertex whose predecessors are all *launched* on
+    its GPU is *armed*: it may go before they finish, its stream waiting for them on the device,
+    with no host round trip in between. A compute stream takes the smallest of its ready and
+    armed vertices; a copy stream takes an armed copy only when it is idle and has nothing
+    ready (a copy queued behind a wait holds up every copy after it). Note [Scheduling at
+    shapes nobody tuned] says why.
 
     Runtime complexity: O((V + E) log V) plus O(S log S) per completion (S: streams, 3 a GPU).
     """
@@ -72,12 +119,21 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
     verts = mg.vertices
     n = len(verts)
     succs = mg.succs()
+    preds = mg.preds
     keys = sorted({(v.gpu, v.stream) for v in verts})
     kid = {k: i for i, k in enumerate(keys)}
     key = [kid[(v.gpu, v.stream)] for v in verts]
-    limit = [None if copy_depth is None or s == "compute" else copy_depth for _, s in keys]
-    unsat = [len(p) for p in mg.preds]
+    is_copy = [s != "compute" for _, s in keys]
+    limit = [None if copy_depth is None or not c else copy_depth for c in is_copy]
+    unsat = [len(p) for p in preds]
+    unlaunched = [len(p) for p in preds]
+    launched = [False] * n
+    finished_ = [False] * n
+    # a vertex may be armed only if every predecessor is on its GPU (a wait across GPUs is not asked of backends)
+    armable = [device_waits and not fixed_order and not is_copy[key[v]]
+               and all(verts[u].gpu == verts[v].gpu for u in preds[v]) for v in range(n)]
     ready: list[list[int]] = [[] for _ in keys]  # per stream, a heap of vertex ids
+    armed: list[list[int]] = [[] for _ in keys]  # per stream, a heap of armed vertex ids (stale entries skipped)
     for v in range(n):
         if unsat[v] == 0:
             ready[key[v]].append(v)
@@ -88,20 +144,25 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
     launch_order: list[int] = []
     finish_order: list[int] = []
     inflight = [0] * len(keys)
+    inflight_bytes = [0] * len(keys)
 
     def release(s: int) -> None:
         unsat[s] -= 1
-        if unsat[s] == 0 and not fixed_order:
+        if unsat[s] == 0 and not fixed_order and not launched[s]:
             heapq.heappush(ready[key[s]], s)
 
-    def launch(v: int) -> None:
-        token = backend.launch(verts[v])
+    def launch(v: int, after=None) -> None:
+        token = backend.launch(verts[v], after) if after else backend.launch(verts[v])
+        launched[v] = True
         inflight[key[v]] += 1
+        inflight_bytes[key[v]] += verts[v].nbytes
         launch_order.append(v)
-        if lookahead:
-            for s in succs[v]:
-                if key[s] == key[v]:
-                    release(s)
+        for s in succs[v]:
+            unlaunched[s] -= 1
+            if lookahead and key[s] == key[v]:
+                release(s)
+            if armable[s] and unlaunched[s] == 0 and unsat[s] > 0:
+                heapq.heappush(armed[key[s]], s)
         backend.completion(token).add_done_callback(lambda f, v=v: finished(v, f))
 
     def finished(v: int, f) -> None:
@@ -110,7 +171,9 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
                 done.set_exception(f.exception() or asyncio.CancelledError())
             return
         finish_order.append(v)
+        finished_[v] = True
         inflight[key[v]] -= 1
+        inflight_bytes[key[v]] -= verts[v].nbytes
         for s in succs[v]:
             if not (lookahead and key[s] == key[v]):
                 release(s)
@@ -119,8 +182,33 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
         if state["remaining"] == 0 and not done.done():
             done.set_result(None)
 
-    def open_(k: int) -> bool:
-        return bool(ready[k]) and (limit[k] is None or inflight[k] < limit[k])
+    def armed_top(k: int) -> int | None:
+        h = armed[k]
+        while h and (launched[h[0]] or unsat[h[0]] == 0):  # launched, or ready since: stale
+            heapq.heappop(h)
+        return h[0] if h else None
+
+    def pick(k: int) -> tuple[int, bool] | None:
+        """The vertex stream ``k`` would take now, and whether it goes armed; None if none."""
+        r = ready[k]
+        if r and (limit[k] is None or inflight[k] < limit[k]
+                  or inflight_bytes[k] + verts[r[0]].nbytes <= copy_window):
+            if is_copy[k] or not device_waits:
+                return r[0], False
+            a = armed_top(k)
+            return (r[0], False) if a is None or r[0] < a else (a, True)
+        if device_waits and not is_copy[k]:
+            a = armed_top(k)
+            if a is not None:
+                return a, True
+        return None
+
+    def go(k: int, v: int, arm: bool) -> None:
+        if arm:
+            launch(v, [u for u in preds[v] if not finished_[u] and key[u] != key[v]])
+        else:
+            heapq.heappop(ready[k])
+            launch(v)  # may release more work on stream k (lookahead)
 
     def drain() -> None:
         if fixed_order:
@@ -129,13 +217,18 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
                 launch(state["next"])
                 state["next"] += 1
             return
-        heads = [(ready[k][0], k) for k in range(len(keys)) if open_(k)]
+        heads = []
+        for k in range(len(keys)):
+            p = pick(k)
+            if p is not None:
+                heads.append((p[0], k, p[1]))
         heapq.heapify(heads)
         while heads:
-            _, k = heapq.heappop(heads)
-            launch(heapq.heappop(ready[k]))  # may release more work on stream k (lookahead)
-            if open_(k):
-                heapq.heappush(heads, (ready[k][0], k))
+            v, k, arm = heapq.heappop(heads)
+            go(k, v, arm)
+            p = pick(k)
+            if p is not None:
+                heapq.heappush(heads, (p[0], k, p[1]))
 
     t_host = time.perf_counter()
     t0 = backend.clock()
@@ -159,12 +252,21 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
                      time.perf_counter() - t_host)
 
 
-async def run_event_driven(mg, backend, *, lookahead: bool = True, copy_depth: int | None = COPY_DEPTH) -> RunResult:
+async def run_event_driven(mg, backend, *, lookahead: bool = True, copy_depth: int | None = COPY_DEPTH,
+                           copy_window: int = COPY_WINDOW, device_waits: bool | None = None) -> RunResult:
     """Run ``mg`` on ``backend`` (already ``setup``) launching whatever is ready, most urgent
-    (earliest in compile order) first; at most ``copy_depth`` copies queued per copy stream.
-    Raises :class:`~vmstoolkit.exec.errors.CycleError` first if ``mg`` has a cycle."""
+    (earliest in compile order) first; per copy stream at most ``copy_depth`` copies queued, or
+    more while they hold at most ``copy_window`` bytes. ``device_waits``: arm vertices whose
+    predecessors are launched (:func:`_run`); by default when the backend says it can
+    (``backend.device_waits``). Raises :class:`~vmstoolkit.exec.errors.CycleError` first if
+    ``mg`` has a cycle."""
     check_acyclic(mg)
-    return await _run(mg, backend, fixed_order=False, lookahead=lookahead, copy_depth=copy_depth)
+    if device_waits is None:
+        device_waits = bool(getattr(backend, "device_waits", False))
+    elif device_waits and not getattr(backend, "device_waits", False):
+        raise InvalidOptionError(f"device_waits=True, but {type(backend).__name__} cannot make a stream wait on the GPU")
+    return await _run(mg, backend, fixed_order=False, lookahead=lookahead, copy_depth=copy_depth,
+                      copy_window=copy_window, device_waits=device_waits)
 
 
 async def run_fixed_order(mg, backend, *, lookahead: bool = True) -> RunResult:

@@ -32,7 +32,10 @@ from vmstoolkit.exec.errors import InvalidGraphError, InvalidShapeError
 KERNEL_OPS = ("linear", "rmsnorm", "rope", "attention", "swiglu", "residual_add")
 TRAIN_OPS = ("linear_dx", "linear_dw", "rmsnorm_dx", "rmsnorm_dw", "rope_backward", "attention_lse",
              "attention_backward", "swiglu_backward", "adamw")
-COMPUTE_OPS = KERNEL_OPS + TRAIN_OPS + ("concat", "copy")
+# The whole model's pieces beyond the blocks (``vmstoolkit.exec.model``: embedding, Qwen2's
+# biases, the last row, the KV cache's growth, decoding over it, the greedy token).
+MODEL_OPS = ("embedding", "bias_add", "take_rows", "append_rows", "attention_cached", "argmax")
+COMPUTE_OPS = KERNEL_OPS + TRAIN_OPS + MODEL_OPS + ("concat", "copy")
 
 
 class TensorKind(str, enum.Enum):
@@ -151,6 +154,8 @@ class LlamaConfig:
     dtype: str = "float32"
     eps: float = 1e-6
     rope_theta: float = 10000.0
+    head_size: int | None = None  # features per head, when not hidden / heads (a checkpoint's head_dim)
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections (frozen; the LoRA training graph only)
 
     def __post_init__(self) -> None:
         """Refuse shapes the graph cannot be built from (:class:`InvalidShapeError`, naming them)."""
@@ -158,7 +163,10 @@ class LlamaConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidShapeError(f"{name}={v!r}: must be a whole number of at least 1")
-        if self.hidden % self.heads:
+        if self.head_size is not None and (isinstance(self.head_size, bool) or not isinstance(self.head_size, int)
+                                           or self.head_size < 1):
+            raise InvalidShapeError(f"head_size={self.head_size!r}: must be a whole number of at least 1")
+        if self.head_size is None and self.hidden % self.heads:
             raise InvalidShapeError(f"hidden={self.hidden} is not divisible by heads={self.heads}: every head "
                                     f"needs hidden / heads features")
         if self.head_dim % 2:
@@ -176,11 +184,11 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size if self.head_size is not None else self.hidden // self.heads
 
     def block_weight_bytes(self) -> int:
-        h, kvd, f = self.hidden, self.kv_heads * self.head_dim, self.ffn
-        n = 2 * h * h + 2 * kvd * h + 3 * h * f + 2 * h
+        h, qd, kvd, f = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn
+        n = 2 * qd * h + 2 * kvd * h + 3 * h * f + 2 * h
         return n * np.dtype(self.dtype).itemsize
 
 
@@ -208,6 +216,9 @@ def build_llama(cfg: LlamaConfig, parts: int = 1, n_gpus: int = 1) -> TaskGraph:
         raise InvalidShapeError(f"n_gpus={n_gpus!r}: must be a whole number of at least 1")
     if cfg.heads % parts or cfg.kv_heads % parts or cfg.ffn % parts or cfg.heads % cfg.kv_heads:
         raise InvalidShapeError(f"parts={parts} must divide heads={cfg.heads}, kv_heads={cfg.kv_heads} and ffn={cfg.ffn}")
+    if cfg.heads * cfg.head_dim != cfg.hidden:
+        raise InvalidShapeError(f"head_size={cfg.head_size} x heads={cfg.heads} != hidden={cfg.hidden}: the prefill "
+                                f"builder joins head parts into the hidden width (vmstoolkit.exec.model builds others)")
     g = TaskGraph()
     b, t, h, f, hd = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn, cfg.head_dim
     m = b * t

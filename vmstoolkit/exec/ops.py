@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from vmstoolkit.exec.errors import InvalidGraphError
-from vmstoolkit.exec.graph import TRAIN_OPS, TaskGraph
+from vmstoolkit.exec.graph import MODEL_OPS, TRAIN_OPS, TaskGraph
 from vmstoolkit.kernels import reference as ref
 
 
@@ -20,7 +20,7 @@ def run_op(v, inputs: list[np.ndarray]) -> list[np.ndarray]:
     elif op == "rmsnorm":
         y = ref.rmsnorm(xs[0], xs[1], v.params.get("eps", 1e-6))
     elif op == "rope":
-        y = ref.rope(xs[0], v.params.get("theta", 10000.0))
+        y = ref.rope(xs[0], v.params.get("theta", 10000.0), v.params.get("offset", 0))
     elif op == "attention":
         y = ref.attention(xs[0], xs[1], xs[2])
     elif op == "swiglu":
@@ -31,6 +31,11 @@ def run_op(v, inputs: list[np.ndarray]) -> list[np.ndarray]:
         y = np.concatenate(xs, axis=-1)
     elif op == "copy":
         y = xs[0].copy()
+    elif op in MODEL_OPS:  # their own output dtypes (token ids are int32)
+        from vmstoolkit.kernels.tasks import KERNEL_TASKS
+
+        y = KERNEL_TASKS[op].reference(xs, **v.params)
+        return [np.ascontiguousarray(y).reshape(out_shape)]
     elif op in TRAIN_OPS:
         from vmstoolkit.kernels.tasks import KERNEL_TASKS
 

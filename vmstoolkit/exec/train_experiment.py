@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from vmstoolkit.exec.backends import BackendKind, backend_kind, lower_bound, make_backend
 from vmstoolkit.exec.compiler import working_set
 from vmstoolkit.exec.errors import InvalidBudgetError, InvalidOptionError, InvalidShapeError
 from vmstoolkit.exec.executor import execute
@@ -97,9 +98,8 @@ class _Sim:
         pass
 
     def run(self, plan, executor, values, i):
-        from vmstoolkit.exec.backends.sim import SimBackend
-
-        be = SimBackend(self.cost, seed=self.seed + i, jitter=self.jitter, numerics=self.check, values=values)
+        be = make_backend(BackendKind.sim, cost=self.cost, seed=self.seed + i, jitter=self.jitter, numerics=self.check,
+                          values=values)
         span = execute(plan.memory, be, executor).makespan_s
         self.last = (plan.memory, span, list(be.spans))
         err = None
@@ -109,7 +109,7 @@ class _Sim:
             want, _ = reference_train_step(plan.train, values)
             got = grads_from_updates(plan.train, values, be.result())
             err = max(float(np.max(np.abs(got[n] - want[n]))) for n in want)
-        return span, self.cost.lower_bound(plan.memory)["lower_bound_s"], err
+        return span, lower_bound(BackendKind.sim, plan.memory, cost=self.cost)["lower_bound_s"], err
 
 
 class _Cuda:
@@ -126,13 +126,13 @@ class _Cuda:
             self.pool.close()
 
     def run(self, plan, executor, values, i):
-        from vmstoolkit.exec.backends.cuda import CudaBackend, direct_forward, measure_lower_bound
+        from vmstoolkit.exec.backends.cuda import direct_forward
         from vmstoolkit.exec.backends.host_memory import PinnedPool
 
         self.pool = self.pool or PinnedPool()
         # register, not in place: a step's values are a new dict, so replacing its entries would pin the
         # bucket's weights again every step; registered, they are pinned once
-        be = CudaBackend(values, pin="register", pool=self.pool, timeline=self.timeline)
+        be = make_backend(BackendKind.cuda, values=values, pin="register", pool=self.pool, timeline=self.timeline)
         try:
             res = execute(plan.memory, be, executor)
             out = be.result()
@@ -148,13 +148,16 @@ class _Cuda:
             want = self._direct[key]
             got = grads_from_updates(plan.train, values, out)
             err = max(float(np.max(np.abs(got[n] - want[n]))) for n in want)
-        return res.makespan_s, measure_lower_bound(plan.memory, values)["lower_bound_s"], err
+        return res.makespan_s, lower_bound(BackendKind.cuda, plan.memory, values=values)["lower_bound_s"], err
 
 
-def run_steps(cache: PlanCache, seqs, runner, executor: str, seed: int = 0) -> list[StepRecord]:
-    """Run one training step per length in ``seqs`` through ``cache``'s plans."""
+def run_steps(cache: PlanCache, seqs, runner, executor: str, seed: int = 0,
+              weights: dict[int, dict] | None = None) -> list[StepRecord]:
+    """Run one training step per length in ``seqs`` through ``cache``'s plans. ``weights``:
+    bucket -> random values, drawn once per bucket and kept there for the caller's next call
+    (every budget and executor of one experiment builds the same tensors in the same order)."""
     out = []
-    weights: dict[int, dict] = {}  # bucket -> random values (weights drawn once per bucket)
+    weights = {} if weights is None else weights
     for i, seq in enumerate(seqs):
         before, misses = cache.plan_s, cache.misses
         plan = cache.get(int(seq))
@@ -204,13 +207,36 @@ def step_lengths(seq: int | None, seq_range: tuple[int, int] | None, steps: int 
     return [seq] * (steps or 3)
 
 
+def check_train_host_memory(cfg: LlamaConfig, variant: str, budgets, host_budget: int | None, *, rank: int = 16,
+                            adamw: AdamWConfig | None = None, recompute: bool = False, real: bool = True,
+                            check_grads: bool = True, materialized: bool = True) -> None:
+    """Refuse (:class:`~vmstoolkit.exec.errors.HostBudgetError`, one line) a training run whose
+    plan at one of ``budgets`` needs more host memory than ``host_budget`` (-1: the default
+    budget; None: no check)."""
+    from vmstoolkit.exec.compiler import compile_memory_graph
+    from vmstoolkit.exec.errors import BudgetTooSmallError
+    from vmstoolkit.exec.host_plan import TRAIN_LABELS, check_host_budget, default_host_budget, host_plan
+
+    hb = default_host_budget() if host_budget == -1 else host_budget
+    if hb is None or not materialized:
+        return
+    tg = build_train_step(cfg, variant, rank=rank, adamw=adamw)
+    for budget in budgets:
+        try:
+            mg = compile_memory_graph(tg.graph, budget, recompute=recompute)
+        except BudgetTooSmallError:
+            continue  # the run says so itself
+        check_host_budget(host_plan(mg, sim_numerics=not real, reference=real and check_grads), hb,
+                          labels=TRAIN_LABELS)
+
+
 def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("0.5", "0.25"), *,
                          config: LlamaConfig | None = None, seq: int | None = None,
                          seq_range: tuple[int, int] | None = None, steps: int | None = None, rank: int = 16,
                          executors=EXECUTORS, seed: int = 0, jitter: float = 0.05,
                          check_grads: bool | None = None, adamw: AdamWConfig | None = None,
                          granule: int = DEFAULT_GRANULE, ratio: float = DEFAULT_RATIO,
-                         recompute: bool = False, schedule_dir=None) -> list[dict]:
+                         recompute: bool = False, schedule_dir=None, host_budget: int | None = None) -> list[dict]:
     """Rows of :data:`ROW_KEYS`, one per (budget, executor). Budget fractions are of the
     no-offload working set at the longest bucket of the run. Raises BudgetTooSmallError (naming
     the vertex, its bytes and the budget) when a budget cannot hold one vertex. ``recompute``
@@ -219,7 +245,14 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
     ``schedule_dir``: for each budget, ``schedule_<bytes>B.png`` (the last step's schedule under
     each executor, one above the other: :func:`vmstoolkit.exec.plots.schedules_figure`) and
     ``.json`` (their spans) there; on the cuda backend every vertex is then timed with CUDA events
-    (``CudaBackend(timeline=True)``, a few microseconds of host time each)."""
+    (``CudaBackend(timeline=True)``, a few microseconds of host time each).
+
+    ``host_budget``: bytes of host memory the run may hold (-1: available memory less a margin,
+    :func:`vmstoolkit.exec.host_plan.default_host_budget`; None: no check). Each budget's plan at
+    the longest bucket is added up (:func:`vmstoolkit.exec.host_plan.host_plan`: weights, AdamW
+    moments, updates read back, offload slots, the gradient check's reference) before any value
+    is drawn, and a plan above it raises :class:`~vmstoolkit.exec.errors.HostBudgetError` in one
+    line (issue 32: a 13B-width full fine-tune was killed by the kernel instead)."""
     cfg = config or LlamaConfig()
     seqs = step_lengths(seq, seq_range, steps, seed)
     buckets = {"granule": granule, "ratio": ratio, "max_seq": max(seqs)}
@@ -237,30 +270,31 @@ def run_train_experiment(backend: str = "sim", variant: str = "lora", budgets=("
         return ws_cache[0]
 
     resolved = [parse_budget(b, ws_once) for b in budgets]
+    kind = backend_kind(backend)
     if check_grads is None:
-        if backend == "cuda":
+        if kind.real:
             check_grads = True
         else:
             tg = build_train_step(replace(cfg, seq=longest), variant, rank=rank, adamw=adamw)
             check_grads = sum(v.flops for v in tg.graph.vertices) <= SIM_CHECK_FLOPS
-    if backend == "sim":
-        runner = _Sim(seed, jitter, check_grads)
-    elif backend == "cuda":
-        runner = _Cuda(check_grads)
-    else:
-        raise InvalidOptionError(f"unknown backend {backend!r} (choose 'sim' or 'cuda')")
+    runner = _Cuda(check_grads) if kind.real else _Sim(seed, jitter, check_grads)
     runner.timeline = schedule_dir is not None
+    check_train_host_memory(replace(cfg, seq=longest), variant, resolved, host_budget, rank=rank, adamw=adamw,
+                            recompute=recompute, real=kind.real, check_grads=check_grads,
+                            materialized=runner.needs_values)
     rows = []
+    weights: dict[int, dict] = {}  # bucket -> values, shared by every budget and executor: drawn
+    # once (13 GB of weights at the 13B width took seconds to draw for each executor)
     try:
         for budget in resolved:
             last = {}
             for ex in executors:
                 cache = PlanCache(cfg, variant, budget, rank=rank, adamw=adamw, recompute=recompute, **buckets)
-                recs = run_steps(cache, seqs, runner, ex, seed)
+                recs = run_steps(cache, seqs, runner, ex, seed, weights)
                 rows.append(summarize(budget, ex, variant, recs))
                 last[ex] = runner.last
             if schedule_dir is not None:
-                save_schedules(schedule_dir, budget, last, "simulated" if backend == "sim" else "GPU, CUDA events")
+                save_schedules(schedule_dir, budget, last, "GPU, CUDA events" if kind.real else "simulated")
     finally:
         runner.close()
     return rows

@@ -84,9 +84,12 @@ def build_train_step(cfg: LlamaConfig, variant: str = "lora", *, rank: int = 16,
 
     if variant not in VARIANTS:
         raise InvalidOptionError(f"unknown variant {variant!r} (choose one of {', '.join(VARIANTS)})")
-    if cfg.heads % cfg.kv_heads or cfg.hidden % cfg.heads or cfg.head_dim % 2:
+    if cfg.heads % cfg.kv_heads or (cfg.head_size is None and cfg.hidden % cfg.heads) or cfg.head_dim % 2:
         raise InvalidShapeError(f"heads={cfg.heads}, kv_heads={cfg.kv_heads}, hidden={cfg.hidden}: need heads % kv_heads "
-                         f"== 0 and an even head_dim = hidden / heads")
+                         f"== 0 and an even head_dim (hidden / heads unless head_size is given)")
+    if cfg.qkv_bias and variant != "lora":
+        raise InvalidOptionError("qkv_bias: the full fine-tuning graph trains no biases; the biases are frozen in "
+                                 "the LoRA graph only")
     if variant == "lora" and rank <= 0:
         raise InvalidShapeError(f"LoRA rank must be positive, got {rank}")
     opt = adamw or AdamWConfig()
@@ -143,6 +146,11 @@ def build_train_step(cfg: LlamaConfig, variant: str = "lora", *, rank: int = 16,
             y = act(p + wname.lstrip("w"), (m, n_out))
             op(p + wname[1:], "linear", [xin, w], [y])
             s[wname] = (w, xin)
+            if cfg.qkv_bias and wname in ("wq", "wk", "wv"):  # frozen: dx passes through a bias unchanged
+                bias = g.tensor(p + wname + ".bias", (n_out,), dt, 0, W)
+                yb = act(p + wname.lstrip("w") + "+bias", (m, n_out))
+                op(p + wname[1:] + ".bias", "bias_add", [y, bias], [yb])
+                y = yb
             if lora:
                 la = trainable(p + wname + ".lora_a", (rank, k_in))
                 lb = trainable(p + wname + ".lora_b", (n_out, rank))

@@ -18,6 +18,8 @@ PROJ_IN = {"wq": "xn", "wk": "xn", "wv": "xn", "wo": "a", "wg": "hn", "wu": "hn"
 
 def _proj(wt, name, xin, lora):
     y = R.linear(xin, wt[name])
+    if name + ".bias" in wt:  # Qwen2's q/k/v biases (frozen)
+        y = y + wt[name + ".bias"]
     if lora:
         u = R.linear(xin, wt[name + ".lora_a"])
         y = y + R.linear(u, wt[name + ".lora_b"])

@@ -20,11 +20,41 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, TypeVar
 
 from vmstoolkit.errors import OutOfMemoryError, VmsError
 from vmstoolkit.pools.adaptors import AllocatorAdaptor, unwrap
 from vmstoolkit.pools.base import Allocator, AllocatorStats
+from vmstoolkit.pools.drivers import VMMDriver, make_driver
+
+T = TypeVar("T")
+
+
+def per_device(table: dict[int, T], lock: threading.Lock, device: int, make: Callable[[], T]) -> T:
+    """``table[device]``, made by ``make()`` on first use, once, whichever threads ask at the same
+    time: the lookup takes no lock once the entry exists, and ``make`` runs under ``lock`` (its
+    result enters ``table`` only when it returns, so a failed ``make`` leaves nothing behind).
+    Every integration keeps one bridge per device so (PyTorch, its compiled hook, CuPy).
+    Runtime complexity: O(1) once made.
+
+    >>> table, made = {}, []
+    >>> per_device(table, threading.Lock(), 0, lambda: made.append(0) or "bridge 0")
+    'bridge 0'
+    >>> per_device(table, threading.Lock(), 0, lambda: made.append(0) or "again"), made
+    ('bridge 0', [0])
+    """
+    obj = table.get(device)
+    if obj is None:
+        with lock:
+            obj = table.get(device)
+            if obj is None:
+                obj = table[device] = make()
+    return obj
+
+
+def cuda_driver(device: int) -> VMMDriver:
+    """The real driver of ``device``: the integrations' default ``driver_factory``."""
+    return make_driver("cuda", device=device)
 
 
 class AllocatorBridge:
@@ -103,6 +133,10 @@ class AllocatorBridge:
         with self._inside():
             self.allocator = unwrap(self.allocator, adaptor)
 
+    def held(self):
+        """``with bridge.held():`` the allocator is this thread's alone (re-entering frees queued)."""
+        return self._inside()
+
     @contextmanager
     def _inside(self):
         """The lock, for the cold calls: a free that re-enters meanwhile is queued, as in malloc."""
@@ -147,6 +181,36 @@ def report_failed_malloc(size: int, device: int | None, error: BaseException) ->
     sys.stderr.write(f"vmstoolkit: could not allocate {size} bytes{where} ({type(error).__name__}: {error}); "
                      "the framework gets a null pointer and will fail where it first uses it\n")
     sys.stderr.flush()
+
+
+def pytorch_size(n: int) -> str:
+    """A byte count as PyTorch's allocator writes it in its messages (``format_size``): "100 bytes"
+    up to 1 KiB, then KiB, MiB and GiB with two decimals, each up to and including its unit.
+
+    >>> pytorch_size(1000), pytorch_size(3 << 20), pytorch_size(1 << 30), pytorch_size(3 << 30)
+    ('1000 bytes', '3.00 MiB', '1024.00 MiB', '3.00 GiB')
+    """
+    if n <= 1024:
+        return f"{n} bytes"
+    if n <= 1 << 20:
+        return f"{n / 1024:.2f} KiB"
+    if n <= 1 << 30:
+        return f"{n / (1 << 20):.2f} MiB"
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+OOM_PREFIX = "CUDA out of memory. Tried to allocate "
+"""How PyTorch's own out-of-memory message begins; what accelerate's ``should_reduce_batch_size``
+and Lightning's ``is_oom_error`` look for."""
+
+
+def oom_message(size: int, device: int, free: int, total: int, allocated: int, reserved: int, why: str) -> str:
+    """An out-of-memory message that begins as PyTorch's caching allocator's does, word for word,
+    then gives the allocator's figures and ``why``."""
+    return (f"{OOM_PREFIX}{pytorch_size(size)}. GPU {device} has a total capacity of {pytorch_size(total)} of which "
+            f"{pytorch_size(free)} is free. Of the allocated memory {pytorch_size(allocated)} is allocated by PyTorch, "
+            f"and {pytorch_size(max(0, reserved - allocated))} is reserved by PyTorch but unallocated. "
+            f"vmstoolkit: {why}")
 
 
 # The statistics the compiled shim hands PyTorch (``getDeviceStats``), in this order: the shim's
@@ -217,5 +281,5 @@ class HandleStats:
         return self.memory_stats(device)["allocated_bytes.all.peak"]
 
 
-__all__ = ["AllocatorBridge", "HandleStats", "STAT_KEYS", "report_failed_malloc", "torch_stats", "torch_style_stats",
+__all__ = ["per_device", "cuda_driver", "AllocatorBridge", "HandleStats", "OOM_PREFIX", "STAT_KEYS", "oom_message", "pytorch_size", "report_failed_malloc", "torch_stats", "torch_style_stats",
            "OutOfMemoryError"]

@@ -38,9 +38,8 @@ import threading
 
 from vmstoolkit.errors import DriverOutOfMemoryError, NoGPUError, OutOfMemoryError, VmsError
 from vmstoolkit.integrations import IntegrationHandle
-from vmstoolkit.integrations.bridge import AllocatorBridge
-from vmstoolkit.pools import make_allocator, make_driver
-from vmstoolkit.pools.drivers.base import VMMDriver
+from vmstoolkit.integrations.bridge import AllocatorBridge, cuda_driver, per_device
+from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.registry import check_allocator
 
 _exiting = False  # at interpreter exit the process's memory goes with it: no frees then
@@ -64,10 +63,6 @@ def _import_cupy():
         raise NoGPUError("CuPy sees no CUDA GPU: the CuPy integration needs one (replay works without: "
                          "`vmstoolkit replay`)")
     return cupy
-
-
-def _cuda_driver(device: int) -> VMMDriver:
-    return make_driver("cuda", device=device)
 
 
 class _Owner:
@@ -96,7 +91,7 @@ class CupyHandle(IntegrationHandle):
     def __init__(self, name: str, cupy, driver_factory=None, options: dict | None = None) -> None:
         self.allocator_name = name
         self._cuda = cupy.cuda
-        self._driver_factory = driver_factory or _cuda_driver
+        self._driver_factory = driver_factory or cuda_driver
         self._options = dict(options or {})
         self.bridges: dict[int, AllocatorBridge] = {}
         self._make_lock = threading.Lock()
@@ -108,14 +103,8 @@ class CupyHandle(IntegrationHandle):
         """The device's bridge, its allocator made on first use, once, whichever threads ask."""
         if device is None:
             device = self._cuda.runtime.getDevice()
-        b = self.bridges.get(device)
-        if b is None:
-            with self._make_lock:
-                b = self.bridges.get(device)
-                if b is None:
-                    allocator = make_allocator(self.allocator_name, self._driver_factory(device), **self._options)
-                    b = self.bridges[device] = AllocatorBridge(allocator)
-        return b
+        return per_device(self.bridges, self._make_lock, device, lambda: AllocatorBridge(
+            make_allocator(self.allocator_name, self._driver_factory(device), **self._options)))
 
     def empty_cache(self) -> None:
         """Give every device's cached memory back to the driver."""

@@ -30,12 +30,13 @@ import time
 from contextlib import contextmanager
 
 import numpy as np
-from numba import njit
+from vmstoolkit._jit import njit
 
 from vmstoolkit.errors import IntegrationError
 from vmstoolkit.integrations.abi import ALLOC_FN, FREE_FN  # noqa: F401 (re-exported for callers)
-from vmstoolkit.integrations.bridge import report_failed_malloc, torch_stats
+from vmstoolkit.integrations.bridge import per_device, report_failed_malloc, torch_stats
 from vmstoolkit.integrations.torch import HookBase
+from vmstoolkit.pools.adaptors import past_limit
 from vmstoolkit.pools.base import AllocatorStats
 from vmstoolkit.pools.paged import heap as H
 from vmstoolkit.pools.paged.allocator import G_NSLOTS, MAX_SLOTS, OVERFLOW_BIT, SMALL_SIZE, PagedAllocator
@@ -188,6 +189,7 @@ class NativeHook(HookBase):
         self._driver_factory = driver_factory
         self._options = options
         self.devices: dict[int, NativeDevice] = {}
+        self.limits: dict[int, tuple[int, str]] = {}  # device -> (bytes, what set it), while a memory fraction is set
         self._make_lock = threading.Lock()
         self.slow_alloc_fn = SLOW_ALLOC_FN(self._slow_alloc)
         self.slow_map_fn = SLOW_MAP_FN(self._slow_map)
@@ -230,24 +232,38 @@ class NativeHook(HookBase):
         for nd in self.devices.values():
             nd.g[H.G_BUSY] += 1 if enabled else -1
 
+    def _apply_limit(self, device: int, limit: int | None, why: str) -> None:
+        # while a limit is set, the compiled fast paths defer to Python, which checks it
+        nd = self.device(device)
+        had = device in self.limits
+        if limit is None:
+            self.limits.pop(device, None)
+        else:
+            self.limits[device] = (limit, why)
+        if had != (limit is not None):
+            with nd.allocator.slow_lock:
+                nd.g[H.G_BUSY] += 1 if limit is not None else -1
+
+    def pool_upstream(self, device: int) -> "_NativeUpstream":
+        return _NativeUpstream(self, self.device(device), device)
+
     # -- devices -----------------------------------------------------------------------------
     def device(self, dev: int) -> NativeDevice:
-        nd = self.devices.get(dev)
-        if nd is None:
-            with self._make_lock:
-                nd = self.devices.get(dev)
-                if nd is None:
-                    if not 0 <= dev < MAX_DEVICES:
-                        raise IntegrationError(f"device {dev} is outside 0..{MAX_DEVICES - 1}, the devices the compiled hook serves")
-                    pa = PagedAllocator(self._driver_factory(dev), **self._options)
-                    pa.reserve_ranges()
-                    pa.on_arrays_changed = lambda: _publish(dev, pa)  # block records grown: new addresses
-                    nd = NativeDevice(pa)
-                    if self._recording:
-                        nd.g[H.G_BUSY] += 1
-                    _publish(dev, pa)
-                    self.devices[dev] = nd
-        return nd
+        def make() -> NativeDevice:
+            if not 0 <= dev < MAX_DEVICES:
+                raise IntegrationError(f"device {dev} is outside 0..{MAX_DEVICES - 1}, the devices the compiled hook serves")
+            pa = PagedAllocator(self._driver_factory(dev), **self._options)
+            pa.reserve_ranges()
+            pa.on_arrays_changed = lambda: _publish(dev, pa)  # block records grown: new addresses
+            nd = NativeDevice(pa)
+            if self._recording:
+                nd.g[H.G_BUSY] += 1
+            if dev in self.limits:
+                nd.g[H.G_BUSY] += 1
+            _publish(dev, pa)
+            return nd
+
+        return per_device(self.devices, self._make_lock, dev, make)
 
     # -- the slow paths (called from the cfuncs, holding the GIL) -----------------------------
     @contextmanager
@@ -280,12 +296,18 @@ class NativeHook(HookBase):
                 report_failed_malloc(size, dev, e)
             return 0
         with self._working(nd, size, dev):
+            self._check_limit(nd, size, dev)
             addr = nd.allocator.alloc_block(size, stream)
             count_alloc(nd.g, size)
             if self._recording:
                 self.history.record("alloc", dev, addr, size, stream)
             return addr
         return 0
+
+    def _check_limit(self, nd: NativeDevice, size: int, dev: int) -> None:
+        lim = self.limits.get(dev)
+        if lim is not None and int(nd.g[G_ALLOC_BYTES]) + size > lim[0]:
+            raise past_limit(self.allocator_name, size, int(nd.g[G_ALLOC_BYTES]), lim[0], nd.allocator.driver, lim[1])
 
     def _slow_map(self, dev: int, which: int, start: int, n: int, size: int, stream: int) -> int:
         nd = self.devices[dev]
@@ -317,6 +339,37 @@ class NativeHook(HookBase):
                 nd.g[G_BAD_FREES] += 1
         except Exception as e:
             nd.last_error = self.last_error = e
+
+
+class _NativeUpstream:
+    """A device of the compiled hook as the private pools' upstream: the slow path's calls, with
+    the hook's counters and its history, errors raised (the pool callbacks catch them)."""
+
+    def __init__(self, hook: NativeHook, nd: NativeDevice, dev: int) -> None:
+        self.hook, self.nd, self.dev = hook, nd, dev
+        self.sizes: dict[int, int] = {}  # address -> size of the blocks it handed out
+
+    def allocate(self, size: int, stream: int = 0) -> int:
+        nd, pa = self.nd, self.nd.allocator
+        with pa.slow_lock, pa.driver.bound():
+            nd.g[H.G_BUSY] += 1
+            try:
+                self.hook._check_limit(nd, size, self.dev)
+                addr = pa.alloc_block(size, stream)
+            except Exception as e:
+                nd.last_error = e
+                nd.failed_mallocs += 1
+                raise
+            finally:
+                nd.g[H.G_BUSY] -= 1
+            count_alloc(nd.g, size)
+        self.sizes[addr] = size
+        if self.hook._recording:
+            self.hook.history.record("alloc", self.dev, addr, size, stream)
+        return addr
+
+    def free(self, addr: int, stream: int | None = None) -> None:
+        self.hook._slow_free(addr, self.sizes.pop(addr, 0), self.dev, stream or 0)
 
 
 def _publish(dev: int, pa: PagedAllocator) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("csrc") / "torch_shim.cpp"
-NAME = "vmstoolkit_torch_shim_v5"  # bump with any change to the source's interface
+NAME = "vmstoolkit_torch_shim_v6"  # bump with any change to the source's interface
 
 
 def load():

@@ -54,7 +54,7 @@ import numpy as np
 
 from vmstoolkit.errors import KernelError
 
-from . import reference
+from . import model_ops, reference
 from .adamw import adamw
 from .attention import attention
 from .attention_backward import attention_backward
@@ -159,14 +159,14 @@ def _rmsnorm_flops(shapes, **params):
 # ---- rope ---------------------------------------------------------------------------------
 
 
-def _rope_ref(inputs, theta: float = 10000.0, **params):
-    _check_call("rope", 1, ("theta",), inputs, None, params)
-    return reference.rope(inputs[0], theta)
+def _rope_ref(inputs, theta: float = 10000.0, offset: int = 0, **params):
+    _check_call("rope", 1, ("theta", "offset"), inputs, None, params)
+    return reference.rope(inputs[0], theta, offset)
 
 
-def _rope_launch(stream, inputs, outputs, theta: float = 10000.0, **params):
-    _check_call("rope", 1, ("theta",), inputs, outputs, params)
-    rope(inputs[0], outputs[0], theta, 0, stream)
+def _rope_launch(stream, inputs, outputs, theta: float = 10000.0, offset: int = 0, **params):
+    _check_call("rope", 1, ("theta", "offset"), inputs, outputs, params)
+    rope(inputs[0], outputs[0], theta, offset, stream)
 
 
 def _rope_flops(shapes, **params):
@@ -319,6 +319,32 @@ _TRAIN = (
 )
 
 
+# ---- the whole model: embedding, biases, rows, the KV cache, decoding (model_ops.py) ----------
+# (inputs, params, outputs): embedding ids (T,) int32, table (V, H) -> (T, H); bias_add x (M, N),
+# b (N,) -> (M, N); take_rows x (M, N), lo, hi -> (hi - lo, N); append_rows cache (T, N), new
+# (R, N) -> (T + R, N); attention_cached q (B, Tq, nh, hd), k, v (B, Tk, nkv, hd) -> like q
+# (query i at position Tk - Tq + i); argmax x (R, V) -> (R,) int32.
+
+_MODEL = (
+    _train_task("embedding", 2, model_ops.embedding_ref, lambda s, i, o: model_ops.embedding(i[0], i[1], o[0], s),
+                lambda sh, **p: 0.0, lambda sh, **p: [(sh[0][0], sh[1][1])]),
+    _train_task("bias_add", 2, model_ops.bias_add_ref, lambda s, i, o: model_ops.bias_add(i[0], i[1], o[0], s),
+                lambda sh, **p: float(_numel(sh[0])), lambda sh, **p: [tuple(sh[0])]),
+    _train_task("take_rows", 1, model_ops.take_rows_ref,
+                lambda s, i, o, lo, hi: model_ops.take_rows(i[0], o[0], lo, s),
+                lambda sh, **p: 0.0, lambda sh, lo, hi, **p: [(hi - lo, sh[0][1])], ("lo", "hi")),
+    _train_task("append_rows", 2, model_ops.append_rows_ref,
+                lambda s, i, o: model_ops.append_rows(i[0], i[1], o[0], s),
+                lambda sh, **p: 0.0, lambda sh, **p: [(sh[0][0] + sh[1][0], sh[0][1])]),
+    _train_task("attention_cached", 3, model_ops.attention_cached_ref,
+                lambda s, i, o: model_ops.attention_cached(i[0], i[1], i[2], o[0], s),
+                lambda sh, **p: 4.0 * sh[0][0] * sh[0][1] * sh[0][2] * sh[0][3] * sh[1][1],
+                lambda sh, **p: [tuple(sh[0])]),
+    _train_task("argmax", 1, model_ops.argmax_ref, lambda s, i, o: model_ops.argmax(i[0], o[0], s),
+                lambda sh, **p: float(_numel(sh[0])), lambda sh, **p: [(sh[0][0],)]),
+)
+
+
 KERNEL_TASKS: dict[str, KernelTask] = {
     t.name: t
     for t in (
@@ -327,7 +353,7 @@ KERNEL_TASKS: dict[str, KernelTask] = {
         KernelTask("rmsnorm", _rmsnorm_ref, _rmsnorm_launch, _rmsnorm_flops,
                    _bytes(_same_shape_out), _same_shape_out, 2, ("eps",)),
         KernelTask("rope", _rope_ref, _rope_launch, _rope_flops, _bytes(_same_shape_out),
-                   _same_shape_out, 1, ("theta",)),
+                   _same_shape_out, 1, ("theta", "offset")),
         KernelTask("attention", _attention_ref, _attention_launch, _attention_flops,
                    _bytes(_same_shape_out), _same_shape_out, 3),
         KernelTask("swiglu", _swiglu_ref, _swiglu_launch, lambda s, **p: 5.0 * _numel(s[0]),
@@ -336,5 +362,6 @@ KERNEL_TASKS: dict[str, KernelTask] = {
                    lambda s, **p: 1.0 * _numel(s[0]), _bytes(_same_shape_out),
                    _same_shape_out, 2),
         *_TRAIN,
+        *_MODEL,
     )
 }

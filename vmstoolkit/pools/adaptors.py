@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import gzip
 import pickle
+import sys
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,9 +41,10 @@ from typing import Iterator, Mapping
 
 from vmstoolkit.errors import ConfigError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator, AllocatorStats
-from vmstoolkit.units import MiB, format_size, parse_size
+from vmstoolkit.pools.constants import SMALL_SIZE
+from vmstoolkit.units import format_size, parse_size
 
-SMALL_POOL_MAX = 1 * MiB
+SMALL_POOL_MAX = SMALL_SIZE
 """Requests up to this size count in the ``small_pool`` statistics, larger ones in ``large_pool``:
 PyTorch's caching allocator's boundary (``kSmallSize``), so ``memory_stats()`` reads alike."""
 
@@ -171,12 +174,13 @@ class LimitingAdaptor(AllocatorAdaptor):
     per free (the size, from the upstream).
     """
 
-    def __init__(self, upstream: Allocator, limit: int | str) -> None:
+    def __init__(self, upstream: Allocator, limit: int | str, why: str = "") -> None:
         super().__init__(upstream)
         self.limit = parse_size(limit)
         if self.limit <= 0:
             raise ConfigError(f"limit must be a positive size, got {limit!r}")
-        self._allocated = 0
+        self.why = why  # what set the limit, for the error (e.g. "set_per_process_memory_fraction(0.05)")
+        self._allocated = upstream.allocated_bytes  # allocations made before wrapping count, and their frees
         self._refused = 0
 
     @property
@@ -187,10 +191,7 @@ class LimitingAdaptor(AllocatorAdaptor):
     def allocate(self, size: int, stream: int = 0) -> int:
         if isinstance(size, int) and self._allocated + size > self.limit:
             self._refused += 1
-            raise OutOfMemoryError(
-                f"{self.name}: out of memory: a request of {size} bytes ({format_size(size)}) with "
-                f"{self._allocated} bytes allocated would pass the limit of {self.limit} bytes ({format_size(self.limit)})",
-                requested=size, reserved=self.driver.physical_bytes, capacity=self.driver.capacity, limit=self.limit)
+            raise past_limit(self.name, size, self._allocated, self.limit, self.driver, self.why)
         addr = self.upstream.allocate(size, stream)
         self._allocated += size
         return addr
@@ -210,6 +211,16 @@ class LimitingAdaptor(AllocatorAdaptor):
     def _check(self) -> None:
         super()._check()
         assert 0 <= self._allocated <= self.limit, f"{self._allocated} bytes allocated through a limit of {self.limit}"
+
+
+def past_limit(name: str, size: int, allocated: int, limit: int, driver, why: str = "") -> OutOfMemoryError:
+    """The error for a request of ``size`` bytes that would take ``allocated`` past ``limit``
+    (:class:`LimitingAdaptor`'s, and the compiled ``paged`` hook's under a memory fraction)."""
+    by = f" set by {why}" if why else ""
+    return OutOfMemoryError(
+        f"{name}: out of memory: a request of {size} bytes ({format_size(size)}) with {allocated} bytes allocated "
+        f"would pass the limit of {limit} bytes ({format_size(limit)}){by}",
+        requested=size, reserved=driver.physical_bytes, capacity=driver.capacity, limit=limit)
 
 
 # -- statistics -------------------------------------------------------------------------------
@@ -383,47 +394,130 @@ class StatisticsAdaptor(AllocatorAdaptor):
 
 
 # -- snapshot-format logging ----------------------------------------------------------------------
+SNAPSHOT_KEYS = ("segments", "device_traces", "allocator_settings", "external_annotations")
+"""The keys of ``torch.cuda.memory._snapshot()``'s dict (PyTorch 2.11), all written by :meth:`SnapshotLog.snapshot`."""
+SEGMENT_KEYS = ("device", "address", "total_size", "allocated_size", "active_size", "requested_size", "stream",
+                "segment_type", "segment_pool_id", "is_expandable", "frames", "blocks")
+BLOCK_KEYS = ("address", "size", "requested_size", "state", "frames")
+TRACE_KEYS = ("action", "addr", "size", "stream", "time_us", "frames")
+FRAME_KEYS = ("filename", "line", "name")
+
+_OWN_DIRS = tuple(str(Path(__file__).resolve().parent.parent / d) for d in ("pools", "integrations"))
+
+
+def python_frames(skip_own: bool = True, limit: int = 64) -> list[dict]:
+    """The calling thread's Python stack, innermost first, as PyTorch's snapshots write frames
+    (``filename``, ``line``, ``name``), without vmstoolkit's own allocator and integration frames.
+    Cost: a few microseconds per frame."""
+    f = sys._getframe(1)
+    out = []
+    while f is not None and len(out) < limit:
+        code = f.f_code
+        if not (skip_own and code.co_filename.startswith(_OWN_DIRS)):
+            out.append({"filename": code.co_filename, "line": f.f_lineno, "name": code.co_name})
+        f = f.f_back
+    return out
+
+
 class SnapshotLog:
     """Allocation events in PyTorch's memory-snapshot format, per device: what
     ``torch.cuda.memory._snapshot()`` returns (``device_traces`` of ``alloc`` /
     ``free_completed`` / ``oom`` entries with ``addr``, ``size``, ``stream``, ``time_us``,
-    ``frames``; no ``segments``), so the loader reads it back and replay replays it.
+    ``frames``; ``segments`` of the blocks live when the snapshot is taken, given to
+    :meth:`snapshot`), so the loader reads it back, replay replays it and ``torch.cuda._memory_viz``
+    draws it. The one writer of the format in vmstoolkit.
 
-    Keeps at most ``max_entries`` events per device (later ones are counted in ``dropped``), as
-    ``_record_memory_history(max_entries=)`` bounds its ring, but keeps the first ones: a replay
-    needs a run's beginning. ``settings`` becomes the snapshot's ``allocator_settings``.
+    Keeps at most ``max_entries`` events per device: with ``keep="first"`` the first ones (a
+    replay needs a run's beginning; later ones are counted in ``dropped``), with ``keep="last"``
+    the latest, as ``_record_memory_history(max_entries=)`` keeps its ring. ``stacks="python"``
+    writes each event's Python frames (:func:`python_frames`), and keeps those of every live
+    allocation for the segments' blocks; ``trace=False`` keeps only those (PyTorch's
+    ``enabled="state"``). ``settings`` becomes the snapshot's ``allocator_settings``.
     """
 
-    def __init__(self, max_entries: int = 1_000_000, settings: dict | None = None) -> None:
+    def __init__(self, max_entries: int = 1_000_000, settings: dict | None = None, *, keep: str = "first",
+                 stacks: str | None = None, trace: bool = True) -> None:
+        if keep not in ("first", "last"):
+            raise ConfigError(f"keep must be 'first' or 'last', got {keep!r}")
+        if stacks not in (None, "python"):
+            raise ConfigError(f"stacks must be None or 'python', got {stacks!r}")
+        if max_entries < 1:
+            raise ConfigError(f"max_entries must be at least 1, got {max_entries}")
         self.max_entries = max_entries
+        self.keep = keep
+        self.stacks = stacks
+        self.trace = trace
         self.settings = dict(settings or {})
-        self.device_traces: dict[int, list[dict]] = {}
+        self.device_traces: dict[int, deque] = {}
+        self.live_frames: dict[tuple[int, int], list] = {}  # (device, address) -> frames of its allocation
+        self.skip: frozenset[str] = frozenset()  # actions not recorded (``skip_actions``)
         self.dropped = 0
 
     def record(self, action: str, device: int, addr: int, size: int, stream: int, **more) -> None:
-        """Append one entry (``more``: further keys, e.g. ``device_free`` of an ``oom``). Cost: one dict."""
-        events = self.device_traces.setdefault(device, [])
-        if len(events) < self.max_entries:
-            events.append({"action": action, "addr": addr, "size": size, "stream": stream,
-                           "time_us": int(time.time() * 1e6), "frames": [], **more})
-        else:
+        """Append one entry (``more``: further keys, e.g. ``device_free`` of an ``oom``). Cost: one
+        dict, and the frames when ``stacks`` asks for them."""
+        frames = python_frames() if self.stacks else []
+        if self.stacks:
+            if action == "alloc":
+                self.live_frames[(device, addr)] = frames
+            elif action == "free_completed":
+                self.live_frames.pop((device, addr), None)
+        if not self.trace or action in self.skip:
+            return
+        events = self.device_traces.get(device)
+        if events is None:
+            events = self.device_traces[device] = deque(maxlen=self.max_entries if self.keep == "last" else None)
+        if self.keep == "first" and len(events) >= self.max_entries:
             self.dropped += 1
+            return
+        if self.keep == "last" and len(events) == events.maxlen:
+            self.dropped += 1
+        events.append({"action": action, "addr": addr, "size": size, "stream": stream,
+                       "time_us": int(time.time() * 1e6), "frames": frames, **more})
 
     def clear(self) -> None:
         self.device_traces.clear()
+        self.live_frames.clear()
         self.dropped = 0
 
-    def snapshot(self) -> dict:
-        """The log as a snapshot dict (devices without events get an empty trace)."""
-        n = max(self.device_traces, default=-1) + 1
-        return {"segments": [], "device_traces": [list(self.device_traces.get(d, [])) for d in range(n)],
-                "allocator_settings": dict(self.settings)}
+    def resize(self, max_entries: int) -> None:
+        """Keep at most ``max_entries`` events per device from now on (the latest, for ``keep="last"``)."""
+        if max_entries < 1:
+            raise ConfigError(f"max_entries must be at least 1, got {max_entries}")
+        self.max_entries = max_entries
+        if self.keep == "last":
+            self.device_traces = {d: deque(ev, maxlen=max_entries) for d, ev in self.device_traces.items()}
 
-    def dump(self, path: str | Path) -> Path:
+    def snapshot(self, live: list[tuple] | None = None, *, include_traces: bool = True,
+                 pool: tuple[int, int] | None = None) -> dict:
+        """The log as a snapshot dict: ``device_traces`` (devices without events get an empty
+        trace; none with ``include_traces=False``) and one segment of one ``active_allocated``
+        block per live allocation in ``live`` (``(address, size, device, stream, pool id)``; only
+        those of ``pool`` when given). vmstoolkit's allocators have no segments of PyTorch's kind:
+        a segment here is the block itself, so the segments add up to the bytes allocated, not
+        reserved."""
+        segments = []
+        for addr, size, device, stream, pool_id in sorted(live or (), key=lambda b: (b[2], b[0])):
+            pool_id = tuple(pool_id)
+            if pool is not None and pool_id != tuple(pool):
+                continue
+            frames = self.live_frames.get((device, addr), [])
+            segments.append({
+                "device": device, "address": addr, "total_size": size, "allocated_size": size, "active_size": size,
+                "requested_size": size, "stream": stream, "segment_type": "small" if size <= SMALL_POOL_MAX else "large",
+                "segment_pool_id": pool_id, "is_expandable": False, "frames": [],
+                "blocks": [{"address": addr, "size": size, "requested_size": size, "state": "active_allocated",
+                            "frames": frames}]})
+        n = max([*self.device_traces, *(s["device"] for s in segments)], default=-1) + 1
+        traces = [list(self.device_traces.get(d, ())) if include_traces else [] for d in range(n)]
+        return {"segments": segments, "device_traces": traces, "allocator_settings": dict(self.settings),
+                "external_annotations": []}
+
+    def dump(self, path: str | Path, live: list[tuple] | None = None) -> Path:
         """Write :meth:`snapshot` to ``path`` as a pickle (gzipped when the name ends in ``.gz``),
         as ``torch.cuda.memory._dump_snapshot`` does; ``vmstoolkit replay PATH`` replays it."""
         path = Path(path)
-        data = pickle.dumps(self.snapshot(), protocol=4)
+        data = pickle.dumps(self.snapshot(live), protocol=4)
         path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
         return path
 
@@ -463,5 +557,6 @@ class SnapshotLoggingAdaptor(AllocatorAdaptor):
         return self.log.dump(path)
 
 
-__all__ = ["AllocatorAdaptor", "LimitingAdaptor", "SMALL_POOL_MAX", "SnapshotLog", "SnapshotLoggingAdaptor",
-           "Statistics", "StatisticsAdaptor", "unwrap"]
+__all__ = ["AllocatorAdaptor", "BLOCK_KEYS", "FRAME_KEYS", "LimitingAdaptor", "SEGMENT_KEYS", "SMALL_POOL_MAX",
+           "SNAPSHOT_KEYS", "SnapshotLog", "SnapshotLoggingAdaptor", "Statistics", "StatisticsAdaptor", "TRACE_KEYS",
+           "past_limit", "unwrap"]

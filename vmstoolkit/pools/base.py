@@ -21,6 +21,8 @@ their peak, and read physical bytes from the driver. Subclasses implement ``_all
 
 from __future__ import annotations
 
+import numbers
+import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -29,7 +31,14 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from vmstoolkit.errors import DoubleFreeError, DriverError, InvalidFreeError, InvalidSizeError, OutOfMemoryError
+from vmstoolkit.errors import (
+    AllocatorClosedError,
+    DoubleFreeError,
+    DriverError,
+    InvalidFreeError,
+    InvalidSizeError,
+    OutOfMemoryError,
+)
 from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.streams import DeferredFrees
 
@@ -62,14 +71,18 @@ class AllocatorStats:
 
     @property
     def utilization(self) -> float:
-        """Peak allocated / peak reserved (1.0 when nothing was reserved)."""
+        """Peak allocated / peak reserved (1.0 when nothing was reserved). Runtime complexity: O(1)."""
         return self.peak_allocated_bytes / self.peak_reserved_bytes if self.peak_reserved_bytes else 1.0
 
     @property
     def fragmentation(self) -> float:
+        """1 - :attr:`utilization`: the share of the peak reserved bytes that held no request.
+        Runtime complexity: O(1)."""
         return 1.0 - self.utilization
 
     def as_dict(self) -> dict:
+        """The fields as a plain dict, with ``utilization`` and ``fragmentation``. Runtime
+        complexity: O(fields + driver operations + pools)."""
         d = asdict(self)
         d["utilization"] = self.utilization
         d["fragmentation"] = self.fragmentation
@@ -132,6 +145,12 @@ class Allocator(ABC):
     """``"module:Class"`` of compiled entry points that serve PyTorch (see
     :func:`vmstoolkit.integrations.torch.make_handle`); None: Python callbacks serve it."""
 
+    recorded_settings_option: str | None = None
+    """The option that takes the allocator settings a snapshot recorded
+    (:func:`vmstoolkit.trace.settings.options_with_settings`): ``"config"`` for the PyTorch
+    simulations, which replay a trace under the settings it ran with; None: the allocator's own
+    options alone apply."""
+
     counts: Mapping[str, int] = MappingProxyType({})
     """How many requests each of the allocator's paths served (``{"exact": 3, "split": 1, ...}``
     for ``vms``); empty for an allocator with one path. Replay reports it as ``extra["paths"]``."""
@@ -147,7 +166,12 @@ class Allocator(ABC):
         self._total_frees = 0
         self._total_bytes = 0
         self._num_ooms = 0
-        self._streams = DeferredFrees(driver, self._free, streams_apart=self.streams_apart)
+        self._closed = False
+        # A weak reference back: with ``self._free`` itself the allocator would sit in a reference
+        # cycle and be freed only by the cyclic collector, which does not count the arrays it
+        # holds (85 MB for paged on an H200-sized device): a loop making allocators grew by GBs.
+        free = weakref.WeakMethod(self._free)
+        self._streams = DeferredFrees(driver, lambda addr: free()(addr), streams_apart=self.streams_apart)
 
     # -- the protocol ----------------------------------------------------------------------
     def allocate(self, size: int, stream: int = 0) -> int:
@@ -156,9 +180,16 @@ class Allocator(ABC):
         Raises :class:`~vmstoolkit.errors.InvalidSizeError` for a size of zero or below and
         :class:`~vmstoolkit.errors.OutOfMemoryError` when physical memory cannot serve it, even
         after waiting for every held free (see :mod:`~vmstoolkit.pools.streams`).
+
+        Runtime complexity: O(1) of bookkeeping plus the allocator's own placement (each
+        allocator's class docstring states it); with several streams, plus the held frees whose
+        events completed (each given back once) and one ``cuEventQuery`` while batches wait.
         """
+        if self._closed:
+            raise AllocatorClosedError(f"{self.name}: allocate({size!r}) after close(): the allocator is closed")
         if not isinstance(size, int) or isinstance(size, bool):
             raise InvalidSizeError(f"allocation size must be an integer, got {size!r}")
+        stream = self._stream(stream, "allocate")
         if size <= 0:
             raise InvalidSizeError(f"allocation size must be positive, got {size}")
         if size > self.driver.capacity:  # no allocator can serve it: say so before touching the driver
@@ -202,8 +233,18 @@ class Allocator(ABC):
         a stream other than the allocation's counts as a use on it, as ``record_stream`` does.
         An address that no live allocation starts at raises
         :class:`~vmstoolkit.errors.DoubleFreeError` (recently freed) or
-        :class:`~vmstoolkit.errors.InvalidFreeError` (unknown), and changes nothing.
+        :class:`~vmstoolkit.errors.InvalidFreeError` (unknown, or not an integer), and changes
+        nothing; after :meth:`close`, :class:`~vmstoolkit.errors.AllocatorClosedError`.
+
+        Runtime complexity: O(1) of bookkeeping plus the allocator's own free (its class
+        docstring); a free held for other streams' work costs O(1) now and the allocator's free
+        when its event completes.
         """
+        if self._closed:
+            raise AllocatorClosedError(f"{self.name}: free({addr!r:.60}) after close(): the allocator is closed")
+        self._free_live(self._address(addr, "free"), None if stream is None else self._stream(stream, "free"))
+
+    def _free_live(self, addr: int, stream: int | None = None) -> None:
         size = self._live.get(addr)
         if size is None:
             if addr in self._recently_freed:
@@ -220,10 +261,27 @@ class Allocator(ABC):
 
     def record_stream(self, addr: int, stream: int) -> None:
         """Work on ``stream`` uses the live allocation at ``addr``: once freed, it is not reused
-        before that work, as queued up to the free, has finished (``Tensor.record_stream``)."""
+        before that work, as queued up to the free, has finished (``Tensor.record_stream``).
+        Runtime complexity: O(1)."""
+        addr, stream = self._address(addr, "record_stream"), self._stream(stream, "record_stream")
         if addr not in self._live:
             raise InvalidFreeError(f"record_stream of address {addr:#x}, which is not a live allocation")
         self._streams.record(addr, stream, self._streams.own_stream(addr))
+
+    def _address(self, addr, call: str) -> int:
+        """``addr`` as an ``int`` (numpy's integers too), or the invalid-free error for a value that
+        is no address (a float, a string, None, a bool), which the hex in later messages cannot format."""
+        if isinstance(addr, bool) or not isinstance(addr, numbers.Integral):
+            raise InvalidFreeError(f"{self.name}: {call} of {addr!r:.60}: an address is an integer")
+        return int(addr)
+
+    def _stream(self, stream, call: str) -> int:
+        """``stream`` as an ``int`` (a CUDA stream handle, as PyTorch passes it: 0 is the default
+        stream), or a one-line error for anything else: a string, None, a float, a bool, or a
+        value outside int64, which the compiled paths store."""
+        if isinstance(stream, bool) or not isinstance(stream, numbers.Integral) or not -(1 << 63) <= stream < (1 << 63):
+            raise InvalidSizeError(f"{self.name}: {call} on stream {stream!r:.60}: a stream is an int64 handle")
+        return int(stream)
 
     def _free_streamed(self, addr: int, size: int, stream: int | None) -> None:
         """Free now when no other stream's queued work can use the block; else hold it."""
@@ -243,17 +301,69 @@ class Allocator(ABC):
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes of live requests now (cheap: no stats object)."""
+        """Bytes of live requests now (no stats object). Runtime complexity: O(1)."""
         return self._allocated
 
+    # -- bookkeeping for compiled paths ----------------------------------------------------
+    COUNTERS = ("allocated", "peak_allocated", "count", "peak_count", "total_allocs", "total_frees", "total_bytes")
+    """The request counters, in the order :meth:`export_counters` lays them out."""
+
+    def export_counters(self) -> np.ndarray:
+        """The request counters as a fresh int64 array laid out as :data:`COUNTERS`, for a
+        compiled path that serves requests outside :meth:`allocate` and :meth:`free` (``paged``'s
+        compiled replay) to keep while it runs; it hands them back with :meth:`report_compiled`.
+        Cost: O(1)."""
+        return np.array([self._allocated, self._peak_allocated, len(self._live), self._peak_count,
+                         self._total_allocs, self._total_frees, self._total_bytes], np.int64)
+
+    def stream_home(self) -> int | None:
+        """The one stream seen so far (``None`` before the first request), which a compiled
+        path needs to tell a single-stream run from a multi-stream one."""
+        return self._streams.home
+
+    def block_streams(self) -> dict[int, int]:
+        """address -> stream of every block the stream bookkeeping places off :meth:`stream_home` (a copy)."""
+        return dict(self._streams.stream_of)
+
+    def report_compiled(self, counters, *, live: dict[int, int], stream_of: dict[int, int], home: int | None,
+                        freed: list[int]) -> None:
+        """Take back what a compiled path did, as if every request had gone through
+        :meth:`allocate` and :meth:`free`: ``counters`` (:data:`COUNTERS`; the live count is
+        ``len(live)``), every live allocation (address -> requested size, in allocation order),
+        the stream of each one not on ``home``, ``home`` itself, and the addresses freed, oldest
+        first (the latest :data:`_FREED_MEMORY` are remembered to name a double free).
+        Cost: O(live + freed)."""
+        (self._allocated, self._peak_allocated, _, self._peak_count, self._total_allocs, self._total_frees,
+         self._total_bytes) = (int(x) for x in counters[:7])
+        self._live = live
+        self._streams.home = home
+        self._streams.stream_of = stream_of
+        rf = self._recently_freed
+        for p in list(rf):
+            if p in live:
+                del rf[p]
+        for p in freed:
+            rf.pop(p, None)
+            rf[p] = None
+        while len(rf) > _FREED_MEMORY:
+            rf.popitem(last=False)
+
+    def note_oom(self) -> None:
+        """Count an out-of-memory failure met on a compiled path (as :meth:`allocate` counts its own)."""
+        self._num_ooms += 1
+
     def size_of(self, addr: int) -> int:
-        """The requested size of the live allocation at ``addr``."""
+        """The requested size of the live allocation at ``addr``. Runtime complexity: O(1)."""
+        addr = self._address(addr, "size_of")
         try:
             return self._live[addr]
         except KeyError:
             raise InvalidFreeError(f"no live allocation at address {addr:#x}") from None
 
     def stats(self) -> AllocatorStats:
+        """The counters now, as a new :class:`AllocatorStats` (requested bytes and counts with
+        their peaks, reserved bytes from the driver, totals, out-of-memory count, driver calls).
+        Runtime complexity: O(driver operations), for the copy of the call counts."""
         return AllocatorStats(
             allocated_bytes=self._allocated,
             peak_allocated_bytes=self._peak_allocated,
@@ -269,12 +379,15 @@ class Allocator(ABC):
         )
 
     def reset_peak_stats(self) -> None:
+        """Start the peaks (allocated bytes and count, reserved bytes) again from the current
+        values. Runtime complexity: O(1)."""
         self._peak_allocated = self._allocated
         self._peak_count = len(self._live)
         self.driver.reset_peak()
 
     def reset_accumulated_stats(self) -> None:
-        """Zero the running totals (allocations, frees, bytes ever requested, out-of-memory count)."""
+        """Zero the running totals (allocations, frees, bytes ever requested, out-of-memory count).
+        Runtime complexity: O(1)."""
         self._total_allocs = self._total_frees = self._total_bytes = self._num_ooms = 0
 
     def _held_by_core(self) -> dict[int, int]:
@@ -283,12 +396,14 @@ class Allocator(ABC):
         return {**self._live, **self._streams.held()}
 
     def live_allocations(self) -> dict[int, int]:
-        """address -> requested size of every live allocation (a copy)."""
+        """address -> requested size of every live allocation (a copy). Runtime complexity: O(live)."""
         return dict(self._live)
 
     def empty_cache(self) -> None:
         """Give every cached byte that no live allocation uses back to the driver (after the
-        device has finished the work queued on blocks freed by other streams)."""
+        device has finished the work queued on blocks freed by other streams).
+        Runtime complexity: O(cached blocks), each given back with its driver calls; with held
+        frees, one device synchronize first."""
         self._streams.drain()
         self._empty_cache()
 
@@ -299,12 +414,17 @@ class Allocator(ABC):
         """Free every live allocation and give everything back to the driver.
 
         Keeps going past driver errors (their steps wait in the graveyard and are retried by
-        the final ``empty_cache``); the first error is raised at the end.
+        the final ``empty_cache``); the first error is raised at the end. Afterwards the allocator
+        refuses :meth:`allocate` and :meth:`free` (:class:`~vmstoolkit.errors.AllocatorClosedError`);
+        a second ``close`` retries what the graveyard still holds.
+
+        Runtime complexity: O(live) frees, then :meth:`empty_cache`.
         """
+        self._closed = True
         first: DriverError | None = None
         for addr in list(self._live):
             try:
-                self.free(addr)
+                self._free_live(addr)
             except DriverError as e:
                 first = first or e
         self.empty_cache()
@@ -313,17 +433,21 @@ class Allocator(ABC):
 
     def path_counts(self) -> dict:
         """:attr:`counts` and any further counters the allocator keeps about its decisions (a copy;
-        ``paged`` adds its placement searches); empty for an allocator with one path."""
+        ``paged`` adds its placement searches); empty for an allocator with one path.
+        Runtime complexity: O(paths)."""
         return dict(self.counts)
 
     def compiled_replay(self, events: ReplayArrays) -> CompiledReplay | None:
         """Replay ``events`` in compiled code, with exactly the state and figures that calling
         :meth:`allocate` and :meth:`free` event by event gives; None when this allocator has no
-        compiled path (the replay then calls the protocol)."""
+        compiled path (the replay then calls the protocol). Runtime complexity: O(events) in
+        compiled code, plus the slow steps it hands back to Python (driver work)."""
         return None
 
     def _check(self) -> None:
-        """Assert every invariant of the allocator; raises ``AssertionError`` naming the broken one."""
+        """Assert every invariant of the allocator; raises ``AssertionError`` naming the broken one.
+        For tests and stress runs: runtime complexity O(live + cached blocks) or more (subclasses
+        walk their pools and the driver's resources)."""
         assert self._allocated == sum(self._live.values()), "allocated bytes disagree with live allocations"
 
     # -- what subclasses provide ----------------------------------------------------------

@@ -1,32 +1,33 @@
-"""Every allocator's options, as documented dataclasses checked in one place.
+"""Every allocator's options, as documented dataclasses: the one place they are converted,
+checked and defaulted.
 
-Each allocator that takes options has a frozen dataclass here whose fields are its keyword
-options, each with its type, range and meaning. Constructing one converts and checks every
-field (``"2"`` -> ``2.0``, ``"64MiB"`` -> bytes, ``"false"`` -> ``False``) and raises
+Each allocator registers with its options class (``@register_allocator("vms", VmsOptions)``,
+:mod:`vmstoolkit.pools.registry`): a frozen dataclass whose fields are its options, each with its
+type, range, default and meaning. Constructing one converts and checks every field (``"2"`` ->
+``2.0``, ``"64MiB"`` -> bytes, ``"false"`` -> ``False``) and raises
 :class:`~vmstoolkit.errors.ConfigError` naming the key and the value on anything else, so a bad
-option is refused before any replay starts and without building an allocator.
-:func:`~vmstoolkit.pools.make_allocator` runs the same check, so the CLI, Python callers, the
-integrations and the experiments share it.
+option is refused before any replay starts and without building an allocator; the allocator
+receives the checked object and neither checks nor defaults an option again. The checks that
+need the device (its capacity and page size) are :meth:`AllocatorOptions.check_for_driver`.
 
 One syntax for the CLI, Python callers and the experiments: ``ALLOC:KEY=VALUE,KEY=VALUE``
-names an allocator and its options (:func:`~vmstoolkit.pools.registry.parse_allocator_spec`, e.g. an experiment's mode
-``paged:aliases=true,slack_pages=64``); on the command line (:func:`resolve_option_items`)::
+names an allocator and its options (:func:`~vmstoolkit.pools.registry.parse_allocator_spec`, e.g.
+an experiment's mode ``paged:aliases=true,slack_pages=64``); on the command line
+(:func:`~vmstoolkit.pools.registry.resolve_option_items`)::
 
     -o KEY=VALUE[,KEY=VALUE...]          every chosen allocator that takes KEY
     -o ALLOC:KEY=VALUE[,KEY=VALUE...]    allocator ALLOC only
 
 ``+`` between pairs (``paged:aliases=True+slack_pages=64``) is read as ``,``: an alias kept so
-that the commands recorded with older results still run (:func:`split_pairs`).
+that the commands recorded with older results still run (:func:`split_pairs`). A key given twice
+is an error: nothing is silently overridden.
 
->>> check_options("vms", {"reuse_max_ratio": "2", "stitched_prefix": "false"})
-{'reuse_max_ratio': 2.0, 'stitched_prefix': False}
->>> check_options("vms", {"coalesce": "maybe"})
+>>> VmsOptions(reuse_max_ratio="2", stitched_prefix="false").reuse_max_ratio
+2.0
+>>> VmsOptions(coalesce="maybe")
 Traceback (most recent call last):
 ...
-vmstoolkit.errors.ConfigError: bad options for allocator 'vms': coalesce must be true or false, got 'maybe'
->>> resolve_option_items(["reuse_max_ratio=2", "pytorch-caching:config=max_split_size_mb:128"],
-...                      ["pytorch-caching", "vms"])
-{'pytorch-caching': {'config': 'max_split_size_mb:128'}, 'vms': {'reuse_max_ratio': 2.0}}
+vmstoolkit.errors.ConfigError: coalesce must be true or false, got 'maybe'
 """
 
 from __future__ import annotations
@@ -34,13 +35,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar, Iterable, Mapping
+from typing import Any, ClassVar, Mapping
 
 from vmstoolkit.errors import ConfigError
+from vmstoolkit.pools.constants import PAGE, PAGED_MAX_BLOCKS, PAGED_MIN_BLOCKS, SMALL_SIZE
 from vmstoolkit.units import GiB, KiB, MiB, TiB, parse_size
-
-SMALL_SIZE = 1 * MiB  # PyTorch's kSmallSize: requests up to this size are small (pools/small.py)
-PAGE = 2 * MiB  # cuMemGetAllocationGranularity on every GPU we target, and the simulated driver's
 
 PAGED_MAX_HOST_BYTES = 4 * GiB
 """The most host memory ``paged``'s heap arrays may take. They grow with the virtual range
@@ -48,14 +47,6 @@ PAGED_MAX_HOST_BYTES = 4 * GiB
 the device capacity: an H200 (141 GiB) needs about 12 MB. A range needing gigabytes of arrays is
 a mistyped ``--capacity`` or ``va_bytes`` (``1024TiB``: 24 GiB of arrays), refused at once
 instead of exhausting the host."""
-
-PAGED_MIN_BLOCKS = 16
-"""Fewest block records ``paged`` takes per heap. Every block, free or live, holds one record;
-with fewer than a handful, the first allocations exhaust them, and running out of records reads
-like a full virtual range (issue 15, item 2). 16 still lets tests exhaust records on purpose."""
-PAGED_MAX_BLOCKS = 1 << 27
-"""Most block records per heap: 37 bytes of host arrays each, 5 GiB for two heaps at 2**27."""
-
 
 # -- values ------------------------------------------------------------------------------------
 _TRUE = ("true", "yes", "on", "1")
@@ -112,7 +103,8 @@ _CONVERT = {"bool": _bool, "int": _int, "float": _float, "size": _size, "str": s
 def option(default: Any, kind: str, help: str, *, min: float | None = None, max: float | None = None,
            choices: tuple[str, ...] = (), power_of_two: bool = False, optional: bool = False):
     """A documented option field: ``kind`` is bool, int, float, size, str or choice; ``min``/``max``
-    bound numbers and sizes; ``optional``: ``None`` (the allocator's own default) is allowed."""
+    bound numbers and sizes; ``optional``: ``None`` (the allocator's own default) is allowed.
+    Runtime complexity: O(1)."""
     return field(default=default, metadata=dict(kind=kind, help=help, min=min, max=max, choices=choices,
                                                 power_of_two=power_of_two, optional=optional))
 
@@ -141,7 +133,15 @@ def _show(x: float, kind: str) -> str:
         for unit, factor in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
             if x >= factor and x % factor == 0:
                 return f"{x // factor}{unit}"
-    return f"{x:g}" if isinstance(x, float) else str(x)
+    if isinstance(x, float):
+        return str(int(x)) if x.is_integer() and abs(x) < 1e16 else f"{x:g}"
+    return str(x)
+
+
+MAX_REUSE_RATIO = float(1 << 20)
+"""The largest ``reuse_max_ratio``: at 2**20 any cached stitched range may serve any request on a
+device of up to 2 TiB (2**20 chunks of 2 MiB), so a larger ratio changes nothing, and 1e308 made
+the chunk bound infinite (an ``OverflowError`` mid-replay, issue 37, item 1)."""
 
 
 # -- the options of each allocator -----------------------------------------------------------------
@@ -163,15 +163,17 @@ class AllocatorOptions:
         """Checks that involve several fields; subclasses add theirs."""
 
     def check_for_driver(self, capacity: int, granularity: int) -> None:
-        """Checks that need the device (capacity and page size); subclasses add theirs."""
+        """Checks that need the device (capacity and page size); subclasses add theirs.
+        Raises :class:`~vmstoolkit.errors.ConfigError` naming the option. Runtime complexity: O(1)."""
 
     @classmethod
     def keys(cls) -> list[str]:
+        """The option names, in field order. Runtime complexity: O(fields)."""
         return [f.name for f in fields(cls)]
 
     @classmethod
     def describe(cls) -> dict[str, str]:
-        """``{key: "kind, default X: help"}`` for help texts."""
+        """``{key: "kind, default X: help"}`` for help texts. Runtime complexity: O(fields)."""
         out = {}
         for f in fields(cls):
             default = f.default if f.default is not MISSING else None
@@ -186,7 +188,7 @@ class NoOptions(AllocatorOptions):
 
 @dataclass(frozen=True)
 class StitchOptions(AllocatorOptions):
-    """The stitching allocators' policy (:class:`~vmstoolkit.pools.vmm.allocator.StitchPolicy`).
+    """How the stitching allocators decide (:class:`~vmstoolkit.pools.vmm.allocator.VMMAllocator`).
     Defaults here are ``gmlake``'s (GMLake's published ones); ``vms`` has its own (:class:`VmsOptions`)."""
 
     noun: ClassVar[str] = "stitch policy option"
@@ -194,7 +196,7 @@ class StitchOptions(AllocatorOptions):
     stitch_min_bytes: int = option(512 * MiB, "size", "requests smaller than this never trigger a new stitch "
                                    "(unless memory is full)", min=0)
     reuse_max_ratio: float = option(10.0, "float", "a cached stitched block serves a request only if at most "
-                                    "this many times larger", min=1.0)
+                                    "this many times larger (only with stitched_prefix=false: a prefix of it is taken first)", min=1.0, max=MAX_REUSE_RATIO)
     selection: str = option("largest-first", "choice", "which free blocks to stitch",
                             choices=("largest-first", "best-fit"))
     max_cached_stitched: int = option(1024, "int", "stitched ranges kept for reuse (least recently used idle "
@@ -206,6 +208,7 @@ class StitchOptions(AllocatorOptions):
                              "one-chunk segments, so it may not exceed a chunk (2 MiB)", min=0, max=PAGE)
 
     def check_for_driver(self, capacity: int, granularity: int) -> None:
+        """``small_size`` fits one chunk of the driver (its granularity)."""
         if self.small_size > granularity:
             raise ConfigError(f"small_size must be at most the driver's granularity ({granularity} bytes), "
                               f"got {self.small_size}")
@@ -218,11 +221,39 @@ class GMLakeOptions(StitchOptions):
 
 @dataclass(frozen=True)
 class VmsOptions(StitchOptions):
-    """``vms``: our policy (the figures behind each default are in ``VMS_POLICY``'s docstring)."""
+    """``vms``: our policy, from the sweep of ``experiments/vms_policy.py`` (``docs/results.md#vms-policy``).
+    Figures: utilization on the four H200 traces ckpt/full/lora/offload, and the driver time of
+    steady state (each trace's six steps replayed eight times in a row; mean per replay over the
+    third to eighth) modelled with the H200's measured call costs.
+
+    - ``stitch_min_bytes=0``: stitch every large request. GMLake's 512 MiB threshold strands the
+      free blocks of the many smaller activations and creates new blocks beside them: 0.66/0.72/
+      0.79/0.64 (gmlake, one replay; 0.39-0.60 over eight), 0.91/0.98/0.99/0.90 with a 64 MiB
+      threshold, 0.987/0.995/0.986/0.987 here.
+    - ``coalesce=True``: a freed primitive block merges with its free neighbours of the same range
+      (when no cached stitched range would be cut by it). Without merging, splits only ever make
+      blocks smaller, so more and more requests need a new stitch: 324/424/58/198 ms per replay
+      without, 137/128/5/136 ms with, utilization unchanged.
+    - ``stitched_prefix=True``: a request smaller than a cached stitched range whose first chunks
+      are free takes those chunks (already mapped and accessible): no waste and no driver call,
+      where a new stitch would map and set access on every chunk again; the range's later parts may
+      be in use by others meanwhile. Without prefixes: 436/324/52/276 ms.
+    - ``max_cached_stitched=256``: cached ranges stop merges (a merge may not cut a range's part),
+      so with 1024 of them fragmentation creeps up replay after replay: 180/118/5/254 ms on average
+      and 294/109/0/425 ms by the eighth replay; 256 stays level (137/128/5/136, eighth
+      136/132/0/160); 128 is level on three traces and climbs on full (255 ms by the eighth).
+    - ``reuse_max_ratio=1.0``: with prefixes a larger range is never handed out whole, so the
+      ratio no longer matters; without prefixes GMLake's 10x costs up to 5 points of utilization.
+    - ``selection="best-fit"``: the smallest free block that covers what is still missing, else
+      the largest. Largest-first has the same utilization and more driver time (163/151/6/153 ms).
+
+    GMLake with its defaults spends less driver time in steady state (53/85/12/54 ms) only because
+    it has stopped reusing: it holds 1.7-2.6x the memory by then (utilization 0.39-0.60).
+    """
 
     stitch_min_bytes: int = option(0, "size", "requests smaller than this never trigger a new stitch", min=0)
     reuse_max_ratio: float = option(1.0, "float", "a cached stitched block serves a request only if at most "
-                                    "this many times larger", min=1.0)
+                                    "this many times larger (only with stitched_prefix=false: a prefix of it is taken first)", min=1.0, max=MAX_REUSE_RATIO)
     selection: str = option("best-fit", "choice", "which free blocks to stitch",
                             choices=("largest-first", "best-fit"))
     max_cached_stitched: int = option(256, "int", "stitched ranges kept for reuse", min=0, max=1 << 30)
@@ -285,6 +316,14 @@ class PagedOptions(AllocatorOptions):
                              min=PAGED_MIN_BLOCKS, max=PAGED_MAX_BLOCKS)
 
     def check_for_driver(self, capacity: int, granularity: int) -> None:
+        """The page is a power of two of at least 512 B, the ranges hold whole pages, ``large_unit``
+        fits a page, and the heaps' host arrays (:func:`paged_host_bytes`) fit
+        :data:`PAGED_MAX_HOST_BYTES`. Runtime complexity: O(1)."""
+        if granularity & (granularity - 1) or granularity < 512:
+            raise ConfigError(f"paged: the granularity {granularity} is not a power of two of at least 512 B")
+        for key in ("va_bytes", "small_va_bytes"):
+            if (getattr(self, key) or 0) % granularity:
+                raise ConfigError(f"{key} must be a multiple of the page ({granularity} bytes), got {getattr(self, key)}")
         if self.large_unit is not None and self.large_unit > granularity:
             raise ConfigError(f"large_unit must be at most the page ({granularity} bytes), got {self.large_unit}")
         va = self.va_bytes or 2 * -(-capacity // granularity) * granularity
@@ -293,78 +332,18 @@ class PagedOptions(AllocatorOptions):
             raise ConfigError(
                 f"paged: a virtual range of {_show(va, 'size')} bytes ({va // granularity} pages"
                 + ("" if self.va_bytes else f", twice the capacity {_show(capacity, 'size')}")
-                + f") needs {need / GiB:.1f} GiB of host arrays, more than the {PAGED_MAX_HOST_BYTES // GiB} GiB "
-                  f"allowed; lower the capacity or set va_bytes")
+                + f"), small_va_bytes {self.small_va_bytes} and max_blocks {self.max_blocks} need {need / GiB:.1f} GiB "
+                  f"of host arrays, more than the {PAGED_MAX_HOST_BYTES // GiB} GiB allowed; lower the capacity or set "
+                  f"va_bytes, small_va_bytes or max_blocks")
 
 
 def paged_host_bytes(va_bytes: int, small_va_bytes: int, page: int, large_unit: int, max_blocks: int) -> int:
     """Host memory of ``paged``'s arrays (``pools/paged/heap.py``, ``allocator.py``), in bytes:
     per chunk 24 (chunk_live, nmaps, chunk_stack, out_pages, out_chunks), per page 8 (page_chunk,
-    page_used), per unit 4 (block_at), per block record 37, for both heaps."""
+    page_used), per unit 4 (block_at), per block record 37, for both heaps. Runtime complexity: O(1)."""
     chunks = va_bytes // page + small_va_bytes // page
     units = va_bytes // large_unit + small_va_bytes // 512
     return 24 * chunks + 8 * chunks + 4 * units + 2 * 37 * max_blocks
-
-
-OPTIONS: dict[str, type[AllocatorOptions]] = {
-    "native": NoOptions,
-    "gmlake": GMLakeOptions,
-    "vms": VmsOptions,
-    "pytorch-caching": PyTorchCachingOptions,
-    "pytorch-expandable": PyTorchExpandableOptions,
-    "paged": PagedOptions,
-}
-"""Allocator name -> its options class. An allocator registered elsewhere without an entry here
-gets its options unchecked (its factory's own checks apply); :func:`register_options` adds one."""
-
-
-def register_options(name: str, cls: type[AllocatorOptions]) -> None:
-    OPTIONS[name] = cls
-
-
-# -- checking ------------------------------------------------------------------------------------
-def takers(key: str, names: Iterable[str] | None = None) -> list[str]:
-    """The allocators (of ``names``, default every known one) that take option ``key``."""
-    return [n for n in (OPTIONS if names is None else names) if n in OPTIONS and key in OPTIONS[n].keys()]
-
-
-def _unknown(name: str, cls: type[AllocatorOptions], key: str) -> ConfigError:
-    others = [n for n in takers(key) if n != name]
-    where = f"; it is an option of {', '.join(others)}" if others else ""
-    known = ", ".join(cls.keys()) or "none"
-    return ConfigError(f"bad options for allocator {name!r}: unknown {cls.noun} {key!r}{where} "
-                       f"({name} takes: {known})")
-
-
-def options_for(name: str, options: Mapping[str, Any]) -> AllocatorOptions | None:
-    """The checked options object of allocator ``name`` (``None`` when ``name`` has no options class)."""
-    cls = OPTIONS.get(name)
-    if cls is None:
-        return None
-    for key in options:
-        if key not in cls.keys():
-            raise _unknown(name, cls, key)
-    try:
-        return cls(**options)
-    except ConfigError as e:
-        raise ConfigError(f"bad options for allocator {name!r}: {e}") from None
-
-
-def check_options(name: str, options: Mapping[str, Any], *, capacity: int | None = None,
-                  granularity: int = PAGE) -> dict:
-    """``options`` of allocator ``name`` converted and checked, as keywords for its factory
-    (only the keys given: the allocator keeps its own defaults for the others). With ``capacity``,
-    also the checks that need the device (``paged``'s host arrays, page-sized units).
-    Raises :class:`~vmstoolkit.errors.ConfigError` naming the key and the value. Cost: O(keys)."""
-    obj = options_for(name, options)
-    if obj is None:
-        return dict(options)
-    if capacity is not None:
-        try:
-            obj.check_for_driver(capacity, granularity)
-        except ConfigError as e:
-            raise ConfigError(f"bad options for allocator {name!r}: {e}") from None
-    return {k: getattr(obj, k) for k in options}
 
 
 # -- the one syntax: [ALLOC:]KEY=VALUE[,KEY=VALUE...] ------------------------------------------------
@@ -379,7 +358,8 @@ def split_pairs(text: str, where: str = "options") -> list[tuple[str, str]]:
     old results (``paged:aliases=True+slack_pages=64``); new commands use ``,``. A piece without
     ``=`` belongs to the value before it, so values keep their own commas and pluses (PyTorch's
     ``config=max_split_size_mb:128,garbage_collection_threshold:0.6``, a float's ``1e+3``).
-    Raises :class:`~vmstoolkit.errors.ConfigError` naming ``where`` and the piece otherwise.
+    Raises :class:`~vmstoolkit.errors.ConfigError` naming ``where`` and the piece otherwise, and
+    for a key given twice. Runtime complexity: O(length of ``text``).
 
     >>> split_pairs("config=max_split_size_mb:128,garbage_collection_threshold:0.6+x=1e+3")
     [('config', 'max_split_size_mb:128,garbage_collection_threshold:0.6'), ('x', '1e+3')]
@@ -391,13 +371,16 @@ def split_pairs(text: str, where: str = "options") -> list[tuple[str, str]]:
             pieces.append(piece)
         else:
             pieces[-1] += sep + piece
-    pairs = []
+    pairs: dict[str, str] = {}
     for piece in pieces:
         key, eq, value = piece.partition("=")
-        if not eq or not key.strip():
+        key = key.strip()
+        if not eq or not key:
             raise ConfigError(f"{where}: expected KEY=VALUE, got {piece!r}")
-        pairs.append((key.strip(), value.strip()))
-    return pairs
+        if key in pairs:
+            raise ConfigError(f"{where}: {key} is given twice ({pairs[key]!r}, then {value.strip()!r})")
+        pairs[key] = value.strip()
+    return list(pairs.items())
 
 
 def parse_option_item(item: str) -> tuple[str | None, list[tuple[str, str]]]:
@@ -405,7 +388,7 @@ def parse_option_item(item: str) -> tuple[str | None, list[tuple[str, str]]]:
     "2"), ("coalesce", "false")])``; no prefix -> ``None``.
 
     The prefix is what stands before the last ``:`` of the first key (values may hold ``:``,
-    as PyTorch's ``config=max_split_size_mb:128`` does)."""
+    as PyTorch's ``config=max_split_size_mb:128`` does). Runtime complexity: O(length of ``item``)."""
     head, eq, rest = item.partition("=")
     alloc, colon, key = head.rpartition(":")
     if not eq or not key.strip() or (colon and not alloc.strip()):
@@ -415,69 +398,17 @@ def parse_option_item(item: str) -> tuple[str | None, list[tuple[str, str]]]:
 
 def split_option_item(item: str) -> tuple[str | None, str, str]:
     """``"vms:reuse_max_ratio=2"`` -> ``("vms", "reuse_max_ratio", "2")``: an item of one pair
-    (:func:`parse_option_item` takes several)."""
+    (:func:`parse_option_item` takes several). Runtime complexity: O(length of ``item``)."""
     alloc, pairs = parse_option_item(item)
     if len(pairs) != 1:
         raise ConfigError(f"expected one KEY=VALUE, got {len(pairs)} in {item!r}")
     return (alloc, *pairs[0])
 
 
-def resolve_option_items(items: Iterable[str] | None, allocators: list[str], *,
-                         capacity: int | None = None, granularity: int = PAGE) -> dict[str, dict]:
-    """Per allocator of ``allocators``, its checked options from ``-o`` items (each one or more
-    pairs separated by ``,``: :func:`parse_option_item`).
-
-    ``KEY=VALUE`` goes to every chosen allocator that takes ``KEY`` (an error when none does,
-    naming those that take it); ``ALLOC:KEY=VALUE`` to ``ALLOC`` only (an error when it is not
-    among ``allocators``). A later item overrides an earlier one for the same allocator and key.
-    """
-    raw: dict[str, dict] = {a: {} for a in allocators}
-    for item in items or []:
-        alloc, pairs = parse_option_item(item)
-        if alloc is not None and alloc not in raw:
-            raise ConfigError(f"option {item!r} is for allocator {alloc!r}, which is not among the chosen "
-                              f"allocators ({', '.join(allocators)})")
-        for key, value in pairs:
-            chosen = [alloc] if alloc is not None else [a for a in allocators if a not in OPTIONS or key in OPTIONS[a].keys()]
-            if not chosen:
-                others = takers(key)
-                raise ConfigError(f"unknown option {key!r} for {', '.join(allocators)}"
-                                  + (f"; it is an option of {', '.join(others)}" if others else "; no allocator takes it"))
-            for a in chosen:
-                raw[a][key] = value
-    return {a: check_options(a, opts, capacity=capacity, granularity=granularity) for a, opts in raw.items()}
-
-
-def guess_value(text: str) -> Any:
-    """A typed value for an option whose allocator is unknown: true/false, int, float, else text."""
-    t = text.strip()
-    if t.lower() in ("true", "false"):
-        return t.lower() == "true"
-    for conv in (int, float):
-        try:
-            return conv(t)
-        except ValueError:
-            continue
-    return t
-
-
-def parse_options(items: Iterable[str] | None) -> dict:
-    """``["reuse_max_ratio=2", "aliases=true"]`` -> ``{"reuse_max_ratio": 2, "aliases": True}``, for
-    one allocator chosen elsewhere (values are typed by :func:`guess_value`; the allocator's own
-    check converts the rest). Prefixed items are refused: there is only one allocator."""
-    out: dict = {}
-    for item in items or []:
-        alloc, key, value = split_option_item(item)
-        if alloc is not None:
-            raise ConfigError(f"option {item!r} names an allocator; here options apply to one allocator: "
-                              f"give {key}={value}")
-        out[key] = guess_value(value)
-    return out
-
-
 def format_options(options: Mapping[str, Any], sep: str = " ") -> str:
     """``{"reuse_max_ratio": 2.0, "coalesce": False}`` -> ``"reuse_max_ratio=2.0 coalesce=false"``
-    (re-usable as ``-o`` items; ``sep=","``: as one item; empty for an allocator's defaults)."""
+    (re-usable as ``-o`` items; ``sep=","``: as one item; empty for an allocator's defaults).
+    Runtime complexity: O(options)."""
     def show(v: Any) -> str:
         return str(v).lower() if isinstance(v, bool) else str(v)
 
@@ -486,7 +417,6 @@ def format_options(options: Mapping[str, Any], sep: str = " ") -> str:
 
 __all__ = [
     "AllocatorOptions", "NoOptions", "StitchOptions", "GMLakeOptions", "VmsOptions", "PyTorchCachingOptions",
-    "PyTorchExpandableOptions", "PagedOptions", "OPTIONS", "register_options", "options_for", "check_options",
-    "takers", "split_pairs", "parse_option_item", "split_option_item", "resolve_option_items", "parse_options",
-    "guess_value", "format_options", "paged_host_bytes",
+    "PyTorchExpandableOptions", "PagedOptions", "MAX_REUSE_RATIO", "PAGED_MAX_HOST_BYTES", "split_pairs",
+    "parse_option_item", "split_option_item", "format_options", "paged_host_bytes",
 ]

@@ -213,12 +213,14 @@ def trace_from_snapshot(snapshot: dict, *, name: str = "snapshot", device: int |
 
 
 def trace_name(path: str | Path) -> str:
-    """``llama-full.caching`` for ``.../llama-full.caching.pickle.gz``."""
+    """``llama-full.caching`` for ``.../llama-full.caching.pickle.gz``. A character that does not
+    print (a newline, a tab, an escape) shows escaped, as ``repr`` writes it: names go into
+    table rows and captions, which one such character would split or recolour."""
     name = Path(path).name
     for suffix in (".gz", ".pickle", ".pkl"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
-    return name
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
 
 
 def load_traces(source: str | Path | dict, *, device: int | None = None, name: str | None = None,

@@ -3,6 +3,7 @@ errors into one-line :class:`~vmstoolkit.errors.TraceFormatError`, and hand back
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,25 +86,77 @@ def scan_file(path: str | Path, limits: Limits) -> ScanTables:
             if regs[S.R_SKIP] > 0:
                 want = int(regs[S.R_SKIP])
                 regs[S.R_SKIP] = 0
+                check = _text_check(path, regs, pending)
                 regs[S.R_BASE] += int(regs[S.R_POS]) + want
                 regs[S.R_POS] = 0
                 pending = b""
-                if src.skip(want) < want:
+                if src.skip(want, check) < want:
                     raise TraceFormatError(f"snapshot {path} is truncated or not a pickle (it ends inside a "
                                            f"string of {want} more bytes)")
+                if check is not None:
+                    check(b"", True)
                 continue
             if final:
                 raise TraceFormatError(f"snapshot {path} is truncated or not a pickle (it ends at byte "
                                        f"{int(regs[S.R_BASE]) + len(pending)} before the pickle's STOP)")
             if len(pending) - int(regs[S.R_POS]) >= CHUNK // 2:  # one opcode longer than the window
                 pending, final = _refill(src, pending, regs)
+        frame_end = int(regs[S.R_FRAME_END])
+        have = int(regs[S.R_BASE]) + len(pending)
+        if frame_end > have and src.skip(frame_end - have) < frame_end - have:
+            raise TraceFormatError(f"snapshot {path} is truncated or not a pickle (a FRAME runs to byte {frame_end}, "
+                                   "past the end of the file)")
     fallback = int(regs[S.R_FALLBACK])
-    if regs[S.R_RESULT_KIND] != S.K_CONT or (regs[S.R_RESULT_AUX] & 15) != S.R_ROOT:
+    kind, aux = int(regs[S.R_RESULT_KIND]), int(regs[S.R_RESULT_AUX])
+    if not _may_be_dict(kind, aux) and fallback != S.F_GLOBAL:  # a global: the unpickler names it
+        # pickle would build the whole value only for from_dict to refuse it
+        raise TraceFormatError(f"{path} is not a PyTorch memory snapshot: expected a dict with 'device_traces' "
+                               f"(from torch.cuda.memory._snapshot()), got {_root_name(kind, aux)}")
+    if kind != S.K_CONT or (aux & 15) != S.R_ROOT:
         fallback = fallback or S.F_ROOT
     return ScanTables(regs=regs, ents=st["ents"][: regs[S.R_NENT]], segs=st["segs"][: regs[S.R_NSEG]],
                       blks=st["blks"][: regs[S.R_NBLK]], lists=st["lists"][: regs[S.R_NLIST]],
                       srec=st["srec"][: regs[S.R_NSREC]], strs=st["strs"][: regs[S.R_NSTR]],
                       arena=st["arena"][: regs[S.R_NARENA]], fallback=fallback)
+
+
+_KIND_NAMES = {S.K_NONE: "None", S.K_BOOL: "a bool", S.K_INT: "an int", S.K_INTX: "an int", S.K_FLOAT: "a float",
+               S.K_STR: "a str", S.K_BYTES: "bytes", S.K_TUPLE: "a tuple", S.K_GLOBAL: "a function"}
+_TYPE_NAMES = {S.T_LIST: "a list", S.T_SET: "a set"}
+
+
+def _root_name(kind: int, aux: int) -> str:
+    if kind in (S.K_CONT, S.K_DROPC):
+        return _TYPE_NAMES.get(aux >> 4, "a container")
+    return _KIND_NAMES.get(kind, "another value")
+
+
+def _may_be_dict(kind: int, aux: int) -> bool:
+    """Whether the pickle's result may be a dict: only a dict container can be (calls admitted
+    make sets, bytes and complex numbers; any other call is refused by the unpickler too)."""
+    return kind in (S.K_CONT, S.K_DROPC) and (aux >> 4) == S.T_DICT
+
+
+def _text_check(path: Path, regs: np.ndarray, pending: bytes):
+    """For a string skipped in chunks, a function fed its bytes that raises as pickle's decode
+    would; ``None`` for bytes objects. Fed first with the part already in ``pending``."""
+    fmt = int(regs[S.R_SKIPFMT])
+    if fmt < 0:
+        return None
+    start = int(regs[S.R_BASE]) + int(regs[S.R_SKIPFROM])
+    dec = codecs.getincrementaldecoder("utf-8" if fmt == S.FMT_UTF8 else "ascii")("surrogatepass"
+                                                                                  if fmt == S.FMT_UTF8 else "strict")
+
+    def check(data: bytes, final: bool = False) -> None:
+        try:
+            dec.decode(data, final)
+        except UnicodeDecodeError:
+            what = "UTF-8" if fmt == S.FMT_UTF8 else "ASCII"
+            raise TraceFormatError(f"snapshot {path} is truncated or not a pickle (the string at byte {start} "
+                                   f"is not valid {what})") from None
+
+    check(pending[int(regs[S.R_SKIPFROM]):])
+    return check
 
 
 def _refill(src: BoundedReader, pending: bytes, regs: np.ndarray) -> tuple[bytes, bool]:
@@ -150,6 +203,11 @@ def _message(path: Path, regs: np.ndarray, limits: Limits) -> str:
         return f"{bad} (byte {v1}: refers to memo entry {v2}, never stored)"
     if code == S.E_MEMO_RANGE:
         return f"{bad} (byte {v1}: memo index {v2} is out of range)"
+    if code == S.E_PROTO:
+        return f"{bad} (byte {v1}: pickle protocol {v2}; pickle reads protocols 0 to {S.HIGHEST_PROTOCOL})"
+    if code in (S.E_UTF8, S.E_ASCII):
+        what = "UTF-8" if code == S.E_UTF8 else "ASCII"
+        return f"{bad} (byte {v1}: the string at byte {v2} is not valid {what})"
     if code == S.E_NEG_LEN:
         return f"{bad} (byte {v1}: negative length)"
     if code == S.E_LINE:

@@ -41,7 +41,7 @@ Limitations
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from vmstoolkit._jit import njit
 
 # ---- value kinds on the stack and in the memo
 K_NONE, K_BOOL, K_INT, K_INTX, K_FLOAT, K_STR, K_BYTES, K_TUPLE, K_CONT, K_DROPC, K_GLOBAL, K_OPAQUE = range(12)
@@ -55,7 +55,10 @@ T_LIST, T_DICT, T_SET = 0, 1, 2
 # ---- registers (regs[...])
 (R_POS, R_SP, R_MP, R_NOBJ, R_NMEMO, R_NENT, R_NSEG, R_NBLK, R_NLIST, R_NSREC, R_NSTR, R_NARENA, R_FALLBACK,
  R_ERR, R_ERRV1, R_ERRV2, R_SKIP, R_GROW, R_GROWN, R_ROOTSEEN, R_MAXOBJ, R_BASE, R_NSCONT, R_DTROW, R_SEGL, R_SETC,
- R_RESULT_KIND, R_RESULT_AUX, R_NATTACHED, N_REGS) = range(30)
+ R_RESULT_KIND, R_RESULT_AUX, R_NATTACHED, R_FRAME_END, R_SKIPFMT, R_SKIPFROM, N_REGS) = range(33)
+"""R_FRAME_END: absolute offset the last FRAME says the file reaches (the reader checks it after
+STOP, as ``pickle`` reads every frame whole); R_SKIPFMT/R_SKIPFROM: how the text of a string
+being skipped must decode (``FMT_UTF8``, ``FMT_ASCII``, -1: bytes) and where it starts in the buffer."""
 
 # ---- statuses
 ST_NEED, ST_DONE, ST_GROW, ST_ERR = 1, 2, 3, 4
@@ -65,7 +68,9 @@ G_STACK, G_MARKS, G_MEMO, G_ENT, G_SEG, G_BLK, G_LIST, G_SREC, G_STR, G_ARENA = 
 
 # ---- errors (regs[R_ERR]); values in R_ERRV1/R_ERRV2
 (E_OPCODE, E_TRUNCATED, E_UNDERFLOW, E_NOMARK, E_MEMO_MISSING, E_MEMO_RANGE, E_OBJECTS, E_REFUSED_OP, E_ALLOC_CTOR,
- E_LINE, E_SHARED_ENTRY, E_NEG_LEN, E_STACK_DEPTH) = range(1, 14)
+ E_LINE, E_SHARED_ENTRY, E_NEG_LEN, E_STACK_DEPTH, E_PROTO, E_UTF8, E_ASCII) = range(1, 17)
+HIGHEST_PROTOCOL = 5
+"""``pickle.HIGHEST_PROTOCOL`` of every supported Python; a higher PROTO byte is refused, as pickle refuses it."""
 
 # ---- fallback reasons (regs[R_FALLBACK]), for tests and diagnostics
 (F_ROLE, F_FIELD, F_GLOBAL, F_REDUCE, F_SHARED, F_SETTINGS, F_ROOT, F_STRING) = range(1, 9)
@@ -79,6 +84,9 @@ SR_CONT, SR_KKIND, SR_KVAL, SR_KAUX, SR_VKIND, SR_VVAL, SR_VAUX, SR_NCOLS = rang
 ST_OFF, ST_LEN, ST_FMT, ST_NCOLS = range(4)
 FMT_UTF8, FMT_ASCII, FMT_RAW_UNICODE, FMT_REPR, FMT_FLOAT = range(5)
 
+WAIT_TEXT = 1 << 20
+"""Strings up to this long are waited for whole, so their text is checked in the buffer; longer
+ones are skipped in chunks and checked by the reader as they pass (``R_SKIPFMT``)."""
 MAX_LINE = 1 << 16
 """Longest text line (protocol 0 numbers, globals, strings) read; real snapshots are protocol 2+."""
 KEEP_SHORT = 64
@@ -182,6 +190,67 @@ def _parse_decimal(buf, a, b):
     return (-v if neg else v), True
 
 
+@njit(cache=True)
+def _bad_text(buf, a, ln, fmt):
+    """Offset of the first byte of ``buf[a:a+ln]`` that ``pickle`` would not decode (UTF-8 with
+    ``surrogatepass``, or ASCII), or -1. Truncated sequences at the end count as bad."""
+    end = a + ln
+    j = a
+    if fmt == FMT_ASCII:
+        while j < end:
+            if buf[j] >= 128:
+                return j
+            j += 1
+        return -1
+    while j < end:
+        c = buf[j]
+        if c < 0x80:
+            j += 1
+            continue
+        if 0xC2 <= c <= 0xDF:
+            need, lo, hi = 1, 0x80, 0xBF
+        elif c == 0xE0:
+            need, lo, hi = 2, 0xA0, 0xBF
+        elif 0xE1 <= c <= 0xEF:  # 0xED A0-BF: a surrogate, which 'surrogatepass' admits
+            need, lo, hi = 2, 0x80, 0xBF
+        elif c == 0xF0:
+            need, lo, hi = 3, 0x90, 0xBF
+        elif 0xF1 <= c <= 0xF3:
+            need, lo, hi = 3, 0x80, 0xBF
+        elif c == 0xF4:
+            need, lo, hi = 3, 0x80, 0x8F
+        else:
+            return j
+        if j + need >= end:  # the sequence runs past the string
+            return j
+        c1 = buf[j + 1]
+        if c1 < lo or c1 > hi:
+            return j
+        for q in range(2, need + 1):
+            if buf[j + q] < 0x80 or buf[j + q] > 0xBF:
+                return j
+        j += need + 1
+    return -1
+
+
+@njit(cache=True)
+def _plain_decimal(buf, a, b):
+    """Whether ``buf[a:b]`` is ``0`` or ``-?[1-9][0-9]*``: text that every reading of a
+    protocol 0 integer (C ``strtol`` base 0, ``int(s, 0)``) takes to the same value."""
+    if a < b and buf[a] == 45:
+        a += 1
+        if a < b and buf[a] == 48:
+            return False  # -0: pickle's INT reads it as False
+    if a >= b:
+        return False
+    if buf[a] == 48:
+        return b - a == 1
+    for j in range(a, b):
+        if buf[j] < 48 or buf[j] > 57:
+            return False
+    return True
+
+
 @njit(cache=True, inline="always")
 def _room(regs, sp, mp, skind, marks, ents, segs, blks, lists, strs):
     """The table (``G_*``) without room for one more opcode, and the size it needs; -1 if none."""
@@ -277,6 +346,16 @@ def _container_role(skind, sval, saux, sp, marks, mp, ctype):
 
 
 @njit(cache=True)
+def _hashable(skind, base, sp, step):
+    """Whether the keys (``step`` 2) or items (1) ``base:sp`` are surely hashable: scalars and
+    strings. Containers, tuples and bytes objects (a bytearray is not) send the file to pickle."""
+    for j in range(base, sp, step):
+        if skind[j] > K_STR:
+            return False
+    return True
+
+
+@njit(cache=True)
 def _is_settings(skind, saux, i):
     return i >= 0 and skind[i] == K_CONT and (saux[i] & 15) == R_SET
 
@@ -332,6 +411,34 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
 
     Returns a status (``ST_*``); ``regs`` carries the machine between calls. Cost: O(bytes),
     a few nanoseconds per opcode; memory: the tables of kept entries, segments and blocks.
+
+    Section map (one ``if``/``elif`` chain over the opcode byte, in this order; each section
+    starts with a ``# ----`` rule of its name). One function, so that Numba keeps the stack
+    pointers in registers; the helpers it calls are the per-group checks named here.
+
+    ========================  ==========================================================
+    framing                   PROTO (refuses > :data:`HIGHEST_PROTOCOL`), FRAME (records
+                              ``R_FRAME_END``), STOP (the result's kind and role)
+    stack                     MARK, POP, POP_MARK, DUP; every pop respects the fence (the
+                              top mark), as pickle's does
+    scalars                   NONE, booleans, BININT*, LONG1/4 (huge ones skipped), BINFLOAT,
+                              protocol 0 INT/LONG/FLOAT text (:func:`_plain_decimal`, else
+                              fallback)
+    strings and bytes         every string opcode; text checked with :func:`_bad_text` (or by
+                              the reader while skipped), known names by :func:`_match`,
+                              settings text copied to the arena
+    memo                      MEMOIZE/PUT/BINPUT/LONG_BINPUT, GET/BINGET/LONG_BINGET
+                              (:func:`_memo_index`); a shared entry is refused
+    containers                EMPTY_*/DICT/LIST: the role guess (:func:`_container_role`),
+                              a row in its table, :func:`_fill` for items given at once
+    appends                   APPEND(S)/SETITEM(S)/ADDITEMS: type and hashability checks
+                              (:func:`_hashable`), then :func:`_fill`
+    tuples                    EMPTY_TUPLE, TUPLE, TUPLE1-3, FROZENSET (packed kinds in aux)
+    globals and calls         GLOBAL, STACK_GLOBAL (:func:`_global_code`), REDUCE of the
+                              admitted callables
+    refused                   persistent ids, BUILD/INST/OBJ/NEWOBJ*, EXT*, buffers
+    push                      the one value an opcode made, counted against ``max_objects``
+    ========================  ==========================================================
     """
     p = regs[R_POS]
     sp = regs[R_SP]
@@ -365,11 +472,19 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
         if op == 0x80:  # PROTO
             if p + 2 > n:
                 break
+            if buf[p + 1] > HIGHEST_PROTOCOL:
+                status = _err(regs, E_PROTO, regs[R_BASE] + p, np.int64(buf[p + 1]))
+                break
             p += 2
             continue
-        if op == 0x95:  # FRAME: a hint only
+        if op == 0x95:  # FRAME: pickle reads the frame whole, so the file must hold it
             if p + 9 > n:
                 break
+            flen = _le(buf, p + 1, 8)
+            if flen < 0:
+                status = _err(regs, E_NEG_LEN, regs[R_BASE] + p, 0)
+                break
+            regs[R_FRAME_END] = max(regs[R_FRAME_END], regs[R_BASE] + p + 9 + flen)
             p += 9
             continue
         if op == 0x2E:  # STOP
@@ -390,7 +505,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
         if op == 0x30:  # POP
             if mp > 0 and marks[mp - 1] == sp:
                 mp -= 1
-            elif sp > 0:
+            elif sp > fence:
                 sp -= 1
             else:
                 status = _err(regs, E_UNDERFLOW, regs[R_BASE] + p, 0)
@@ -478,24 +593,10 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                 if n - p - 1 >= MAX_LINE:
                     status = _err(regs, E_LINE, regs[R_BASE] + p, 0)
                 break
-            if op == 0x46:
+            if op == 0x46:  # protocol 0 float text: pickle's float() decides
                 pushed_kind = K_FLOAT
                 pushed_val = 0
-                ln = e - (p + 1)
-                if ln <= KEEP_SHORT:
-                    if regs[R_NARENA] + ln > arena.size:
-                        regs[R_GROW] = G_ARENA
-                        regs[R_GROWN] = regs[R_NARENA] + ln
-                        status = ST_GROW
-                        break
-                    k = regs[R_NSTR]
-                    strs[k, ST_OFF] = regs[R_NARENA]
-                    strs[k, ST_LEN] = ln
-                    strs[k, ST_FMT] = FMT_FLOAT
-                    arena[regs[R_NARENA]:regs[R_NARENA] + ln] = buf[p + 1:e]
-                    regs[R_NARENA] += ln
-                    regs[R_NSTR] += 1
-                    pushed_aux = k
+                regs[R_FALLBACK] = regs[R_FALLBACK] or F_STRING
             else:
                 b = e
                 if op == 0x4C and b > p + 1 and buf[b - 1] == 76:  # trailing 'L'
@@ -507,6 +608,9 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                     v, ok = _parse_decimal(buf, p + 1, b)
                     pushed_kind = K_INT if ok else K_INTX
                     pushed_val = v
+                    if not ok or not _plain_decimal(buf, p + 1, b):
+                        # base-0 rules (leading zeros, signs, '_', spaces, 0x...): pickle decides
+                        regs[R_FALLBACK] = regs[R_FALLBACK] or F_STRING
             p = e + 1
         # ---------------------------------------------------------------- strings and bytes
         elif (op == 0x58 or op == 0x8C or op == 0x8D or op == 0x54 or op == 0x55 or op == 0x42 or op == 0x43
@@ -522,6 +626,7 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                 ln = e - a
                 fmt = FMT_REPR if op == 0x53 else FMT_RAW_UNICODE
                 nxt = e + 1
+                regs[R_FALLBACK] = regs[R_FALLBACK] or F_STRING  # quoting and escapes: pickle decodes them
             else:
                 hdr = 4
                 if op == 0x8C or op == 0x55 or op == 0x43:
@@ -538,18 +643,27 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                 fmt = FMT_ASCII if (op == 0x54 or op == 0x55) else FMT_UTF8
                 nxt = a + ln
             keep = (not is_bytes) and ln <= KEEP_SETTINGS and _keep_text(skind, saux, sp, marks, mp)
-            want = keep or (ln <= KEEP_SHORT and not is_bytes)
+            checked = (not is_bytes) and (fmt == FMT_UTF8 or fmt == FMT_ASCII)
+            want = keep or (ln <= KEEP_SHORT and not is_bytes) or (checked and ln <= WAIT_TEXT)
             if nxt > n:
                 if want:
                     break  # wait for the whole string
-                # skip it without buffering
+                # skip it without buffering; the reader checks its text as it passes
                 pushed_kind = K_BYTES if is_bytes else K_STR
                 pushed_val = -1
                 regs[R_SKIP] = nxt - n
+                regs[R_SKIPFMT] = fmt if checked else -1
+                regs[R_SKIPFROM] = a
                 p = n
             else:
                 pushed_kind = K_BYTES if is_bytes else K_STR
                 pushed_val = -1
+                if checked:
+                    bad = _bad_text(buf, a, ln, fmt)
+                    if bad >= 0:
+                        status = _err(regs, E_UTF8 if fmt == FMT_UTF8 else E_ASCII, regs[R_BASE] + bad,
+                                      regs[R_BASE] + p)
+                        break
                 if not is_bytes:
                     ma, ml = a, ln
                     if fmt == FMT_REPR and ln >= 2 and (buf[a] == 39 or buf[a] == 34) and buf[a + ln - 1] == buf[a]:
@@ -705,6 +819,8 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
             p += 1
             if nitems > 0:  # DICT / LIST with items: fill it now
                 # the items are above base; the new container goes at base
+                if ctype == T_DICT and not _hashable(skind, base, sp, 2):
+                    regs[R_FALLBACK] = regs[R_FALLBACK] or F_ROLE
                 if role != R_DROP:
                     if role != R_SET:
                         regs[R_FALLBACK] = regs[R_FALLBACK] or F_ROLE
@@ -737,10 +853,13 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                     break
                 base = marks[mp - 1]
                 c = base - 1
-                if c < 0 or (op == 0x75 and (sp - base) % 2 == 1):
+                below = marks[mp - 2] if mp > 1 else 0  # the container must lie above the mark before
+                if c < below or (op == 0x75 and (sp - base) % 2 == 1):
                     status = _err(regs, E_UNDERFLOW, regs[R_BASE] + p, 0)
                     break
             want_type = T_DICT if (op == 0x73 or op == 0x75) else (T_SET if op == 0x90 else T_LIST)
+            if want_type != T_LIST and not _hashable(skind, base, sp, 2 if want_type == T_DICT else 1):
+                regs[R_FALLBACK] = regs[R_FALLBACK] or F_ROLE
             if skind[c] == K_CONT:
                 ctype = saux[c] >> 4
                 role = saux[c] & 15
@@ -754,6 +873,8 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                 else:
                     _fill(regs, skind, sval, saux, base, sp, role, sval[c], ctype, ents, segs, blks, lists, srec)
             elif skind[c] == K_DROPC:
+                if (saux[c] >> 4) != want_type:
+                    regs[R_FALLBACK] = regs[R_FALLBACK] or F_ROLE
                 # a dropped container must not swallow a kept one
                 for j in range(base, sp):
                     if skind[j] == K_CONT:
@@ -786,6 +907,8 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                 if skind[j] == K_CONT and (saux[j] & 15) != R_SET:
                     regs[R_FALLBACK] = regs[R_FALLBACK] or F_ROLE
             if op == 0x91:
+                if not _hashable(skind, base, sp, 1):
+                    regs[R_FALLBACK] = regs[R_FALLBACK] or F_ROLE
                 pushed_kind = K_OPAQUE
             else:
                 pushed_kind = K_TUPLE
@@ -847,18 +970,18 @@ def scan(buf, n, final, regs, skind, sval, saux, marks, mkind, mval, maux,
                     status = _err(regs, E_ALLOC_CTOR, fv, av if k0 != K_INTX else -1)
                     break
                 if fv == GL_SET or fv == GL_FROZENSET:
-                    if ln > 1 or (ln == 1 and not (k0 == K_DROPC or k0 == K_TUPLE or k0 == K_OPAQUE)):
+                    # the items' hashability is not tracked: only the empty set is answered here
+                    if ln > 0:
                         regs[R_FALLBACK] = regs[R_FALLBACK] or F_REDUCE
-                    pushed_kind = K_DROPC
+                    pushed_kind = K_DROPC if fv == GL_SET else K_OPAQUE
                     pushed_aux = T_SET << 4
                 elif fv == GL_ENCODE:
-                    if not (k0 == K_STR and (ln == 1 or (ln == 2 and k1 == K_STR and 36 <= known1 <= 40))):
-                        regs[R_FALLBACK] = regs[R_FALLBACK] or F_REDUCE
+                    # whether the text encodes (latin-1 of chars above 255, ASCII, lone surrogates)
+                    # is not tracked: pickle decides
+                    regs[R_FALLBACK] = regs[R_FALLBACK] or F_REDUCE
                     pushed_kind = K_BYTES
                 elif fv == GL_BYTES or fv == GL_BYTEARRAY:
-                    ok = ln == 0 or (ln == 1 and (k0 == K_BYTES or k0 == K_DROPC or k0 == K_TUPLE))
-                    if fv == GL_BYTEARRAY and ln == 2 and k0 == K_STR and k1 == K_STR and 36 <= known1 <= 40:
-                        ok = True
+                    ok = ln == 0 or (ln == 1 and k0 == K_BYTES)
                     if not ok:
                         regs[R_FALLBACK] = regs[R_FALLBACK] or F_REDUCE
                     pushed_kind = K_BYTES

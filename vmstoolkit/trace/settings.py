@@ -6,15 +6,16 @@ PyTorch records them in ``allocator_settings`` (``torch/csrc/cuda/Module.cpp``):
 ``roundup_power2_divisions`` as ``{"1": n, "2": n, ... "32768": n}`` per MiB interval,
 ``expandable_segments``, and the last ``PYTORCH_CUDA_ALLOC_CONF`` string. The structured
 fields win; the string adds only what they do not carry (``max_non_split_rounding_mb``).
-``expandable_segments`` is left out: the allocator's name decides caching against expandable.
+``expandable_segments`` is left out: the allocator decides caching against expandable.
+Which allocators take the settings, and as which option, is their class's
+:attr:`~vmstoolkit.pools.base.Allocator.recorded_settings_option`.
 """
 
 from __future__ import annotations
 
 from vmstoolkit.errors import ConfigError
 from vmstoolkit.pools.baselines.pytorch_config import K_LARGE_BUFFER, MiB, ROUNDUP_INTERVALS, parse_alloc_conf
-
-PYTORCH_SIMULATIONS = ("pytorch-caching", "pytorch-expandable")
+from vmstoolkit.pools.registry import recorded_settings_option
 
 
 def recorded_alloc_conf(settings: dict) -> str:
@@ -48,12 +49,14 @@ def recorded_alloc_conf(settings: dict) -> str:
 
 
 def options_with_settings(allocator: str, options: dict | None, settings: dict) -> tuple[dict, str]:
-    """``options`` with the recorded settings as ``config`` for a PyTorch simulation, unless
-    ``options`` has its own ``config``; and the string applied ("" when none)."""
+    """``options`` with the recorded settings as the option the allocator takes them in (its
+    class's ``recorded_settings_option``: ``config`` for the PyTorch simulations), unless
+    ``options`` sets that option itself; and the string applied ("" when none)."""
     opts = dict(options or {})
-    if allocator not in PYTORCH_SIMULATIONS or "config" in opts:
+    key = recorded_settings_option(allocator)
+    if key is None or key in opts:
         return opts, ""
     conf = recorded_alloc_conf(settings)
     if conf:
-        opts["config"] = conf
+        opts[key] = conf
     return opts, conf

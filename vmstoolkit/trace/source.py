@@ -80,8 +80,12 @@ class BoundedReader(io.RawIOBase):
             self._raw = open(self.path, "rb")  # noqa: SIM115 - closed in close()
         except OSError as e:
             raise TraceFormatError(f"cannot read snapshot {self.path}: {e.strerror or e}") from None
-        self.gzipped = self._raw.read(2) == b"\x1f\x8b"
-        self._raw.seek(0)
+        try:  # a regular file whose read fails (/proc/self/mem: EIO) is the same one-line error
+            self.gzipped = self._raw.read(2) == b"\x1f\x8b"
+            self._raw.seek(0)
+        except OSError as e:
+            self._raw.close()
+            raise TraceFormatError(f"cannot read snapshot {self.path}: {e.strerror or e}") from None
         self._f = gzip.GzipFile(fileobj=self._raw, mode="rb") if self.gzipped else self._raw
         if limits.max_bytes is not None:
             self.limit = int(limits.max_bytes)
@@ -114,14 +118,17 @@ class BoundedReader(io.RawIOBase):
         b[:len(data)] = data
         return len(data)
 
-    def skip(self, n: int) -> int:
-        """Read and discard ``n`` bytes (a long string the scanner does not keep); bytes skipped."""
+    def skip(self, n: int, check=None) -> int:
+        """Read and discard ``n`` bytes (a long string the scanner does not keep), handing each
+        piece to ``check`` if given; bytes skipped."""
         left = n
         while left > 0:
-            got = len(self.read(min(left, CHUNK)))
-            if got == 0:
+            data = self.read(min(left, CHUNK))
+            if not data:
                 break
-            left -= got
+            if check is not None:
+                check(data)
+            left -= len(data)
         return n - left
 
     def _too_big(self) -> None:

@@ -5,7 +5,8 @@
   allocations, made when replay starts (PyTorch's ``MemoryViz`` reconstructs the same set);
 - a corrupt trace is an error naming the event: a second alloc at a live address, an alloc
   overlapping a live one, a free whose size differs from its alloc, a second free, an alloc of
-  (a free without a size is not checked). ``lenient=True`` skips such events instead and counts them by kind.
+  (a free without a size is not checked), a negative address or size (in an alloc, a free or a
+  segment's block). ``lenient=True`` skips such events instead and counts them by kind.
 
 Cost: two passes over the events, O(n log live) (a sorted list of live starts).
 """
@@ -46,6 +47,8 @@ def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, wher
     sizeless: set[int] = set()
     for e in events:
         a = e.action
+        if (a is alloc or a is free) and (e.addr < 0 or e.size < 0):
+            continue  # refused in pass 2
         if a is alloc:
             live[e.addr] = e.size
             touched.add(e.addr)
@@ -56,7 +59,15 @@ def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, wher
                 else:  # no size recorded: cannot be made; replay skips its free as before
                     sizeless.add(e.addr)
             touched.add(e.addr)
+    skipped: dict[str, int] = {}
     for addr, size, stream in live_blocks:
+        if addr < 0 or size < 0:
+            what = f"block at negative address {addr}" if addr < 0 else f"block of negative size {size} at {addr:#x}"
+            if not lenient:
+                raise TraceFormatError(f"{where}: the snapshot's segments hold a {what}; the trace is corrupt "
+                                       "(lenient=True or --lenient skips such blocks)")
+            skipped["negative"] = skipped.get("negative", 0) + 1
+            continue
         if addr not in touched and addr not in pre and size > 0:
             pre[addr] = TraceEvent(alloc, addr, size, stream, t0)
     preexisting = tuple(pre[a] for a in sorted(pre))
@@ -64,7 +75,6 @@ def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, wher
     live_at: dict[int, tuple[int, int]] = {e.addr: (e.size, -1) for e in preexisting}
     starts = sorted(live_at)
     freed_at: dict[int, int] = {}
-    skipped: dict[str, int] = {}
     keep: list | None = None
 
     def bad(i: int, kind: str, message: str) -> None:
@@ -81,6 +91,10 @@ def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, wher
 
     for i, e in enumerate(events):
         a = e.action
+        if (a is alloc or a is free) and (e.addr < 0 or e.size < 0):
+            bad(i, "negative", f"event {i} has a negative address {e.addr}" if e.addr < 0 else
+                f"event {i} has a negative size {e.size} at {e.addr:#x}")
+            continue
         if a is alloc:
             addr, size = e.addr, e.size
             if addr in live_at:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 
 import numpy as np
 
@@ -138,6 +139,10 @@ def run_kernel(v, stream, ins, outs) -> None:
 class CudaBackend:
     """The :class:`~vmstoolkit.exec.backends.base.Backend` of a real GPU (module docstring)."""
 
+    # launch(v, after): v's stream waits on the GPU for the end events of the vertices ``after``
+    # (cuStreamWaitEvent), so the executor need not wait on the host for them
+    device_waits = True
+
     def __init__(self, values: dict[int, np.ndarray], *, notify: str = "poll", host: dict | None = None,
                  pin: str = "copy", pool: PinnedPool | None = None, allocator: str = "vms",
                  allocator_options: dict | None = None, timeline: bool = False):
@@ -227,6 +232,7 @@ class CudaBackend:
             with cuda.gpus[gpu]:
                 cuda.synchronize()
         self._pending: dict[tuple[int, str], list] = {}
+        self._ends: dict[int, object] = {}  # vertex id -> the event recorded after it
         self._poller = None
         self._callbacks: HostCallbacks | None = None
         self._marks, self._spans = [], None
@@ -244,7 +250,7 @@ class CudaBackend:
     def clock(self) -> float:
         return time.perf_counter()
 
-    def launch(self, v):
+    def launch(self, v, after=()):
         from numba import cuda
 
         multi = self.mg.n_gpus > 1
@@ -253,6 +259,8 @@ class CudaBackend:
             cm.__enter__()
         try:
             s = self.streams[v.gpu][v.stream]
+            for u in after:  # the executor arms only on predecessors of v's own GPU
+                self._ends[u].wait(s)
             if self.timeline:
                 start = cuda.event(timing=True)
                 start.record(s)
@@ -270,12 +278,13 @@ class CudaBackend:
                 end = cuda.event(timing=True)
                 end.record(s)
                 self._marks.append((v.id, v.gpu, v.stream, start, end))
+            ev = cuda.event(timing=False)
+            ev.record(s)
+            self._ends[v.id] = ev
             if self.notify == "callback":
                 if self._callbacks is None:
                     self._callbacks = HostCallbacks(asyncio.get_running_loop())
                 return self._callbacks.after(s)
-            ev = cuda.event(timing=False)
-            ev.record(s)
             fut = asyncio.get_running_loop().create_future()
             self._pending.setdefault((v.gpu, v.stream), []).append((ev, fut))
             if self._poller is None or self._poller.done():
@@ -375,14 +384,16 @@ def op_seconds(graph: TaskGraph, vertex_seconds) -> dict[str, float]:
 
 
 def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int = 3, outputs=None,
-                   breakdown: bool = False):
+                   breakdown: bool = False, vertex_seconds: list | None = None):
     """The block-by-block forward with the same kernels, every tensor its own device array,
     every weight resident, launched back to back on one stream per GPU with no events.
     Returns ``(outputs, best seconds)``: the equality reference (the graph's outputs, or those in
     ``outputs``) and the compute time. With ``breakdown``, one more pass brackets every vertex
     with CUDA events on its stream and the result is ``(outputs, best seconds, seconds per op
     kind)`` (:func:`op_seconds`; the events add a little time that the best time does not see;
-    in the CUDA simulator events time nothing and every figure is meaningless)."""
+    in the CUDA simulator events time nothing and every figure is meaningless). ``vertex_seconds``:
+    a list that the breakdown pass fills with every vertex's seconds, in ``graph.vertices``
+    order (implies ``breakdown``)."""
     from numba import cuda
 
     n_gpus = graph.n_gpus
@@ -420,7 +431,7 @@ def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int
         once()
         best = min(best, time.perf_counter() - t0)
     per_op = None
-    if breakdown:
+    if breakdown or vertex_seconds is not None:
         marks = []
         for v in graph.vertices:
             with cuda.gpus[v.gpu]:
@@ -431,7 +442,10 @@ def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int
                 marks.append((start, end))
         for gpu in range(n_gpus):
             streams[gpu].synchronize()
-        per_op = op_seconds(graph, [start.elapsed_time(end) / 1e3 for start, end in marks])
+        secs = [start.elapsed_time(end) / 1e3 for start, end in marks]
+        if vertex_seconds is not None:
+            vertex_seconds[:] = secs
+        per_op = op_seconds(graph, secs) if breakdown else None
     outs = {t: dev[t].copy_to_host() for t in (graph.outputs if outputs is None else outputs)}
     return (outs, best) if per_op is None else (outs, best, per_op)
 
@@ -456,17 +470,30 @@ def copy_bandwidth(nbytes: int = 1 << 28, gpu: int = 0) -> dict[str, float]:
     return res
 
 
-_LB_CACHE: dict = {}
+# task graph -> (compute seconds, copy bandwidths, seconds per task vertex), for as long as the
+# graph lives: keyed by the graph itself, not id(graph), which a later graph (another bucket's)
+# may reuse once it is freed
+_LB_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def measure_lower_bound(mg, values) -> dict:
-    """max(back-to-back compute time, H2D bytes / measured bandwidth, D2H bytes / bandwidth)."""
-    key = id(mg.graph)
-    if key not in _LB_CACHE:
-        _, compute = direct_forward(mg.graph, values)
-        _LB_CACHE[key] = (compute, copy_bandwidth())
-    compute, bw = _LB_CACHE[key]
+    """The larger of max(back-to-back compute time, H2D bytes / measured bandwidth, D2H bytes /
+    bandwidth) (``resource_s``) and the precedence bound (``precedence_s``,
+    :func:`vmstoolkit.exec.bounds.precedence_bound`) over each vertex's time in one more direct
+    pass timed vertex by vertex with CUDA events, copies at the measured bandwidths."""
+    from vmstoolkit.exec.bounds import precedence_bound
+
+    if mg.graph not in _LB_CACHE:
+        per_vertex: list[float] = []
+        _, compute = direct_forward(mg.graph, values, vertex_seconds=per_vertex)
+        _LB_CACHE[mg.graph] = (compute, copy_bandwidth(), per_vertex)
+    compute, bw, per_vertex = _LB_CACHE[mg.graph]
     h2d = max(mg.bytes_moved("reload", g) for g in range(mg.n_gpus)) / bw["h2d"]
     d2h = max(mg.bytes_moved("offload", g) for g in range(mg.n_gpus)) / bw["d2h"]
-    return {"compute_s": compute, "h2d_s": h2d, "d2h_s": d2h, "lower_bound_s": max(compute, h2d, d2h),
-            "h2d_bytes_per_s": bw["h2d"], "d2h_bytes_per_s": bw["d2h"]}
+    durations = [v.nbytes / bw["h2d"] if v.kind == "reload" else v.nbytes / bw["d2h"] if v.kind == "offload"
+                 else per_vertex[v.task] for v in mg.vertices]
+    prec = precedence_bound(mg, durations)
+    prec_s = None if prec is None else prec[0]
+    resource = max(compute, h2d, d2h)
+    return {"compute_s": compute, "h2d_s": h2d, "d2h_s": d2h, "resource_s": resource, "precedence_s": prec_s,
+            "lower_bound_s": max(resource, prec_s or 0.0), "h2d_bytes_per_s": bw["h2d"], "d2h_bytes_per_s": bw["d2h"]}

@@ -10,14 +10,29 @@
 // - recordStream reaches the allocator with the block's device and allocation stream;
 // - getDeviceStats / resetPeakStats / resetAccumulatedStats / emptyCache / cacheInfo answer
 //   from the allocator, so every torch.cuda memory function works unchanged;
-// - a Python exception in flight survives a callback into Python (KeepPythonError).
+// - a Python exception in flight survives a callback into Python (KeepPythonError);
+// - CUDA graph private pools with PyTorch's semantics: while a capture (or a thread given to a
+//   pool) is active, the allocations it makes come from the pool (beginAllocateToPool's filter
+//   decides, as in PyTorch); the shim tags each block with its pool and hands its free to the
+//   pool, never to the allocator, until the pool is released. The pools themselves (what is
+//   cached, when memory goes back) live in Python: vmstoolkit.pools.graph_pools.PrivatePools.
+//   checkPoolLiveAllocations, getCheckpointState and setCheckpointPoolState (cudagraph trees)
+//   answer from the tags;
+// - setMemoryFraction / getMemoryFraction reach the allocator (a limit on live bytes);
+// - the out-of-memory message begins as PyTorch's own ("CUDA out of memory. Tried to allocate
+//   1.00 GiB. GPU 0 has a total capacity of ..."), which the ecosystem's OOM handlers match;
+// - no call into Python once the interpreter is finalizing: a free then is dropped (the process
+//   is ending, the driver takes the memory back) and an allocation raises. The handle behind the
+//   entry points is kept alive for the process's life (a reference the shim never drops).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -25,8 +40,13 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
+#include <vector>
 
 namespace {
+
+namespace py = pybind11;
+using c10::cuda::MempoolId_t;
 
 using Base = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
 
@@ -36,6 +56,8 @@ struct Meta {
   size_t size;
   int device;
   cudaStream_t stream;
+  bool pooled = false;  // allocated inside a private pool (freed back to it)
+  MempoolId_t pool{0, 0};
 };
 
 typedef void* (*AllocFn)(size_t, int, cudaStream_t);
@@ -44,7 +66,15 @@ typedef void (*RecordFn)(void*, int, cudaStream_t, cudaStream_t);  // ptr, devic
 typedef int (*StatsFn)(int, int64_t*, int);                           // device, out, count
 typedef void (*ResetFn)(int, int);                                    // device, 0: peaks, 1: totals
 typedef void (*EmptyFn)();
-typedef int (*ErrorFn)(int, char*, size_t);                           // device, message buffer
+typedef int (*ErrorFn)(int, size_t, char*, size_t);                   // device, request, message buffer
+typedef void* (*PoolAllocFn)(size_t, int, cudaStream_t, uint64_t, uint64_t);     // size, device, stream, pool id
+typedef void (*PoolFreeFn)(void*, size_t, int, cudaStream_t, uint64_t, uint64_t);
+typedef int (*PoolEventFn)(int, uint64_t, uint64_t, int, void*, size_t);  // device, pool id, what, ptr, size
+typedef int (*FractionFn)(int, double);                                   // device, fraction (<0: ask) -> 0
+typedef double (*GetFractionFn)(int);
+
+// What PoolEventFn is told (the order of vmstoolkit.integrations.abi.POOL_EVENTS).
+enum PoolEvent { POOL_USE = 0, POOL_RELEASE = 1, POOL_TAKE_BACK = 2, POOL_USE_COUNT = 3 };
 
 // The order of vmstoolkit.integrations.bridge.STAT_KEYS.
 enum Stat {
@@ -55,6 +85,61 @@ enum Stat {
 // Whether the entry points are Python callbacks (ctypes: the Python allocators) rather than
 // compiled functions (the paged hook); set once by install().
 bool g_python_callbacks = false;
+
+// VMSTOOLKIT_SHIM_CALL_AT_EXIT=1 turns the guard below off (to see what it prevents).
+bool g_call_at_exit = false;
+std::atomic<long> g_late_calls{0};  // calls that came after Python had begun finalizing
+
+// With VMSTOOLKIT_SHIM_TRACE, says at the very end how many calls came too late for Python.
+struct LateCallReport {
+  ~LateCallReport() {
+    if (std::getenv("VMSTOOLKIT_SHIM_TRACE") != nullptr)
+      std::fprintf(stderr, "shim: %ld call(s) after Python began finalizing%s\n", g_late_calls.load(),
+                   g_call_at_exit ? " (passed to Python: VMSTOOLKIT_SHIM_CALL_AT_EXIT)" : " (dropped)");
+  }
+} g_late_call_report;
+
+// True once Python is finalizing or gone: no callback may run then (see the file's head).
+bool python_gone() {
+  const bool gone = !Py_IsInitialized() ||
+#if PY_VERSION_HEX >= 0x030D0000
+                    Py_IsFinalizing() != 0;
+#else
+                    _Py_IsFinalizing() != 0;
+#endif
+  if (gone) g_late_calls.fetch_add(1);
+  return gone && !g_call_at_exit;
+}
+
+
+// PyTorch's format_size: "1.00 GiB", "512.00 KiB", "100 bytes".
+std::string format_size(uint64_t size) {
+  char buf[64];
+  if (size <= 1024) {
+    std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(size));
+  } else if (size <= 1048576) {
+    std::snprintf(buf, sizeof buf, "%.2f KiB", size / 1024.0);
+  } else if (size <= 1073741824ULL) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", size / 1048576.0);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", size / 1073741824.0);
+  }
+  return buf;
+}
+
+// The pool state cudagraph trees checkpoint after each recording: the pool's live blocks.
+struct PoolState : public c10::cuda::CUDACachingAllocator::AllocatorState {
+  int device;
+  MempoolId_t pool;
+  std::unordered_map<void*, Meta> live;
+};
+
+// One active allocation into a pool: a capture or a thread given to the pool.
+struct Capture {
+  int device;
+  MempoolId_t pool;
+  std::function<bool(cudaStream_t)> filter;
+};
 
 // A Python callback must not run while the calling thread's Python exception is in flight.
 // PyTorch frees tensors as an exception unwinds a frame (a temporary on the evaluation stack),
@@ -93,42 +178,98 @@ class KeepPythonError {
   bool held_ = false;
 };
 
+// The entry points, in the order vmstoolkit.integrations.torch.HookBase.shim_pointers gives them.
+struct EntryPoints {
+  AllocFn alloc;
+  FreeFn free;
+  RecordFn record;
+  StatsFn stats;
+  ResetFn reset;
+  EmptyFn empty;
+  ErrorFn error;
+  PoolAllocFn pool_alloc;
+  PoolFreeFn pool_free;
+  PoolEventFn pool_event;
+  FractionFn set_fraction;
+  GetFractionFn get_fraction;
+};
+
 struct VmsAllocator : public Base {
-  VmsAllocator(AllocFn a, FreeFn f, RecordFn r, StatsFn s, ResetFn rs, EmptyFn e, ErrorFn er)
-      : Base(a, f), record_(r), stats_(s), reset_(rs), error_(er) {
+  explicit VmsAllocator(const EntryPoints& ep) : Base(ep.alloc, ep.free), ep_(ep) {
+    EmptyFn e = ep.empty;
     reset_fn_ = [e]() {
+      if (python_gone()) return;
       KeepPythonError keep;
       e();
     };  // what the base's emptyCache calls
     record_stream_fn_ = [this](void* ptr, cudaStream_t stream) { this->record(ptr, stream); };
   }
 
+  // The message begins as PyTorch's own ("CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0
+  // has a total capacity of ..."), so that handlers matching it (accelerate's
+  // find_executable_batch_size, Lightning's is_oom_error) recognise the error. Python writes it
+  // (vmstoolkit.integrations.bridge.oom_message); `why` serves when Python cannot be asked.
+  [[noreturn]] void out_of_memory(size_t size, c10::DeviceIndex device, const std::string& why = "") {
+    std::string msg = why.empty() ? last_error(device, size) : std::string();
+    if (msg.empty()) {
+      size_t free_b = 0, total = 0;
+      if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) (void)cudaGetLastError();
+      msg = "CUDA out of memory. Tried to allocate " + format_size(size) + ". GPU " +
+            std::to_string(static_cast<int>(device)) + " has a total capacity of " + format_size(total) + " of which " +
+            format_size(free_b) + " is free. vmstoolkit: " + (why.empty() ? "no reason given" : why);
+    }
+    throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, msg);
+  }
+
+  std::string last_error(c10::DeviceIndex device, size_t size = 0) {
+    if (python_gone()) return "";
+    std::string why(4096, '\0');
+    int n;
+    {
+      KeepPythonError keep;
+      n = ep_.error(device, size, &why[0], why.size() - 1);
+    }
+    why.resize(n > 0 ? static_cast<size_t>(n) : 0);
+    return why;
+  }
+
+  // The pool this allocation goes to, if a capture or a thread given to a pool asks for it.
+  bool pool_for(c10::DeviceIndex device, cudaStream_t stream, MempoolId_t* pool) {
+    if (n_captures_.load(std::memory_order_acquire) == 0) return false;
+    const std::lock_guard<std::mutex> lock(capture_mutex_);
+    for (auto it = captures_.rbegin(); it != captures_.rend(); ++it) {
+      if (it->device == device && it->filter(stream)) {
+        *pool = it->pool;
+        return true;
+      }
+    }
+    return false;
+  }
+
   void* checked(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    if (python_gone()) {
+      if (size == 0) return nullptr;
+      out_of_memory(size, device, "the Python interpreter is shutting down");
+    }
+    MempoolId_t pool{0, 0};
+    const bool pooled = size > 0 && pool_for(device, stream, &pool);
     void* p;
     {
       KeepPythonError keep;
-      p = alloc_fn_(size, device, stream);
+      p = pooled ? ep_.pool_alloc(size, device, stream, pool.first, pool.second) : ep_.alloc(size, device, stream);
     }
     if (p == nullptr) {
       if (size == 0) return nullptr;
       const bool trace = std::getenv("VMSTOOLKIT_SHIM_TRACE") != nullptr;
       if (trace) std::fprintf(stderr, "shim: null for %zu bytes on %d; asking why\n", size, (int)device), std::fflush(stderr);
-      std::string why(2048, '\0');
-      int n;
-      {
-        KeepPythonError keep;
-        n = error_(device, &why[0], why.size() - 1);
-      }
-      why.resize(n > 0 ? static_cast<size_t>(n) : 0);
-      if (trace) std::fprintf(stderr, "shim: %s; throwing\n", why.c_str()), std::fflush(stderr);
-      throw c10::OutOfMemoryError(
-          c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-          "CUDA out of memory (vmstoolkit). Tried to allocate " + std::to_string(size) + " bytes on device " +
-              std::to_string(static_cast<int>(device)) + ". " + why);
+      out_of_memory(size, device);
     }
     {
       const std::lock_guard<std::mutex> lock(allocator_mutex_);
-      blocks_[p] = Meta{size, static_cast<int>(device), stream};
+      Meta m{size, static_cast<int>(device), stream};
+      m.pooled = pooled;
+      m.pool = pool;
+      blocks_[p] = m;
     }
     return p;
   }
@@ -142,8 +283,13 @@ struct VmsAllocator : public Base {
       m = it->second;
       blocks_.erase(it);
     }
+    if (python_gone()) return;  // the process is ending: the driver takes the memory back
     KeepPythonError keep;
-    free_fn_(ptr, m.size, m.device, m.stream);
+    if (m.pooled) {
+      ep_.pool_free(ptr, m.size, m.device, m.stream, m.pool.first, m.pool.second);
+    } else {
+      free_fn_(ptr, m.size, m.device, m.stream);
+    }
   }
 
   c10::DataPtr allocate(size_t size) override {
@@ -167,25 +313,131 @@ struct VmsAllocator : public Base {
   }
 
   void record(void* ptr, cudaStream_t stream) {
-    if (ptr == nullptr) return;
+    if (ptr == nullptr || python_gone()) return;
     int device;
     cudaStream_t own;
     {
       const std::lock_guard<std::mutex> lock(allocator_mutex_);
       auto it = blocks_.find(ptr);
-      if (it == blocks_.end()) return;
+      if (it == blocks_.end() || it->second.pooled) return;  // a pool's blocks stay in the pool anyway
       device = it->second.device;
       own = it->second.stream;
     }
     KeepPythonError keep;
-    record_(ptr, device, own, stream);
+    ep_.record(ptr, device, own, stream);
+  }
+
+  // -- private pools (CUDA graphs, cudagraph trees, MemPool) ---------------------------------
+  int pool_event(int device, MempoolId_t pool, PoolEvent what, void* ptr = nullptr, size_t size = 0) {
+    if (python_gone()) return 0;
+    KeepPythonError keep;
+    return ep_.pool_event(device, pool.first, pool.second, static_cast<int>(what), ptr, size);
+  }
+
+  void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t pool, std::function<bool(cudaStream_t)> filter) override {
+    pool_event(device, pool, POOL_USE);
+    const std::lock_guard<std::mutex> lock(capture_mutex_);
+    captures_.push_back(Capture{static_cast<int>(device), pool, std::move(filter)});
+    n_captures_.store(static_cast<int>(captures_.size()), std::memory_order_release);
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, MempoolId_t pool) override {
+    const std::lock_guard<std::mutex> lock(capture_mutex_);
+    for (auto it = captures_.rbegin(); it != captures_.rend(); ++it) {
+      if (it->device == device && it->pool == pool) {
+        captures_.erase(std::next(it).base());
+        break;
+      }
+    }
+    n_captures_.store(static_cast<int>(captures_.size()), std::memory_order_release);
+  }
+
+  void releasePool(c10::DeviceIndex device, MempoolId_t pool) override { pool_event(device, pool, POOL_RELEASE); }
+
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t pool,
+                          std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator) override {
+    TORCH_CHECK(allocator == nullptr,
+                "vmstoolkit is installed as PyTorch's allocator: a torch.cuda.MemPool with an allocator of its own "
+                "cannot be used beside it (use vmstoolkit.integrations.torch.use_pool without install())");
+    pool_event(device, pool, POOL_USE);
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t pool) override {
+    return pool_event(device, pool, POOL_USE_COUNT);
+  }
+
+  std::unordered_map<void*, Meta> pool_blocks(int device, MempoolId_t pool) {
+    std::unordered_map<void*, Meta> out;
+    const std::lock_guard<std::mutex> lock(allocator_mutex_);
+    for (const auto& kv : blocks_)
+      if (kv.second.pooled && kv.second.device == device && kv.second.pool == pool) out.emplace(kv.first, kv.second);
+    return out;
+  }
+
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t pool,
+                                const std::unordered_set<void*>& expected) override {
+    auto live = pool_blocks(device, pool);
+    if (live.size() != expected.size()) return false;
+    for (const auto& kv : live)
+      if (expected.count(kv.first) == 0) return false;
+    return true;
+  }
+
+  std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                                                      MempoolId_t pool) override {
+    auto state = std::make_shared<PoolState>();
+    state->device = device;
+    state->pool = pool;
+    state->live = pool_blocks(device, pool);
+    return state;
+  }
+
+  c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex device, std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> pps) override {
+    auto state = std::dynamic_pointer_cast<PoolState>(pps);
+    TORCH_CHECK(state != nullptr, "vmstoolkit: setCheckpointPoolState got a state it did not make");
+    c10::cuda::CUDACachingAllocator::CheckpointDelta delta;
+    // As PyTorch's allocator does: every block of the pool allocated now is freed (back to the
+    // pool), then every block allocated at the checkpoint is allocated again at its address, with
+    // a DataPtr PyTorch hands to the storages that live on (torch._C._cuda_setCheckpointPoolState).
+    for (const auto& kv : pool_blocks(device, state->pool)) {
+      raw_delete(kv.first);
+      delta.ptrs_freed.push_back(kv.first);
+    }
+    for (const auto& kv : state->live) {
+      const int ok = pool_event(device, state->pool, POOL_TAKE_BACK, kv.first, kv.second.size);
+      TORCH_CHECK(ok == 1, "vmstoolkit: the pool's block at ", kv.first, " (", kv.second.size,
+                  " bytes) is no longer the pool's; the checkpoint cannot be restored (the handle's last_error says why)");
+      {
+        const std::lock_guard<std::mutex> lock(allocator_mutex_);
+        blocks_[kv.first] = kv.second;
+      }
+      delta.dataptrs_allocd.emplace_back(kv.first, kv.first, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return delta;
+  }
+
+  // -- memory fraction --------------------------------------------------------------------------
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    int err;
+    {
+      KeepPythonError keep;
+      err = ep_.set_fraction(device, fraction);
+    }
+    TORCH_CHECK(err == 0, "vmstoolkit: set_per_process_memory_fraction(", fraction,
+                ") failed (the handle's last_error says why)");
+  }
+
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    KeepPythonError keep;
+    return ep_.get_fraction(device);
   }
 
   c10::cuda::CUDACachingAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     int64_t v[N_STATS] = {0};
     {
       KeepPythonError keep;
-      stats_(device, v, N_STATS);
+      ep_.stats(device, v, N_STATS);
     }
     c10::cuda::CUDACachingAllocator::DeviceStats s;
     const size_t all = 0;  // StatType::AGGREGATE
@@ -217,11 +469,11 @@ struct VmsAllocator : public Base {
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     KeepPythonError keep;
-    reset_(device, 1);
+    ep_.reset(device, 1);
   }
   void resetPeakStats(c10::DeviceIndex device) override {
     KeepPythonError keep;
-    reset_(device, 0);
+    ep_.reset(device, 0);
   }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
@@ -237,32 +489,59 @@ struct VmsAllocator : public Base {
 
   std::string name() override { return "vmstoolkit"; }
 
+  // Every live block PyTorch holds: (address, size, device, stream, pool id or (0, 0)).
+  std::vector<std::tuple<uint64_t, uint64_t, int, uint64_t, uint64_t, uint64_t>> live_blocks() {
+    std::vector<std::tuple<uint64_t, uint64_t, int, uint64_t, uint64_t, uint64_t>> out;
+    const std::lock_guard<std::mutex> lock(allocator_mutex_);
+    out.reserve(blocks_.size());
+    for (const auto& kv : blocks_)
+      out.emplace_back(reinterpret_cast<uint64_t>(kv.first), kv.second.size, kv.second.device,
+                       reinterpret_cast<uint64_t>(kv.second.stream), kv.second.pooled ? kv.second.pool.first : 0,
+                       kv.second.pooled ? kv.second.pool.second : 0);
+    return out;
+  }
+
+  EntryPoints ep_;
   std::unordered_map<void*, Meta> blocks_;
-  RecordFn record_;
-  StatsFn stats_;
-  ResetFn reset_;
-  ErrorFn error_;
+  std::mutex capture_mutex_;
+  std::vector<Capture> captures_;
+  std::atomic<int> n_captures_{0};
 };
 
-void install(uint64_t a, uint64_t f, uint64_t r, uint64_t s, uint64_t rs, uint64_t e, uint64_t er, bool python) {
+std::shared_ptr<VmsAllocator> g_allocator;  // the installed one (PyTorch holds it too)
+
+void install(const std::vector<uint64_t>& p, bool python, py::object keep_alive) {
+  TORCH_CHECK(p.size() == 12, "vmstoolkit shim: 12 entry points expected, got ", p.size());
+  EntryPoints ep{reinterpret_cast<AllocFn>(p[0]),      reinterpret_cast<FreeFn>(p[1]),
+                 reinterpret_cast<RecordFn>(p[2]),     reinterpret_cast<StatsFn>(p[3]),
+                 reinterpret_cast<ResetFn>(p[4]),      reinterpret_cast<EmptyFn>(p[5]),
+                 reinterpret_cast<ErrorFn>(p[6]),      reinterpret_cast<PoolAllocFn>(p[7]),
+                 reinterpret_cast<PoolFreeFn>(p[8]),   reinterpret_cast<PoolEventFn>(p[9]),
+                 reinterpret_cast<FractionFn>(p[10]),  reinterpret_cast<GetFractionFn>(p[11])};
   g_python_callbacks = python;
-  auto alloc = std::make_shared<VmsAllocator>(
-      reinterpret_cast<AllocFn>(a), reinterpret_cast<FreeFn>(f), reinterpret_cast<RecordFn>(r),
-      reinterpret_cast<StatsFn>(s), reinterpret_cast<ResetFn>(rs), reinterpret_cast<EmptyFn>(e),
-      reinterpret_cast<ErrorFn>(er));
+  g_call_at_exit = std::getenv("VMSTOOLKIT_SHIM_CALL_AT_EXIT") != nullptr;
+  auto alloc = std::make_shared<VmsAllocator>(ep);
   alloc->init(c10::cuda::device_count());
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(alloc);
+  g_allocator = alloc;
+  // The handle owns the callbacks and the compiled entry points: PyTorch may call them until the
+  // process ends (tensors freed during finalization), so it must outlive every module teardown.
+  new py::object(std::move(keep_alive));  // never released, on purpose
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("install", [](uint64_t a, uint64_t f, uint64_t r, uint64_t s, uint64_t rs, uint64_t e, uint64_t er,
-                      bool python) {
+  m.def("install", [](const std::vector<uint64_t>& p, bool python, py::object keep_alive) {
     try {
-      install(a, f, r, s, rs, e, er, python);
+      install(p, python, std::move(keep_alive));
     } catch (const c10::Error& err) {
       throw std::runtime_error(err.what_without_backtrace());
     }
   });
+  m.def("live_blocks", []() {
+    TORCH_CHECK(g_allocator != nullptr, "vmstoolkit shim: nothing installed");
+    return g_allocator->live_blocks();
+  });
+  m.def("format_size", [](uint64_t n) { return format_size(n); });
 }

@@ -40,16 +40,18 @@ from __future__ import annotations
 
 from sortedcontainers import SortedList
 
-from vmstoolkit.errors import ConfigError, DriverOutOfMemoryError, OutOfMemoryError
+from vmstoolkit.errors import DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
 from vmstoolkit.pools.drivers import VMMDriver, make_driver  # noqa: F401  (make_driver: doctest)
 from vmstoolkit.pools.baselines.pytorch_config import UNLIMITED, PyTorchAllocConfig, as_config
+from vmstoolkit.pools.constants import SMALL_SIZE
+from vmstoolkit.pools.options import PyTorchCachingOptions
 from vmstoolkit.pools.registry import register_allocator
 from vmstoolkit.pools.drivers.teardown import Graveyard
 
 # The constants of CUDACachingAllocator.cpp, with its names.
 kMinBlockSize = 512  # every size is rounded to a multiple of 512 bytes
-kSmallSize = 1 << 20  # the largest "small" request: 1 MiB
+kSmallSize = SMALL_SIZE  # the largest "small" request: 1 MiB (pools/constants.py)
 kSmallBuffer = 2 << 20  # small requests are packed in 2 MiB segments
 kMinLargeAlloc = 10 << 20  # requests between 1 and 10 MiB get a 20 MiB segment...
 kLargeBuffer = 20 << 20  # ...of this size
@@ -58,6 +60,7 @@ kRoundLarge = 2 << 20  # larger requests get a segment rounded up to 2 MiB
 
 def roundup_power2_next_division(size: int, divisions: int) -> int:
     """``size`` rounded up to the next of ``divisions`` equal steps between two powers of two.
+    Runtime complexity: O(1).
 
     >>> roundup_power2_next_division(1200, 4)   # steps 1024, 1280, 1536, 1792
     1280
@@ -73,7 +76,7 @@ def roundup_power2_next_division(size: int, divisions: int) -> int:
 
 
 def round_size(size: int, config: PyTorchAllocConfig | None = None) -> int:
-    """The block size PyTorch gives a request of ``size`` bytes.
+    """The block size PyTorch gives a request of ``size`` bytes. Runtime complexity: O(1).
 
     >>> round_size(1), round_size(513), round_size(1 << 20)
     (512, 1024, 1048576)
@@ -89,6 +92,7 @@ def round_size(size: int, config: PyTorchAllocConfig | None = None) -> int:
 
 def allocation_size(size: int) -> int:
     """The segment ``cudaMalloc``-ed for a rounded request no cached block can serve.
+    Runtime complexity: O(1).
 
     >>> [allocation_size(s) >> 20 for s in (4096, 3 << 20, 10 << 20, (21 << 20) + 1)]
     [2, 20, 10, 22]
@@ -122,9 +126,11 @@ class Block:
         self.gc_base = 0
 
     def is_split(self) -> bool:
+        """The block is part of a segment split in several blocks. Runtime complexity: O(1)."""
         return self.prev is not None or self.next is not None
 
     def key(self) -> tuple[int, int, int]:
+        """``(stream, size, ptr)``: the block's place in its pool's order. Runtime complexity: O(1)."""
         return (self.stream, self.size, self.ptr)
 
     def __repr__(self) -> str:
@@ -150,19 +156,23 @@ class BlockPool:
         self.unmapped_by_ptr: dict[int, Block] = {}
 
     def insert(self, b: Block) -> None:
+        """Cache the free block ``b``. Runtime complexity: O(log n)."""
         b.gc_base = self.lookups
         self.blocks.add((b.stream, b.size, b.ptr))
         self.by_ptr[b.ptr] = b
 
     def remove(self, b: Block) -> None:
+        """Take the cached block ``b`` out. Runtime complexity: O(log n)."""
         self.blocks.remove((b.stream, b.size, b.ptr))
         del self.by_ptr[b.ptr]
 
     def insert_unmapped(self, b: Block) -> None:
+        """Keep the unmapped block ``b`` (an expandable segment's hole). Runtime complexity: O(log n)."""
         self.unmapped.add((b.stream, b.ptr))
         self.unmapped_by_ptr[b.ptr] = b
 
     def remove_unmapped(self, b: Block) -> None:
+        """Take the unmapped block ``b`` out. Runtime complexity: O(log n)."""
         self.unmapped.remove((b.stream, b.ptr))
         del self.unmapped_by_ptr[b.ptr]
 
@@ -170,24 +180,32 @@ class BlockPool:
         return len(self.blocks)
 
 
-@register_allocator("pytorch-caching", "simulation of PyTorch's CUDA caching allocator (cudaMalloc segments, best fit, splitting)")
+@register_allocator("pytorch-caching", PyTorchCachingOptions, "simulation of PyTorch's CUDA caching allocator (cudaMalloc segments, best fit, splitting)")
 class PyTorchCachingAllocator(Allocator):
-    """See the module docstring. ``config`` is a ``PYTORCH_CUDA_ALLOC_CONF``-style string or a
-    :class:`~vmstoolkit.pools.baselines.pytorch_config.PyTorchAllocConfig`."""
+    """See the module docstring. ``options``: the checked
+    :class:`~vmstoolkit.pools.options.PyTorchCachingOptions` (as
+    :func:`~vmstoolkit.pools.make_allocator` passes them), or its ``config`` alone, a
+    ``PYTORCH_CUDA_ALLOC_CONF``-style string (checked by the options class).
+
+    Runtime complexity, for ``n`` cached blocks of the request's pool (small or large): an
+    allocation is O(log n) (best fit in a sorted list, a split) plus one ``cudaMalloc`` when no
+    block fits; garbage collection (``garbage_collection_threshold``) and the retry after a
+    failed ``cudaMalloc`` walk the cached blocks, O(n) and their frees. A free is O(log n)
+    (merging with free neighbours of its segment)."""
 
     streams_apart = True  # a pool per stream, as in PyTorch
+    recorded_settings_option = "config"  # a snapshot's recorded allocator settings apply (trace/settings.py)
+    options_class = PyTorchCachingOptions
 
     name = "pytorch-caching"
     expandable = False
 
-    def __init__(self, driver: VMMDriver, config: str | PyTorchAllocConfig | None = None) -> None:
+    def __init__(self, driver: VMMDriver, options: PyTorchCachingOptions | str | None = None) -> None:
         super().__init__(driver)
+        if not isinstance(options, PyTorchCachingOptions):
+            options = self.options_class(config=options)
         self.graveyard = Graveyard(driver)
-        self.config = as_config(config)
-        if self.config.expandable_segments != self.expandable:
-            raise ConfigError(
-                f"expandable_segments:{self.config.expandable_segments} does not fit allocator {self.name!r}; "
-                f"use {'pytorch-expandable' if self.config.expandable_segments else 'pytorch-caching'}")
+        self.config = self._alloc_conf(options.config)
         self.small_pool = BlockPool(small=True)
         self.large_pool = BlockPool(small=False)
         self.active: dict[int, Block] = {}  # ptr -> allocated block
@@ -203,7 +221,12 @@ class PyTorchCachingAllocator(Allocator):
         self._plain_rounding = not any(self.config.roundup_power2_divisions)
 
     # -- sizes and pools -------------------------------------------------------------------
+
+    def _alloc_conf(self, config: str | None) -> PyTorchAllocConfig:
+        """The parsed ``config`` (checked already by the options class)."""
+        return as_config(config)
     def round_size(self, size: int) -> int:
+        """:func:`round_size` under this allocator's settings. Runtime complexity: O(1)."""
         if self._plain_rounding:  # the common case, inlined: 2x faster replays than calling round_size()
             return -(-size // kMinBlockSize) * kMinBlockSize if size >= kMinBlockSize else kMinBlockSize
         return round_size(size, self.config)
@@ -410,6 +433,8 @@ class PyTorchCachingAllocator(Allocator):
         return heads
 
     def _check(self) -> None:
+        """Assert the live blocks, both pools and every segment's chain of blocks. Runtime
+        complexity: O(blocks)."""
         super()._check()
         core = self._held_by_core()
         assert set(self.active) == set(core), f"{self.name}: allocated blocks differ from live allocations"

@@ -50,12 +50,6 @@ class SimulatedDriver(VMMDriver):
         super().__init__()
         self._capacity = parse_size(capacity) if capacity is not None else DEFAULT_CAPACITY
         self._granularity = granularity
-        self._next_handle = 1
-        self._next_va = VA_BASE
-        self._released: set[Handle] = set()  # released but still mapped somewhere
-        self._handle_maps: dict[Handle, set[int]] = {}  # handle -> VAs it is mapped at
-        self._reservations: SortedDict = SortedDict()  # va -> size
-        self._mappings: SortedDict = SortedDict()  # va -> _Mapping
         self._faults: dict[str, dict[int, str]] = {}  # op -> {n: CUresult}
         # queued work (enqueue_use): (va, size, stream, seq, physical ranges) not yet finished
         self._queued: list[tuple[int, int, int, int, list]] = []
@@ -65,9 +59,19 @@ class SimulatedDriver(VMMDriver):
         self._ordered: dict[tuple[int, int], int] = {}  # (waiter, stream) -> seq the waiter waits for
         self.races: list[str] = []  # unordered cross-stream uses found by enqueue_use
         self.syncs = 0  # synchronize() calls
+        self._init_memory()
+
+    def _init_memory(self) -> None:
+        """The book-keeping of handles, ranges, mappings and plain allocations (what
+        :class:`~vmstoolkit.pools.drivers.compiled.CompiledSimulatedDriver` keeps in arrays)."""
+        self._next_handle = 1
+        self._next_va = VA_BASE
+        self._released: set[Handle] = set()  # released but still mapped somewhere
+        self._handle_maps: dict[Handle, set[int]] = {}  # handle -> VAs it is mapped at
+        self._reservations: SortedDict = SortedDict()  # va -> size
+        self._mappings: SortedDict = SortedDict()  # va -> _Mapping
         self._allocs: SortedDict = SortedDict()  # ptr -> size of plain allocations
         self._alloc_bytes = 0  # their sum (kept, not summed: every create and mem_alloc reads it)
-        self._mapping_starts = self._mappings.keys()  # a live sorted view, indexable
         self._last_reservation = (0, 0)  # the range _reservation_of found last (most calls hit it again)
         self._sizes: dict[Handle, int] = {}  # every handle not yet freed, released ones included
         self._live_handle_bytes = 0  # bytes of handles not yet freed (released handles count until unmapped)
@@ -171,15 +175,13 @@ class SimulatedDriver(VMMDriver):
         m = self._mappings.get(va)
         if m is not None and m.size >= size:  # one mapping covers it: no other can overlap (the common case)
             return [va]
+        # never index the keys by position: a SortedList rebuilds its positional index after every
+        # insert or delete, O(mappings) per call (it was half of a vms replay's time)
         out = []
-        starts = self._mapping_starts
-        i = self._mappings.bisect_right(va)
-        if i:
-            start = starts[i - 1]
-            if start + self._mappings[start].size > va:
-                out.append(start)
-        if i < len(starts) and starts[i] < va + size:  # the first start after va: any inside the range?
-            out.extend(self._mappings.irange(va, va + size, inclusive=(False, False)))
+        start = next(self._mappings.irange(maximum=va, reverse=True), None)  # the last start <= va
+        if start is not None and start + self._mappings[start].size > va:
+            out.append(start)
+        out.extend(self._mappings.irange(va, va + size, inclusive=(False, False)))
         return out
 
     def _map(self, va: int, size: int, handle: Handle, offset: int) -> None:
@@ -196,11 +198,15 @@ class SimulatedDriver(VMMDriver):
         self._mappings[va] = _Mapping(size, handle, offset)
         self._handle_maps[handle].add(va)
 
-    def _unmap(self, va: int, size: int) -> None:
+    def _check_queued(self, va: int, size: int) -> None:
+        """Refuse to unmap memory that queued work still uses (a real device would fault)."""
         for qva, qsize, _, _, _ in self._queued:
             if qva < va + size and va < qva + qsize:
                 raise DriverError("CUDA_ERROR_ILLEGAL_ADDRESS",
                                   f"cuMemUnmap({va:#x}, {size}) while queued work still uses [{qva:#x}, +{qsize}): synchronize first")
+
+    def _unmap(self, va: int, size: int) -> None:
+        self._check_queued(va, size)
         starts = self._overlapping(va, size)
         covered = sum(self._mappings[s].size for s in starts)
         if not starts or starts[0] != va or covered != size:

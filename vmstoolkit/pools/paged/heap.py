@@ -22,9 +22,10 @@ driver is called far less for the same peak.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from vmstoolkit._jit import njit
 
 from vmstoolkit.errors import ConfigError
+from vmstoolkit.pools.constants import PAGED_MIN_BLOCKS as MIN_BLOCKS, SMALL_SIZE  # noqa: F401 - read here by the allocator
 
 # meta[] slots of a heap
 M_UNITS, M_Q, M_NB, M_REC_TOP, M_TOP, M_LIVE_UNITS, M_CLOCK_ORDER, M_CLOCK, M_PLACE_MAPPED = 0, 1, 2, 3, 4, 5, 6, 7, 8
@@ -33,9 +34,9 @@ M_LOW = 11  # the start of a block with no free block below it (where those sear
 # g[] slots shared by the heaps of one device
 G_FREE_CHUNKS, G_TOTAL_CHUNKS, G_LIVE_PAGES, G_PEAK_LIVE_PAGES, G_BUSY, G_SLACK = 0, 1, 2, 3, 4, 5
 # The allocator's layout constants (pools/paged/allocator.py and the compiled replay read them here).
-SMALL_SIZE = 1 << 20  # requests below 1 MiB go to the small heap
+# SMALL_SIZE (requests of at most 1 MiB go to the small heap) and MIN_BLOCKS (fewest block records
+# to start with; the heaps double them when they run out) come from pools/constants.py.
 SMALL_UNIT_SHIFT = 9  # 512 B, PyTorch's rounding
-MIN_BLOCKS = 8  # block records to start with; the heaps double them when they run out
 MAX_SLOTS = 63  # streams with a bit in chunk tags (int64; the last bit is shared by any further streams)
 OVERFLOW_BIT = 1 << (MAX_SLOTS - 1)
 G_NSLOTS = 13  # g[] slot: streams with a slot (heap.py uses 0-5, the PyTorch hook 6-12)
@@ -74,6 +75,7 @@ class Heap:
         init_heap(*self.arrays())
 
     def arrays(self) -> tuple:
+        """The heap's arrays in the order every compiled function takes them. Runtime complexity: O(1)."""
         return (self.meta, self.b_start, self.b_len, self.b_free, self.b_prev, self.b_next, self.b_fprev,
                 self.b_fnext, self.rec_stack, self.block_at, self.bucket_head, self.bits, self.page_chunk,
                 self.page_used, self.chunk_live, self.b_rec, self.chunk_tag)
@@ -81,7 +83,8 @@ class Heap:
     def grow_records(self) -> None:
         """Twice the block records (the compiled code ran out): the block arrays are copied into
         arrays twice as long and the new records pushed on the stack. Callers republish the
-        arrays' addresses (the PyTorch hook's table)."""
+        arrays' addresses (the PyTorch hook's table). Runtime complexity: O(records), amortized
+        O(1) per block."""
         old = self.b_start.shape[0]
         for name, fill in (("b_start", 0), ("b_len", 0), ("b_free", 0), ("b_prev", NONE), ("b_next", NONE),
                            ("b_fprev", NONE), ("b_fnext", NONE), ("b_rec", 0)):
@@ -169,7 +172,7 @@ def _split(meta, b_start, b_len, b_free, b_prev, b_next, rec_stack, block_at, bl
 @njit(cache=True)
 def init_heap(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
               bucket_head, bits, page_chunk, page_used, chunk_live, b_rec, chunk_tag):
-    """One free block spanning the whole heap."""
+    """One free block spanning the whole heap. Runtime complexity: O(1)."""
     blk = _new_record(meta, rec_stack)
     b_start[blk] = 0
     b_len[blk] = meta[M_UNITS]
@@ -220,7 +223,12 @@ def heap_alloc(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, r
                bucket_head, bits, page_chunk, page_used, chunk_live, b_rec, chunk_tag, g, n):
     """Commit a block of ``n`` units. Returns ``(start unit, pages without a chunk)``,
     ``(-1, 0)`` when no free block is large enough, or ``(NO_RECORD, 0)`` when no block record
-    is left (nothing changed either way)."""
+    is left (nothing changed either way).
+
+    Runtime complexity: O(pages of the block) plus the fit: a scan of the bucket bitmap's words
+    above ``n`` (``NB / 64`` at most) below ``NB`` units, the overflow list's length at or above
+    it; with mapped placement, when the fit lacks chunks, a walk of the blocks below the mapped
+    top sliding a window over each free one (:func:`_place_mapped`)."""
     blk = _find_fit(meta, b_len, b_fnext, bucket_head, bits, n)
     if blk == NONE:
         return -1, 0
@@ -334,6 +342,7 @@ def _place_mapped(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext
 def heap_free(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
               bucket_head, bits, page_chunk, page_used, chunk_live, b_rec, chunk_tag, g, start, sbits):
     """Free the live block at unit ``start``; returns its length, or -1 if none is live there.
+    Runtime complexity: O(pages of the block); merging with both neighbours is O(1).
     Its pages keep their chunks (reclaimed only when memory is needed elsewhere); their chunks
     are tagged with ``sbits`` (the streams the block was used on) and the streams recorded on the
     block: a later block on another stream waits for them (:func:`take_tags`)."""
@@ -392,7 +401,7 @@ def take_tags(meta, page_chunk, page_used, chunk_tag, start, n, tbit):
     committed at units ``[start, start + n)``, other than its own stream ``tbit``: the caller
     orders its stream after them before handing the block out. A page the live blocks now fill
     whole loses its tag (every block on it was ordered so); an overflow stream (``tbit`` 0)
-    gets every tag. Runtime: one pass over the block's pages."""
+    gets every tag. Runtime complexity: O(pages of the block), one pass."""
     q = meta[M_Q]
     w = 0
     for p in range(start // q, (start + n + q - 1) // q):
@@ -406,7 +415,8 @@ def take_tags(meta, page_chunk, page_used, chunk_tag, start, n, tbit):
 
 @njit(cache=True)
 def record_on(meta, b_free, block_at, b_rec, start, bits):
-    """Add ``bits`` (streams) to the live block at unit ``start``; False if none is live there."""
+    """Add ``bits`` (streams) to the live block at unit ``start``; False if none is live there.
+    Runtime complexity: O(1)."""
     if start < 0 or start >= meta[M_UNITS]:
         return False
     blk = block_at[start]
@@ -418,7 +428,7 @@ def record_on(meta, b_free, block_at, b_rec, start, bits):
 
 @njit(cache=True)
 def live_starts(b_start, b_free, b_next, block_at):
-    """The start units of every live block, in address order."""
+    """The start units of every live block, in address order. Runtime complexity: O(blocks)."""
     out = []
     b = block_at[0]
     while b != NONE:
@@ -430,7 +440,7 @@ def live_starts(b_start, b_free, b_next, block_at):
 
 @njit(cache=True)
 def pages_of(meta, start, n):
-    """First and one-past-last page of units ``[start, start + n)``."""
+    """First and one-past-last page of units ``[start, start + n)``. Runtime complexity: O(1)."""
     q = meta[M_Q]
     return start // q, (start + n + q - 1) // q
 
@@ -451,7 +461,8 @@ def _detach(page_chunk, nmaps, chunk_stack, g, p, out_pages, out_chunks, got):
 
 @njit(cache=True)
 def reattach(meta, page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, pages, chunks, i, k):
-    """Undo :func:`_detach` for entries ``k-1`` down to ``i`` (their unmapping failed)."""
+    """Undo :func:`_detach` for entries ``k-1`` down to ``i`` (their unmapping failed).
+    Runtime complexity: O(k - i)."""
     for j in range(k - 1, i - 1, -1):
         p, c = pages[j], chunks[j]
         if nmaps[c] == 0:  # pushed when this page let it go: the top of the stack
@@ -474,7 +485,10 @@ def reclaim(meta, page_chunk, page_used, nmaps, chunk_stack, g, want, out_pages,
     ones least likely to be needed again soon. ``meta[M_CLOCK_ORDER] = 1`` sweeps like a clock
     instead (from where the last sweep stopped), for comparison: on the traces it remapped
     1.4-9.9x more in steady state under best-fit placement, up to 1.3x more under mapped
-    placement, which avoids most reclaims (``docs/results.md#paged-policy``)."""
+    placement, which avoids most reclaims (``docs/results.md#paged-policy``).
+
+    Runtime complexity: O(pages below the mapped top) at worst (the pages passed over while
+    looking for ``want`` idle ones)."""
     got = 0
     npages = page_chunk.shape[0]
     if meta[M_CLOCK_ORDER] == 1:
@@ -508,7 +522,8 @@ def conflicts(meta, page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, st
 
     Only a page the block made live can be one: a page it shares with a live neighbour (units
     finer than a page) was live before, and keeps its chunk and the neighbour's data, even when
-    the other mapping of that chunk is a later page of this same block (that page is remapped)."""
+    the other mapping of that chunk is a later page of this same block (that page is remapped).
+    Runtime complexity: O(pages of the block)."""
     q = meta[M_Q]
     k = 0
     u = start
@@ -544,7 +559,8 @@ def shared_with_live_neighbours(meta, page_chunk, page_used, chunk_live, start: 
 def lend_idle(chunk_live, nmaps, nchunks, chunk_stack, g, hand, want):
     """Push up to ``want`` chunks that are mapped only where no live block is (no page of theirs
     is live) onto the stack, to be mapped once more where they are needed, as aliases: no
-    unmapping, so no wait for queued work. Sweeps chunk ids from ``hand[0]``; returns how many."""
+    unmapping, so no wait for queued work. Sweeps chunk ids from ``hand[0]``; returns how many.
+    Runtime complexity: O(chunks) at worst (one sweep)."""
     got = 0
     h = hand[0]
     for _ in range(nchunks):
@@ -562,7 +578,8 @@ def lend_idle(chunk_live, nmaps, nchunks, chunk_stack, g, hand, want):
 @njit(cache=True)
 def settle_stack(nmaps, chunk_stack, g):
     """Drop from the stack the chunks lent by :func:`lend_idle` but not used (they are still
-    mapped elsewhere): at rest the stack holds only chunks mapped nowhere."""
+    mapped elsewhere): at rest the stack holds only chunks mapped nowhere. Runtime complexity:
+    O(chunks on the stack)."""
     k = 0
     for i in range(g[G_FREE_CHUNKS]):
         c = chunk_stack[i]
@@ -576,7 +593,7 @@ def settle_stack(nmaps, chunk_stack, g):
 def assign_chunks(meta, page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, first, last, out_pages, out_chunks):
     """Give every page in ``[first, last)`` without a chunk one from ``chunk_stack``; returns
     how many (pages and chunks in ``out_pages``/``out_chunks``), or -1 if the stack runs short
-    (then nothing is assigned)."""
+    (then nothing is assigned). Runtime complexity: O(last - first)."""
     need = 0
     for p in range(first, last):
         if page_chunk[p] == NONE:
@@ -602,7 +619,8 @@ def assign_chunks(meta, page_chunk, page_used, chunk_live, nmaps, chunk_stack, g
 
 @njit(cache=True)
 def unassign(page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, pages, k):
-    """Undo :func:`assign_chunks` for the first ``k`` of ``pages`` (a mapping that failed)."""
+    """Undo :func:`assign_chunks` for the first ``k`` of ``pages`` (a mapping that failed).
+    Runtime complexity: O(k)."""
     for i in range(k - 1, -1, -1):
         p = pages[i]
         c = page_chunk[p]
@@ -617,7 +635,8 @@ def unassign(page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, pages, k)
 @njit(cache=True)
 def check_heap(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, rec_stack, block_at,
                bucket_head, bits, page_chunk, page_used, chunk_live, b_rec, chunk_tag):
-    """0 when every invariant holds, else a code naming the first broken one."""
+    """0 when every invariant holds, else a code naming the first broken one. Runtime
+    complexity: O(units + blocks + buckets) (tests and stress runs only)."""
     units = meta[M_UNITS]
     q = meta[M_Q]
     used = np.zeros(page_used.shape[0], np.int64)

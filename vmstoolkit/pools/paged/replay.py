@@ -17,7 +17,7 @@ returns to Python at the first event that needs more than the heap:
 
 Then the loop resumes at that event with its address. The decisions are therefore the ones the
 Python replay makes (the same compiled heap, the same Python driver steps, in the same order),
-so the results are the same to the byte: ``tests/pools/test_paged_replay.py`` checks it on every
+so the results are the same to the byte: ``tests/pools/paged/test_paged_replay.py`` checks it on every
 bundled trace. Cost: 0.7-1.0 µs per event in the loop (1.0-1.5M events/s on the bundled traces),
 about 5 µs per return to Python, plus the driver work itself (``docs/results.md#replay-speed``).
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from numba import njit
+from vmstoolkit._jit import njit
 
 from vmstoolkit.errors import OutOfMemoryError
 from vmstoolkit.pools.base import CompiledReplay, ReplayArrays
@@ -220,9 +220,10 @@ def _replay(a, ev: ReplayArrays) -> CompiledReplay:
     rec_live[:npre] = 1
     rec_freed = np.full(npre + n, -1, np.int64)
     match, pre_first = match_frees(ev.is_alloc, ev.addr, ev.pre_addr)
-    home = a._streams.home
-    st = np.array([a._allocated, a._peak_allocated, len(a._live), a._peak_count, a._total_allocs, a._total_frees,
-                   a._total_bytes, 0, 0, home or 0, home is not None], np.int64)
+    home = a.stream_home()
+    st = np.zeros(S_HAS_HOME + 1, np.int64)
+    st[:S_FAST] = a.export_counters()  # the base class's counters, laid out as Allocator.COUNTERS
+    st[S_HOME], st[S_HAS_HOME] = home or 0, home is not None
     tl_alloc = np.zeros(n if ev.timeline else 0, np.int64)
     tl_res = np.zeros(n if ev.timeline else 0, np.int64)
     out = np.zeros(3, np.int64)
@@ -271,7 +272,7 @@ def _replay(a, ev: ReplayArrays) -> CompiledReplay:
                     resume = a.finish_block(heap, int(out[1]), size, int(out[2]), stream)
             except OutOfMemoryError as err:
                 if why != FULL:
-                    a._num_ooms += 1  # as Allocator.allocate counts it
+                    a.note_oom()  # as Allocator.allocate counts it
                 result.oom_event, result.oom_message = i, str(err)
                 break
     finally:
@@ -284,40 +285,27 @@ def _replay(a, ev: ReplayArrays) -> CompiledReplay:
 
 
 def _write_back(a, ev, st, rec_ptr, rec_size, rec_stream, rec_live, rec_freed, npre) -> None:
-    """The base class's state as the Python replay leaves it: counters, live allocations in
-    allocation order, their streams, and the recently freed addresses (the latest frees; where
-    allocations in between shrank that memory, the Python replay may have forgotten a few older
-    ones: it only names a later double free)."""
+    """Report to the base class (:meth:`Allocator.report_compiled`) the state the Python replay
+    leaves: counters, live allocations in allocation order, their streams, and the recently
+    freed addresses (the latest frees; where allocations in between shrank that memory, the
+    Python replay may have forgotten a few older ones: it only names a later double free)."""
     from vmstoolkit.pools.base import _FREED_MEMORY
 
-    (a._allocated, a._peak_allocated, _, a._peak_count, a._total_allocs, a._total_frees,
-     a._total_bytes) = (int(x) for x in st[:S_FAST])
     a.counts["fast"] += int(st[S_FAST])
-    if st[S_HAS_HOME]:
-        a._streams.home = int(st[S_HOME])
-    home = a._streams.home
+    home = int(st[S_HOME]) if st[S_HAS_HOME] else a.stream_home()
     pre_gone = {int(p) for p in rec_ptr[:npre][rec_live[:npre] == 0]}
-    live = {p: s for p, s in a._live.items() if p not in pre_gone}
-    stream_of = {p: s for p, s in a._streams.stream_of.items() if p not in pre_gone}
+    live = {p: s for p, s in a.live_allocations().items() if p not in pre_gone}
+    stream_of = {p: s for p, s in a.block_streams().items() if p not in pre_gone}
     idx = npre + np.flatnonzero(rec_live[npre:])
     for p, s, t in zip(rec_ptr[idx].tolist(), rec_size[idx].tolist(), rec_stream[idx].tolist()):
         live[p] = s
         if t != home:
             stream_of[p] = t
-    a._live = live
-    a._streams.stream_of = stream_of
     freed = np.flatnonzero(rec_freed >= 0)
+    latest = []
     if len(freed):
         order = freed[np.argsort(rec_freed[freed], kind="stable")][::-1]  # latest free first
         ptrs = rec_ptr[order]
         _, first = np.unique(ptrs, return_index=True)
         latest = [p for p in ptrs[np.sort(first)].tolist() if p not in live][:_FREED_MEMORY][::-1]
-        rf = a._recently_freed
-        for p in list(rf):
-            if p in live:
-                del rf[p]
-        for p in latest:
-            rf.pop(p, None)
-            rf[p] = None
-        while len(rf) > _FREED_MEMORY:
-            rf.popitem(last=False)
+    a.report_compiled(st[:S_FAST], live=live, stream_of=stream_of, home=home, freed=latest)

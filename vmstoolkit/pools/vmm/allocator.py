@@ -21,88 +21,38 @@ less go to :class:`~vmstoolkit.pools.vmm.small.SmallPool`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
-from vmstoolkit.errors import ConfigError, DriverOutOfMemoryError, OutOfMemoryError
+from vmstoolkit.errors import DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
 from vmstoolkit.pools.vmm.blocks import BlockInfo, PrimitiveBlock, StitchedBlock, StitchedPrefix
 from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.vmm.primitive import PrimitivePool
+from vmstoolkit.pools.options import GMLakeOptions, StitchOptions, VmsOptions
 from vmstoolkit.pools.registry import register_allocator
-from vmstoolkit.pools.vmm.small import SMALL_SIZE, SmallPool
+from vmstoolkit.pools.vmm.small import SmallPool
 from vmstoolkit.pools.vmm.stitched import StitchedPool
 from vmstoolkit.pools.drivers.teardown import Graveyard
-from vmstoolkit.units import MiB, parse_size
 
-SELECTIONS = ("largest-first", "best-fit")
+GMLAKE_POLICY = GMLakeOptions()
+"""GMLake's published policy (the defaults of :class:`~vmstoolkit.pools.options.GMLakeOptions`)."""
 
-
-@dataclass(frozen=True)
-class StitchPolicy:
-    """How a VMM allocator decides. Defaults are GMLake's published ones."""
-
-    stitch_min_bytes: int = 512 * MiB
-    """Requests smaller than this never trigger a new stitch (unless memory is full)."""
-    reuse_max_ratio: float = 10.0
-    """A cached stitched block serves a request only if it is at most this many times larger."""
-    selection: str = "largest-first"
-    """Which free blocks to stitch: ``largest-first`` (GMLake) or ``best-fit`` (see vms)."""
-    max_cached_stitched: int = 1024
-    """Stitched ranges kept for reuse; the least recently used idle ones are unmapped past it."""
-    stitched_prefix: bool = False
-    """Serve a request from the start of a larger cached stitched range: no waste, no driver call."""
-    coalesce: bool = False
-    """Merge a freed primitive block with its free neighbours in the same range (no driver call)."""
-    small_size: int = SMALL_SIZE
-
-    def __post_init__(self) -> None:
-        if self.selection not in SELECTIONS:
-            raise ConfigError(f"unknown stitch selection {self.selection!r}; choose one of {', '.join(SELECTIONS)}")
-        if self.reuse_max_ratio < 1.0:
-            raise ConfigError(f"reuse_max_ratio must be >= 1, got {self.reuse_max_ratio}")
-        if self.max_cached_stitched < 0:
-            raise ConfigError(f"max_cached_stitched must be >= 0, got {self.max_cached_stitched}")
-
-
-GMLAKE_POLICY = StitchPolicy()
-
-VMS_POLICY = StitchPolicy(stitch_min_bytes=0, reuse_max_ratio=1.0, selection="best-fit", max_cached_stitched=256,
-                          stitched_prefix=True, coalesce=True)
-"""Our policy, from the sweep of ``experiments/vms_policy.py`` (``docs/results.md#vms-policy``).
-Figures: utilization on the four H200 traces ckpt/full/lora/offload, and the driver time of
-steady state (each trace's six steps replayed eight times in a row; mean per replay over the
-third to eighth) modelled with the H200's measured call costs.
-
-- ``stitch_min_bytes=0``: stitch every large request. GMLake's 512 MiB threshold strands the
-  free blocks of the many smaller activations and creates new blocks beside them: 0.66/0.72/
-  0.79/0.64 (gmlake, one replay; 0.39-0.60 over eight), 0.91/0.98/0.99/0.90 with a 64 MiB
-  threshold, 0.987/0.995/0.986/0.987 here.
-- ``coalesce=True``: a freed primitive block merges with its free neighbours of the same range
-  (when no cached stitched range would be cut by it). Without merging, splits only ever make
-  blocks smaller, so more and more requests need a new stitch: 324/424/58/198 ms per replay
-  without, 137/128/5/136 ms with, utilization unchanged.
-- ``stitched_prefix=True``: a request smaller than a cached stitched range whose first chunks
-  are free takes those chunks (already mapped and accessible): no waste and no driver call,
-  where a new stitch would map and set access on every chunk again; the range's later parts may
-  be in use by others meanwhile. Without prefixes: 436/324/52/276 ms.
-- ``max_cached_stitched=256``: cached ranges stop merges (a merge may not cut a range's part),
-  so with 1024 of them fragmentation creeps up replay after replay: 180/118/5/254 ms on average
-  and 294/109/0/425 ms by the eighth replay; 256 stays level (137/128/5/136, eighth
-  136/132/0/160); 128 is level on three traces and climbs on full (255 ms by the eighth).
-- ``reuse_max_ratio=1.0``: with prefixes a larger range is never handed out whole, so the
-  ratio no longer matters; without prefixes GMLake's 10x costs up to 5 points of utilization.
-- ``selection="best-fit"``: the smallest free block that covers what is still missing, else
-  the largest. Largest-first has the same utilization and more driver time (163/151/6/153 ms).
-
-GMLake with its defaults spends less driver time in steady state (53/85/12/54 ms) only because
-it has stopped reusing: it holds 1.7-2.6x the memory by then (utilization 0.39-0.60).
-"""
+VMS_POLICY = VmsOptions()
+"""Our policy: the defaults of :class:`~vmstoolkit.pools.options.VmsOptions`, where the figures behind
+each of them stand."""
 
 
 class VMMAllocator(Allocator):
-    """Primitive pool + stitched pool + small pool, driven by a :class:`StitchPolicy`."""
+    """Primitive pool + stitched pool + small pool, driven by a checked
+    :class:`~vmstoolkit.pools.options.StitchOptions` (``gmlake``'s or ``vms``'s).
 
-    def __init__(self, driver: VMMDriver, policy: StitchPolicy, name: str) -> None:
+    Runtime complexity, with ``n`` the chunks a request needs, ``B`` the free primitive blocks
+    and ``S`` the cached stitched ranges: a small request O(log s) in the small pool's ``s`` free
+    blocks; a large one O(log B + log S) when a free block or a cached range fits (the range
+    search skips at most ``StitchedPool.SCAN_LIMIT`` busy ones), O(n log B) when it stitches
+    (each part taken from the sorted free list), plus the driver calls of what it creates or
+    maps (one per chunk). A free is O(parts x log B), merging neighbours with ``coalesce``.
+    Past ``max_cached_stitched`` ranges a new stitch also evicts the least recently used, O(S log S)."""
+
+    def __init__(self, driver: VMMDriver, policy: StitchOptions, name: str) -> None:
         super().__init__(driver)
         self.name = name
         self.policy = policy
@@ -242,7 +192,8 @@ class VMMAllocator(Allocator):
             self.primitives.give_back(b)
 
     def block_at(self, addr: int) -> BlockInfo:
-        """What backs the live allocation at ``addr`` (see :class:`~vmstoolkit.pools.vmm.blocks.BlockInfo`)."""
+        """What backs the live allocation at ``addr`` (see :class:`~vmstoolkit.pools.vmm.blocks.BlockInfo`).
+        Runtime complexity: O(chunks of the block)."""
         self.size_of(addr)  # raises InvalidFreeError naming the address if nothing lives there
         if self.small.owns(addr):
             b = self.small.used[addr]
@@ -265,6 +216,9 @@ class VMMAllocator(Allocator):
 
     # -- invariants -----------------------------------------------------------------------
     def _check(self) -> None:
+        """Assert the three pools' invariants and that, together with the graveyard, they hold
+        exactly the driver's physical bytes, handles, mappings and reservations (no leak, no
+        dead handle). Runtime complexity: O(blocks + chunks + stitched parts)."""
         super()._check()
         owned = self.primitives._check()
         self.stitched._check(self.primitives.blocks)
@@ -293,20 +247,13 @@ class VMMAllocator(Allocator):
             assert set(d.live_reservations()) == res, "driver reservations differ from the pools' ranges"
 
 
-def _policy(base: StitchPolicy, options: dict) -> StitchPolicy:
-    if "stitch_min_bytes" in options:
-        options["stitch_min_bytes"] = parse_size(options["stitch_min_bytes"])
-    unknown = set(options) - set(StitchPolicy.__dataclass_fields__)
-    if unknown:
-        raise ConfigError(f"unknown stitch policy option(s): {', '.join(sorted(unknown))}")
-    return replace(base, **options)
+@register_allocator("gmlake", GMLakeOptions, "GMLake (ASPLOS'24) defaults: stitch requests >= 512 MiB, reuse stitched <= 10x, largest first")
+def make_gmlake(driver: VMMDriver, options: GMLakeOptions = GMLAKE_POLICY) -> VMMAllocator:
+    """``gmlake`` over ``driver``. Runtime complexity: O(1)."""
+    return VMMAllocator(driver, options, "gmlake")
 
 
-@register_allocator("gmlake", "GMLake (ASPLOS'24) defaults: stitch requests >= 512 MiB, reuse stitched <= 10x, largest first")
-def make_gmlake(driver: VMMDriver, **options) -> VMMAllocator:
-    return VMMAllocator(driver, _policy(GMLAKE_POLICY, options), "gmlake")
-
-
-@register_allocator("vms", "our VMM stitching policy: stitch every large request, best-fit parts, serve smaller requests from cached stitched prefixes")
-def make_vms(driver: VMMDriver, **options) -> VMMAllocator:
-    return VMMAllocator(driver, _policy(VMS_POLICY, options), "vms")
+@register_allocator("vms", VmsOptions, "our VMM stitching policy: stitch every large request, best-fit parts, serve smaller requests from cached stitched prefixes")
+def make_vms(driver: VMMDriver, options: VmsOptions = VMS_POLICY) -> VMMAllocator:
+    """``vms`` over ``driver``. Runtime complexity: O(1)."""
+    return VMMAllocator(driver, options, "vms")

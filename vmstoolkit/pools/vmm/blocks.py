@@ -52,6 +52,7 @@ class PrimitiveBlock:
 
     @property
     def free(self) -> bool:
+        """No allocation (its own, or a stitched range's) uses the block. Runtime complexity: O(1)."""
         return self.user is None
 
     def __repr__(self) -> str:
@@ -74,11 +75,13 @@ class StitchedBlock:
 
     @property
     def handles(self) -> list:
-        """The physical chunks this range maps, in address order."""
+        """The physical chunks this range maps, in address order. Runtime complexity: O(chunks)."""
         return [h for p in self.parts for h in p.handles]
 
     @property
     def usable(self) -> bool:
+        """Every part is free and the range is not allocated: it may serve a request whole.
+        Runtime complexity: O(1)."""
         return self.busy == 0 and not self.allocated
 
     def __repr__(self) -> str:
@@ -104,6 +107,7 @@ class StitchedPrefix:
 
     @property
     def handles(self) -> list:
+        """The physical chunks the prefix maps, in address order. Runtime complexity: O(chunks)."""
         return [h for p in self.parts for h in p.handles]
 
     def __repr__(self) -> str:

@@ -46,7 +46,8 @@ class PrimitivePool:
         """A new free block of ``nchunks`` fresh chunks: create, reserve, map, set access.
 
         All or nothing: a driver failure on any step undoes the earlier ones and re-raises.
-        Cost: ``nchunks`` creates and maps, one reserve and one set_access.
+        Runtime complexity: O(nchunks + log B) for ``B`` free blocks; driver calls: ``nchunks``
+        creates and maps, one reserve and one set_access.
         """
         d, g = self.driver, self.g
         size = nchunks * g
@@ -73,7 +74,8 @@ class PrimitivePool:
     def release(self, block: PrimitiveBlock) -> None:
         """Unmap and release a free block's chunks; free its range with the last block in it.
 
-        The caller has destroyed every stitched block that maps it.
+        The caller has destroyed every stitched block that maps it. Runtime complexity:
+        O(nchunks + log B); driver calls: an unmap and a release per chunk (and the range's free).
         """
         assert block.free and not block.stitched, f"release of {block} still in use or stitched"
         self.graveyard.flush()  # evicted ranges may still map its chunks: unmap them first
@@ -93,7 +95,8 @@ class PrimitivePool:
 
     # -- state ----------------------------------------------------------------------------
     def take(self, block: PrimitiveBlock, user: object) -> None:
-        """Mark a free block used by ``user`` (itself or a stitched block)."""
+        """Mark a free block used by ``user`` (itself or a stitched block). Runtime complexity:
+        O(log B), plus the stitched ranges that map it."""
         self.free_list.remove((block.nchunks, block.va))
         self.free_chunks -= block.nchunks
         block.user = user
@@ -101,6 +104,9 @@ class PrimitivePool:
             self.on_used(block)
 
     def give_back(self, block: PrimitiveBlock) -> None:
+        """Mark a used block free again; with ``coalesce``, merge it with free neighbours of its
+        range (:meth:`_merge`). No driver call. Runtime complexity: O(log B), plus the stitched
+        ranges that map it and its neighbours."""
         block.user = None
         self.free_list.add((block.nchunks, block.va))
         self.free_chunks += block.nchunks
@@ -147,7 +153,8 @@ class PrimitivePool:
         """Split a free block into its first ``nchunks`` chunks and the rest (both free).
 
         No driver call: each chunk is already mapped on its own. Stitched blocks that map the
-        old block now refer to both halves.
+        old block now refer to both halves. Runtime complexity: O(nchunks + log B), plus the
+        stitched ranges that map it.
         """
         assert block.free and 0 < nchunks < block.nchunks
         self.free_list.remove((block.nchunks, block.va))
@@ -178,17 +185,20 @@ class PrimitivePool:
         return self.blocks[self.free_list[i][1]] if i < len(self.free_list) else None
 
     def free_blocks(self, largest_first: bool = False) -> list[PrimitiveBlock]:
-        """The free blocks, smallest (or largest) first (a list: safe to change the pool)."""
+        """The free blocks, smallest (or largest) first (a list: safe to change the pool).
+        Runtime complexity: O(B)."""
         return list(self.iter_free(largest_first))
 
     def iter_free(self, largest_first: bool = False):
-        """Lazily, the free blocks smallest (or largest) first; the pool must not change meanwhile."""
+        """Lazily, the free blocks smallest (or largest) first; the pool must not change meanwhile.
+        Runtime complexity: O(1) to start, O(1) per block taken."""
         keys = reversed(self.free_list) if largest_first else iter(self.free_list)
         blocks = self.blocks
         return (blocks[va] for _, va in keys)
 
     def _check(self) -> set:
-        """Assert the pool's invariants; returns the set of handles it owns."""
+        """Assert the pool's invariants; returns the set of handles it owns. Runtime complexity:
+        O(blocks + chunks)."""
         g = self.g
         owned = set()
         free = 0

@@ -51,7 +51,9 @@ class StitchedPool:
     def stitch(self, parts: list[PrimitiveBlock]) -> StitchedBlock:
         """Map the chunks of free ``parts`` into one new range; all or nothing.
 
-        Cost: one reserve, one map per chunk, one set_access over the range.
+        Runtime complexity: O(chunks + log S) for ``S`` cached ranges (O(S log S) when past
+        ``max_cached`` the least recently used are evicted); driver calls: one reserve, one map
+        per chunk, one set_access over the range.
         """
         d, g = self.driver, self.g
         nchunks = sum(p.nchunks for p in parts)
@@ -77,7 +79,8 @@ class StitchedPool:
 
     def destroy(self, s: StitchedBlock, defer: bool = False) -> None:
         """Unmap an unallocated stitched block and free its range (with ``defer``, in the
-        graveyard's next batch: the range is forgotten now, its mappings go later)."""
+        graveyard's next batch: the range is forgotten now, its mappings go later).
+        Runtime complexity: O(chunks + log S); driver calls: an unmap per chunk, one free_address."""
         assert not s.allocated, f"destroy of allocated {s}"
         g = self.g
         self.idle.remove((s.nchunks, s.va))
@@ -101,7 +104,8 @@ class StitchedPool:
             self.destroy(s, defer=True)  # on the allocation path: no device sync per eviction
 
     def destroy_idle(self, only: set | None = None) -> int:
-        """Destroy every unallocated stitched block (or those mapping a block in ``only``)."""
+        """Destroy every unallocated stitched block (or those mapping a block in ``only``); returns
+        how many. Runtime complexity: O(S x parts) to choose them, then :meth:`destroy` each."""
         victims = [s for s in self.blocks.values() if not s.allocated
                    and (only is None or any(p in only for p in s.parts))]
         for s in victims:
@@ -110,7 +114,8 @@ class StitchedPool:
 
     # -- use ------------------------------------------------------------------------------
     def best_fit(self, nchunks: int, max_chunks: int) -> StitchedBlock | None:
-        """The smallest usable block of ``nchunks`` to ``max_chunks`` chunks. O(log n)."""
+        """The smallest usable block of ``nchunks`` to ``max_chunks`` chunks, skipping at most
+        ``SCAN_LIMIT`` busy ones. Runtime complexity: O(log S + SCAN_LIMIT)."""
         for n, (_, va) in enumerate(self.idle.irange((nchunks, -1), (max_chunks, float("inf")))):
             s = self.blocks[va]
             if s.busy == 0:
@@ -140,7 +145,8 @@ class StitchedPool:
         return None
 
     def take(self, s: StitchedBlock) -> None:
-        """Allocate a usable block: every part becomes used by it."""
+        """Allocate a usable block: every part becomes used by it. No driver call. Runtime
+        complexity: O(log S + parts x log B) for ``B`` free primitive blocks."""
         self.idle.remove((s.nchunks, s.va))
         s.allocated = True
         self._clock += 1
@@ -150,7 +156,8 @@ class StitchedPool:
 
     def take_prefix(self, s: StitchedBlock, nchunks: int) -> StitchedPrefix:
         """Allocate the first ``nchunks`` chunks of an unallocated block, which must be free
-        (see :meth:`best_prefix`); no driver call."""
+        (see :meth:`best_prefix`); no driver call. Runtime complexity: O(log S + parts x log B),
+        plus one split of a part."""
         self.idle.remove((s.nchunks, s.va))
         s.allocated = True
         self._clock += 1
@@ -170,6 +177,8 @@ class StitchedPool:
         return prefix
 
     def give_back_prefix(self, prefix: StitchedPrefix) -> None:
+        """The prefix's range is whole and unallocated again; its parts are free (and may merge).
+        No driver call. Runtime complexity: O(log S + parts x log B)."""
         s = prefix.stitched
         s.allocated = False
         s.prefix = None
@@ -178,12 +187,16 @@ class StitchedPool:
             self.primitives.give_back(p)
 
     def give_back(self, s: StitchedBlock) -> None:
+        """An allocated range is unallocated again and cached; its parts are free (and may
+        merge). No driver call. Runtime complexity: O(log S + parts x log B)."""
         s.allocated = False
         self.idle.add((s.nchunks, s.va))
         for p in list(s.parts):  # a copy: giving back may merge neighbouring parts
             self.primitives.give_back(p)
 
     def _check(self, primitive_blocks: dict) -> None:
+        """Assert every range's invariants against ``primitive_blocks`` (va -> live primitive
+        block). Runtime complexity: O(S x parts)."""
         g = self.g
         for va, s in self.blocks.items():
             assert s.va == va and va % g == 0, f"{s} not granule-aligned"

@@ -18,7 +18,7 @@ from vmstoolkit.trace.replay import event_arrays
 from vmstoolkit.trace.synthetic import synthetic_trace
 from vmstoolkit.units import GiB, MiB
 
-TRACES = sorted((Path(__file__).parents[2] / "vmstoolkit" / "data" / "traces").glob("*.pickle.gz"))
+TRACES = sorted((Path(__file__).parents[3] / "vmstoolkit" / "data" / "traces").glob("*.pickle.gz"))
 OPTIONS = [{}, {"aliases": True, "slack_pages": 64}]
 
 

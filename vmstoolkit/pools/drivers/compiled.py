@@ -1,0 +1,456 @@
+"""The simulated driver's book-keeping in Numba-compiled arrays: the same driver, faster.
+
+:class:`CompiledSimulatedDriver` is a drop-in for
+:class:`~vmstoolkit.pools.drivers.sim.SimulatedDriver` (the readable reference): the same
+calls, the same results, the same errors with the same messages, the same fault injection,
+queued work, events and race detection (those stay in Python, in the parent class: replays
+rarely use them). What moves into compiled code is what every replayed event pays for:
+handles, reservations, mappings and plain allocations, each a sorted table of int64 rows,
+searched by bisection. ``tests/pools/drivers/test_compiled_driver.py`` runs both drivers on
+random programs (hypothesis), faults included, and compares every call and the final state.
+
+Layout (``_S`` scalars, and one 2-D table per kind of object; ``n*`` rows in use):
+
+=======  =============================================  ==========================================
+table    row                                            order
+=======  =============================================  ==========================================
+``_H``   size, state (0 gone, 1 live, 2 released but    indexed by handle (handles count from 1)
+         mapped), number of mappings
+``_R``   start, size                                    by start (appended: addresses only grow)
+``_M``   start, size, handle, offset, accessible        by start (inserted with a row move)
+``_A``   start, size                                    by start (appended)
+=======  =============================================  ==========================================
+
+Each compiled operation returns 0, an error code (its values in ``_S[S_E0:]``, which the
+Python side formats into the reference's message), or ``GROW``: a table is full and nothing
+was changed; the caller doubles it and calls again. Cost per call: a bisection, plus a row
+move of the mappings after the one inserted or removed (a memmove of at most a few hundred KB).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vmstoolkit._jit import njit
+from vmstoolkit.errors import DriverError, DriverOutOfMemoryError
+from vmstoolkit.pools.drivers.base import Handle
+from vmstoolkit.pools.drivers.sim import GRANULARITY, VA_BASE, SimulatedDriver
+
+# scalars
+S_CAP, S_GRAN, S_NEXT_VA, S_NEXT_H, S_LIVE_HB, S_ALLOC_B, S_NR, S_NM, S_NA, S_E0, S_E1, S_E2, S_NS = range(13)
+# columns
+H_SIZE, H_STATE, H_NMAPS = range(3)
+M_START, M_SIZE, M_HANDLE, M_OFFSET, M_ACCESS = range(5)
+# results
+OK, GROW, E_OOM, E_HANDLE, E_RES_MATCH, E_RES_MAPPED, E_ALIGN, E_OFFSET, E_RANGE, E_OVERLAP, E_UNMAP_WHOLE, \
+    E_UNMAP_HOLE, E_HOLE, E_ACCESS, E_PTR = range(15)
+
+
+@njit(cache=True)
+def _bisect_right(t, n, x):
+    """Rows of ``t[:n]`` whose start (column 0) is at most ``x``."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if t[mid, 0] <= x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True)
+def _bisect_left(t, n, x):
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if t[mid, 0] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True)
+def _overlapping(M, nm, va, size):
+    """Rows ``[first, last)`` of the mappings overlapping ``[va, va+size)`` (the reference's
+    ``_overlapping``: the mapping at or before ``va`` if it reaches past it, then every one
+    starting inside)."""
+    i = _bisect_right(M, nm, va)
+    if i > 0 and M[i - 1, M_START] == va and M[i - 1, M_SIZE] >= size:
+        return i - 1, i
+    first = i - 1 if (i > 0 and M[i - 1, M_START] + M[i - 1, M_SIZE] > va) else i
+    last = max(i, _bisect_left(M, nm, va + size))
+    return first, last
+
+
+@njit(cache=True)
+def _covered(S, M, va, size):
+    """Rows ``[first, last)`` covering ``[va, va+size)`` without a hole; ``last`` -1: a hole
+    at ``S[S_E0]``."""
+    first, last = _overlapping(M, S[S_NM], va, size)
+    pos = va
+    j = first
+    while j < last:
+        s = M[j, M_START]
+        if s > pos:
+            break
+        pos = max(pos, s + M[j, M_SIZE])
+        j += 1
+    if pos < va + size:
+        S[S_E0] = pos
+        return first, -1
+    return first, j
+
+
+@njit(cache=True)
+def _create(S, H, size):
+    in_use = S[S_LIVE_HB] + S[S_ALLOC_B]
+    if in_use + size > S[S_CAP]:
+        S[S_E0] = in_use
+        return E_OOM
+    h = S[S_NEXT_H]
+    if h >= H.shape[0]:
+        return GROW
+    S[S_NEXT_H] = h + 1
+    H[h, H_SIZE] = size
+    H[h, H_STATE] = 1
+    H[h, H_NMAPS] = 0
+    S[S_LIVE_HB] += size
+    S[S_E0] = h
+    return OK
+
+
+@njit(cache=True)
+def _release(S, H, h):
+    if h < 1 or h >= H.shape[0] or H[h, H_STATE] != 1:
+        return E_HANDLE
+    if H[h, H_NMAPS] > 0:
+        H[h, H_STATE] = 2  # freed when its last mapping goes, as in CUDA
+    else:
+        H[h, H_STATE] = 0
+        S[S_LIVE_HB] -= H[h, H_SIZE]
+    return OK
+
+
+@njit(cache=True)
+def _reserve(S, R, size, alignment):
+    nr = S[S_NR]
+    if nr >= R.shape[0]:
+        return GROW
+    align = max(alignment, S[S_GRAN])
+    va = -((-S[S_NEXT_VA]) // align) * align
+    S[S_NEXT_VA] = va + size
+    R[nr, 0] = va
+    R[nr, 1] = size
+    S[S_NR] = nr + 1
+    S[S_E0] = va
+    return OK
+
+
+@njit(cache=True)
+def _free_address(S, R, M, va, size):
+    nr = S[S_NR]
+    i = _bisect_left(R, nr, va)
+    if i >= nr or R[i, 0] != va or R[i, 1] != size:
+        return E_RES_MATCH
+    first, last = _overlapping(M, S[S_NM], va, size)
+    if last > first:
+        return E_RES_MAPPED
+    R[i:nr - 1] = R[i + 1:nr].copy()
+    S[S_NR] = nr - 1
+    return OK
+
+
+@njit(cache=True)
+def _map(S, H, R, M, va, size, h, offset):
+    g = S[S_GRAN]
+    if va % g or size % g or offset % g or size <= 0:
+        return E_ALIGN
+    if h < 1 or h >= H.shape[0] or H[h, H_STATE] != 1:
+        return E_HANDLE
+    if offset + size > H[h, H_SIZE]:
+        S[S_E0] = H[h, H_SIZE]
+        return E_OFFSET
+    r = _bisect_right(R, S[S_NR], va) - 1
+    if r < 0 or not (R[r, 0] <= va and va + size <= R[r, 0] + R[r, 1]):
+        return E_RANGE
+    nm = S[S_NM]
+    first, last = _overlapping(M, nm, va, size)
+    if last > first:
+        return E_OVERLAP
+    if nm >= M.shape[0]:
+        return GROW
+    i = _bisect_right(M, nm, va)
+    for j in range(nm, i, -1):  # make room at i, from the end (in place, no temporary)
+        for c in range(5):
+            M[j, c] = M[j - 1, c]
+    M[i, M_START] = va
+    M[i, M_SIZE] = size
+    M[i, M_HANDLE] = h
+    M[i, M_OFFSET] = offset
+    M[i, M_ACCESS] = 0
+    S[S_NM] = nm + 1
+    H[h, H_NMAPS] += 1
+    return OK
+
+
+@njit(cache=True)
+def _unmap(S, H, M, va, size):
+    nm = S[S_NM]
+    first, last = _overlapping(M, nm, va, size)
+    covered = 0
+    for j in range(first, last):
+        covered += M[j, M_SIZE]
+    if last == first or M[first, M_START] != va or covered != size:
+        return E_UNMAP_WHOLE
+    pos = va
+    for j in range(first, last):
+        if M[j, M_START] != pos:
+            S[S_E0] = pos
+            return E_UNMAP_HOLE
+        pos += M[j, M_SIZE]
+    for j in range(first, last):
+        h = M[j, M_HANDLE]
+        H[h, H_NMAPS] -= 1
+        if H[h, H_NMAPS] == 0 and H[h, H_STATE] == 2:
+            H[h, H_STATE] = 0
+            S[S_LIVE_HB] -= H[h, H_SIZE]
+    k = last - first
+    for j in range(first, nm - k):  # close the gap, from the front (in place)
+        for c in range(5):
+            M[j, c] = M[j + k, c]
+    S[S_NM] = nm - k
+    return OK
+
+
+@njit(cache=True)
+def _set_access(S, M, va, size):
+    first, last = _covered(S, M, va, size)
+    if last < 0:
+        return E_HOLE
+    for j in range(first, last):
+        M[j, M_ACCESS] = 1
+    return OK
+
+
+@njit(cache=True)
+def _memset(S, M, A, va, size):
+    i = _bisect_right(A, S[S_NA], va) - 1
+    if i >= 0 and A[i, 0] <= va and va + size <= A[i, 0] + A[i, 1]:
+        return OK  # inside a plain allocation
+    first, last = _covered(S, M, va, size)
+    if last < 0:
+        return E_HOLE
+    for j in range(first, last):
+        if M[j, M_ACCESS] == 0:
+            return E_ACCESS
+    return OK
+
+
+@njit(cache=True)
+def _mem_alloc(S, A, size):
+    in_use = S[S_LIVE_HB] + S[S_ALLOC_B]
+    if in_use + size > S[S_CAP]:
+        S[S_E0] = in_use
+        return E_OOM
+    na = S[S_NA]
+    if na >= A.shape[0]:
+        return GROW
+    va = -((-S[S_NEXT_VA]) // 512) * 512
+    S[S_NEXT_VA] = va + size
+    A[na, 0] = va
+    A[na, 1] = size
+    S[S_NA] = na + 1
+    S[S_ALLOC_B] += size
+    S[S_E0] = va
+    return OK
+
+
+@njit(cache=True)
+def _mem_free(S, A, ptr):
+    na = S[S_NA]
+    i = _bisect_left(A, na, ptr)
+    if i >= na or A[i, 0] != ptr:
+        return E_PTR
+    S[S_ALLOC_B] -= A[i, 1]
+    A[i:na - 1] = A[i + 1:na].copy()
+    S[S_NA] = na - 1
+    return OK
+
+
+def _grown(t: np.ndarray) -> np.ndarray:
+    b = np.zeros((2 * t.shape[0],) + t.shape[1:], dtype=t.dtype)
+    b[: t.shape[0]] = t
+    return b
+
+
+_INVALID = "CUDA_ERROR_INVALID_VALUE"
+_ERRORS = {
+    E_OOM: ("CUDA_ERROR_OUT_OF_MEMORY", "{call} of {size} bytes with {e0} of {cap} in use"),
+    E_HANDLE: (_INVALID, "{call} of unknown or released handle {handle}"),
+    E_RES_MATCH: (_INVALID, "cuMemAddressFree({va:#x}, {size}) does not match a reservation"),
+    E_RES_MAPPED: (_INVALID, "cuMemAddressFree({va:#x}, {size}) of a range that is still mapped"),
+    E_ALIGN: (_INVALID, "cuMemMap({va:#x}, {size}, offset={offset}) is not aligned to {g}"),
+    E_OFFSET: (_INVALID, "cuMemMap of {size} bytes at offset {offset} of a {e0}-byte handle"),
+    E_RANGE: (_INVALID, "range [{va:#x}, +{size}) is not inside one reserved range"),
+    E_OVERLAP: (_INVALID, "cuMemMap({va:#x}, {size}) overlaps an existing mapping"),
+    E_UNMAP_WHOLE: (_INVALID, "cuMemUnmap({va:#x}, {size}) does not cover whole mappings exactly"),
+    E_UNMAP_HOLE: (_INVALID, "cuMemUnmap({va:#x}, {size}) spans a hole at {e0:#x}"),
+    E_HOLE: (_INVALID, "range [{va:#x}, +{size}) is not fully mapped (hole at {e0:#x})"),
+    E_ACCESS: ("CUDA_ERROR_ILLEGAL_ADDRESS", "memset of [{va:#x}, +{size}) touches a mapping without access rights"),
+    E_PTR: (_INVALID, "cuMemFree of unknown pointer {va:#x}"),
+}
+"""Result code -> (CUresult, message template): the reference driver's messages, filled in by
+``_raise`` (``e0``: the value the compiled operation left in ``_S[S_E0]``)."""
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+class CompiledSimulatedDriver(SimulatedDriver):
+    """See the module docstring; constructed like :class:`SimulatedDriver`."""
+
+    def _init_memory(self) -> None:
+        S = np.zeros(S_NS, dtype=np.int64)
+        S[S_CAP] = self._capacity
+        S[S_GRAN] = self._granularity
+        S[S_NEXT_VA] = VA_BASE
+        S[S_NEXT_H] = 1
+        self._S = S
+        self._H = np.zeros((1024, 3), dtype=np.int64)
+        self._R = np.zeros((256, 2), dtype=np.int64)
+        self._M = np.zeros((1024, 5), dtype=np.int64)
+        self._A = np.zeros((256, 2), dtype=np.int64)
+
+    def _raise(self, code: int, op: str, va: int = 0, size: int = 0, handle: int = 0, offset: int = 0) -> None:
+        """The reference driver's error for ``code`` (its message, word for word: :data:`_ERRORS`)."""
+        if code not in _ERRORS:  # pragma: no cover - a compiled result without a message
+            raise AssertionError(f"compiled driver: unknown result {code}")
+        result, template = _ERRORS[code]
+        cls = DriverOutOfMemoryError if result == "CUDA_ERROR_OUT_OF_MEMORY" else DriverError
+        call = {"create": "cuMemCreate", "mem_alloc": "cuMemAlloc", "release": "cuMemRelease"}.get(op, "cuMemMap")
+        raise cls(result, template.format(va=va, size=size, handle=handle, offset=offset, g=self._granularity,
+                                          cap=self._capacity, e0=int(self._S[S_E0]), call=call))
+
+    # -- physical memory -------------------------------------------------------------------
+    def _in_use(self) -> int:
+        return int(self._S[S_LIVE_HB] + self._S[S_ALLOC_B])
+
+    def _create(self, size: int) -> Handle:
+        while (code := _create(self._S, self._H, size)) == GROW:
+            self._H = _grown(self._H)
+        if code:
+            self._raise(code, "create", size=size)
+        return int(self._S[S_E0])
+
+    def _release(self, handle: Handle) -> None:
+        code = _release(self._S, self._H, handle) if _INT64_MIN <= handle <= _INT64_MAX else E_HANDLE
+        if code:
+            self._raise(code, "release", handle=handle)
+
+    # -- virtual ranges --------------------------------------------------------------------
+    def _reserve(self, size: int, alignment: int) -> int:
+        while (code := _reserve(self._S, self._R, size, alignment)) == GROW:
+            self._R = _grown(self._R)
+        return int(self._S[S_E0])
+
+    def _free_address(self, va: int, size: int) -> None:
+        code = _free_address(self._S, self._R, self._M, va, size)
+        if code:
+            self._raise(code, "free_address", va=va, size=size)
+
+    def _map(self, va: int, size: int, handle: Handle, offset: int) -> None:
+        if not _INT64_MIN <= handle <= _INT64_MAX:  # no such handle, after the alignment check
+            g = self._granularity
+            code = E_ALIGN if (va % g or size % g or offset % g or size <= 0) else E_HANDLE
+        else:
+            while (code := _map(self._S, self._H, self._R, self._M, va, size, handle, offset)) == GROW:
+                self._M = _grown(self._M)
+        if code:
+            self._raise(code, "map", va=va, size=size, handle=handle, offset=offset)
+
+    def _unmap(self, va: int, size: int) -> None:
+        self._check_queued(va, size)
+        code = _unmap(self._S, self._H, self._M, va, size)
+        if code:
+            self._raise(code, "unmap", va=va, size=size)
+
+    def _set_access(self, va: int, size: int) -> None:
+        code = _set_access(self._S, self._M, va, size)
+        if code:
+            self._raise(code, "set_access", va=va, size=size)
+
+    def _memset(self, va: int, size: int, value: int) -> None:
+        code = _memset(self._S, self._M, self._A, va, size)
+        if code:
+            self._raise(code, "memset", va=va, size=size)
+
+    # -- plain allocations -----------------------------------------------------------------
+    def _mem_alloc(self, size: int) -> int:
+        while (code := _mem_alloc(self._S, self._A, size)) == GROW:
+            self._A = _grown(self._A)
+        if code:
+            self._raise(code, "mem_alloc", size=size)
+        return int(self._S[S_E0])
+
+    def _mem_free(self, ptr: int) -> None:
+        code = _mem_free(self._S, self._A, ptr) if _INT64_MIN <= ptr <= _INT64_MAX else E_PTR
+        if code:
+            self._raise(code, "mem_free", va=ptr)
+
+    def _mem_info(self) -> tuple[int, int]:
+        return self._capacity - self._in_use(), self._capacity
+
+    def _physical(self, va: int, size: int) -> list[tuple[object, int, int]]:
+        first, last = _overlapping(self._M, self._S[S_NM], va, size)
+        out = []
+        for s, msize, h, off in self._M[first:last, :4].tolist():
+            lo, hi = max(va, s), min(va + size, s + msize)
+            out.append((h, off + lo - s, off + hi - s))
+        if not out:
+            out.append(("va", va, va + size))
+        return out
+
+    # -- introspection ---------------------------------------------------------------------
+    def aliases(self, handle: Handle) -> int:
+        H = self._H
+        if not 1 <= handle < H.shape[0] or H[handle, H_STATE] == 0:
+            return 0
+        return int(H[handle, H_NMAPS])
+
+    def live_handles(self) -> set[Handle]:
+        n = int(self._S[S_NEXT_H])
+        return set((np.flatnonzero(self._H[:n, H_STATE] == 1)).tolist())
+
+    def live_reservations(self) -> dict[int, int]:
+        return dict(self._R[: self._S[S_NR]].tolist())
+
+    def live_mappings(self) -> dict[int, tuple[int, Handle]]:
+        return {s: (size, h) for s, size, h in self._M[: self._S[S_NM], :3].tolist()}
+
+    def live_allocs(self) -> dict[int, int]:
+        return dict(self._A[: self._S[S_NA]].tolist())
+
+    @property
+    def _mappings(self) -> dict:
+        return self.live_mappings()
+
+    @property
+    def _reservations(self) -> dict:
+        return self.live_reservations()
+
+    def _handles_alive(self) -> tuple[int, int]:
+        st = self._H[: int(self._S[S_NEXT_H]), H_STATE]
+        return int(np.count_nonzero(st)), int(np.count_nonzero(st == 2))
+
+    def is_empty(self) -> bool:
+        S = self._S
+        return not (self._handles_alive()[0] or S[S_NR] or S[S_NM] or S[S_NA])
+
+    def leak_report(self) -> str:
+        alive, released = self._handles_alive()
+        S = self._S
+        return (f"{alive} handles ({released} released but mapped), {int(S[S_NR])} reservations, "
+                f"{int(S[S_NM])} mappings, {int(S[S_NA])} plain allocations")
+
+
+__all__ = ["CompiledSimulatedDriver", "GRANULARITY"]
