@@ -67,6 +67,16 @@ _I32 = ir.IntType(32)
 _F32 = ir.FloatType()
 
 
+def _emit_cp_async(context, builder, dst, src, nbytes, nbytes_ty):
+    """Codegen of ``cp.async.cg.shared.global [dst], [src], 16, nbytes`` (generic pointers)."""
+    src = builder.addrspacecast(src, ir.PointerType(src.type.pointee, 1))
+    n = context.cast(builder, nbytes, nbytes_ty, types.uint32)
+    fty = ir.FunctionType(ir.VoidType(), [_I32, src.type, _I32])
+    builder.asm(fty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                [_shared_address(builder, dst), src, n], side_effect=True)
+    return context.get_dummy_value()
+
+
 def _make_gpu():
     from numba.cuda.extending import intrinsic
 
@@ -119,12 +129,7 @@ def _make_gpu():
         def codegen(context, builder, sig, args):
             dst = _item_pointer(context, builder, sig.args[0], args[0], args[1:2], sig.args[1:2])
             src = _item_pointer(context, builder, sig.args[2], args[2], args[3:5], sig.args[3:5])
-            src = builder.addrspacecast(src, ir.PointerType(src.type.pointee, 1))
-            n = context.cast(builder, args[5], sig.args[5], types.uint32)
-            fty = ir.FunctionType(ir.VoidType(), [_I32, src.type, _I32])
-            builder.asm(fty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
-                        [_shared_address(builder, dst), src, n], side_effect=True)
-            return context.get_dummy_value()
+            return _emit_cp_async(context, builder, dst, src, args[5], sig.args[5])
 
         return sig, codegen
 
@@ -140,12 +145,7 @@ def _make_gpu():
             ary = context.make_array(sig.args[2])(context, builder, value=args[2])
             off = context.cast(builder, args[3], sig.args[3], types.intp)
             src = builder.gep(ary.data, [off])
-            src = builder.addrspacecast(src, ir.PointerType(src.type.pointee, 1))
-            n = context.cast(builder, args[4], sig.args[4], types.uint32)
-            fty = ir.FunctionType(ir.VoidType(), [_I32, src.type, _I32])
-            builder.asm(fty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
-                        [_shared_address(builder, dst), src, n], side_effect=True)
-            return context.get_dummy_value()
+            return _emit_cp_async(context, builder, dst, src, args[4], sig.args[4])
 
         return sig, codegen
 

@@ -26,6 +26,13 @@ rows one ldmatrix phase reads, and the cp.async writes, hit 8 distinct chunks of
 bank window: "n" tiles (rows x 32 k: 4 chunks a row) swap chunk c with c ^ ((row >> 1) & 3),
 "t" tiles (32 k x rows) chunk c with c ^ (k & 7).
 
+H200 (``experiments/results/gemm-bf16-h200/``, held timing against cuBLAS bf16 at the 7B block's 15
+shapes): this tile 35.8-50.6% of cuBLAS (240-420 TFLOP/s against cuBLAS's wgmma at 640-830); 4 stages
+(64 KiB, dynamic) +0 to +1.9 points at 13 shapes, bk 64 lower at 14, 8 warps of 64 x 32 30-37%, 2
+stages 30-43%, 128 x 256 (8 warps) 22-43%. Offline, sm_90: 236-241 registers (two blocks per SM), no
+spill, 237 instructions per 64 HMMA in the main loop. The issue's 70% is not reached on mma.sync;
+Hopper's wgmma (asynchronous warpgroup MMA from shared-memory descriptors) is what cuBLAS runs.
+
 Global fetches by ``cp.async`` need 16-byte-aligned operands: base address a multiple of 16
 bytes, unit column stride, row stride a multiple of 8 elements (:func:`aligned_b16`). Other
 operands (a ragged row length, a view starting mid-row) take the same kernel with element-wise
