@@ -146,6 +146,20 @@ def check_output_dir(path: Path, what: str = "--out") -> None:
     base = _nearest_existing(path)
     if not os.access(base, os.W_OK | os.X_OK):
         fail(f"{what} {path}: {base} is not writable", code=2)
+    if not path.exists():
+        # Access bits do not tell everything (/proc, a read-only mount, quotas): make the folders
+        # to prove they can be made, then take back the ones made here.
+        try:
+            path.mkdir(parents=True)
+        except OSError as e:
+            fail(f"{what} {path}: cannot make the folder ({e.strerror or e})", code=2)
+        p = path
+        while p != base and p != p.parent:
+            try:
+                p.rmdir()
+            except OSError:
+                break
+            p = p.parent
 
 
 def check_output_file(path: Path, what: str = "--out") -> None:
