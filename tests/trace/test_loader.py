@@ -170,7 +170,8 @@ def test_the_scanner_answers_alone_on_real_snapshots(traces_dir):
 
     for p in sorted(traces_dir.glob("*.pickle.gz")):
         t = scan_file(p, Limits())
-        assert t.fallback == 0 and len(t.ents) > 30000, p.name
+        floor = 15000 if ".frames." in p.name else 30000  # the frames trace: four short steps of a small model
+        assert t.fallback == 0 and len(t.ents) > floor, p.name
         _same(load_snapshot(p), from_dict(load_snapshot_dict(p), str(p)))
 
 

@@ -557,6 +557,8 @@ def plan(m: int, n: int, k: int, layout: str = "nn", tiles: GemmTiles | None = N
     auto = choose(m, n, k, splits, rule=rule, layout=layout)
     tiles = tiles or auto.tiles
     variant = auto.variant if variant is None else variant
+    if variant not in VARIANTS:  # before loaded_variant reads its row
+        raise KernelError(f"unknown GEMM variant {variant}; known: {sorted(VARIANTS)}")
     splits = auto.splits if splits is None else splits
     k_steps = max(1, -(-k // tiles.bk))
     if not 1 <= splits <= k_steps:

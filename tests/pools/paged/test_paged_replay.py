@@ -69,7 +69,8 @@ def both(trace, options=None, driver=None, **kw):
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name.split(".pickle")[0])
 def test_every_bundled_trace(path, options):
     r = both(load_trace(path), options)
-    assert r.events > 20000 and not r.oom
+    floor = 10000 if ".frames." in path.name else 20000  # the frames trace is four short steps of a small model
+    assert r.events > floor and not r.oom
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=["default", "aliases"])
