@@ -166,9 +166,19 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
         backend.completion(token).add_done_callback(lambda f, v=v: finished(v, f))
 
     def finished(v: int, f) -> None:
-        if f.cancelled() or f.exception() is not None:
+        # A done-callback's exception would only be logged by asyncio and the run would go on (or
+        # stall): whatever fails here (a launch that drain() makes) ends the run with that error.
+        try:
+            _finished(v, f)
+        except BaseException as e:
             if not done.done():
-                done.set_exception(f.exception() or asyncio.CancelledError())
+                done.set_exception(e)
+
+    def _finished(v: int, f) -> None:
+        if done.done():  # the run already failed: launch nothing more
+            return
+        if f.cancelled() or f.exception() is not None:
+            done.set_exception(f.exception() or asyncio.CancelledError())
             return
         finish_order.append(v)
         finished_[v] = True
