@@ -40,6 +40,9 @@ def clocked_events(sim_gpu, monkeypatch):
         def query(self):
             return True
 
+        def wait(self, stream):  # the stream waits on this event: it must have been recorded
+            assert self.t is not None, "waited on before it was recorded"
+
         def synchronize(self):
             assert self.t is not None, "synchronized before it was recorded"
 
