@@ -191,12 +191,9 @@ class NativeHook(HookBase):
         self.devices: dict[int, NativeDevice] = {}
         self.limits: dict[int, tuple[int, str]] = {}  # device -> (bytes, what set it), while a memory fraction is set
         self._make_lock = threading.Lock()
-        self.slow_alloc_fn = SLOW_ALLOC_FN(self._slow_alloc)
-        self.slow_map_fn = SLOW_MAP_FN(self._slow_map)
-        self.slow_free_fn = SLOW_FREE_FN(self._slow_free)
-        self.slow_wait_fn = SLOW_WAIT_FN(self._slow_wait)
-        self.alloc_cfunc, self.free_cfunc = _compile(self.slow_alloc_fn, self.slow_map_fn, self.slow_free_fn,
-                                                     self.slow_wait_fn)
+        _SERVED[0] = self  # the slow paths' callbacks call this hook's methods
+        (self.slow_alloc_fn, self.slow_map_fn, self.slow_free_fn, self.slow_wait_fn,
+         self.alloc_cfunc, self.free_cfunc) = _compiled()
         NativeHook._active = self
 
     allocator_name = PagedAllocator.name
@@ -386,6 +383,25 @@ def _publish(dev: int, pa: PagedAllocator) -> None:
             TABLE[row + R_HEAPS + 2 * (h * N_HEAP_ARRAYS + i)] = a.ctypes.data
             TABLE[row + R_HEAPS + 2 * (h * N_HEAP_ARRAYS + i) + 1] = a.shape[0]
     TABLE[row + R_READY] = 1
+
+
+_SERVED: list = [None]  # the hook whose methods the slow-path callbacks call: the newest one
+_COMPILED: tuple | None = None
+
+
+def _compiled() -> tuple:
+    """The slow-path callbacks and the two cfuncs, compiled once per process (about 2.5 s of CPU
+    each time before: every hook compiled its own). One hook owns the table at a time, so the
+    callbacks call the newest hook's methods; the cfuncs read the same table for every hook."""
+    global _COMPILED
+    if _COMPILED is None:
+        fns = (SLOW_ALLOC_FN(lambda size, dev, stream: _SERVED[0]._slow_alloc(size, dev, stream)),
+               SLOW_MAP_FN(lambda dev, which, start, n, size, stream:
+                           _SERVED[0]._slow_map(dev, which, start, n, size, stream)),
+               SLOW_FREE_FN(lambda ptr, size, dev, stream: _SERVED[0]._slow_free(ptr, size, dev, stream)),
+               SLOW_WAIT_FN(lambda dev, stream, mask: _SERVED[0]._slow_wait(dev, stream, mask)))
+        _COMPILED = (*fns, *_compile(*fns))
+    return _COMPILED
 
 
 def _compile(slow_alloc, slow_map, slow_free, slow_wait):
