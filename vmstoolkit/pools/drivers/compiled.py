@@ -398,7 +398,8 @@ class CompiledSimulatedDriver(SimulatedDriver):
     # -- batched calls: one compiled loop for a pool's chunk-by-chunk sequence -----------------
     # A 2 MiB chunk is one create and one map: a vms replay made 1.6 driver calls per event,
     # each a Python template call around a compiled one (about 2 us); one batch per block
-    # (llama-full: 33.7k calls in 2.3k batches) cut vms's replay time by a quarter.
+    # (llama-full: 33.7k calls in 2.3k batches) took vms on llama-full.caching from 0.43x to
+    # 0.48x of pytorch-caching's events/s (benchmarks/replay_speed.py, ratios within each run).
     def _faults_within(self, op: str, count: int) -> bool:
         """An injected fault falls on one of the next ``count`` calls of ``op``."""
         faults = self._faults.get(op)
