@@ -124,6 +124,35 @@ class VMMDriver(ABC):
         self._count("map")
         self._map(va, size, handle, offset)
 
+    def create_mapped(self, va: int, size: int, count: int, tx) -> list[Handle]:
+        """``count`` new handles of ``size`` bytes, the ``i``-th mapped at ``va + i * size``
+        right after it is made: :meth:`create` then :meth:`map`, chunk by chunk, counted and
+        failing exactly as those calls would. Each step that succeeds registers its undo on the
+        transaction ``tx`` (:class:`~vmstoolkit.pools.drivers.txn.Transaction`) at once,
+        ``("release", h, size)`` then ``("unmap", va + i * size, size)``, so a failure leaves
+        ``tx`` holding the undo of exactly what was done. Returns the handles in address order.
+
+        One call where a pool would make ``2 * count``: the compiled simulated driver runs them
+        in one compiled loop (:class:`~vmstoolkit.pools.drivers.compiled.CompiledSimulatedDriver`).
+        Runtime complexity: ``count`` creates and maps."""
+        handles = []
+        for i in range(count):
+            h = self.create(size)
+            tx.undo("release", h, size)
+            self.map(va + i * size, size, h)
+            tx.undo("unmap", va + i * size, size)
+            handles.append(h)
+        return handles
+
+    def map_many(self, va: int, size: int, handles: list[Handle], tx) -> None:
+        """Map ``handles[i]`` (whole, ``size`` bytes each) at ``va + i * size`` in order:
+        :meth:`map` per handle, counted and failing as those calls would, each success
+        registering ``("unmap", va + i * size, size)`` on ``tx``. Runtime complexity:
+        ``len(handles)`` maps."""
+        for i, h in enumerate(handles):
+            self.map(va + i * size, size, h)
+            tx.undo("unmap", va + i * size, size)
+
     def unmap(self, va: int, size: int) -> None:
         self._count("unmap")
         self._unmap(va, size)

@@ -41,6 +41,13 @@ class Transaction:
             raise ConfigError(f"teardown-step undo {op!r} needs a transaction made with a graveyard")
         self._undo.append((op, a, b))
 
+    def undo_steps(self, steps: list) -> None:
+        """Register teardown steps ``(op, a, b)`` at once, in order, as :meth:`undo` each would
+        (the driver's batched calls: :meth:`~vmstoolkit.pools.drivers.base.VMMDriver.create_mapped`)."""
+        if self._graveyard is None:
+            raise ConfigError("teardown-step undos need a transaction made with a graveyard")
+        self._undo.extend(steps)
+
     def commit(self) -> None:
         self._committed = True
         self._undo.clear()

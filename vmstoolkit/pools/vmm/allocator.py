@@ -180,16 +180,17 @@ class VMMAllocator(Allocator):
 
     # -- free -----------------------------------------------------------------------------
     def _free(self, addr: int) -> None:
-        if self.small.owns(addr):
-            self.small.free(addr)
+        b = self._blocks.pop(addr, None)
+        if b is None:
+            self.small.free(addr)  # not a large block: a small one (the base class checked it is live)
             return
-        b = self._blocks.pop(addr)
-        if isinstance(b, StitchedPrefix):
-            self.stitched.give_back_prefix(b)
-        elif isinstance(b, StitchedBlock):
+        t = type(b)
+        if t is PrimitiveBlock:
+            self.primitives.give_back(b)
+        elif t is StitchedBlock:
             self.stitched.give_back(b)
         else:
-            self.primitives.give_back(b)
+            self.stitched.give_back_prefix(b)
 
     def block_at(self, addr: int) -> BlockInfo:
         """What backs the live allocation at ``addr`` (see :class:`~vmstoolkit.pools.vmm.blocks.BlockInfo`).

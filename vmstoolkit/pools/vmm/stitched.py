@@ -61,12 +61,7 @@ class StitchedPool:
         with Transaction(self.primitives.graveyard) as tx:
             va = d.reserve(size)
             tx.undo("free_address", va, size)
-            off = va
-            for p in parts:
-                for h in p.handles:
-                    d.map(off, g, h)
-                    tx.undo("unmap", off, g)
-                    off += g
+            d.map_many(va, g, [h for p in parts for h in p.handles], tx)  # a map per chunk, in order
             d.set_access(va, size)
             tx.commit()
         s = StitchedBlock(va, nchunks, list(parts))
@@ -135,7 +130,7 @@ class StitchedPool:
                 return s
             got = 0
             for p in s.parts:
-                if not p.free:
+                if p.user is not None:  # not p.free, without the property call
                     break
                 got += p.nchunks
                 if got >= nchunks:
