@@ -16,8 +16,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from vmstoolkit.errors import TraceFormatError
-from vmstoolkit.trace.events import Action, TraceEvent
+from vmstoolkit.trace.events import Action, EventColumns, TraceEvent
 
 
 @dataclass
@@ -31,7 +33,11 @@ class Checked:
 
 def free_action(events) -> Action:
     """``free_completed`` when the trace has any, else ``free_requested`` (older PyTorch)."""
-    return Action.FREE_COMPLETED if any(e.action is Action.FREE_COMPLETED for e in events) else Action.FREE_REQUESTED
+    if isinstance(events, EventColumns):
+        completed = bool(events.codes(Action.FREE_COMPLETED).any())
+    else:
+        completed = any(e.action is Action.FREE_COMPLETED for e in events)
+    return Action.FREE_COMPLETED if completed else Action.FREE_REQUESTED
 
 
 def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, where: str, lenient: bool = False) -> Checked:
@@ -141,4 +147,6 @@ def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, wher
             keep.append(i)
     if keep is None:
         return Checked(events=events, preexisting=preexisting, skipped=skipped)
+    if isinstance(events, EventColumns):
+        return Checked(events=events.take(np.array(keep, np.intp)), preexisting=preexisting, skipped=skipped, kept=keep)
     return Checked(events=tuple(events[j] for j in keep), preexisting=preexisting, skipped=skipped, kept=keep)
