@@ -79,6 +79,15 @@ class EventColumns(Sequence):
         for lo in range(0, len(self), EVENT_BATCH):
             yield from self._make(lo, lo + EVENT_BATCH)
 
+    def rows(self):
+        """The events as plain ``(action, addr, size, stream, time_us)`` tuples, a batch at a
+        time: what a loop that unpacks them reads, without making ``TraceEvent``s (half the cost)."""
+        acts = np.array(self.actions, dtype=object)
+        for lo in range(0, len(self), EVENT_BATCH):
+            hi = lo + EVENT_BATCH
+            yield from zip(acts[self.action[lo:hi].astype(np.intp)].tolist(), self.addr[lo:hi].tolist(),
+                           self.size[lo:hi].tolist(), self.stream[lo:hi].tolist(), self.time_us[lo:hi].tolist())
+
     def take(self, rows: np.ndarray) -> EventColumns:
         """The events at ``rows`` (indices, in order), as columns."""
         return EventColumns(self.action[rows], self.addr[rows], self.size[rows], self.stream[rows],
