@@ -17,13 +17,10 @@ Every failure is a :class:`~vmstoolkit.errors.TraceFormatError` naming the file 
 
 from __future__ import annotations
 
-import functools
 import io
 import pickle
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from vmstoolkit.errors import TraceFormatError
 from vmstoolkit.trace.events import Action, EventColumns, Trace
