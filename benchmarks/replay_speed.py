@@ -2,6 +2,7 @@
 
     python benchmarks/replay_speed.py [--repeat 3] [--allocator vms ...] [--mode caching --mode expandable]
                                       [--synthetic full:200] [--json]
+                                      [--generated 100000,500000,2000000 [--generated-allocators paged,vms]]
 
 One run measures, on each bundled trace (both recording modes by default) and on long synthetic
 traces (``--synthetic KIND:STEPS``, steady state: the driver's work is done in the first steps):
@@ -18,6 +19,12 @@ traces (``--synthetic KIND:STEPS``, steady state: the driver's work is done in t
   compiled code alone (the rest is the simulated driver's work, in Python, shared with the
   Python replay).
 
+- ``--generated SIZES``: snapshots of that many entries, 5 frames each, generated at run time
+  into a temporary folder (``loader_bench.generate``, never shipped), each loaded and replayed
+  in its own subprocess per allocator of ``--generated-allocators`` (so peak RSS is its own):
+  load + replay time against ``pickle.load`` of the same file, peak RSS, events/s against
+  ``pytorch-caching``'s (``loader_bench.print_replays``, the same table loader_bench prints).
+
 Each figure is the best of ``--repeat`` runs, on a fresh allocator and simulated driver (the
 driver simulation costs about as much as the allocators' own Python: quote ratios, not absolute
 figures, unless they come from the same machine). Nothing is asserted.
@@ -30,7 +37,9 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numba
 from rich.console import Console
@@ -79,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     ap.add_argument("--reference-driver", action="append", default=None, metavar="NAME",
                     help="also replay NAME on the Python reference driver (default: vms; 'none': no such rows)")
+    ap.add_argument("--generated", default="", metavar="SIZES",
+                    help="comma-separated entry counts of generated snapshots, each replayed in subprocesses")
+    ap.add_argument("--generated-allocators", default="paged", metavar="NAMES",
+                    help=f"allocators replayed on the generated snapshots ({BASE} is always added)")
     args = ap.parse_args(argv)
     names = args.allocator or allocator_names()
     if BASE not in names:
@@ -125,7 +138,27 @@ def main(argv: list[str] | None = None) -> int:
         summary.setdefault(r["allocator"], []).append(r["vs_caching"])
     print("lowest ratio to pytorch-caching over the traces: " +
           ", ".join(f"{k} {min(v):.2f}" for k, v in summary.items() if k != BASE))
+    if args.generated:
+        generated(args.generated, args.generated_allocators)
     return 0
+
+
+def generated(sizes: str, allocators: str) -> None:
+    """Load + replay of generated snapshots, in subprocesses (see the module docstring)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import loader_bench as lb
+
+    names = [a for a in allocators.split(",") if a]
+    if BASE not in names:
+        names.append(BASE)
+    replays = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (int(x) for x in sizes.split(",")):
+            p = Path(tmp) / f"gen-{n}.pickle"
+            lb.generate(n, p)
+            replays.append((n, lb.measure("pickle", p), {a: lb.measure(f"replay:{a}", p) for a in names}))
+            p.unlink()
+    lb.print_replays(replays)
 
 
 if __name__ == "__main__":

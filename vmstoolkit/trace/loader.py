@@ -17,16 +17,13 @@ Every failure is a :class:`~vmstoolkit.errors.TraceFormatError` naming the file 
 
 from __future__ import annotations
 
-import functools
 import io
 import pickle
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from vmstoolkit.errors import TraceFormatError
-from vmstoolkit.trace.events import Action, Trace, TraceEvent
+from vmstoolkit.trace.events import Action, EventColumns, Trace
 from vmstoolkit.trace.snapshot import ACTIONS, Fallback, SnapshotData, from_dict, from_scan, short_repr
 from vmstoolkit.trace.source import CHUNK, BoundedReader, Limits, check_limits
 from vmstoolkit.trace.validate import check_events
@@ -148,20 +145,15 @@ def load_snapshot(path: str | Path, *, frames: bool = False, max_bytes: int | No
     return from_dict(_unpickle(path, limits), str(path), frames=frames)
 
 
-_make_event = functools.partial(tuple.__new__, TraceEvent)
-_ACTION_OBJ = np.array(ACTIONS, dtype=object)
-
-
-def _events(dev) -> tuple:
-    cols = (_ACTION_OBJ[dev.action.astype(np.intp)].tolist(), dev.addr.tolist(), dev.size.tolist(),
-            dev.stream.tolist(), dev.time_us.tolist())
-    return tuple(map(_make_event, zip(*cols)))
+def _events(dev) -> EventColumns:
+    """The device's events as columns: no ``TraceEvent`` is kept (33 bytes per event, not 180)."""
+    return EventColumns(dev.action, dev.addr, dev.size, dev.stream, dev.time_us, ACTIONS)
 
 
 def _trace(data: SnapshotData, d: int, *, name: str, source: str, where: str, lenient: bool) -> Trace:
     dev = data.devices[d]
     events = _events(dev)
-    if not any(e.action is Action.ALLOC for e in events):
+    if not events.codes(Action.ALLOC).any():
         raise TraceFormatError(f"{where}: device {d} has no 'alloc' events to replay ({len(events)} entries)")
     b = data.blocks
     live = (b["device"] == d) & (b["state"] == 0)  # active_allocated

@@ -40,9 +40,21 @@ class ScanTables:
 
 
 def _grown(a: np.ndarray, need: int, fill: int = 0) -> np.ndarray:
+    """``a`` with room for ``need`` rows (at least twice as many), the new rows set to ``fill``.
+
+    Grown in place (``realloc``, which moves a large block by remapping its pages, not by
+    copying): a copy would hold the old and the new table at once, and the memo and entry
+    tables of a 2M-entry snapshot with frames are 400 MB (the copy took peak RSS from about
+    600 MB to 800). Only the tables the scanner owns are grown, never a view of them."""
     n = max(need, 2 * a.shape[0], 16)
+    old = a.shape[0]
+    if a.base is None and a.flags.c_contiguous and a.flags.owndata:
+        a.resize((n,) + a.shape[1:], refcheck=False)
+        if fill:
+            a[old:] = fill
+        return a
     b = np.full((n,) + a.shape[1:], fill, dtype=a.dtype)
-    b[: a.shape[0]] = a
+    b[:old] = a
     return b
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from vmstoolkit.errors import OutOfMemoryError, TraceFormatError
 from vmstoolkit.pools.base import Allocator, ReplayArrays
-from vmstoolkit.trace.events import Action, Trace
+from vmstoolkit.trace.events import Action, EventColumns, Trace
 
 
 @dataclass
@@ -172,8 +172,9 @@ def replay(
     stats = allocator.stats()
     tl = None
     if timeline:
-        tl = {"allocated": allocated[:done], "reserved": reserved[:done],
-              "time_us": np.array([e.time_us for e in events[:done]], dtype=np.int64)}
+        times = events.time_us[:done].astype(np.int64) if isinstance(events, EventColumns) else \
+            np.array([e.time_us for e in events[:done]], dtype=np.int64)
+        tl = {"allocated": allocated[:done], "reserved": reserved[:done], "time_us": times}
     return ReplayResult(
         trace=trace.name, allocator=allocator.name, events=done,
         peak_allocated=stats.peak_allocated_bytes, peak_reserved=stats.peak_reserved_bytes,
@@ -192,8 +193,17 @@ def event_arrays(events: list, pre: tuple = (), pre_ptrs: list = (), timeline: b
     """``events`` (:meth:`Trace.alloc_free_events`) and the pre-existing memory already made
     (``pre`` events at ``pre_ptrs``) as columns for
     :meth:`~vmstoolkit.pools.base.Allocator.compiled_replay`; None when a value does not fit an
-    int64 (then the replay goes through the protocol). Cost: about 0.1 µs per event."""
+    int64 (then the replay goes through the protocol). Cost: about 0.1 µs per event from a
+    list; from :class:`~vmstoolkit.trace.events.EventColumns` (a loaded trace), the columns
+    themselves: no Python per event."""
     alloc = Action.ALLOC
+    if isinstance(events, EventColumns):
+        pre_cols = event_arrays([], pre, pre_ptrs)
+        return ReplayArrays(
+            is_alloc=events.codes(alloc).astype(np.int8), addr=np.ascontiguousarray(events.addr, np.int64),
+            size=np.ascontiguousarray(events.size, np.int64), stream=np.ascontiguousarray(events.stream, np.int64),
+            pre_addr=pre_cols.pre_addr, pre_ptr=pre_cols.pre_ptr, pre_size=pre_cols.pre_size,
+            pre_stream=pre_cols.pre_stream, timeline=timeline, progress=progress, progress_every=progress_every)
     try:
         return ReplayArrays(
             is_alloc=np.array([e.action is alloc for e in events], np.int8),

@@ -16,8 +16,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from vmstoolkit.errors import TraceFormatError
-from vmstoolkit.trace.events import Action, TraceEvent
+from vmstoolkit.trace.events import Action, EventColumns, TraceEvent
 
 
 @dataclass
@@ -31,7 +33,11 @@ class Checked:
 
 def free_action(events) -> Action:
     """``free_completed`` when the trace has any, else ``free_requested`` (older PyTorch)."""
-    return Action.FREE_COMPLETED if any(e.action is Action.FREE_COMPLETED for e in events) else Action.FREE_REQUESTED
+    if isinstance(events, EventColumns):
+        completed = bool(events.codes(Action.FREE_COMPLETED).any())
+    else:
+        completed = any(e.action is Action.FREE_COMPLETED for e in events)
+    return Action.FREE_COMPLETED if completed else Action.FREE_REQUESTED
 
 
 def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, where: str, lenient: bool = False) -> Checked:
@@ -45,20 +51,20 @@ def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, wher
     touched: set[int] = set()
     pre: dict[int, TraceEvent] = {}
     sizeless: set[int] = set()
-    for e in events:
-        a = e.action
-        if (a is alloc or a is free) and (e.addr < 0 or e.size < 0):
+    rows = events.rows if isinstance(events, EventColumns) else lambda: events
+    for a, addr, size, stream, _ in rows():  # unpacked: no attribute look-ups (the load's hot loop)
+        if (a is alloc or a is free) and (addr < 0 or size < 0):
             continue  # refused in pass 2
         if a is alloc:
-            live[e.addr] = e.size
-            touched.add(e.addr)
+            live[addr] = size
+            touched.add(addr)
         elif a is free:
-            if live.pop(e.addr, None) is None and e.addr not in touched:
-                if e.size > 0:
-                    pre[e.addr] = TraceEvent(alloc, e.addr, e.size, e.stream, t0)
+            if live.pop(addr, None) is None and addr not in touched:
+                if size > 0:
+                    pre[addr] = TraceEvent(alloc, addr, size, stream, t0)
                 else:  # no size recorded: cannot be made; replay skips its free as before
-                    sizeless.add(e.addr)
-            touched.add(e.addr)
+                    sizeless.add(addr)
+            touched.add(addr)
     skipped: dict[str, int] = {}
     for addr, size, stream in live_blocks:
         if addr < 0 or size < 0:
@@ -89,14 +95,12 @@ def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, wher
     def origin(j: int) -> str:
         return "before recording" if j < 0 else f"at event {j}"
 
-    for i, e in enumerate(events):
-        a = e.action
-        if (a is alloc or a is free) and (e.addr < 0 or e.size < 0):
-            bad(i, "negative", f"event {i} has a negative address {e.addr}" if e.addr < 0 else
-                f"event {i} has a negative size {e.size} at {e.addr:#x}")
+    for i, (a, addr, size, _, _) in enumerate(rows()):
+        if (a is alloc or a is free) and (addr < 0 or size < 0):
+            bad(i, "negative", f"event {i} has a negative address {addr}" if addr < 0 else
+                f"event {i} has a negative size {size} at {addr:#x}")
             continue
         if a is alloc:
-            addr, size = e.addr, e.size
             if addr in live_at:
                 bad(i, "double_alloc", f"second alloc at live address {addr:#x} at event {i} (allocated {origin(live_at[addr][1])})")
                 continue
@@ -118,27 +122,29 @@ def check_events(events: tuple, live_blocks: list[tuple[int, int, int]], *, wher
             live_at[addr] = (size, i)
             freed_at.pop(addr, None)
         elif a is free:
-            got = live_at.get(e.addr)
+            got = live_at.get(addr)
             if got is None:
-                if e.addr in sizeless and e.addr not in freed_at:
-                    sizeless.discard(e.addr)  # its one free, skipped by replay
+                if addr in sizeless and addr not in freed_at:
+                    sizeless.discard(addr)  # its one free, skipped by replay
                     if keep is not None:
                         keep.append(i)
-                elif e.addr in freed_at:
-                    bad(i, "double_free", f"double free of address {e.addr:#x} at event {i} "
-                                          f"(already freed at event {freed_at[e.addr]})")
+                elif addr in freed_at:
+                    bad(i, "double_free", f"double free of address {addr:#x} at event {i} "
+                                          f"(already freed at event {freed_at[addr]})")
                 else:
-                    bad(i, "unknown_free", f"event {i} frees {e.addr:#x}, which is not live")
+                    bad(i, "unknown_free", f"event {i} frees {addr:#x}, which is not live")
                 continue
-            if e.size and e.size != got[0]:  # 0: no size recorded
-                bad(i, "size_mismatch", f"event {i} frees {e.size} bytes at {e.addr:#x}, allocated with {got[0]} bytes "
+            if size and size != got[0]:  # 0: no size recorded
+                bad(i, "size_mismatch", f"event {i} frees {size} bytes at {addr:#x}, allocated with {got[0]} bytes "
                                         f"{origin(got[1])}")
                 continue
-            del live_at[e.addr]
-            starts.pop(bisect.bisect_left(starts, e.addr))
-            freed_at[e.addr] = i
+            del live_at[addr]
+            starts.pop(bisect.bisect_left(starts, addr))
+            freed_at[addr] = i
         if keep is not None:
             keep.append(i)
     if keep is None:
         return Checked(events=events, preexisting=preexisting, skipped=skipped)
+    if isinstance(events, EventColumns):
+        return Checked(events=events.take(np.array(keep, np.intp)), preexisting=preexisting, skipped=skipped, kept=keep)
     return Checked(events=tuple(events[j] for j in keep), preexisting=preexisting, skipped=skipped, kept=keep)
