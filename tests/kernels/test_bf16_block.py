@@ -179,3 +179,9 @@ def test_block_bf16_bad_inputs_are_one_line(rng):
     blk = LlamaBlock({k: B.to_bits(v) for k, v in w.items()}, c, 1, 2)
     with pytest.raises(ValueError, match="block input must hold bf16 bits"):
         blk.forward_device(cuda.to_device(np.zeros((1, 2, 8), np.float32)), cuda.device_array((1, 2, 8), np.uint16))
+
+
+def test_bf16_to_f32_probe_kernel(rng):
+    from vmstoolkit.kernels import mma_check
+
+    assert mma_check.check_unpack(rng) == {"check": "unpack"}

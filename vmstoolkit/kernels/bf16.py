@@ -23,21 +23,26 @@ adamw_mixed     AdamW on fp32 master weights and moments from a bf16 or fp32 gra
 
 Note [bf16 noise]
 -----------------
-How "equal to bf16 noise" is measured (``tests/kernels/test_bf16_block.py``, the GPU test against
-``transformers``): ``err(a, b) = max |a - b| / max |b|``, the largest deviation relative to the
-output's scale. A bf16 rounding has unit roundoff ``u = 2^-8`` (8 significant bits). Two
-computations that round at the same points but sum in another fp32 order (the kernel and
-:func:`reference_block`) produce pre-rounding values within ``~ n 2^-24`` relative (``n`` the
-reduction length) of each other, so they round differently only where a value falls within that
-of a rounding boundary: then by one bf16 ulp (``2u`` relative to that value), and such a flip
-travels on through the later layers with a gain of order one. The bound checked is therefore a few
-ulps of the output's scale, ``BF16_BLOCK_RTOL = 4 * 2u = 2^-5``, and a test that it discriminates:
-the fp32 reference (no bf16 rounding) is itself further than that from the bf16 one at a shape
-where the block's roundings add up. Against ``transformers`` (whose eager and SDPA paths round at
-different points, e.g. eager rounds the scores and the probabilities to bf16), the measure is
-relative: ours is at most ``2 x`` as far from the fp32 computation as HF's bf16 layer is
-(``err(ours, fp32) <= 2 err(hf_bf16, fp32) + 2u``), and ``err(ours, hf_bf16)`` is within
-``err(hf_bf16, fp32) + err(ours, fp32)`` by construction; both figures are reported.
+How "equal to bf16 noise" is measured. ``err(a, b) = max |a - b| / max |b|``, the largest
+deviation relative to the output's scale. A bf16 rounding has unit roundoff ``u = 2^-8`` (8
+significant bits); one ulp of a value is ``2u`` of it at most.
+
+- Against :func:`reference_block` (the same rounding points, exact sums): the kernels sum in fp32
+  in another order, so their pre-rounding values are within ``~ n 2^-24`` relative (``n`` the
+  reduction length) of the reference's and round differently only where a value lies that close to
+  a rounding boundary: by one ulp, which travels on through the later ops with a gain of order
+  one. Checked: ``err <= 2u`` (one ulp of the scale) and at most 5% of the outputs differ at all
+  (``tests/kernels/test_bf16_block.py``: bit-equal at the simulator's sizes). The fp32
+  computation of the same inputs differs from the reference at most outputs, so a missing rounding
+  point fails the test.
+- Against ``transformers`` (its eager path rounds the scores and probabilities to bf16, its SDPA
+  path does not, so the two disagree by ``err`` 0.0074 with each other): with ``truth`` the layer
+  in fp32 on the same bf16 weights and input, ours must satisfy ``err(ours, truth) <= 2
+  err(hf_bf16, truth) + 2u`` for both paths, and ``err(ours, hf)`` is reported
+  (``tests/gpu/test_block_bf16_gpu.py``). Measured on the CPU (torch 2.13, transformers 5.24; H 256,
+  4 heads, 2 KV heads, T 37): ``reference_block`` is 0.0037 (about one ulp of the scale) from HF's
+  eager and its SDPA layer, which are 0.0047 from ``truth``; with the probabilities rounded
+  (``round_p=True``) it is bit-equal to HF's SDPA at 94% of the outputs.
 """
 
 from __future__ import annotations
@@ -57,7 +62,6 @@ from .mma_layout import bf16_bits, bf16_value
 from .rmsnorm import THREADS_GPU, THREADS_SIM, make_block_sum
 
 UNIT_ROUNDOFF = 2.0 ** -8  # bf16: 8 significant bits, round to nearest
-BF16_BLOCK_RTOL = 4 * 2 * UNIT_ROUNDOFF  # Note [bf16 noise]: four ulps of the output's scale
 
 BF16_DTYPES = (np.dtype(np.uint16), np.dtype(np.int16))
 
