@@ -279,6 +279,16 @@ BLOCK_SHAPES = ((LlamaBlockConfig(), 1024),
                                   intermediate_size=11008), 2048))
 
 
+def time_blocks(layer, rot, x, blk, dx, dout):
+    """(the layer's output function, its eager ms, its SDPA ms, our block's ms), 10 calls each."""
+    def hf(attn):
+        with torch.no_grad():
+            return hf_forward(layer, rot, x, attn)
+
+    return (hf, time_torch(lambda: hf("eager"), 10), time_torch(lambda: hf("sdpa"), 10),
+            time_numba(lambda: blk.forward_device(dx, dout), 10))
+
+
 def bench_block(c: LlamaBlockConfig, b: int, t: int) -> dict:
     layer, rot = hf_layer(c, 0)
     sd = {k: v.detach().contiguous() for k, v in layer.state_dict().items()}
@@ -287,13 +297,7 @@ def bench_block(c: LlamaBlockConfig, b: int, t: int) -> dict:
     blk = LlamaBlock(sd, c, b, t)
     dx, dout = cuda.as_cuda_array(x), cuda.as_cuda_array(out)
 
-    def hf(attn):
-        with torch.no_grad():
-            return hf_forward(layer, rot, x, attn)
-
-    t_hf = time_torch(lambda: hf("eager"), 10)
-    t_sdpa = time_torch(lambda: hf("sdpa"), 10)
-    t_ours = time_numba(lambda: blk.forward_device(dx, dout), 10)
+    hf, t_hf, t_sdpa, t_ours = time_blocks(layer, rot, x, blk, dx, dout)
     err = rel(out, hf("eager"))
     err_sdpa = rel(out, hf("sdpa"))
     m, h, f, hd = b * t, c.hidden_size, c.ffn_size, c.head_dim
@@ -345,13 +349,7 @@ def bench_block_bf16(c: LlamaBlockConfig, b: int, t: int) -> dict:
     blk = LlamaBlock(sd, c, b, t)
     dx, dout = cuda.as_cuda_array(x.view(torch.int16)), cuda.as_cuda_array(out.view(torch.int16))
 
-    def hf(attn):
-        with torch.no_grad():
-            return hf_forward(layer, rot, x, attn)
-
-    t_hf = time_torch(lambda: hf("eager"), 10)
-    t_sdpa = time_torch(lambda: hf("sdpa"), 10)
-    t_ours = time_numba(lambda: blk.forward_device(dx, dout), 10)
+    hf, t_hf, t_sdpa, t_ours = time_blocks(layer, rot, x, blk, dx, dout)
     cuda.synchronize()
     want = {attn: hf(attn) for attn in ("eager", "sdpa")}
     with torch.no_grad():

@@ -313,11 +313,11 @@ class LlamaBlock:
         if self.bf16:
             B.check_bf16("block input", x)
             B.check_bf16("block output", out)
-            self._forward_bf16(B.as_u16(x), B.as_u16(out), stream)
+            self._forward(B.as_u16(x), B.as_u16(out), stream)
         else:
             check_float32("block input", x)
             check_float32("block output", out)
-            self._forward_f32(x, out, stream)
+            self._forward(x, out, stream)
 
     def _views(self):
         c, b, t, hd = self.config, self.batch, self.seq, self.config.head_dim
@@ -326,28 +326,38 @@ class LlamaBlock:
                 self.v.reshape(b, t, c.n_kv_heads, hd),  # (B, T, nkv, hd)
                 self.a.reshape(b, t, c.n_heads, hd))  # (B, T, nh, hd)
 
-    def _forward_f32(self, x, out, stream) -> None:
+    def _ops(self):
+        """(rmsnorm, gemm, rope, attention, residual_add, swiglu) of the config's dtype, each with
+        the fp32 kernels' signature."""
+        if not self.bf16:
+            return (rmsnorm, gemm, rope, lambda q4, k4, v4, a4, stream: attention(
+                q4, k4, v4, a4, stream, workspace=self.att_ws), residual_add, swiglu)
+        return (B.rmsnorm_bf16, gemm_bf16, B.rope_bf16, lambda q4, k4, v4, a4, stream: self._attention_bf16(stream),
+                B.residual_add_bf16, B.swiglu_bf16)
+
+    def _forward(self, x, out, stream) -> None:
         c, w = self.config, self.w
+        norm, mm, rot, att, add, act = self._ops()
         m = self.batch * self.seq
         x2d = x.reshape(m, c.hidden_size)  # (M, H)
         out2d = out.reshape(m, c.hidden_size)  # (M, H)
         q4, k4, v4, a4 = self._views()
 
-        rmsnorm(x2d, w["input_layernorm.weight"], self.h, c.rms_eps, stream)  # (M, H)
-        gemm(self.h, w["self_attn.q_proj.weight"], self.q, stream)  # (M, nh*hd)
-        gemm(self.h, w["self_attn.k_proj.weight"], self.k, stream)  # (M, nkv*hd)
-        gemm(self.h, w["self_attn.v_proj.weight"], self.v, stream)  # (M, nkv*hd)
-        rope(q4, q4, c.rope_theta, 0, stream)  # (B, T, nh, hd), in place
-        rope(k4, k4, c.rope_theta, 0, stream)  # (B, T, nkv, hd), in place
-        attention(q4, k4, v4, a4, stream, workspace=self.att_ws)  # (B, T, nh, hd)
-        gemm(self.a, w["self_attn.o_proj.weight"], self.t, stream)  # (M, H)
-        residual_add(x2d, self.t, self.x2, stream)  # (M, H)
-        rmsnorm(self.x2, w["post_attention_layernorm.weight"], self.h, c.rms_eps, stream)
-        gemm(self.h, w["mlp.gate_proj.weight"], self.g, stream)  # (M, F)
-        gemm(self.h, w["mlp.up_proj.weight"], self.u, stream)  # (M, F)
-        swiglu(self.g, self.u, self.g, stream)  # (M, F), in place
-        gemm(self.g, w["mlp.down_proj.weight"], self.t, stream)  # (M, H)
-        residual_add(self.x2, self.t, out2d, stream)  # (M, H)
+        norm(x2d, w["input_layernorm.weight"], self.h, c.rms_eps, stream)  # (M, H)
+        mm(self.h, w["self_attn.q_proj.weight"], self.q, stream)  # (M, nh*hd)
+        mm(self.h, w["self_attn.k_proj.weight"], self.k, stream)  # (M, nkv*hd)
+        mm(self.h, w["self_attn.v_proj.weight"], self.v, stream)  # (M, nkv*hd)
+        rot(q4, q4, c.rope_theta, 0, stream)  # (B, T, nh, hd), in place
+        rot(k4, k4, c.rope_theta, 0, stream)  # (B, T, nkv, hd), in place
+        att(q4, k4, v4, a4, stream)  # (B, T, nh, hd)
+        mm(self.a, w["self_attn.o_proj.weight"], self.t, stream)  # (M, H)
+        add(x2d, self.t, self.x2, stream)  # (M, H)
+        norm(self.x2, w["post_attention_layernorm.weight"], self.h, c.rms_eps, stream)
+        mm(self.h, w["mlp.gate_proj.weight"], self.g, stream)  # (M, F)
+        mm(self.h, w["mlp.up_proj.weight"], self.u, stream)  # (M, F)
+        act(self.g, self.u, self.g, stream)  # (M, F), in place
+        mm(self.g, w["mlp.down_proj.weight"], self.t, stream)  # (M, H)
+        add(self.x2, self.t, out2d, stream)  # (M, H)
 
     def _attention_bf16(self, stream) -> None:
         """a = attention(q, k, v), bf16 in and out: widened exactly to fp32, the fp32 kernel, one
@@ -359,29 +369,6 @@ class LlamaBlock:
                   self.v32.reshape(b, t, c.n_kv_heads, hd), self.a32.reshape(b, t, c.n_heads, hd), stream,
                   workspace=self.att_ws)  # (B, T, nh, hd)
         B.narrow(self.a32, self.a, stream)
-
-    def _forward_bf16(self, x, out, stream) -> None:
-        c, w = self.config, self.w
-        m = self.batch * self.seq
-        x2d = x.reshape(m, c.hidden_size)  # (M, H)
-        out2d = out.reshape(m, c.hidden_size)  # (M, H)
-        q4, k4, _, _ = self._views()
-
-        B.rmsnorm_bf16(x2d, w["input_layernorm.weight"], self.h, c.rms_eps, stream)  # (M, H)
-        gemm_bf16(self.h, w["self_attn.q_proj.weight"], self.q, stream)  # (M, nh*hd)
-        gemm_bf16(self.h, w["self_attn.k_proj.weight"], self.k, stream)  # (M, nkv*hd)
-        gemm_bf16(self.h, w["self_attn.v_proj.weight"], self.v, stream)  # (M, nkv*hd)
-        B.rope_bf16(q4, q4, c.rope_theta, 0, stream)  # (B, T, nh, hd), in place
-        B.rope_bf16(k4, k4, c.rope_theta, 0, stream)  # (B, T, nkv, hd), in place
-        self._attention_bf16(stream)  # (M, nh*hd)
-        gemm_bf16(self.a, w["self_attn.o_proj.weight"], self.t, stream)  # (M, H)
-        B.residual_add_bf16(x2d, self.t, self.x2, stream)  # (M, H)
-        B.rmsnorm_bf16(self.x2, w["post_attention_layernorm.weight"], self.h, c.rms_eps, stream)
-        gemm_bf16(self.h, w["mlp.gate_proj.weight"], self.g, stream)  # (M, F)
-        gemm_bf16(self.h, w["mlp.up_proj.weight"], self.u, stream)  # (M, F)
-        B.swiglu_bf16(self.g, self.u, self.g, stream)  # (M, F), in place
-        gemm_bf16(self.g, w["mlp.down_proj.weight"], self.t, stream)  # (M, H)
-        B.residual_add_bf16(self.x2, self.t, out2d, stream)  # (M, H)
 
 
 def _input(x, config: LlamaBlockConfig, stream):
