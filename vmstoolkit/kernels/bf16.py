@@ -58,6 +58,7 @@ from vmstoolkit.errors import KernelError
 from . import reference
 from ._mma import bf16_to_f32, pack_bf16x2
 from ._util import check_float32, check_ndim, check_shape, elementwise_grid, flat, simulating
+from .adamw import step_scalars
 from .mma_layout import bf16_bits, bf16_value
 from .rmsnorm import THREADS_GPU, THREADS_SIM, make_block_sum
 
@@ -306,20 +307,15 @@ def adamw_mixed(w, g, m, v, w_out, m_out, v_out, w_bf16, *, lr: float, beta1: fl
     if not is_bf16(g):
         check_float32("adamw_mixed: g (bf16 bits or float32)", g)
     check_bf16("adamw_mixed: w_bf16", w_bf16)
-    for name, a in {**arrays, "g": g, "w_bf16": w_bf16}.items():
-        if tuple(a.shape) != tuple(w.shape):
-            raise KernelError(f"adamw_mixed: {name} has shape {tuple(a.shape)}, w has {tuple(w.shape)}")
-    if step < 1:
-        raise KernelError(f"adamw_mixed: step counts from 1, got {step}")
+    scalars = step_scalars("adamw_mixed", {**arrays, "g": g, "w_bf16": w_bf16}, lr, beta1, beta2, eps,
+                           weight_decay, step)
     n = int(np.prod(w.shape))
     if n == 0:
         return
-    f = np.float32
     blocks, threads = elementwise_grid(n)
     _make_adamw_mixed(is_bf16(g))[blocks, threads, stream](
         flat(w), flat(as_u16(g) if is_bf16(g) else g), flat(m), flat(v), flat(w_out), flat(m_out), flat(v_out),
-        flat(as_u16(w_bf16)), f(lr / (1.0 - beta1 ** step)), f(1.0 / math.sqrt(1.0 - beta2 ** step)), f(beta1),
-        f(beta2), f(eps), f(1.0 - lr * weight_decay))
+        flat(as_u16(w_bf16)), *scalars)
 
 
 # ---- numpy references (float32 values of bf16 data, rounded where the kernels round) ---------------
