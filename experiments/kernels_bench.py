@@ -26,6 +26,7 @@ Relative error everywhere: max |ours - theirs| / max |theirs|. About 3 minutes o
     python3 experiments/kernels_bench.py --out DIR --only attention   # section 3 alone
     python3 experiments/kernels_bench.py --out DIR --only rmsnorm     # section 5 alone (seconds)
     python3 experiments/kernels_bench.py --out DIR --only gemm block  # sections 2 and 4
+    python3 experiments/kernels_bench.py --out DIR --only block_bf16  # 4b: the block in bf16 (issue 33)
 """
 
 from __future__ import annotations
@@ -278,6 +279,16 @@ BLOCK_SHAPES = ((LlamaBlockConfig(), 1024),
                                   intermediate_size=11008), 2048))
 
 
+def time_blocks(layer, rot, x, blk, dx, dout):
+    """(the layer's output function, its eager ms, its SDPA ms, our block's ms), 10 calls each."""
+    def hf(attn):
+        with torch.no_grad():
+            return hf_forward(layer, rot, x, attn)
+
+    return (hf, time_torch(lambda: hf("eager"), 10), time_torch(lambda: hf("sdpa"), 10),
+            time_numba(lambda: blk.forward_device(dx, dout), 10))
+
+
 def bench_block(c: LlamaBlockConfig, b: int, t: int) -> dict:
     layer, rot = hf_layer(c, 0)
     sd = {k: v.detach().contiguous() for k, v in layer.state_dict().items()}
@@ -286,13 +297,7 @@ def bench_block(c: LlamaBlockConfig, b: int, t: int) -> dict:
     blk = LlamaBlock(sd, c, b, t)
     dx, dout = cuda.as_cuda_array(x), cuda.as_cuda_array(out)
 
-    def hf(attn):
-        with torch.no_grad():
-            return hf_forward(layer, rot, x, attn)
-
-    t_hf = time_torch(lambda: hf("eager"), 10)
-    t_sdpa = time_torch(lambda: hf("sdpa"), 10)
-    t_ours = time_numba(lambda: blk.forward_device(dx, dout), 10)
+    hf, t_hf, t_sdpa, t_ours = time_blocks(layer, rot, x, blk, dx, dout)
     err = rel(out, hf("eager"))
     err_sdpa = rel(out, hf("sdpa"))
     m, h, f, hd = b * t, c.hidden_size, c.ffn_size, c.head_dim
@@ -326,6 +331,40 @@ def bench_block(c: LlamaBlockConfig, b: int, t: int) -> dict:
         f" err {err:.1e} / {err_sdpa:.1e}  (goal: at most x1.20)")
     for k, v in parts.items():
         say(f"    {k:<14} {v:8.3f} ms")
+    return rec
+
+
+def bench_block_bf16(c: LlamaBlockConfig, b: int, t: int) -> dict:
+    """The block with ``dtype="bfloat16"`` against the transformers layer in bf16 (eager with a mask,
+    and SDPA): times, and the errors of Note [bf16 noise] (``truth``: the layer in fp32 on the same
+    bf16 weights and input)."""
+    import dataclasses
+
+    c = dataclasses.replace(c, dtype="bfloat16")
+    layer, rot = hf_layer(c, 0)
+    layer = layer.bfloat16()
+    sd = {k: v.detach().contiguous() for k, v in layer.state_dict().items()}  # bf16
+    x = torch.randn(b, t, c.hidden_size, device="cuda").bfloat16()
+    out = torch.empty_like(x)
+    blk = LlamaBlock(sd, c, b, t)
+    dx, dout = cuda.as_cuda_array(x.view(torch.int16)), cuda.as_cuda_array(out.view(torch.int16))
+
+    hf, t_hf, t_sdpa, t_ours = time_blocks(layer, rot, x, blk, dx, dout)
+    cuda.synchronize()
+    want = {attn: hf(attn) for attn in ("eager", "sdpa")}
+    with torch.no_grad():
+        truth = hf_forward(layer.float(), rot, x.float(), "eager")
+    layer.bfloat16()
+    rec = {"config": c.__dict__, "batch": b, "seq": t, "ours_ms": t_ours, "transformers_eager_ms": t_hf,
+           "transformers_sdpa_ms": t_sdpa, "ratio_to_transformers_eager": t_ours / t_hf,
+           "ratio_to_transformers_sdpa": t_ours / t_sdpa, "rel_err_ours_vs_fp32": rel(out.float(), truth)}
+    for attn, w in want.items():
+        rec[f"rel_err_vs_transformers_{attn}"] = rel(out.float(), w.float())
+        rec[f"rel_err_transformers_{attn}_vs_fp32"] = rel(w.float(), truth)
+    say(f"  bf16 block H{c.hidden_size} nh{c.n_heads} nkv{c.n_kv_heads} F{c.ffn_size} B{b} T{t}: ours {t_ours:.3f} ms, "
+        f"transformers eager {t_hf:.3f} ms (x{t_ours / t_hf:.2f}), sdpa {t_sdpa:.3f} ms (x{t_ours / t_sdpa:.2f}); "
+        f"err vs fp32 ours {rec['rel_err_ours_vs_fp32']:.2e}, HF eager {rec['rel_err_transformers_eager_vs_fp32']:.2e}, "
+        f"HF sdpa {rec['rel_err_transformers_sdpa_vs_fp32']:.2e}")
     return rec
 
 
@@ -372,7 +411,8 @@ def bench_rmsnorm_backward(shapes=((2048, 4096), (256, 4096)), eps: float = 1e-5
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", nargs="+", choices=("all", "correctness", "gemm", "attention", "block", "rmsnorm"),
+    ap.add_argument("--only", nargs="+", choices=("all", "correctness", "gemm", "attention", "block", "block_bf16",
+                                                        "rmsnorm"),
                     default=["all"], help="run these sections only (e.g. --only gemm block)")
     args = ap.parse_args()
     run = lambda section: "all" in args.only or section in args.only  # noqa: E731
@@ -400,6 +440,10 @@ def main():
     if run("block"):
         say("== 4. whole block, fp32, vs transformers LlamaDecoderLayer (eager and sdpa)")
         RESULTS["block"] = [bench_block(c, 1, t) for c, t in BLOCK_SHAPES]
+        say(f"  ({time.time() - t0:.0f} s)")
+    if run("block_bf16"):
+        say("== 4b. whole block, bf16, vs transformers LlamaDecoderLayer in bf16 (eager and sdpa)")
+        RESULTS["block_bf16"] = [bench_block_bf16(c, 1, t) for c, t in BLOCK_SHAPES]
         say(f"  ({time.time() - t0:.0f} s)")
     if run("rmsnorm"):
         say("== 5. RMSNorm backward, fp32, vs torch.autograd")

@@ -17,7 +17,10 @@ functions whose codegen emits llvmlite ``ir.InlineAsm`` (NVVM passes inline PTX 
   a loop can step it by one add instead of recomputing a 2-D address); ``cp_async_commit()`` and
   ``cp_async_wait(n)`` (``n`` a constant: wait until at most ``n`` committed groups are pending);
 - ``pack_bf16x2(lo, hi) -> uint32``: two fp32 rounded to bf16 (``cvt.rn.bf16x2.f32``), ``lo`` in
-  the low half.
+  the low half;
+- ``bf16_to_f32(bits) -> float32``: the (exact) value of the bf16 bit pattern in the low 16 bits
+  of ``bits`` (uint16/int16 from a bf16 array, or uint32 such as half of a packed pair): a shift and
+  a bit cast, no PTX.
 
 bf16 data are uint16 arrays of bf16 bit patterns (a torch bf16 tensor viewed as int16 works too:
 both are accepted); pairs travel in uint32 registers. ``ldmatrix`` and ``cp.async`` are emitted
@@ -189,9 +192,23 @@ def _make_gpu():
 
         return sig, codegen
 
+    @intrinsic
+    def bf16_to_f32(typingctx, bits):
+        if bits not in _B16 and bits not in (types.uint32, types.int32):
+            return None
+        sig = types.float32(bits)
+
+        def codegen(context, builder, sig, args):
+            v = args[0]
+            if v.type.width > 16:
+                v = builder.trunc(v, ir.IntType(16))
+            return builder.bitcast(builder.shl(builder.zext(v, _I32), ir.Constant(_I32, 16)), _F32)
+
+        return sig, codegen
+
     return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
             "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
-            "pack_bf16x2": pack_bf16x2}
+            "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32}
 
 
 # ---- simulator twins ---------------------------------------------------------------------------
@@ -254,9 +271,12 @@ def _make_sim():
         bits = mma_layout.bf16_bits(np.array([lo, hi], np.float32))
         return np.uint32(mma_layout.pack(bits[0], bits[1]))
 
+    def bf16_to_f32(bits):
+        return mma_layout.bf16_value(np.array([int(bits) & 0xFFFF], np.uint16))[0]
+
     return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
             "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
-            "pack_bf16x2": pack_bf16x2}
+            "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32}
 
 
 _IMPL = _make_sim() if simulating() else _make_gpu()
@@ -268,3 +288,4 @@ cp_async16_at = _IMPL["cp_async16_at"]
 cp_async_commit = _IMPL["cp_async_commit"]
 cp_async_wait = _IMPL["cp_async_wait"]
 pack_bf16x2 = _IMPL["pack_bf16x2"]
+bf16_to_f32 = _IMPL["bf16_to_f32"]

@@ -38,26 +38,34 @@ def make_adamw_kernel():
     return adamw_kernel
 
 
+def step_scalars(op: str, arrays: dict, lr: float, beta1: float, beta2: float, eps: float,
+                 weight_decay: float, step: int) -> tuple:
+    """Check that ``arrays`` (name -> array, ``w`` first) share w's shape and that ``step`` counts
+    from 1; return the kernel's float32 scalars (step size, 1 / sqrt(bias correction 2), beta1,
+    beta2, eps, decay factor)."""
+    w = next(iter(arrays.values()))
+    for name, a in arrays.items():
+        if tuple(a.shape) != tuple(w.shape):
+            raise KernelError(f"{op}: {name} has shape {tuple(a.shape)}, w has {tuple(w.shape)}")
+    if step < 1:
+        raise KernelError(f"{op}: step counts from 1, got {step}")
+    f = np.float32
+    return (f(lr / (1.0 - beta1 ** step)), f(1.0 / math.sqrt(1.0 - beta2 ** step)), f(beta1), f(beta2), f(eps),
+            f(1.0 - lr * weight_decay))
+
+
 def adamw(w, g, m, v, w_out, m_out, v_out, *, lr: float, beta1: float = 0.9, beta2: float = 0.999,
           eps: float = 1e-8, weight_decay: float = 0.0, step: int = 1, stream=0) -> None:
     """Enqueue one AdamW step (``step`` counts from 1) over arrays of one shape."""
     arrays = {"w": w, "g": g, "m": m, "v": v, "w_out": w_out, "m_out": m_out, "v_out": v_out}
     for name, a in arrays.items():
         check_float32(name, a)
-        if tuple(a.shape) != tuple(w.shape):
-            raise KernelError(f"adamw: {name} has shape {tuple(a.shape)}, w has {tuple(w.shape)}")
-    if step < 1:
-        raise KernelError(f"adamw: step counts from 1, got {step}")
+    scalars = step_scalars("adamw", arrays, lr, beta1, beta2, eps, weight_decay, step)
     n = int(np.prod(w.shape))
     if n == 0:
         return
-    step_size = lr / (1.0 - beta1 ** step)
-    inv_bc2_sqrt = 1.0 / math.sqrt(1.0 - beta2 ** step)
     blocks, threads = elementwise_grid(n)
-    f = np.float32
-    make_adamw_kernel()[blocks, threads, stream](
-        *(flat(a) for a in arrays.values()), f(step_size), f(inv_bc2_sqrt), f(beta1), f(beta2), f(eps),
-        f(1.0 - lr * weight_decay))
+    make_adamw_kernel()[blocks, threads, stream](*(flat(a) for a in arrays.values()), *scalars)
 
 
 def validate(shapes=((7,), (3, 33)), rtol: float = 1e-5, seed: int = 0) -> list[dict]:

@@ -7,6 +7,12 @@
 ``llama_block_forward(x, weights, config)`` is the one-call API; ``LlamaBlock`` keeps the device
 weights and the activation buffers of one (batch, seq) so that repeated calls (the benchmark)
 allocate nothing.
+
+``config.dtype`` picks the path: "float32" (the CUDA-core kernels, unchanged) or "bfloat16":
+bf16 weights and activations (uint16 bit patterns on the device), the GEMMs on the tensor cores
+(:mod:`.gemm_bf16`, fp32 accumulation, one rounding per output), RMSNorm's sum of squares, RoPE,
+SwiGLU and the residual adds in fp32 rounded once per op where ``transformers`` rounds
+(:mod:`.bf16`), attention with fp32 scores, softmax and accumulation and a bf16 output.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from numba import cuda
 
 from vmstoolkit.errors import KernelError
 
+from . import bf16 as B
 from ._util import check_float32, is_device_array, to_device
 from .attention import attention, workspace_for
 from .gemm import gemm
+from .gemm_bf16 import gemm_bf16
 from .residual import residual_add
 from .rmsnorm import rmsnorm
 from .rope import rope
@@ -34,6 +42,22 @@ _SHORT_NAMES = {
     "ffn_size": "intermediate_size",
     "rms_eps": "rms_norm_eps",
 }
+
+# dtype spellings -> the canonical name kept in LlamaBlockConfig.dtype
+_DTYPES = {"float32": "float32", "fp32": "float32", "torch.float32": "float32",
+           "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16"}
+
+
+def canonical_dtype(dtype) -> str:
+    """"float32" or "bfloat16" from any spelling of them (a string, ``np.float32``, ``torch.bfloat16``),
+    or a ValueError naming the value."""
+    try:
+        name = str(np.dtype(dtype)) if not isinstance(dtype, str) and "torch" not in str(dtype) else str(dtype)
+    except TypeError:
+        name = str(dtype)
+    if name not in _DTYPES:
+        raise KernelError(f"LlamaBlockConfig.dtype={dtype!r}: the block computes in float32 or bfloat16")
+    return _DTYPES[name]
 
 
 @dataclass(frozen=True, init=False)
@@ -54,10 +78,11 @@ class LlamaBlockConfig:
     intermediate_size: int = 5632  # SwiGLU inner width F (TinyLlama: 2.75 x 2048)
     rms_norm_eps: float = 1e-6  # HF LlamaConfig.rms_norm_eps default
     rope_theta: float = 10000.0  # HF LlamaConfig.rope_theta default
+    dtype: str = "float32"  # weights and activations: "float32" or "bfloat16" (module docstring)
 
     def __init__(self, hidden_size: int = 2048, num_attention_heads: int = 16,
                  num_key_value_heads: int | None = None, intermediate_size: int = 5632,
-                 rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0, **short):
+                 rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0, dtype="float32", **short):
         unknown = sorted(set(short) - set(_SHORT_NAMES))
         if unknown:
             raise TypeError(f"LlamaBlockConfig got unexpected keyword arguments {unknown}")
@@ -72,11 +97,14 @@ class LlamaBlockConfig:
         for name, value in given.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "rope_theta", rope_theta)
+        object.__setattr__(self, "dtype", canonical_dtype(dtype))
 
     @classmethod
-    def from_hf(cls, config) -> "LlamaBlockConfig":
+    def from_hf(cls, config, dtype="float32") -> "LlamaBlockConfig":
         """From any object with ``transformers.LlamaConfig``'s attributes (a ``LlamaConfig``, a
-        ``SimpleNamespace``...). Raises ValueError for what the kernels do not compute: RoPE
+        ``SimpleNamespace``...), computing in ``dtype`` (given, never read from the config's
+        ``torch_dtype``: a checkpoint stored in bf16 still runs the fp32 path unless asked).
+        Raises ValueError for what the kernels do not compute: RoPE
         scaling, an activation other than SiLU, biases, or a ``head_dim`` that is not
         ``hidden_size // num_attention_heads``."""
         missing = [n for n in ("hidden_size", "num_attention_heads", "intermediate_size")
@@ -105,6 +133,7 @@ class LlamaBlockConfig:
             intermediate_size=int(config.intermediate_size),
             rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
+            dtype=dtype,
         )
         hd = getattr(config, "head_dim", None)
         if hd is not None and hd != out.head_dim:
@@ -180,8 +209,40 @@ def _device_float32(name: str, a, stream):
     return cuda.to_device(np.ascontiguousarray(h), stream=stream)
 
 
+def _torch_bf16_bits(a):
+    """A torch bf16 tensor as the same memory viewed as int16 (numba and numpy know no bf16); any
+    other object unchanged."""
+    if type(a).__module__.startswith("torch") and str(getattr(a, "dtype", "")) == "torch.bfloat16":
+        import torch
+
+        return a.view(torch.int16)
+    return a
+
+
+def _device_bf16(name: str, a, stream):
+    """``a`` as a uint16 device array of bf16 bits: bf16 given as uint16/int16 (numpy, device, or a
+    torch bf16 tensor) is taken as is; float32 is rounded to nearest even once (on the host, or on
+    the device by :func:`.bf16.narrow`), as ``module.to(torch.bfloat16)`` does; anything else is a
+    ValueError naming ``name`` and the dtype."""
+    a = _torch_bf16_bits(a)
+    if is_device_array(a):
+        d = to_device(a, stream)
+        if B.is_bf16(d):
+            return B.as_u16(d)
+        check_float32(f"{name} (bf16 bits or float32)", d)
+        out = cuda.device_array(tuple(d.shape), dtype=np.uint16, stream=stream)
+        B.narrow(d, out, stream)
+        return out
+    h = np.asarray(a)
+    if B.is_bf16(h):
+        return cuda.to_device(np.ascontiguousarray(B.as_u16(h)), stream=stream)
+    check_float32(f"{name} (bf16 bits or float32)", h)
+    return cuda.to_device(B.to_bits(h), stream=stream)
+
+
 def load_weights(weights: dict, config: LlamaBlockConfig, stream=0) -> dict:
-    """Check names, shapes and dtypes of a HF-style state dict; return device arrays."""
+    """Check names, shapes and dtypes of a HF-style state dict; return device arrays (float32, or
+    uint16 bf16 bits for ``config.dtype == "bfloat16"``)."""
     config.check()
     shapes = config.weight_shapes()
     missing = sorted(set(shapes) - set(weights))
@@ -190,12 +251,13 @@ def load_weights(weights: dict, config: LlamaBlockConfig, stream=0) -> dict:
     )
     if missing or unexpected:
         raise KernelError(f"weights: missing {missing}, unexpected {unexpected}")
+    device = _device_bf16 if config.dtype == "bfloat16" else _device_float32
     out = {}
     for name, shape in shapes.items():
         got = tuple(weights[name].shape)
         if got != shape:
             raise KernelError(f"weights[{name!r}] has shape {got}, expected {shape} for {config}")
-        out[name] = _device_float32(f"weights[{name!r}]", weights[name], stream)
+        out[name] = device(f"weights[{name!r}]", weights[name], stream)
     return out
 
 
@@ -203,8 +265,11 @@ class LlamaBlock:
     """Device weights plus the activation buffers of one (batch, seq); ``forward_device``
     enqueues the 14 kernel launches on a stream and allocates nothing.
 
-    Activation memory: 5 (M, H) + 2 (M, nkv*hd) + 2 (M, F) float32 buffers, M = batch * seq,
-    and the attention's split-KV workspace when it splits at this shape (few blocks: small M).
+    Activation memory: 5 (M, H) + 2 (M, nkv*hd) + 2 (M, F) buffers of ``config.dtype``, M =
+    batch * seq, and the attention's split-KV workspace when it splits at this shape (few
+    blocks: small M). In bf16 also the attention's float32 operands, (M, 2 nh*hd + 2 nkv*hd):
+    its q, k, v are widened (exactly) into them and its output rounded back, until the bf16
+    flash kernel takes their place.
     """
 
     def __init__(self, weights: dict, config: LlamaBlockConfig, batch: int, seq: int, stream=0):
@@ -214,9 +279,11 @@ class LlamaBlock:
         c = config
         m, h, f, hd = batch * seq, c.hidden_size, c.ffn_size, c.head_dim
         nq, nkv = c.n_heads * hd, c.n_kv_heads * hd
+        self.bf16 = c.dtype == "bfloat16"
+        dt = np.uint16 if self.bf16 else np.float32
 
-        def buf(*shape):
-            return cuda.device_array(shape, dtype=np.float32, stream=stream)
+        def buf(*shape, dtype=dt):
+            return cuda.device_array(shape, dtype=dtype, stream=stream)
 
         self.h = buf(m, h)  # (M, H) normed input, reused for the second norm
         self.q = buf(m, nq)  # (M, nh*hd)
@@ -227,70 +294,139 @@ class LlamaBlock:
         self.x2 = buf(m, h)  # (M, H) residual stream after attention
         self.g = buf(m, f)  # (M, F) gate, then silu(gate) * up
         self.u = buf(m, f)  # (M, F) up
+        if self.bf16:  # the attention's float32 operands (class docstring)
+            self.q32, self.a32 = buf(m, nq, dtype=np.float32), buf(m, nq, dtype=np.float32)
+            self.k32, self.v32 = buf(m, nkv, dtype=np.float32), buf(m, nkv, dtype=np.float32)
         # split-KV partial outputs, when the attention launch splits at this shape
         self.att_ws = workspace_for(batch, seq, c.n_heads, c.n_kv_heads, hd, stream) if m else None
 
     def forward_device(self, x, out, stream=0) -> None:
-        """Enqueue the block on ``stream``: x and out are (B, T, H) float32 device arrays."""
-        c, w = self.config, self.w
-        b, t, hd = self.batch, self.seq, c.head_dim
-        m = b * t
+        """Enqueue the block on ``stream``: x and out are (B, T, H) device arrays of the config's
+        dtype (bf16: uint16 or int16 bits)."""
+        c = self.config
+        b, t = self.batch, self.seq
         expect = (b, t, c.hidden_size)
         if tuple(x.shape) != expect or tuple(out.shape) != expect:
             raise KernelError(
                 f"block input {tuple(x.shape)} / output {tuple(out.shape)}: expected {expect}"
             )
+        if self.bf16:
+            B.check_bf16("block input", x)
+            B.check_bf16("block output", out)
+            self._forward(B.as_u16(x), B.as_u16(out), stream)
+        else:
+            check_float32("block input", x)
+            check_float32("block output", out)
+            self._forward(x, out, stream)
+
+    def _views(self):
+        c, b, t, hd = self.config, self.batch, self.seq, self.config.head_dim
+        return (self.q.reshape(b, t, c.n_heads, hd),  # (B, T, nh, hd)
+                self.k.reshape(b, t, c.n_kv_heads, hd),  # (B, T, nkv, hd)
+                self.v.reshape(b, t, c.n_kv_heads, hd),  # (B, T, nkv, hd)
+                self.a.reshape(b, t, c.n_heads, hd))  # (B, T, nh, hd)
+
+    def _ops(self):
+        """(rmsnorm, gemm, rope, attention, residual_add, swiglu) of the config's dtype, each with
+        the fp32 kernels' signature."""
+        if not self.bf16:
+            return (rmsnorm, gemm, rope, lambda q4, k4, v4, a4, stream: attention(
+                q4, k4, v4, a4, stream, workspace=self.att_ws), residual_add, swiglu)
+        return (B.rmsnorm_bf16, gemm_bf16, B.rope_bf16, lambda q4, k4, v4, a4, stream: self._attention_bf16(stream),
+                B.residual_add_bf16, B.swiglu_bf16)
+
+    def _forward(self, x, out, stream) -> None:
+        c, w = self.config, self.w
+        norm, mm, rot, att, add, act = self._ops()
+        m = self.batch * self.seq
         x2d = x.reshape(m, c.hidden_size)  # (M, H)
         out2d = out.reshape(m, c.hidden_size)  # (M, H)
-        q4 = self.q.reshape(b, t, c.n_heads, hd)  # (B, T, nh, hd)
-        k4 = self.k.reshape(b, t, c.n_kv_heads, hd)  # (B, T, nkv, hd)
-        v4 = self.v.reshape(b, t, c.n_kv_heads, hd)  # (B, T, nkv, hd)
-        a4 = self.a.reshape(b, t, c.n_heads, hd)  # (B, T, nh, hd)
+        q4, k4, v4, a4 = self._views()
 
-        rmsnorm(x2d, w["input_layernorm.weight"], self.h, c.rms_eps, stream)  # (M, H)
-        gemm(self.h, w["self_attn.q_proj.weight"], self.q, stream)  # (M, nh*hd)
-        gemm(self.h, w["self_attn.k_proj.weight"], self.k, stream)  # (M, nkv*hd)
-        gemm(self.h, w["self_attn.v_proj.weight"], self.v, stream)  # (M, nkv*hd)
-        rope(q4, q4, c.rope_theta, 0, stream)  # (B, T, nh, hd), in place
-        rope(k4, k4, c.rope_theta, 0, stream)  # (B, T, nkv, hd), in place
-        attention(q4, k4, v4, a4, stream, workspace=self.att_ws)  # (B, T, nh, hd)
-        gemm(self.a, w["self_attn.o_proj.weight"], self.t, stream)  # (M, H)
-        residual_add(x2d, self.t, self.x2, stream)  # (M, H)
-        rmsnorm(self.x2, w["post_attention_layernorm.weight"], self.h, c.rms_eps, stream)
-        gemm(self.h, w["mlp.gate_proj.weight"], self.g, stream)  # (M, F)
-        gemm(self.h, w["mlp.up_proj.weight"], self.u, stream)  # (M, F)
-        swiglu(self.g, self.u, self.g, stream)  # (M, F), in place
-        gemm(self.g, w["mlp.down_proj.weight"], self.t, stream)  # (M, H)
-        residual_add(self.x2, self.t, out2d, stream)  # (M, H)
+        norm(x2d, w["input_layernorm.weight"], self.h, c.rms_eps, stream)  # (M, H)
+        mm(self.h, w["self_attn.q_proj.weight"], self.q, stream)  # (M, nh*hd)
+        mm(self.h, w["self_attn.k_proj.weight"], self.k, stream)  # (M, nkv*hd)
+        mm(self.h, w["self_attn.v_proj.weight"], self.v, stream)  # (M, nkv*hd)
+        rot(q4, q4, c.rope_theta, 0, stream)  # (B, T, nh, hd), in place
+        rot(k4, k4, c.rope_theta, 0, stream)  # (B, T, nkv, hd), in place
+        att(q4, k4, v4, a4, stream)  # (B, T, nh, hd)
+        mm(self.a, w["self_attn.o_proj.weight"], self.t, stream)  # (M, H)
+        add(x2d, self.t, self.x2, stream)  # (M, H)
+        norm(self.x2, w["post_attention_layernorm.weight"], self.h, c.rms_eps, stream)
+        mm(self.h, w["mlp.gate_proj.weight"], self.g, stream)  # (M, F)
+        mm(self.h, w["mlp.up_proj.weight"], self.u, stream)  # (M, F)
+        act(self.g, self.u, self.g, stream)  # (M, F), in place
+        mm(self.g, w["mlp.down_proj.weight"], self.t, stream)  # (M, H)
+        add(self.x2, self.t, out2d, stream)  # (M, H)
+
+    def _attention_bf16(self, stream) -> None:
+        """a = attention(q, k, v), bf16 in and out: widened exactly to fp32, the fp32 kernel, one
+        rounding of the output."""
+        c, b, t, hd = self.config, self.batch, self.seq, self.config.head_dim
+        for src, dst in ((self.q, self.q32), (self.k, self.k32), (self.v, self.v32)):
+            B.widen(src, dst, stream)
+        attention(self.q32.reshape(b, t, c.n_heads, hd), self.k32.reshape(b, t, c.n_kv_heads, hd),
+                  self.v32.reshape(b, t, c.n_kv_heads, hd), self.a32.reshape(b, t, c.n_heads, hd), stream,
+                  workspace=self.att_ws)  # (B, T, nh, hd)
+        B.narrow(self.a32, self.a, stream)
+
+
+def _input(x, config: LlamaBlockConfig, stream):
+    """(device array of x, shape, how to hand the output back)."""
+    bf16 = config.dtype == "bfloat16"
+    if bf16:
+        x = _torch_bf16_bits(x)
+    if is_device_array(x):
+        d_x = to_device(x, stream)
+        if bf16 and not B.is_bf16(d_x):
+            check_float32("x (bf16 bits or float32)", d_x)
+            raise KernelError(f"x is a float32 device array but config.dtype='bfloat16': give its bf16 "
+                              f"bits (uint16/int16, or a torch bf16 tensor), shape {tuple(d_x.shape)}")
+        if not bf16:
+            check_float32("x", d_x)
+        return d_x, tuple(d_x.shape), "device"
+    h = np.asarray(x)
+    if not bf16:
+        check_float32("x", h)
+        return h, tuple(h.shape), "host"
+    if B.is_bf16(h):
+        return B.as_u16(h), tuple(h.shape), "bits-" + np.dtype(h.dtype).name
+    check_float32("x (bf16 bits or float32)", h)
+    return B.to_bits(h), tuple(h.shape), "values"
 
 
 def llama_block_forward(x, weights: dict, config: LlamaBlockConfig, stream=0):
     """One LLaMA decoder block, positions 0..seq-1, causal mask.
 
-    ``x``: (batch, seq, hidden) float32, numpy or device array. ``weights``: a HF
-    ``LlamaDecoderLayer.state_dict()`` (numpy arrays, CPU or CUDA torch tensors, or device
-    arrays). Returns (batch, seq, hidden) float32 in the same form as ``x`` (numpy in, numpy out).
+    ``x``: (batch, seq, hidden), numpy or device array. ``weights``: a HF
+    ``LlamaDecoderLayer.state_dict()`` (numpy arrays, CPU or CUDA torch tensors, or device arrays).
+
+    float32 config: x float32; returns float32 (batch, seq, hidden) in the form of ``x``
+    (numpy in, numpy out; device in, device out).
+
+    bfloat16 config: x as bf16 bits (uint16/int16 numpy or device arrays, or a torch bf16
+    tensor), or float32 numpy values rounded to bf16 first; weights likewise (float32 ones
+    rounded once). Returns bf16 bits for bits (numpy of x's dtype; a uint16 device array for a
+    device or torch input), the float32 values of the bf16 output for float32 numpy input.
     """
     config.check()
-    on_device = is_device_array(x)
-    if on_device:
-        d_x = to_device(x, stream)
-    else:
-        x = np.asarray(x)
-    check_float32("x", d_x if on_device else x)
-    shape = tuple(x.shape)
+    h, shape, form = _input(x, config, stream)
     if len(shape) != 3 or shape[2] != config.hidden_size:
         raise KernelError(f"x has shape {shape}, expected (batch, seq, {config.hidden_size})")
-    if not on_device:
-        d_x = cuda.to_device(np.ascontiguousarray(x), stream=stream)
+    d_x = h if form == "device" else cuda.to_device(np.ascontiguousarray(h), stream=stream)
     b, t, _ = shape
     block = LlamaBlock(weights, config, b, t, stream)
-    d_out = cuda.device_array(shape, dtype=np.float32, stream=stream)  # (B, T, H)
+    dt = np.uint16 if config.dtype == "bfloat16" else np.float32
+    d_out = cuda.device_array(shape, dtype=dt, stream=stream)  # (B, T, H)
     if b * t:
-        block.forward_device(d_x, d_out, stream)
-    if on_device:
+        block.forward_device(B.as_u16(d_x) if block.bf16 else d_x, d_out, stream)
+    if form == "device":
         return d_out
     out = d_out.copy_to_host(stream=stream)  # (B, T, H)
     if stream != 0:
         stream.synchronize()
+    if form == "values":
+        return B.values(out)
+    if form.startswith("bits-"):
+        return out.view(np.dtype(form[5:]))
     return out

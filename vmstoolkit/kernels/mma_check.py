@@ -2,7 +2,7 @@
 layouts (:mod:`.mma_layout`) and numpy: :func:`validate` runs them all and raises on a mismatch.
 
 On a GPU this proves the inline-PTX route (``mma.sync``, ``ldmatrix`` with and without ``.trans``,
-``cp.async`` with zero fill, ``cvt.rn.bf16x2``); under the simulator the same kernels run the
+``cp.async`` with zero fill, ``cvt.rn.bf16x2``, the bf16 widening); under the simulator the same kernels run the
 intrinsics' twins, so the check there is of the twins and of the kernels' indexing.
 
 Cost: four one-warp launches and O(32 x 16 x 16) numpy per check.
@@ -14,7 +14,8 @@ import numpy as np
 from numba import cuda, uint16, uint32
 
 from . import mma_layout as L
-from ._mma import cp_async16, cp_async_commit, cp_async_wait, ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, pack_bf16x2
+from ._mma import (bf16_to_f32, cp_async16, cp_async_commit, cp_async_wait, ldmatrix_x4, ldmatrix_x4_trans, mma_bf16,
+                   pack_bf16x2)
 
 LD_WORDS = 512  # the ldmatrix probe's shared array (uint16 elements)
 
@@ -86,6 +87,17 @@ def _pack_probe(x, out):
         out[i] = pack_bf16x2(x[2 * i], x[2 * i + 1])
 
 
+@cuda.jit
+def _unpack_probe(bits, packed, out, out_lo, out_hi):
+    """bf16_to_f32 of uint16 (or int16) elements, and of both halves of uint32 pairs."""
+    i = cuda.threadIdx.x
+    if i < bits.shape[0]:
+        out[i] = bf16_to_f32(bits[i])
+    if i < packed.shape[0]:
+        out_lo[i] = bf16_to_f32(packed[i])
+        out_hi[i] = bf16_to_f32(packed[i] >> 16)
+
+
 def _small_ints(rng, shape):
     """bf16 bits of small integers: every product and sum of an m16n8k16 is exact in fp32."""
     return L.bf16_bits(rng.integers(-8, 9, size=shape).astype(np.float32))
@@ -153,6 +165,22 @@ def check_pack(rng) -> dict:
     if not np.array_equal(got, want):
         raise AssertionError(f"pack_bf16x2: {int(np.sum(got != want))} of 32 pairs differ from round-to-nearest-even")
     return {"check": "pack"}
+
+
+def check_unpack(rng) -> dict:
+    """``bf16_to_f32`` (the bf16 path's widening, :mod:`.bf16`) on uint16, int16 and packed pairs;
+    apart from :func:`validate`, whose list of checks callers compare."""
+    bits = rng.integers(0, 1 << 16, size=32, dtype=np.uint16)
+    bits[(bits & 0x7F80) == 0x7F80] &= 0xBFFF  # no NaN or inf: compare values with ==
+    packed = L.pack(bits[:16], bits[16:])
+    outs = [cuda.device_array(n, np.float32) for n in (32, 16, 16)]
+    for b in (bits, bits.view(np.int16)):
+        _unpack_probe[1, 32](cuda.to_device(b), cuda.to_device(packed), *outs)
+        got, lo, hi = (o.copy_to_host() for o in outs)
+        want = L.bf16_value(bits)
+        if not (np.array_equal(got, want) and np.array_equal(lo, want[:16]) and np.array_equal(hi, want[16:])):
+            raise AssertionError(f"bf16_to_f32 ({b.dtype}): {int(np.sum(got != want))} of 32 values differ")
+    return {"check": "unpack"}
 
 
 def validate(seed: int = 0) -> list[dict]:
