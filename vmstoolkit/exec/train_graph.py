@@ -337,16 +337,28 @@ def lm_loss(tg: TrainGraph, outputs: dict[int, np.ndarray]) -> float:
     return float(np.sum(outputs[tg.loss_rows], dtype=np.float64))
 
 
-def random_train_values(tg: TrainGraph, seed: int = 0, lora_b_scale: float = 0.1) -> dict[int, np.ndarray]:
+def random_train_values(tg: TrainGraph, seed: int = 0, lora_b_scale: float = 0.1,
+                        threads: int | None = None) -> dict[int, np.ndarray]:
     """Host values of every weight and input: projections ~ N(0, 1/in), norms near 1, LoRA A
     ~ N(0, 1/in) and B ~ N(0, lora_b_scale^2 / r) (non-zero, so that A gets a gradient too;
-    real LoRA starts B at 0), Adam moments at zero, x and dout ~ N(0, 1)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for t in tg.graph.tensors:
-        if t.kind is TensorKind.ACTIVATION:
-            continue
+    real LoRA starts B at 0), Adam moments at zero, x and dout ~ N(0, 1), ``labels`` (loss
+    ``"lm"``) uniform token ids shifted as :func:`lm_labels`.
+
+    Each tensor draws from its own generator (``SeedSequence(seed)`` spawned once per tensor, in
+    tensor order), so the values depend on ``seed`` alone, not on ``threads``: the tensors are
+    drawn by ``threads`` worker threads (default: every CPU; numpy releases the GIL while it
+    fills an array). Drawing was the H200 host's largest cost after JIT (41 s for the 13 GB of
+    Mistral-7B-wide base weights, one thread: ``experiments/results/untuned-shapes/h200-run1``);
+    the CPU time is the same, the wall time divided by the cores."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = [t for t in tg.graph.tensors if t.kind is not TensorKind.ACTIVATION]
+    seeds = np.random.SeedSequence(seed).spawn(len(todo))
+
+    def draw(t, ss) -> np.ndarray:
         dt = np.dtype(t.dtype)
+        rng = np.random.default_rng(ss)
         # Drawn in the tensor's own dtype when numpy can (float32: 6x faster than drawing float64
         # and converting, which took minutes for LLaMA-7B-wide weights on the H200's host).
         draw_dt = dt if dt in (np.float32, np.float64) else np.float64
@@ -372,8 +384,15 @@ def random_train_values(tg: TrainGraph, seed: int = 0, lora_b_scale: float = 0.1
             a = normal(lora_b_scale / np.sqrt(t.shape[1]))
         else:
             a = normal(1.0 / np.sqrt(t.shape[1]))
-        out[t.id] = a.astype(dt, copy=False)
-    return out
+        return a.astype(dt, copy=False)
+
+    n = threads or os.cpu_count() or 1
+    if n <= 1:
+        arrays = [draw(t, ss) for t, ss in zip(todo, seeds)]
+    else:
+        with ThreadPoolExecutor(n) as pool:
+            arrays = list(pool.map(draw, todo, seeds))
+    return {t.id: a for t, a in zip(todo, arrays)}
 
 
 def gradient_sources(tg: TrainGraph) -> list[int]:
