@@ -125,6 +125,7 @@ class _Cuda:
         self.timeline = False  # CUDA events around every vertex (run_train_experiment's schedule_dir)
         self.last = None  # (memory graph, seconds, spans) of the last step, with timeline
         self.last_loss = None  # the last step's loss (loss="lm" graphs)
+        self.staging_limit = None  # the pool's bound (the host plans' largest staging), set before the first run
 
     def close(self) -> None:
         if self.pool is not None:
@@ -134,7 +135,7 @@ class _Cuda:
         from vmstoolkit.exec.backends.cuda import direct_forward
         from vmstoolkit.exec.backends.host_memory import PinnedPool
 
-        self.pool = self.pool or PinnedPool()
+        self.pool = self.pool or PinnedPool(limit_bytes=self.staging_limit)
         # register, not in place: a step's values are a new dict, so replacing its entries would pin the
         # bucket's weights again every step; registered, they are pinned once
         be = make_backend(BackendKind.cuda, values=values, pin="register", pool=self.pool, timeline=self.timeline)

@@ -73,7 +73,8 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
                  budgets=("1.0",), backend: str = "sim", n_gpus: int = 1, host_budget: int | None = -1,
                  executor: str = "event-driven", numerics: bool | None = None, logits: str = "last",
                  seed: int = 0, jitter: float = 0.0, stages: Stages | None = None,
-                 too_small_rows: bool = True, pool=None, warmup: bool | None = None) -> Iterator[dict]:
+                 too_small_rows: bool = True, pool=None, warmup: bool | None = None,
+                 bound_pool: bool = False) -> Iterator[dict]:
     """Rows of a greedy generation (module docstring), one per budget in ``budgets`` (sizes or
     fractions of the working set, :class:`~vmstoolkit.exec.experiment.BudgetSpec` text).
 
@@ -85,7 +86,9 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
     :class:`~vmstoolkit.exec.errors.BudgetTooSmallError`). ``pool``: the
     :class:`~vmstoolkit.exec.backends.host_memory.PinnedPool` of the cuda runs (default: one made
     here for all the budgets, weights pinned once, closed at the end). ``warmup``: on cuda, one
-    untimed run first, which JIT-compiles the kernels (default: on cuda)."""
+    untimed run first, which JIT-compiles the kernels (default: on cuda). ``bound_pool``: give
+    ``pool`` the plans' largest pinned staging as its hard bound (``limit_bytes``) once every
+    budget is planned (the pool made here always is)."""
     stages = stages or Stages()
     kind = backend_kind(backend)
     backend, real = kind.value, kind.real
@@ -95,11 +98,11 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
     if real and pool is None:
         from vmstoolkit.exec.backends.host_memory import PinnedPool
 
-        with PinnedPool() as own:  # weights pinned once for every budget, slots too
+        with PinnedPool() as own:  # weights pinned once for every budget, slots too; bounded by the plans
             yield from run_generate(model, prompt_ids=prompt_ids, prompt_len=prompt_len, new_tokens=new_tokens, budgets=specs, backend=backend,
                                     n_gpus=n_gpus, host_budget=host_budget, executor=executor, numerics=numerics,
                                     logits=logits, seed=seed, jitter=jitter, stages=stages,
-                                    too_small_rows=too_small_rows, pool=own, warmup=warmup)
+                                    too_small_rows=too_small_rows, pool=own, warmup=warmup, bound_pool=True)
         return
     with stages.stage("loading the checkpoint"):
         ckpt = model if isinstance(model, Checkpoint) else load_model(model)
@@ -132,16 +135,18 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
             except BudgetTooSmallError as e:
                 if not too_small_rows:
                     raise
-                planned.append(({**row, "error": str(e)}, None))
+                planned.append(({**row, "error": str(e)}, None, 0))
                 continue
         plan = host_plan(mg, mapped=mapped, pinned_copies=real, sim_numerics=not real and numerics,
-                         materialized=numerics)
+                         materialized=numerics, pin="in_place" if real else None)
         check_host_budget(plan, hb)
         row.update(plan.as_row(), host_budget=hb, compile_s=stages.times[f"planning at {spec.text}"],
                    vertices=len(mg.vertices), peak_bytes=max(mg.peak_bytes), offloaded_bytes=mg.offloaded_bytes,
                    reloaded_bytes=mg.reloaded_bytes, moved_bytes=mg.offloaded_bytes + mg.reloaded_bytes)
-        planned.append((row, mg))
-    for row, mg in planned:
+        planned.append((row, mg, plan.staging))
+    if bound_pool and pool is not None:
+        pool.limit_bytes = max((p[2] for p in planned if p[1] is not None), default=0)
+    for row, mg, _ in planned:
         if mg is None:
             yield row
             continue

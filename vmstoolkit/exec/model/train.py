@@ -197,11 +197,13 @@ def run_train(model, *, variant: str = "lora", budgets=("0.5",), seq: int = 2048
                     planned.append((spec, budget, None, None, str(e)))
                     continue
             plan = Plan(seq, tg, mg, time.perf_counter() - t0)
-            hp = host_plan(mg, mapped=mapped, pinned_copies=real,
+            hp = host_plan(mg, mapped=mapped, pinned_copies=real, pin="register" if real else None,
                            sim_numerics=not real and check_grads,
                            reference=real and check_grads, materialized=runner.needs_values)
             check_host_budget(hp, hb, labels=TRAIN_LABELS)
             planned.append((spec, budget, plan, hp, None))
+        # pinned staging is bounded by the plans: the runner's one pool serves every budget
+        runner.staging_limit = max((p[3].staging for p in planned if p[3] is not None), default=0)
         for spec, budget, plan, hp, error in planned:
             if error is not None:
                 yield from ({"budget": budget, "budget_spec": str(spec), "executor": ex, "variant": variant,
