@@ -23,7 +23,9 @@ by side. Baselines run in their own processes (a fresh CUDA context and host RSS
 
 The loss of the training baselines is ours: ``sum(blocks(embed(ids)) * dout)`` with the ids and
 ``dout`` that ``vmstoolkit.exec.model.train`` draws from the seed, the embedding, final norm and
-head frozen; AdamW with our hyper-parameters.
+head frozen; AdamW with our hyper-parameters. Our rows run that loss too (``run_train(loss="dot")``;
+``vmstoolkit run train`` itself runs the causal-LM loss, whose head and cross-entropy add a
+(seq, vocab) GEMM pair and logits the baselines do not have).
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def ours_train(a, out) -> dict[str, int]:
     budgets, first = {}, None
     for r in run_train(a.model, variant=a.variant, budgets=[str(f) for f in a.fractions], seq=a.seq, steps=a.steps,
                        rank=a.rank, backend="sim" if a.dry_run else "cuda", executors=("event-driven", "fixed-order"),
-                       seed=a.seed, stages=Stages(True)):
+                       seed=a.seed, stages=Stages(True), loss="dot"):  # the baselines' loss (module docstring)
         first = first or time.perf_counter() - t0
         emit(out, {"kind": "ours", "time_to_first_row_s": first, "rss_bytes": rss(), **r})
         budgets[r["budget_spec"]] = r["budget"]

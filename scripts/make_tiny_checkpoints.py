@@ -25,7 +25,14 @@ the gradients of ``sum(blocks(x) * dout)`` by torch.autograd (``grad.full.<name>
 ``grad.lora.<name>``, names as in ``vmstoolkit.exec.train_graph``) with the LoRA adapters used
 (``lora.<name>``, rank ``LORA_RANK``).
 
+Beside it, ``fixture_lm.npz`` (:func:`lm_grads`): the causal-LM loss transformers computes
+(``model(ids, labels=ids).loss``) without adapters (``loss.full``) and with the LoRA adapters of
+``fixture.npz`` (``loss.lora``), and its gradients by torch.autograd (``grad.full.<name>``,
+``grad.lora.<name>``). ``--lm-only`` writes just these files, from the shipped checkpoints and
+adapters (the checkpoints and ``fixture.npz`` stay byte for byte as they are).
+
     /work/venv-torch/bin/python scripts/make_tiny_checkpoints.py [OUT_DIR]
+    /work/venv-torch/bin/python scripts/make_tiny_checkpoints.py --lm-only [OUT_DIR]
 """
 
 from __future__ import annotations
@@ -143,6 +150,63 @@ def train_grads(model, ids, seed):
     return out
 
 
+def lm_grads(model, ids, adapters: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The causal-LM loss ``model(ids, labels=ids).loss`` and its gradients by torch.autograd:
+    every block parameter's without adapters (``full``), and the adapters' with
+    ``y = x W^T + (x A^T) B^T`` on the seven projections, base frozen (``lora``); ``adapters``:
+    ``b{i}.{proj}.lora_a`` / ``.lora_b`` -> array."""
+    ids_t = torch.tensor([ids])
+    layers = model.model.layers
+    out = {}
+    model.zero_grad()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    loss = model(input_ids=ids_t, labels=ids_t).loss
+    loss.backward()
+    out["loss.full"] = np.array(loss.item())
+    for i, layer in enumerate(layers):
+        for short, mod in {**PROJ, **NORMS}.items():
+            out[f"grad.full.b{i}.{short}"] = layer.get_submodule(mod).weight.grad.numpy().copy()
+    model.zero_grad()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    hooks, params = [], {}
+    for i, layer in enumerate(layers):
+        for short, mod in PROJ.items():
+            a = torch.tensor(adapters[f"b{i}.{short}.lora_a"]).requires_grad_(True)
+            b = torch.tensor(adapters[f"b{i}.{short}.lora_b"]).requires_grad_(True)
+            params[f"b{i}.{short}"] = (a, b)
+            hooks.append(layer.get_submodule(mod).register_forward_hook(
+                lambda m, inp, o, a=a, b=b: o + (inp[0] @ a.T) @ b.T))
+    loss = model(input_ids=ids_t, labels=ids_t).loss
+    loss.backward()
+    out["loss.lora"] = np.array(loss.item())
+    for name, (a, b) in params.items():
+        out[f"grad.lora.{name}.lora_a"] = a.grad.numpy().copy()
+        out[f"grad.lora.{name}.lora_b"] = b.grad.numpy().copy()
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def write_lm_fixture(d: Path, model, ids, fx: dict) -> None:
+    adapters = {k[len("lora."):]: v for k, v in fx.items() if k.startswith("lora.")}
+    np.savez_compressed(d / "fixture_lm.npz", **lm_grads(model, ids, adapters))
+
+
+def lm_only(out_dir: Path) -> None:
+    """``fixture_lm.npz`` of every shipped checkpoint in ``TRAIN``, from its files and adapters."""
+    torch.set_grad_enabled(True)
+    for name in TRAIN:
+        d = out_dir / name
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+        with np.load(d / "fixture.npz") as f:
+            fx = {k: f[k] for k in f.files}
+        write_lm_fixture(d, model, fx["prompt_ids"].tolist(), fx)
+        with np.load(d / "fixture_lm.npz") as f:
+            print(f"{name}: fixture_lm.npz, loss {float(f['loss.full']):.6f} / lora {float(f['loss.lora']):.6f}")
+
+
 def main(out_dir: Path) -> None:
     torch.set_grad_enabled(True)
     manifest = {"transformers": transformers.__version__, "torch": torch.__version__, "device": "cpu",
@@ -167,6 +231,8 @@ def main(out_dir: Path) -> None:
         if name in TRAIN:
             fx.update(train_grads(model, ids, seed))
         np.savez_compressed(d / "fixture.npz", **fx)
+        if name in TRAIN:
+            write_lm_fixture(d, model, ids, fx)
         files = sorted(p.name for p in d.iterdir())
         manifest["checkpoints"][name] = {"files": files, "min_margin": margin, "tokens": toks}
         print(f"{name}: {files}, greedy {toks}, min margin {margin:.3g}")
@@ -174,4 +240,5 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else OUT)
+    args = [a for a in sys.argv[1:] if a != "--lm-only"]
+    (lm_only if "--lm-only" in sys.argv[1:] else main)(Path(args[0]) if args else OUT)

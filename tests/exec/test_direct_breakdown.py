@@ -38,3 +38,12 @@ def test_direct_forward_breakdown_names_every_op_kind_and_keeps_outputs():
     assert best > 0
     for t in plain:
         np.testing.assert_array_equal(out[t], plain[t])
+
+
+def test_direct_forward_says_where_its_host_time_went_and_can_read_nothing_back():
+    g = random_graph(seed=3, n=8)
+    timings: dict[str, float] = {}
+    out, best = direct_forward(g, random_weights(g, seed=0), repeats=1, outputs=[], timings=timings)
+    assert out == {} and best > 0
+    assert set(timings) == {"upload_s", "warmup_s", "passes_s", "readback_s"}
+    assert all(t >= 0 for t in timings.values()) and timings["passes_s"] >= best

@@ -87,3 +87,55 @@ def test_13b_width_full_fine_tuning_is_refused_on_a_128_gib_host():
     cfg = LlamaConfig(n_blocks=12, seq=1536, hidden=5120, heads=40, kv_heads=8, ffn=13824)
     with pytest.raises(HostBudgetError, match=r"needs 1[0-9]{2}\.\d\d GiB of host memory .* 115.00 GiB available"):
         check_train_host_memory(cfg, "full", [20 << 30], 115 << 30)
+
+
+@pytest.mark.parametrize("pin", ["in_place", "register", "copy"])
+def test_the_plans_staging_bounds_the_pinned_pool_on_fake_host_memory(pin):
+    """The pool given the plan's ``staging`` as its hard bound places every slot a backend
+    needs, on FakeHostMemory; one byte less is refused in one line before the driver is asked."""
+    import numpy as np
+
+    from tests.exec.helpers import FakeHostMemory
+    from vmstoolkit.exec.backends.host_memory import PinnedPool
+    from vmstoolkit.exec.graph import random_weights
+
+    tg = build_train_step(train_config(load_model(folder("llama-tied")), 16), "lora", rank=2)
+    mg = compile_memory_graph(tg.graph, int(working_set(tg.graph) * 0.3))
+    staging = host_plan(mg, pin=pin).staging
+    offloaded = list(dict.fromkeys(v.tensor for v in mg.vertices if v.kind == "offload"))
+    assert staging >= sum(tg.graph.tensors[t].nbytes for t in offloaded) > 0
+    for limit, ok in ((staging, True), (staging - 1, False)):
+        values = {k: np.ascontiguousarray(v) for k, v in random_weights(tg.graph, 0).items()}
+        mem = FakeHostMemory()
+        pool = PinnedPool(mem, limit_bytes=limit, register_min_bytes=1 << 20)
+        lent: list = []
+        if ok:
+            pool.place(tg.graph, offloaded, values, pin, lent)
+            assert pool.stats.allocated_bytes <= limit
+            assert sum(a.nbytes for a in mem.allocated) - pool.stats.in_place_bytes <= limit
+        else:
+            with pytest.raises(HostBudgetError, match=r"^pinned staging needs .* above its bound of"):
+                pool.place(tg.graph, offloaded, values, pin, lent)
+        pool.give_back(lent)
+        pool.close()
+
+
+def test_a_bounded_pool_frees_idle_slots_of_other_sizes_before_it_grows():
+    from tests.exec.helpers import FakeHostMemory
+    from vmstoolkit.exec.backends.host_memory import PinnedPool
+    from vmstoolkit.exec.errors import InvalidOptionError
+
+    pool = PinnedPool(FakeHostMemory(), limit_bytes=1000)
+    a, b = pool.lend((100,), "float32"), pool.lend((100,), "float32")  # 800 bytes
+    pool.give_back([a, b])
+    c = pool.lend((150,), "float32")  # 600 bytes: one idle slot is freed to make room, one kept
+    assert pool.stats.allocated_bytes == 1000 and pool.stats.lent_bytes == 600
+    d = pool.lend((100,), "float32")  # the kept idle slot
+    assert pool.stats.allocated_bytes == 1000 and pool.stats.alloc_calls == 3
+    with pytest.raises(HostBudgetError, match="1000 B lent"):
+        pool.lend((1,), "uint8")
+    assert pool.stats.allocated_bytes == 1000  # nothing asked of the driver
+    pool.give_back([c, d])
+    pool.close()
+    with pytest.raises(InvalidOptionError, match="limit_bytes=-1"):
+        PinnedPool(limit_bytes=-1)

@@ -216,3 +216,12 @@ def test_bad_variant_and_rank():
         build_train_step(CFG, "qlora")
     with pytest.raises(ValueError, match="rank must be positive"):
         build_train_step(CFG, "lora", rank=0)
+
+
+def test_random_values_depend_on_the_seed_alone_not_on_the_threads():
+    tg = build_train_step(LlamaConfig(n_blocks=1, seq=8, hidden=16, heads=2, kv_heads=2, ffn=32), "lora", rank=2)
+    one, four = random_train_values(tg, 7, threads=1), random_train_values(tg, 7, threads=4)
+    assert one.keys() == four.keys()
+    for t in one:
+        np.testing.assert_array_equal(one[t], four[t])
+    assert not np.array_equal(one[tg.x], random_train_values(tg, 8, threads=1)[tg.x])

@@ -28,7 +28,8 @@ TRAIN_CASES = {
 
 
 # the whole model's tasks (tests/kernels/test_model_ops.py launches each through this table)
-MODEL_TASKS = {"embedding", "bias_add", "take_rows", "append_rows", "attention_cached", "argmax"}
+MODEL_TASKS = {"embedding", "bias_add", "take_rows", "append_rows", "attention_cached", "argmax",
+               "cross_entropy"}  # cross_entropy: tests/exec/model/test_lm_loss.py
 
 
 def test_names_match_the_runtime_interface():

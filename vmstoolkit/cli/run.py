@@ -102,9 +102,9 @@ def train_command(
     check_grads: Annotated[Optional[bool], typer.Option("--check-grads/--no-check-grads", help="Compare gradients with the reference (default: on cuda, and on sim for small models).", show_default=False)] = None,
     seed: SeedOpt = 0,
 ) -> None:
-    """Training steps of the checkpoint's blocks (the loss <blocks(x), dout> of experiment
-    train-offload, x the embedding of --seed's token ids), LoRA or full fine-tuning, at each
-    budget with each executor. Budget default: half the working set (0.5)."""
+    """Training steps of the checkpoint's blocks (the causal-LM loss of transformers: final norm,
+    LM head and cross-entropy against the next token, both frozen, over --seed's token ids), LoRA
+    or full fine-tuning, at each budget with each executor. Budget default: half the working set (0.5)."""
     from vmstoolkit.exec.model.progress import Stages
     from vmstoolkit.exec.model.train import run_train
 

@@ -31,7 +31,7 @@ from vmstoolkit.exec.errors import InvalidGraphError, InvalidShapeError
 # ``concat`` (join column parts) and ``copy`` (GPU to GPU) are implemented by the backends.
 KERNEL_OPS = ("linear", "rmsnorm", "rope", "attention", "swiglu", "residual_add")
 TRAIN_OPS = ("linear_dx", "linear_dw", "rmsnorm_dx", "rmsnorm_dw", "rope_backward", "attention_lse",
-             "attention_backward", "swiglu_backward", "adamw")
+             "attention_backward", "swiglu_backward", "adamw", "cross_entropy")
 # The whole model's pieces beyond the blocks (``vmstoolkit.exec.model``: embedding, Qwen2's
 # biases, the last row, the KV cache's growth, decoding over it, the greedy token).
 MODEL_OPS = ("embedding", "bias_add", "take_rows", "append_rows", "attention_cached", "argmax")

@@ -13,6 +13,12 @@ discovered by the kernel's OOM killer (issue 32: a 13B-width full fine-tune was 
   compiler keeps a clean host copy after that).
 - ``reference``: with a gradient check on the cuda backend, the direct all-on-GPU run's outputs
   read back beside the plan's (as many bytes as ``outputs``).
+- ``staging`` (inside the figures above, not added again): the pinned slots of the cuda
+  backend's :class:`~vmstoolkit.exec.backends.host_memory.PinnedPool`: one per offloaded
+  activation, plus what ``pin`` copies into slots (``"copy"``: every weight and input;
+  ``"register"``: the inputs and the weights below ``REGISTER_MIN_BYTES``; ``"in_place"``:
+  nothing). The runs give it to the pool as its hard bound (``PinnedPool(limit_bytes=)``), so
+  pinned staging never grows past the plan.
 - ``device_model``: the sim backend with numerics holds each GPU's region as a zeroed byte
   array of the budget's size, of which the pages up to the highest byte the plan places are
   touched (counted here; the rest stays unbacked), and a copy of every value: the simulated GPU
@@ -45,6 +51,7 @@ class HostPlan:
     offload: int = 0
     device_model: int = 0
     reference: int = 0
+    staging: int = 0  # pinned slots, already counted in the figures above (module docstring)
 
     @property
     def total(self) -> int:
@@ -53,15 +60,17 @@ class HostPlan:
     def as_row(self) -> dict:
         return {"host_plan_bytes": self.total, "host_weights_bytes": self.weights, "host_state_bytes": self.state,
                 "host_outputs_bytes": self.outputs, "host_offload_bytes": self.offload,
-                "host_device_model_bytes": self.device_model, "host_reference_bytes": self.reference}
+                "host_device_model_bytes": self.device_model, "host_reference_bytes": self.reference,
+                "host_staging_bytes": self.staging}
 
 
 def host_plan(mg, *, mapped: set[int] = frozenset(), pinned_copies: bool = False, sim_numerics: bool = False,
-              reference: bool = False, materialized: bool = True) -> HostPlan:
+              reference: bool = False, materialized: bool = True, pin: str | None = None) -> HostPlan:
     """The host bytes of running memory graph ``mg`` (module docstring). ``mapped``: weight
     tensors whose values are views of a memory-mapped file; ``pinned_copies``: the backend pins a
     copy of each (cuda), so mapped weights cost RAM too. ``materialized=False``: the run holds no
-    values at all (the sim backend timing a plan without numerics): nothing."""
+    values at all (the sim backend timing a plan without numerics): nothing. ``pin``: the cuda
+    backend's pin mode, for ``staging`` (None: offload slots only)."""
     if not materialized:
         return HostPlan()
     g = mg.graph
@@ -76,13 +85,19 @@ def host_plan(mg, *, mapped: set[int] = frozenset(), pinned_copies: bool = False
             state += t.nbytes
     outputs = sum(g.tensors[t].nbytes for t in g.outputs)
     offload = sum(v.nbytes for v in mg.vertices if v.kind == "offload")
+    staging = offload
+    if pin in ("copy", "register"):
+        from vmstoolkit.exec.backends.host_memory import REGISTER_MIN_BYTES
+
+        staging += sum(t.nbytes for t in g.tensors if t.kind is TensorKind.INPUT
+                       or (t.kind is TensorKind.WEIGHT and (pin == "copy" or t.nbytes < REGISTER_MIN_BYTES)))
     device = 0
     if sim_numerics:
         top = [0] * mg.n_gpus
         for b in mg.buffers:
             top[b.gpu] = max(top[b.gpu], b.offset + b.size)
         device = sum(top) + sum(t.nbytes for t in g.tensors if t.kind is not TensorKind.ACTIVATION)
-    return HostPlan(weights, state, outputs, offload, device, outputs if reference else 0)
+    return HostPlan(weights, state, outputs, offload, device, outputs if reference else 0, staging)
 
 
 def available_memory() -> int | None:

@@ -25,7 +25,7 @@ from vmstoolkit.exec.experiment import BudgetSpec
 from vmstoolkit.exec.graph import LlamaConfig
 from vmstoolkit.exec.plan_cache import DEFAULT_GRANULE, DEFAULT_RATIO, Plan, PlanCache, pad_rows
 from vmstoolkit.exec.plots import save_schedules
-from vmstoolkit.exec.train_graph import AdamWConfig, build_train_step, grads_from_updates, random_train_values
+from vmstoolkit.exec.train_graph import AdamWConfig, build_train_step, grads_from_updates, lm_loss, random_train_values
 
 EXECUTORS = ("event-driven", "fixed-order")
 ROW_KEYS = ("budget", "executor", "variant", "step_s", "lower_bound_s", "offloaded_bytes", "reloaded_bytes",
@@ -93,6 +93,7 @@ class _Sim:
         self.needs_values = check  # timing alone needs no numbers
         self.timeline = False  # the sim backend records its spans anyway
         self.last = None  # (memory graph, seconds, spans) of the last step
+        self.last_loss = None  # the last step's loss (loss="lm" graphs, with numerics)
 
     def close(self) -> None:
         pass
@@ -107,7 +108,10 @@ class _Sim:
             from vmstoolkit.exec.train_reference import reference_train_step
 
             want, _ = reference_train_step(plan.train, values)
-            got = grads_from_updates(plan.train, values, be.result())
+            out = be.result()
+            got = grads_from_updates(plan.train, values, out)
+            if plan.train.loss == "lm":
+                self.last_loss = lm_loss(plan.train, out)
             err = max(float(np.max(np.abs(got[n] - want[n]))) for n in want)
         return span, lower_bound(BackendKind.sim, plan.memory, cost=self.cost)["lower_bound_s"], err
 
@@ -120,6 +124,8 @@ class _Cuda:
         self.pool = None  # PinnedPool: each bucket's weights registered once, slots pinned once
         self.timeline = False  # CUDA events around every vertex (run_train_experiment's schedule_dir)
         self.last = None  # (memory graph, seconds, spans) of the last step, with timeline
+        self.last_loss = None  # the last step's loss (loss="lm" graphs)
+        self.staging_limit = None  # the pool's bound (the host plans' largest staging), set before the first run
 
     def close(self) -> None:
         if self.pool is not None:
@@ -129,7 +135,7 @@ class _Cuda:
         from vmstoolkit.exec.backends.cuda import direct_forward
         from vmstoolkit.exec.backends.host_memory import PinnedPool
 
-        self.pool = self.pool or PinnedPool()
+        self.pool = self.pool or PinnedPool(limit_bytes=self.staging_limit)
         # register, not in place: a step's values are a new dict, so replacing its entries would pin the
         # bucket's weights again every step; registered, they are pinned once
         be = make_backend(BackendKind.cuda, values=values, pin="register", pool=self.pool, timeline=self.timeline)
@@ -137,6 +143,8 @@ class _Cuda:
             res = execute(plan.memory, be, executor)
             out = be.result()
             self.last = (plan.memory, res.makespan_s, list(be.spans)) if self.timeline else None
+            if plan.train.loss == "lm":
+                self.last_loss = lm_loss(plan.train, out)
         finally:
             be.close()
         err = None

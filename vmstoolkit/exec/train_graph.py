@@ -16,8 +16,22 @@ Variants:
   gate, up, down`` gets adapters ``A`` (r, in) and ``B`` (out, r): ``y = x W^T + (x A^T) B^T``
   (the usual ``alpha / r`` scale folded into B). Only A and B are trained.
 
-The loss is ``<out, dout>`` for a given ``dout`` (graph input ``dout``): the gradient that a
-head and a loss would hand to the last block. Tensors are write-once, so every update writes new
+Losses (``loss=``):
+
+- ``"dot"`` (the default, what ``experiment train-offload`` times): ``<out, dout>`` for a given
+  ``dout`` (graph input ``dout``), the gradient that a head and a loss would hand to the last
+  block;
+- ``"lm"``: the causal-LM loss of ``transformers``' ``LlamaForCausalLM`` (``loss`` with
+  ``labels=input_ids``): the final RMSNorm (weight ``norm``), the LM head (``lm_head`` (V, H),
+  the embedding table for tied checkpoints), softmax cross-entropy against ``labels`` (graph
+  input (M,) int32: the next token's id on every row, negative on each sequence's last row,
+  which has none), averaged over the labelled rows. The final norm and the head are frozen
+  (no gradient, no update: as in LoRA, and in full fine-tuning too, where only the blocks are
+  trained); their backward (``cross_entropy``'s dlogits, ``linear_dx`` through the head,
+  ``rmsnorm_dx``) hands the last block its ``dout``. The graph output ``loss_rows`` (M,) sums
+  to the loss (:func:`lm_loss`).
+
+Tensors are write-once, so every update writes new
 tensors (``{param}.new``, ``{param}.adam_m.new``, ``{param}.adam_v.new``).
 
 Saved for backward, per block (B*T = M rows): the block input x, the normed inputs of both
@@ -35,6 +49,7 @@ from vmstoolkit.exec.errors import InvalidOptionError, InvalidShapeError
 from vmstoolkit.exec.graph import LlamaConfig, TaskGraph, TensorKind
 
 VARIANTS = ("lora", "full")
+LOSSES = ("dot", "lm")
 PROJECTIONS = ("wq", "wk", "wv", "wo", "wg", "wu", "wd")
 
 
@@ -64,21 +79,26 @@ class TrainGraph:
     rank: int
     adamw: AdamWConfig
     x: int  # input tensor (M, H)
-    dout: int  # gradient of the loss with respect to the last block's output (M, H)
+    dout: int  # gradient of the loss with respect to the last block's output (M, H); -1 with loss="lm"
     params: dict[str, int] = field(default_factory=dict)  # trainable name -> tensor
     grads: dict[str, int] = field(default_factory=dict)  # trainable name -> its gradient
     moments: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (m, v) before
     updates: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # name -> (w, m, v) after
+    loss: str = "dot"  # LOSSES
+    labels: int = -1  # loss="lm": input (M,) int32, the next token's id per row (negative: none)
+    loss_rows: int = -1  # loss="lm": output (M,), each row's share of the mean loss
 
     def trainable_bytes(self) -> int:
         return sum(self.graph.tensors[t].nbytes for t in self.params.values())
 
 
 def build_train_step(cfg: LlamaConfig, variant: str = "lora", *, rank: int = 16,
-                     adamw: AdamWConfig | None = None, keep_grads: bool = False) -> TrainGraph:
+                     adamw: AdamWConfig | None = None, keep_grads: bool = False, loss: str = "dot",
+                     vocab: int | None = None) -> TrainGraph:
     """The task graph of one training step of ``cfg.n_blocks`` blocks (module docstring).
 
-    ``keep_grads`` also makes every gradient a graph output (for tests; it keeps them alive).
+    ``loss``: ``"dot"`` or ``"lm"`` (with ``vocab``, the LM head's rows). ``keep_grads`` also
+    makes every gradient a graph output (for tests; it keeps them alive).
     """
     from vmstoolkit.kernels.tasks import KERNEL_TASKS
 
@@ -92,6 +112,10 @@ def build_train_step(cfg: LlamaConfig, variant: str = "lora", *, rank: int = 16,
                                  "the LoRA graph only")
     if variant == "lora" and rank <= 0:
         raise InvalidShapeError(f"LoRA rank must be positive, got {rank}")
+    if loss not in LOSSES:
+        raise InvalidOptionError(f"unknown loss {loss!r} (choose one of {', '.join(LOSSES)})")
+    if loss == "lm" and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
+        raise InvalidShapeError(f"loss='lm' needs the vocabulary size: vocab={vocab!r}")
     opt = adamw or AdamWConfig()
     lora = variant == "lora"
     g = TaskGraph()
@@ -102,8 +126,10 @@ def build_train_step(cfg: LlamaConfig, variant: str = "lora", *, rank: int = 16,
     dt = cfg.dtype
     W = TensorKind.WEIGHT
     x = g.tensor("x", (m, h), dt, 0, TensorKind.INPUT)
-    dout = g.tensor("dout", (m, h), dt, 0, TensorKind.INPUT)
-    tg = TrainGraph(g, cfg, variant, rank, opt, x, dout)
+    dout = g.tensor("dout", (m, h), dt, 0, TensorKind.INPUT) if loss == "dot" else -1
+    tg = TrainGraph(g, cfg, variant, rank, opt, x, dout, loss=loss)
+    if loss == "lm":
+        tg.labels = g.tensor("labels", (m,), "int32", 0, TensorKind.INPUT)
     eps, theta = {"eps": cfg.eps}, {"theta": cfg.rope_theta}
     q4, kv4 = (b, t, nh, hd), (b, t, nkv, hd)
 
@@ -199,8 +225,24 @@ def build_train_step(cfg: LlamaConfig, variant: str = "lora", *, rank: int = 16,
         saved.append(s)
         x = out
 
-    # -- backward and updates, last block first ----------------------------------------------
+    # -- the causal-LM loss and its gradient up to the last block: frozen norm and head ------
     dy = dout
+    if loss == "lm":
+        norm_w = g.tensor("norm", (h,), dt, 0, W)
+        head = g.tensor("lm_head", (vocab, h), dt, 0, W)
+        xf = act("final.xn", (m, h))
+        op("final_norm", "rmsnorm", [x, norm_w], [xf], params=eps)
+        logits = act("logits", (m, vocab))
+        op("lm_head", "linear", [xf, head], [logits])
+        tg.loss_rows = act("loss_rows", (m,))
+        dlogits = act("dlogits", (m, vocab))
+        op("cross_entropy", "cross_entropy", [logits, tg.labels], [tg.loss_rows, dlogits])
+        dxf = act("final.dxn", (m, h))
+        op("lm_head.dx", "linear_dx", [dlogits, head], [dxf])
+        dy = act("final.dx", (m, h))
+        op("final_norm.dx", "rmsnorm_dx", [x, norm_w, dxf], [dy], params=eps)
+
+    # -- backward and updates, last block first ----------------------------------------------
     for i in reversed(range(cfg.n_blocks)):
         p = f"b{i}."
         s = saved[i]
@@ -272,20 +314,51 @@ def build_train_step(cfg: LlamaConfig, variant: str = "lora", *, rank: int = 16,
         outs.extend(tg.updates[name])
     if keep_grads:
         outs.extend(tg.grads.values())
+    if loss == "lm":
+        outs.append(tg.loss_rows)
     g.outputs = outs
     return tg
 
 
-def random_train_values(tg: TrainGraph, seed: int = 0, lora_b_scale: float = 0.1) -> dict[int, np.ndarray]:
+def lm_labels(ids, batch: int = 1) -> np.ndarray:
+    """The ``labels`` input of a ``loss="lm"`` step over token ``ids`` (``batch`` sequences of
+    equal length, concatenated): each row's next token within its sequence, -1 on each last
+    row (transformers shifts ``labels=input_ids`` the same way)."""
+    a = np.asarray(ids, np.int64).reshape(batch, -1)
+    out = np.full(a.shape, -1, np.int32)
+    out[:, :-1] = a[:, 1:]
+    return out.reshape(-1)
+
+
+def lm_loss(tg: TrainGraph, outputs: dict[int, np.ndarray]) -> float:
+    """The mean cross-entropy of a ``loss="lm"`` step from its ``loss_rows`` output (float64 sum)."""
+    if tg.loss != "lm":
+        raise InvalidOptionError(f"this training graph's loss is {tg.loss!r}, not 'lm'")
+    return float(np.sum(outputs[tg.loss_rows], dtype=np.float64))
+
+
+def random_train_values(tg: TrainGraph, seed: int = 0, lora_b_scale: float = 0.1,
+                        threads: int | None = None) -> dict[int, np.ndarray]:
     """Host values of every weight and input: projections ~ N(0, 1/in), norms near 1, LoRA A
     ~ N(0, 1/in) and B ~ N(0, lora_b_scale^2 / r) (non-zero, so that A gets a gradient too;
-    real LoRA starts B at 0), Adam moments at zero, x and dout ~ N(0, 1)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for t in tg.graph.tensors:
-        if t.kind is TensorKind.ACTIVATION:
-            continue
+    real LoRA starts B at 0), Adam moments at zero, x and dout ~ N(0, 1), ``labels`` (loss
+    ``"lm"``) uniform token ids shifted as :func:`lm_labels`.
+
+    Each tensor draws from its own generator (``SeedSequence(seed)`` spawned once per tensor, in
+    tensor order), so the values depend on ``seed`` alone, not on ``threads``: the tensors are
+    drawn by ``threads`` worker threads (default: every CPU; numpy releases the GIL while it
+    fills an array). Drawing was the H200 host's largest cost after JIT (41 s for the 13 GB of
+    Mistral-7B-wide base weights, one thread: ``experiments/results/untuned-shapes/h200-run1``);
+    the CPU time is the same, the wall time divided by the cores."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = [t for t in tg.graph.tensors if t.kind is not TensorKind.ACTIVATION]
+    seeds = np.random.SeedSequence(seed).spawn(len(todo))
+
+    def draw(t, ss) -> np.ndarray:
         dt = np.dtype(t.dtype)
+        rng = np.random.default_rng(ss)
         # Drawn in the tensor's own dtype when numpy can (float32: 6x faster than drawing float64
         # and converting, which took minutes for LLaMA-7B-wide weights on the H200's host).
         draw_dt = dt if dt in (np.float32, np.float64) else np.float64
@@ -300,6 +373,9 @@ def random_train_values(tg: TrainGraph, seed: int = 0, lora_b_scale: float = 0.1
 
         if t.name.endswith((".adam_m", ".adam_v")):
             a = np.zeros(t.shape, dt)
+        elif t.id == tg.labels:  # loss="lm": token ids of the head's vocabulary, shifted
+            vocab = tg.graph.tensors[tg.graph.vertices[tg.graph.producer[tg.loss_rows]].inputs[0]].shape[1]
+            a = lm_labels(rng.integers(0, vocab, t.shape[0]), tg.config.batch)
         elif t.kind is TensorKind.INPUT:
             a = normal()
         elif len(t.shape) == 1:
@@ -308,8 +384,15 @@ def random_train_values(tg: TrainGraph, seed: int = 0, lora_b_scale: float = 0.1
             a = normal(lora_b_scale / np.sqrt(t.shape[1]))
         else:
             a = normal(1.0 / np.sqrt(t.shape[1]))
-        out[t.id] = a.astype(dt, copy=False)
-    return out
+        return a.astype(dt, copy=False)
+
+    n = threads or os.cpu_count() or 1
+    if n <= 1:
+        arrays = [draw(t, ss) for t, ss in zip(todo, seeds)]
+    else:
+        with ThreadPoolExecutor(n) as pool:
+            arrays = list(pool.map(draw, todo, seeds))
+    return {t.id: a for t, a in zip(todo, arrays)}
 
 
 def gradient_sources(tg: TrainGraph) -> list[int]:

@@ -88,18 +88,52 @@ def loss(wt: dict, x, dout, cfg, lora: bool) -> float:
     return float(np.sum(x * dout))
 
 
+def lm_head(wt: dict, x, labels, eps: float) -> tuple[float, np.ndarray]:
+    """(mean cross-entropy, its gradient with respect to ``x``) of the final norm and LM head
+    on the last block's output ``x`` (M, H), float64; ``labels`` (M,) negative where ignored."""
+    xf = R.rmsnorm(x, wt["norm"], eps)
+    logits = R.linear(xf, wt["lm_head"])  # (M, V)
+    lab = np.asarray(labels).astype(np.int64)
+    valid = lab >= 0
+    n = max(int(valid.sum()), 1)
+    mx = logits.max(axis=1, keepdims=True)
+    e = np.exp(logits - mx)
+    tot = e.sum(axis=1, keepdims=True)
+    rows = np.arange(len(lab))
+    safe = np.where(valid, lab, 0)
+    loss = float(np.sum(np.where(valid, np.log(tot[:, 0]) + mx[:, 0] - logits[rows, safe], 0.0)) / n)
+    d = e / tot
+    d[rows, safe] -= 1.0
+    d *= (valid / n)[:, None]
+    dxf = R.linear_backward_x(d, wt["lm_head"])
+    return loss, R.rmsnorm_backward(x, wt["norm"], dxf, eps)[0]
+
+
+def reference_loss(tg, values: dict[int, np.ndarray]) -> float:
+    """The step's loss in float64: ``<stack(x), dout>``, or with ``loss="lm"`` the mean
+    cross-entropy of the head (:func:`lm_head`)."""
+    g, cfg, lora = tg.graph, tg.config, tg.variant == "lora"
+    wt = {t.name: values[t.id].astype(np.float64) for t in g.tensors if t.id in values}
+    x = wt["x"]
+    for i in range(cfg.n_blocks):
+        x, _ = block_forward(wt, f"b{i}.", x, cfg, lora)
+    if tg.loss == "lm":
+        return lm_head(wt, x, values[tg.labels], cfg.eps)[0]
+    return float(np.sum(x * wt["dout"]))
+
+
 def reference_train_step(tg, values: dict[int, np.ndarray]) -> tuple[dict, dict]:
     """(gradients, updates) of a :class:`~vmstoolkit.exec.train_graph.TrainGraph` for host
     ``values`` (by tensor id), in float64: ``grads[name]`` and ``updates[name] = (w, m, v)``."""
     g, cfg, lora = tg.graph, tg.config, tg.variant == "lora"
     wt = {t.name: values[t.id].astype(np.float64) for t in g.tensors if t.id in values}
-    x, dout = wt["x"], wt["dout"]
+    x = wt["x"]
     caches = []
     for i in range(cfg.n_blocks):
         x, c = block_forward(wt, f"b{i}.", x, cfg, lora)
         caches.append(c)
     grads: dict = {}
-    dy = dout
+    dy = lm_head(wt, x, values[tg.labels], cfg.eps)[1] if tg.loss == "lm" else wt["dout"]
     for i in reversed(range(cfg.n_blocks)):
         dy = block_backward(wt, f"b{i}.", caches[i], dy, cfg, lora, grads)
     updates = {}

@@ -42,6 +42,8 @@ adamw              w, g, m, v (same shape)                  lr, beta1,   w, m, v
                                                             beta2, eps,
                                                             weight_decay,
                                                             step
+cross_entropy      logits (M, V), labels (M,) int32         -            row_loss (M,), dlogits
+                   (negative: ignored)                                   (M, V) (cross_entropy.py)
 ================== ======================================== ============ ========================
 """
 
@@ -55,6 +57,7 @@ import numpy as np
 from vmstoolkit.errors import KernelError
 
 from . import model_ops, reference
+from .cross_entropy import cross_entropy, cross_entropy_ref
 from .adamw import adamw
 from .attention import attention
 from .attention_backward import attention_backward
@@ -316,6 +319,12 @@ _TRAIN = (
         lambda s, i, o, **hp: adamw(*i, *o, stream=s, **hp),
         lambda sh, **p: 12.0 * _numel(sh[0]),
         lambda sh, **p: [tuple(sh[0])] * 3, ("lr", "beta1", "beta2", "eps", "weight_decay", "step"), 3),
+    _train_task(
+        "cross_entropy", 2,
+        cross_entropy_ref,
+        lambda s, i, o: cross_entropy(i[0], i[1], o[0], o[1], stream=s),
+        lambda sh, **p: 6.0 * _numel(sh[0]),
+        lambda sh, **p: [(sh[0][0],), tuple(sh[0])], n_outputs=2),
 )
 
 

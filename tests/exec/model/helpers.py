@@ -17,3 +17,9 @@ def folder(name: str) -> Path:
 def fixture(name: str) -> dict:
     with np.load(folder(name) / "fixture.npz") as f:
         return {k: f[k] for k in f.files}
+
+
+def lm_fixture(name: str) -> dict:
+    """transformers' causal-LM loss and its autograd gradients (``scripts/make_tiny_checkpoints.py``)."""
+    with np.load(folder(name) / "fixture_lm.npz") as f:
+        return {k: f[k] for k in f.files}

@@ -384,7 +384,7 @@ def op_seconds(graph: TaskGraph, vertex_seconds) -> dict[str, float]:
 
 
 def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int = 3, outputs=None,
-                   breakdown: bool = False, vertex_seconds: list | None = None):
+                   breakdown: bool = False, vertex_seconds: list | None = None, timings: dict | None = None):
     """The block-by-block forward with the same kernels, every tensor its own device array,
     every weight resident, launched back to back on one stream per GPU with no events.
     Returns ``(outputs, best seconds)``: the equality reference (the graph's outputs, or those in
@@ -393,7 +393,10 @@ def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int
     kind)`` (:func:`op_seconds`; the events add a little time that the best time does not see;
     in the CUDA simulator events time nothing and every figure is meaningless). ``vertex_seconds``:
     a list that the breakdown pass fills with every vertex's seconds, in ``graph.vertices``
-    order (implies ``breakdown``)."""
+    order (implies ``breakdown``). ``timings``: a dict that gets the host seconds of each phase
+    (``upload_s``: every tensor to the device; ``warmup_s``: the first pass, which JIT-compiles
+    the kernels a process has not compiled yet; ``passes_s``; ``breakdown_s``; ``readback_s``);
+    ``outputs=[]`` reads nothing back."""
     from numba import cuda
 
     n_gpus = graph.n_gpus
@@ -404,9 +407,11 @@ def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int
     for gpu in range(n_gpus):
         with cuda.gpus[gpu]:
             streams.append(cuda.stream())
+    lap = _Laps(timings)
     for t in graph.tensors:
         with cuda.gpus[t.gpu]:
             dev[t.id] = cuda.to_device(values[t.id]) if t.id in values else cuda.device_array(t.shape, t.dtype)
+    lap("upload_s")
 
     def launch(v):
         n_in = len(v.inputs)
@@ -425,11 +430,13 @@ def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int
             streams[gpu].synchronize()
 
     once()  # compile and warm up
+    lap("warmup_s")
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         once()
         best = min(best, time.perf_counter() - t0)
+    lap("passes_s")
     per_op = None
     if breakdown or vertex_seconds is not None:
         marks = []
@@ -446,8 +453,23 @@ def direct_forward(graph: TaskGraph, values: dict[int, np.ndarray], repeats: int
         if vertex_seconds is not None:
             vertex_seconds[:] = secs
         per_op = op_seconds(graph, secs) if breakdown else None
+        lap("breakdown_s")
     outs = {t: dev[t].copy_to_host() for t in (graph.outputs if outputs is None else outputs)}
+    lap("readback_s")
     return (outs, best) if per_op is None else (outs, best, per_op)
+
+
+class _Laps:
+    """``lap(name)``: host seconds since the previous lap into ``timings[name]`` (if given)."""
+
+    def __init__(self, timings: dict | None):
+        self.timings, self.t = timings, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings[name] = self.timings.get(name, 0.0) + now - self.t
+        self.t = now
 
 
 def copy_bandwidth(nbytes: int = 1 << 28, gpu: int = 0) -> dict[str, float]:
@@ -480,12 +502,18 @@ def measure_lower_bound(mg, values) -> dict:
     """The larger of max(back-to-back compute time, H2D bytes / measured bandwidth, D2H bytes /
     bandwidth) (``resource_s``) and the precedence bound (``precedence_s``,
     :func:`vmstoolkit.exec.bounds.precedence_bound`) over each vertex's time in one more direct
-    pass timed vertex by vertex with CUDA events, copies at the measured bandwidths."""
+    pass timed vertex by vertex with CUDA events, copies at the measured bandwidths.
+
+    Measured once per task graph (every budget's plan of one graph shares it); nothing is read
+    back (a full fine-tune's updated weights and moments are tens of GB). ``direct_s`` says
+    where the measurement's host time went (:func:`direct_forward`'s ``timings``: ``warmup_s``
+    is mostly the JIT of a process's first kernels), empty when the cache served it."""
     from vmstoolkit.exec.bounds import precedence_bound
 
+    direct: dict[str, float] = {}
     if mg.graph not in _LB_CACHE:
         per_vertex: list[float] = []
-        _, compute = direct_forward(mg.graph, values, vertex_seconds=per_vertex)
+        _, compute = direct_forward(mg.graph, values, vertex_seconds=per_vertex, outputs=[], timings=direct)
         _LB_CACHE[mg.graph] = (compute, copy_bandwidth(), per_vertex)
     compute, bw, per_vertex = _LB_CACHE[mg.graph]
     h2d = max(mg.bytes_moved("reload", g) for g in range(mg.n_gpus)) / bw["h2d"]
@@ -496,4 +524,5 @@ def measure_lower_bound(mg, values) -> dict:
     prec_s = None if prec is None else prec[0]
     resource = max(compute, h2d, d2h)
     return {"compute_s": compute, "h2d_s": h2d, "d2h_s": d2h, "resource_s": resource, "precedence_s": prec_s,
-            "lower_bound_s": max(resource, prec_s or 0.0), "h2d_bytes_per_s": bw["h2d"], "d2h_bytes_per_s": bw["d2h"]}
+            "lower_bound_s": max(resource, prec_s or 0.0), "h2d_bytes_per_s": bw["h2d"], "d2h_bytes_per_s": bw["d2h"],
+            "direct_s": direct}

@@ -70,7 +70,7 @@ from typing import Protocol
 import numpy as np
 
 from vmstoolkit.errors import InvalidFreeError, VmsError
-from vmstoolkit.exec.errors import CudaCallError, ExecutionError, InvalidGraphError, InvalidOptionError
+from vmstoolkit.exec.errors import CudaCallError, ExecutionError, HostBudgetError, InvalidGraphError, InvalidOptionError
 from vmstoolkit.exec.graph import TensorKind
 
 PIN_MODES = ("copy", "in_place", "register")
@@ -222,6 +222,11 @@ class PinnedPool:
 
     ``memory``: the driver (default: :class:`CudaHostMemory` of GPU 0, made on first use, so a
     pool is built without a GPU). ``register_min_bytes``: :data:`REGISTER_MIN_BYTES`.
+    ``limit_bytes``: a hard bound on the pinned slots it owns (:attr:`PinnedStats.allocated_bytes`,
+    idle or lent; the host plan's ``staging`` figure, :func:`vmstoolkit.exec.host_plan.host_plan`):
+    a slot that would pass it first frees idle slots, largest first, and if lent slots alone
+    leave no room raises :class:`~vmstoolkit.exec.errors.HostBudgetError` in one line, before
+    the driver is asked. None: unbounded (idle slots of other sizes are kept for reuse).
 
     >>> from vmstoolkit.exec.backends.cuda import CudaBackend  # doctest: +SKIP
     >>> with PinnedPool() as pool:  # doctest: +SKIP
@@ -230,9 +235,14 @@ class PinnedPool:
     ...         execute(mg, be); be.close()
     """
 
-    def __init__(self, memory: HostMemory | None = None, *, register_min_bytes: int = REGISTER_MIN_BYTES):
+    def __init__(self, memory: HostMemory | None = None, *, register_min_bytes: int = REGISTER_MIN_BYTES,
+                 limit_bytes: int | None = None):
+        if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)
+                                        or limit_bytes < 0):
+            raise InvalidOptionError(f"limit_bytes={limit_bytes!r}: a whole number of bytes, at least 0, or None")
         self._memory = memory
         self.register_min_bytes = register_min_bytes
+        self.limit_bytes = limit_bytes
         self.stats = PinnedStats()
         self._idle: dict[int, list[np.ndarray]] = {}  # byte size -> idle slot buffers (uint8)
         self._lent: dict[int, np.ndarray] = {}  # id(view handed out) -> its slot buffer
@@ -272,12 +282,35 @@ class PinnedPool:
         if idle:
             buf = idle.pop()
         else:
+            self._make_room(nbytes)
             buf = self._alloc(nbytes)
             self.stats.allocated_bytes += nbytes
         view = _shaped(buf, shape, dtype)
         self._lent[id(view)] = buf
         self.stats.lent_bytes += nbytes
         return view
+
+    def _make_room(self, nbytes: int) -> None:
+        """Free idle slots, largest first, until a new ``nbytes`` slot fits :attr:`limit_bytes`."""
+        if self.limit_bytes is None or self.stats.allocated_bytes + nbytes <= self.limit_bytes:
+            return
+        freed = 0
+        for size in sorted(self._idle, reverse=True):
+            bufs = self._idle[size]
+            while bufs and self.stats.allocated_bytes + nbytes > self.limit_bytes:
+                bufs.pop()
+                self.stats.allocated_bytes -= size
+                freed += size
+            if not bufs:
+                del self._idle[size]
+        if freed and self._memory is not None:
+            self._memory.flush()
+        if self.stats.allocated_bytes + nbytes > self.limit_bytes:
+            from vmstoolkit.units import format_size
+
+            raise HostBudgetError(f"pinned staging needs {format_size(self.stats.allocated_bytes + nbytes)} "
+                                  f"({format_size(self.stats.lent_bytes)} lent, a new {format_size(nbytes)} slot), "
+                                  f"above its bound of {format_size(self.limit_bytes)} (the host plan's staging)")
 
     def _alloc(self, nbytes: int) -> np.ndarray:
         self.stats.alloc_calls += 1

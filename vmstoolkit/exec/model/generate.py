@@ -73,7 +73,8 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
                  budgets=("1.0",), backend: str = "sim", n_gpus: int = 1, host_budget: int | None = -1,
                  executor: str = "event-driven", numerics: bool | None = None, logits: str = "last",
                  seed: int = 0, jitter: float = 0.0, stages: Stages | None = None,
-                 too_small_rows: bool = True, pool=None, warmup: bool | None = None) -> Iterator[dict]:
+                 too_small_rows: bool = True, pool=None, warmup: bool | None = None,
+                 bound_pool: bool = False) -> Iterator[dict]:
     """Rows of a greedy generation (module docstring), one per budget in ``budgets`` (sizes or
     fractions of the working set, :class:`~vmstoolkit.exec.experiment.BudgetSpec` text).
 
@@ -85,20 +86,23 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
     :class:`~vmstoolkit.exec.errors.BudgetTooSmallError`). ``pool``: the
     :class:`~vmstoolkit.exec.backends.host_memory.PinnedPool` of the cuda runs (default: one made
     here for all the budgets, weights pinned once, closed at the end). ``warmup``: on cuda, one
-    untimed run first, which JIT-compiles the kernels (default: on cuda)."""
+    untimed run first, which JIT-compiles the kernels (default: on cuda). ``bound_pool``: give
+    ``pool`` the plans' largest pinned staging as its hard bound (``limit_bytes``) once every
+    budget is planned (the pool made here always is)."""
     stages = stages or Stages()
-    backend = backend_kind(backend).value
+    kind = backend_kind(backend)
+    backend, real = kind.value, kind.real
     specs = [b if isinstance(b, BudgetSpec) else BudgetSpec.parse(b) for b in budgets]
-    if backend == "cuda":
+    if real:
         require_gpus(n_gpus)
-    if backend == "cuda" and pool is None:
+    if real and pool is None:
         from vmstoolkit.exec.backends.host_memory import PinnedPool
 
-        with PinnedPool() as own:  # weights pinned once for every budget, slots too
+        with PinnedPool() as own:  # weights pinned once for every budget, slots too; bounded by the plans
             yield from run_generate(model, prompt_ids=prompt_ids, prompt_len=prompt_len, new_tokens=new_tokens, budgets=specs, backend=backend,
                                     n_gpus=n_gpus, host_budget=host_budget, executor=executor, numerics=numerics,
                                     logits=logits, seed=seed, jitter=jitter, stages=stages,
-                                    too_small_rows=too_small_rows, pool=own, warmup=warmup)
+                                    too_small_rows=too_small_rows, pool=own, warmup=warmup, bound_pool=True)
         return
     with stages.stage("loading the checkpoint"):
         ckpt = model if isinstance(model, Checkpoint) else load_model(model)
@@ -108,9 +112,9 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
         graph = gg.graph
         flops = sum(v.flops for v in graph.vertices)
     if numerics is None:
-        numerics = backend == "cuda" or flops <= SIM_NUMERICS_FLOPS
-    if backend == "cuda" and not numerics:
-        raise InvalidOptionError("the cuda backend always computes (numerics cannot be off)")
+        numerics = real or flops <= SIM_NUMERICS_FLOPS
+    if real and not numerics:
+        raise InvalidOptionError(f"the {backend} backend always computes (numerics cannot be off)")
     with stages.stage("measuring the working set"):
         ws = working_set(graph) if any(s.fraction is not None for s in specs) else None
     hb = default_host_budget() if host_budget == -1 else host_budget
@@ -119,7 +123,7 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
             "executor": executor, "prompt_len": len(ids), "new_tokens": new_tokens, "working_set": ws,
             "prompt_ids": ids, "numerics": bool(numerics)}
     values = None
-    warm = not (backend == "cuda" if warmup is None else warmup)
+    warm = not (real if warmup is None else warmup)
     planned = []  # every budget planned and its host memory checked before anything is allocated
     for spec in specs:
         budget = spec.resolve(ws) if spec.fraction is not None else spec.nbytes
@@ -131,16 +135,18 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
             except BudgetTooSmallError as e:
                 if not too_small_rows:
                     raise
-                planned.append(({**row, "error": str(e)}, None))
+                planned.append(({**row, "error": str(e)}, None, 0))
                 continue
-        plan = host_plan(mg, mapped=mapped, pinned_copies=backend == "cuda", sim_numerics=backend == "sim" and numerics,
-                         materialized=numerics)
+        plan = host_plan(mg, mapped=mapped, pinned_copies=real, sim_numerics=not real and numerics,
+                         materialized=numerics, pin="in_place" if real else None)
         check_host_budget(plan, hb)
         row.update(plan.as_row(), host_budget=hb, compile_s=stages.times[f"planning at {spec.text}"],
                    vertices=len(mg.vertices), peak_bytes=max(mg.peak_bytes), offloaded_bytes=mg.offloaded_bytes,
                    reloaded_bytes=mg.reloaded_bytes, moved_bytes=mg.offloaded_bytes + mg.reloaded_bytes)
-        planned.append((row, mg))
-    for row, mg in planned:
+        planned.append((row, mg, plan.staging))
+    if bound_pool and pool is not None:
+        pool.limit_bytes = max((p[2] for p in planned if p[1] is not None), default=0)
+    for row, mg, _ in planned:
         if mg is None:
             yield row
             continue
@@ -150,10 +156,10 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
             values[gg.prompt] = np.asarray(ids, np.int32)
         if not warm:
             with stages.stage("JIT compiling the kernels (a first run)"):
-                _run_once(mg, backend, values, executor, seed, jitter, pool)
+                _run_once(mg, kind, values, executor, seed, jitter, pool)
             warm = True
         with stages.stage(f"generating at {spec_text}"):
-            res = _run_once(mg, backend, values, executor, seed, jitter, pool, first=gg.first_token_vertex,
+            res = _run_once(mg, kind, values, executor, seed, jitter, pool, first=gg.first_token_vertex,
                             outputs=[gg.logits, *gg.tokens] if numerics else None)
         makespan, prefill_s, lb, out = res
         decode_s = None if prefill_s is None else makespan - prefill_s
@@ -169,24 +175,25 @@ def run_generate(model, *, prompt_ids=None, prompt_len: int | None = None, new_t
         yield row
 
 
-def _run_once(mg, backend, values, executor, seed, jitter, pool, first=-1, outputs=None):
-    """(makespan, prefill seconds, lower bound, outputs or None) of one run on a fresh backend."""
+def _run_once(mg, kind, values, executor, seed, jitter, pool, first=-1, outputs=None):
+    """(makespan, prefill seconds, lower bound, outputs or None) of one run on a fresh backend
+    of ``kind`` (a :class:`~vmstoolkit.exec.backends.BackendKind`)."""
     from vmstoolkit.exec.backends import make_backend
 
-    if backend == "sim":
+    if not kind.real:
         from vmstoolkit.exec.backends.sim import CostModel
 
         cost = CostModel()
-        be = make_backend("sim", cost=cost, seed=seed, jitter=jitter, numerics=values is not None, values=values)
+        be = make_backend(kind, cost=cost, seed=seed, jitter=jitter, numerics=values is not None, values=values)
         lb = cost.lower_bound(mg)["lower_bound_s"]
     else:  # the lower bound of a whole generation would need every tensor resident at once: not measured
-        be = make_backend("cuda", values=values, timeline=True, pin="in_place", pool=pool)
+        be = make_backend(kind, values=values, timeline=True, pin="in_place", pool=pool)
         lb = None
     try:
         res = execute(mg, be, executor)
         out = be.result(outputs) if outputs is not None else None
         # the CUDA backend's spans count from each GPU's own first vertex: one GPU's are the run's clock
-        one_clock = backend == "sim" or mg.n_gpus == 1
+        one_clock = not kind.real or mg.n_gpus == 1
         prefill = _prefill_end(mg, be, first) if first >= 0 and one_clock else None
     finally:
         be.close()
