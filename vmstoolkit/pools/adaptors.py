@@ -144,6 +144,15 @@ class AllocatorAdaptor(Allocator):
     def note_oom(self) -> None:
         self.upstream.note_oom()
 
+    def stats_of(self, counters):
+        return self.upstream.stats_of(counters)
+
+    def reset_peaks_of(self, counters) -> None:
+        self.upstream.reset_peaks_of(counters)
+
+    def reset_totals_of(self, counters) -> None:
+        self.upstream.reset_totals_of(counters)
+
     def compiled_replay(self, events) -> None:
         return None
 

@@ -117,7 +117,7 @@ class PagedAllocator(PagedSlowPath, Allocator):
         self.large.base = self.small.base = None  # reserved at first use (reserve_ranges)
         self.large.nbytes, self.small.nbytes = va_bytes, small_va_bytes
         # how the Python path served requests ("fast": pages already mapped); the PyTorch hook's
-        # compiled fast path counts in g (native_torch.G_ALLOCS) instead
+        # compiled fast path counts in g (native_torch.G_COUNTERS) instead
         self.counts = {"fast": 0, "mapped": 0, "pages_mapped": 0, "pages_reclaimed": 0, "chunks_created": 0,
                        "reclaims": 0, "chunks_lent": 0, "pages_remapped": 0}
 
