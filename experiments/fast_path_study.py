@@ -130,7 +130,7 @@ class RefuseOnceVms:
 
 def caching_over_vms(driver, config: str) -> PyTorchCachingAllocator:
     """PyTorch's caching allocator in a private pool whose segments come from ``vms``."""
-    return PyTorchCachingAllocator(driver, config, segments=RefuseOnceVms(driver))
+    return PyTorchCachingAllocator(driver, config, segments=RefuseOnceVms)
 
 
 class Design(NamedTuple):

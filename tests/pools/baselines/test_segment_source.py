@@ -3,7 +3,7 @@ allocator (``torch.cuda.MemPool`` over a pluggable allocator: PyTorch's caching 
 
 import pytest
 
-from vmstoolkit.errors import ConfigError, OutOfMemoryError
+from vmstoolkit.errors import OutOfMemoryError
 from vmstoolkit.pools import make_allocator, make_driver
 from vmstoolkit.pools.baselines.pytorch_caching import AllocatorSegments, DriverSegments, PyTorchCachingAllocator
 from vmstoolkit.units import MiB
@@ -11,8 +11,8 @@ from vmstoolkit.units import MiB
 
 def test_segments_from_an_allocator_are_its_live_allocations():
     d = make_driver("sim", capacity=256 * MiB)
-    vms = make_allocator("vms", d)
-    a = PyTorchCachingAllocator(d, "max_split_size_mb:40", segments=AllocatorSegments(vms))
+    a = PyTorchCachingAllocator(d, "max_split_size_mb:40", segments=lambda d: AllocatorSegments(make_allocator("vms", d)))
+    vms = a.segment_source.upstream
     assert d.calls.get("mem_alloc", 0) == 0
     p = a.allocate(3 * MiB)  # a 20 MiB segment from vms, split
     q = a.allocate(5 * MiB)
@@ -36,7 +36,7 @@ def test_a_private_pool_keeps_cached_blocks_on_the_last_retry():
     every whole cached segment before out of memory."""
     for keeps, served in ((True, False), (False, True)):
         d = make_driver("sim", capacity=64 * MiB)
-        a = PyTorchCachingAllocator(d, segments=AllocatorSegments(make_allocator("vms", d), keeps_cached=keeps))
+        a = PyTorchCachingAllocator(d, segments=lambda d: AllocatorSegments(make_allocator("vms", d), keeps_cached=keeps))
         a.free(a.allocate(40 * MiB))  # a cached 40 MiB segment (no max_split: never released on the first retry)
         if served:  # another stream's request: the cached block cannot serve it, its memory can
             a.free(a.allocate(30 * MiB, 1), 1)
@@ -47,12 +47,14 @@ def test_a_private_pool_keeps_cached_blocks_on_the_last_retry():
         a.close()
 
 
-def test_the_default_source_is_cudamalloc_and_another_drivers_source_is_refused():
+def test_the_default_source_is_cudamalloc_and_a_source_on_another_driver_fails_the_check():
     d = make_driver("sim")
     a = PyTorchCachingAllocator(d)
     assert isinstance(a.segment_source, DriverSegments)
     a.free(a.allocate(3 * MiB))
     assert d.calls["mem_alloc"] == 1
     a.close()
-    with pytest.raises(ConfigError, match="another driver"):
-        PyTorchCachingAllocator(d, segments=AllocatorSegments(make_allocator("vms", make_driver("sim"))))
+    a = PyTorchCachingAllocator(d, segments=lambda _: AllocatorSegments(make_allocator("vms", make_driver("sim"))))
+    a.allocate(3 * MiB)
+    with pytest.raises(AssertionError, match="another driver"):
+        a._check()

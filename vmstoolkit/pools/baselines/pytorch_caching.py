@@ -23,7 +23,7 @@ that decides reserved memory, written from its rules:
   new segment, free unsplit large cached blocks older than average until reserved memory is
   under the threshold.
 
-Where segments come from is a parameter (``segments=``, a :class:`SegmentSource`):
+Where segments come from is a parameter (``segments=``, making a :class:`SegmentSource`):
 :class:`DriverSegments` (``cudaMalloc``, the default) or :class:`AllocatorSegments` (any
 vmstoolkit allocator), which is what ``torch.cuda.MemPool`` with a pluggable allocator does:
 PyTorch's caching and splitting on top of a custom allocator's segments.
@@ -45,7 +45,9 @@ from __future__ import annotations
 
 from sortedcontainers import SortedList
 
-from vmstoolkit.errors import ConfigError, DriverOutOfMemoryError, OutOfMemoryError
+from typing import Callable
+
+from vmstoolkit.errors import DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
 from vmstoolkit.pools.drivers import VMMDriver, make_driver  # noqa: F401  (make_driver: doctest)
 from vmstoolkit.pools.baselines.pytorch_config import UNLIMITED, PyTorchAllocConfig, as_config
@@ -267,7 +269,9 @@ class AllocatorSegments(SegmentSource):
         self.upstream.free(ptr)
 
     def check(self, caching: "PyTorchCachingAllocator") -> None:
-        """``upstream``'s invariants, and every segment one of its live allocations, of its size."""
+        """``upstream``'s invariants, on ``caching``'s driver, and every segment one of its live
+        allocations, of its size."""
+        assert self.driver is caching.driver, f"{caching.name}: segments from an allocator on another driver"
         self.upstream._check()
         live = self.upstream.live_allocations()
         for ptr, nbytes in caching.segments.items():
@@ -288,8 +292,9 @@ class PyTorchCachingAllocator(Allocator):
     :class:`~vmstoolkit.pools.options.PyTorchCachingOptions` (as
     :func:`~vmstoolkit.pools.make_allocator` passes them), or its ``config`` alone, a
     ``PYTORCH_CUDA_ALLOC_CONF``-style string (checked by the options class). ``segments``: where
-    segments come from (a :class:`SegmentSource` on ``driver``; :class:`DriverSegments`,
-    ``cudaMalloc``, by default), e.g. ``AllocatorSegments(make_allocator("vms", driver))``.
+    segments come from, ``driver -> SegmentSource`` called once with ``driver``
+    (:class:`DriverSegments`, ``cudaMalloc``, by default), e.g.
+    ``segments=lambda d: AllocatorSegments(make_allocator("vms", d))``.
 
     Runtime complexity, for ``n`` cached blocks of the request's pool (small or large): an
     allocation is O(log n) (best fit in a sorted list, a split) plus one ``cudaMalloc`` when no
@@ -305,15 +310,13 @@ class PyTorchCachingAllocator(Allocator):
     expandable = False
 
     def __init__(self, driver: VMMDriver, options: PyTorchCachingOptions | str | None = None, *,
-                 segments: SegmentSource | None = None) -> None:
+                 segments: Callable[[VMMDriver], SegmentSource] | None = None) -> None:
         super().__init__(driver)
         if not isinstance(options, PyTorchCachingOptions):
             options = self.options_class(config=options)
         self.graveyard = Graveyard(driver)
-        if segments is not None and getattr(segments, "driver", None) is not driver:
-            raise ConfigError(f"{self.name}: segments={segments!r} come from another driver than the allocator's "
-                              f"{driver!r}: reserved memory would be counted on the wrong one")
-        self.segment_source = segments if segments is not None else DriverSegments(driver, self.graveyard)
+        # made here on the allocator's own driver, so that reserved memory is counted on one
+        self.segment_source = segments(driver) if segments is not None else DriverSegments(driver, self.graveyard)
         self.config = self._alloc_conf(options.config)
         self.small_pool = BlockPool(small=True)
         self.large_pool = BlockPool(small=False)
