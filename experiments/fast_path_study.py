@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple
 
 from common import grid, priced, replay_passes, sweep, write
 from vmstoolkit.pools import make_allocator
-from vmstoolkit.pools.baselines.pytorch_caching import Block, PyTorchCachingAllocator, allocation_size
+from vmstoolkit.pools.baselines.pytorch_caching import AllocatorSegments, PyTorchCachingAllocator
 
 
 class ExactFront:
@@ -91,52 +91,59 @@ class ExactFront:
         self.vms.close()
 
 
-class CachingOverVMS(PyTorchCachingAllocator):
-    """PyTorch's caching allocator in a private pool whose segments come from ``vms``."""
+class RefuseOnceVms:
+    """``vms`` as the segment source of PyTorch's caching allocator in a private pool (the
+    :class:`~vmstoolkit.pools.baselines.pytorch_caching.SegmentSource` protocol, over
+    :class:`AllocatorSegments`): it refuses a segment once when ``vms`` has no free physical
+    memory for it, so that PyTorch frees oversize cached blocks into ``vms`` and asks again (the
+    retry is served). Every call reaching it is a Python call."""
 
-    name = "caching-over-vms"
+    keeps_cached = True  # a private pool in use keeps its cached blocks (PyTorch's release_cached_blocks)
 
-    def __init__(self, driver, config: str) -> None:
-        super().__init__(driver, config)
-        self.backend = make_allocator("vms", driver)
+    def __init__(self, driver) -> None:
+        self.inner = AllocatorSegments(make_allocator("vms", driver))
+        self.vms, self.driver = self.inner.upstream, driver
         self._refused: int | None = None
         self.python_calls = 0
 
-    def _alloc_block(self, pool, stream, size, retry=False):
-        nbytes = allocation_size(size)
+    def allocate(self, nbytes: int) -> int | None:
         self.python_calls += 1
-        if self.backend.primitives.free_chunks * self.driver.granularity < nbytes and self._refused != nbytes:
+        if self.vms.primitives.free_chunks * self.driver.granularity < nbytes and self._refused != nbytes:
             self._refused = nbytes  # refuse once: PyTorch frees oversize cached blocks and asks again
             return None
         self._refused = None
-        ptr = self.backend.allocate(nbytes)
-        self.total_reserved += nbytes
-        self.num_device_alloc += 1
-        self.segments[ptr] = nbytes
-        return Block(ptr, nbytes, stream, pool.small)
+        return self.inner.allocate(nbytes)
 
-    def _release_block(self, block, pool) -> None:
-        pool.remove(block)
-        del self.segments[block.ptr]
-        self.total_reserved -= block.size
-        self.num_device_free += 1
+    def free(self, ptr: int, nbytes: int) -> None:
         self.python_calls += 1
-        self.backend.free(block.ptr)
+        self.inner.free(ptr, nbytes)
 
-    def _release_cached_blocks(self) -> bool:
-        return True  # a private pool in use keeps its cached blocks (PyTorch's release_cached_blocks)
+    def check(self, caching) -> None:
+        self.inner.check(caching)
+
+    def empty_cache(self) -> None:
+        self.inner.empty_cache()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def caching_over_vms(driver, config: str) -> PyTorchCachingAllocator:
+    """PyTorch's caching allocator in a private pool whose segments come from ``vms``."""
+    return PyTorchCachingAllocator(driver, config, segments=RefuseOnceVms)
 
 
 class Design(NamedTuple):
     make: Callable  # driver -> the allocator the replay calls
-    python: float | None = None  # Python calls per request when fixed; None: the design counts its own
+    python: float | None = None  # Python calls per request when fixed; None: python_calls(target) counts them
     end_pass: Callable | None = None
+    python_calls: Callable = lambda t: t.python_calls
 
 
 def replay(trace, design: Design, passes: int) -> dict:
     """Replay ``trace`` ``passes`` times through the design: Python calls per request and modelled
     driver time per pass in steady state (:func:`common.steady`), peak reserved and utilization."""
-    counters = (lambda t: {"python_calls": t.python_calls}) if design.python is None else None
+    counters = (lambda t: {"python_calls": design.python_calls(t)}) if design.python is None else None
     r = replay_passes(trace, design.make, passes, counters=counters, end_pass=design.end_pass)
     return priced(r, python_per_request=lambda p: design.python if design.python is not None
                   else p["counters"]["python_calls"] / p["requests"])
@@ -145,8 +152,10 @@ def replay(trace, design: Design, passes: int) -> dict:
 ROWS = {
     "vms": Design(lambda d: make_allocator("vms", d), python=1.0),  # every request reaches Python
     "vms + exact-size front": Design(lambda d: ExactFront(make_allocator("vms", d)), end_pass=ExactFront.drain),
-    "caching over vms (max_split 21)": Design(lambda d: CachingOverVMS(d, "max_split_size_mb:21")),
-    "caching over vms (max_split 64)": Design(lambda d: CachingOverVMS(d, "max_split_size_mb:64")),
+    "caching over vms (max_split 21)": Design(lambda d: caching_over_vms(d, "max_split_size_mb:21"),
+                                              python_calls=lambda t: t.segment_source.python_calls),
+    "caching over vms (max_split 64)": Design(lambda d: caching_over_vms(d, "max_split_size_mb:64"),
+                                              python_calls=lambda t: t.segment_source.python_calls),
     "pytorch-caching": Design(lambda d: make_allocator("pytorch-caching", d), python=0.0),  # native
     "pytorch-expandable": Design(lambda d: make_allocator("pytorch-expandable", d), python=0.0),
 }

@@ -370,3 +370,48 @@ def test_the_fallbacks_warning_says_what_it_lacks(monkeypatch, capsys, name):
     finally:
         if name == "paged":
             h.close()
+
+
+def _same_run_both_paths(alloc, free, driver, reset_peak, reset_totals):
+    """One request sequence (fast-path hits, page mapping, an OOM, a driver failure, resets) on
+    either path."""
+    ptrs = {}
+    for i, s in enumerate([100, 3 * MiB, 5000, 64 * MiB, MiB, MiB + 1, 3 * MiB]):
+        ptrs[i] = (alloc(s), s)
+    free(*ptrs.pop(1))
+    ptrs[7] = (alloc(3 * MiB), 3 * MiB)  # served from the freed pages (the compiled fast path)
+    assert not alloc(8 * GiB)  # more than the device: out of memory
+    reset_peak()
+    free(*ptrs.pop(3))
+    ptrs[8] = (alloc(2 * MiB), 2 * MiB)
+    reset_totals()
+    assert not alloc(8 * GiB)  # counted again after the reset
+    driver.fail_on("create", driver.calls.get("create", 0) + 1, "CUDA_ERROR_UNKNOWN")  # a driver error is a failed malloc, not an out-of-memory
+    assert not alloc(200 * MiB)
+    free(*ptrs.pop(0))
+    return ptrs
+
+
+def test_statistics_read_the_same_whichever_path_served(hook):
+    """The hook's compiled fast path, its Python slow path and the plain Python bridge over
+    ``paged`` report the same figures: the hook counts through the allocator's bookkeeping."""
+    from vmstoolkit.integrations.bridge import AllocatorBridge, torch_stats
+
+    alloc, free = _entry_points(hook)
+    nd = hook.bridge(0)
+    _same_run_both_paths(lambda s: alloc(s, 0, None), lambda p, s: free(p, s, 0, None), nd.allocator.driver,
+                         nd.reset_peak, nd.reset_accumulated)
+    b = AllocatorBridge(make_allocator("paged", SimulatedDriver(capacity=4 * GiB)))
+    a = b.allocator
+    _same_run_both_paths(lambda s: b.malloc(s, 0, report=False), lambda p, s: b.free(p, 0), a.driver,
+                         b.reset_peak, b.reset_accumulated)
+    native, python = nd.allocator_stats(), a.stats()
+    for field in ("allocated_bytes", "peak_allocated_bytes", "allocated_count", "peak_allocated_count",
+                  "reserved_bytes", "peak_reserved_bytes", "total_allocs", "total_frees", "total_allocated_bytes",
+                  "num_ooms"):
+        assert getattr(native, field) == getattr(python, field), field
+    assert nd.stats() == torch_stats(python) or {k for k, v in nd.stats().items() if torch_stats(python)[k] != v} \
+        <= {"num_device_alloc", "num_device_free"}
+    assert native.num_ooms == 1 and native.total_allocs == 0 and native.total_frees == 1
+    assert nd.failed_mallocs == b.failed_mallocs == 3  # a bridge's count, which resets leave alone
+    a.close()

@@ -38,6 +38,35 @@ def test_export_and_report_round_trip():
     a.close()
 
 
+def test_counters_kept_outside_read_as_the_allocators_own():
+    """A compiled path that counts in its own array (the PyTorch hook) with count_alloc and
+    count_free reads, through stats_of, what allocate and free give the base class."""
+    from vmstoolkit.pools.base import count_alloc, count_free
+
+    a, b = make_allocator("paged"), make_allocator("paged")
+    c = b.export_counters()
+    for size in (1000, 3 << 20, 7):
+        addr = a.allocate(size)
+        count_alloc(c, size)
+    a.free(addr)
+    count_free(c, 7)
+    assert a.stats_of(a.export_counters()) == a.stats()
+    got, want = b.stats_of(c).as_dict(), a.stats().as_dict()
+    for k in ("allocated_bytes", "peak_allocated_bytes", "allocated_count", "peak_allocated_count", "total_allocs",
+              "total_frees", "total_allocated_bytes"):
+        assert got[k] == want[k], k
+    a.reset_peak_stats()
+    b.reset_peaks_of(c)
+    a.reset_accumulated_stats()
+    b.note_oom()
+    b.reset_totals_of(c)
+    got, want = b.stats_of(c).as_dict(), a.stats().as_dict()
+    assert got["peak_allocated_bytes"] == want["peak_allocated_bytes"] == 1000 + (3 << 20)
+    assert got["total_allocs"] == want["total_allocs"] == 0 and got["num_ooms"] == want["num_ooms"] == 0
+    a.close()
+    b.close()
+
+
 def test_compiled_replay_uses_no_private_fields_of_the_base_class():
     import inspect
 

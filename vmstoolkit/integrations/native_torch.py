@@ -32,12 +32,12 @@ from contextlib import contextmanager
 import numpy as np
 from vmstoolkit._jit import njit
 
-from vmstoolkit.errors import IntegrationError
+from vmstoolkit.errors import IntegrationError, OutOfMemoryError
 from vmstoolkit.integrations.abi import ALLOC_FN, FREE_FN  # noqa: F401 (re-exported for callers)
 from vmstoolkit.integrations.bridge import per_device, report_failed_malloc, torch_stats
 from vmstoolkit.integrations.torch import HookBase
 from vmstoolkit.pools.adaptors import past_limit
-from vmstoolkit.pools.base import AllocatorStats
+from vmstoolkit.pools.base import Allocator, AllocatorStats, C_ALLOCATED, count_alloc, count_free
 from vmstoolkit.pools.paged import heap as H
 from vmstoolkit.pools.paged.allocator import G_NSLOTS, MAX_SLOTS, OVERFLOW_BIT, SMALL_SIZE, PagedAllocator
 
@@ -52,9 +52,12 @@ R_HEAPS = 10  # large heap arrays at R_HEAPS, small heap arrays at R_HEAPS + 2 *
 ROW = R_HEAPS + 4 * N_HEAP_ARRAYS
 TABLE = np.zeros(MAX_DEVICES * ROW, np.int64)
 
-# g[] slots the hook keeps (heap.py uses 0-5)
-G_ALLOC_BYTES, G_PEAK_ALLOC, G_ALLOCS, G_FREES, G_BAD_FREES, G_LIVE, G_PEAK_LIVE = 6, 7, 8, 9, 10, 11, 12
-G_TOTAL_BYTES = 14  # bytes ever allocated (13 is the allocator's G_NSLOTS)
+# g[] slots the hook uses (heap.py uses 0-5, the allocator's G_NSLOTS 13): the request counters,
+# laid out as Allocator.COUNTERS and kept by pools.base's count_alloc/count_free, so that the
+# allocator reads them (Allocator.stats_of) as it reads its own; then the frees of unknown pointers
+G_COUNTERS = 6
+G_BAD_FREES = 14
+assert G_COUNTERS + len(Allocator.COUNTERS) <= G_NSLOTS, "the hook's counters overlap the allocator's g slots"
 
 SLOW_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int64)  # (size, device, stream) -> ptr
 SLOW_MAP_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64,
@@ -102,70 +105,56 @@ def pointer_to(t):
     return cast
 
 
-@njit(cache=True)
-def count_alloc(g, size):
-    g[G_ALLOC_BYTES] += size
-    g[G_TOTAL_BYTES] += size
-    g[G_ALLOCS] += 1
-    g[G_LIVE] += 1
-    if g[G_ALLOC_BYTES] > g[G_PEAK_ALLOC]:
-        g[G_PEAK_ALLOC] = g[G_ALLOC_BYTES]
-    if g[G_LIVE] > g[G_PEAK_LIVE]:
-        g[G_PEAK_LIVE] = g[G_LIVE]
-
-
-@njit(cache=True)
-def count_free(g, size):
-    g[G_ALLOC_BYTES] -= size
-    g[G_FREES] += 1
-    g[G_LIVE] -= 1
-
-
 class NativeDevice:
     """One device's ``paged`` allocator and the hook's counters, in the bridge's vocabulary
-    (``allocator``, ``seconds``: time in the Python slow path, ``failed_mallocs``)."""
+    (``allocator``, ``seconds``: time in the Python slow path, ``failed_mallocs``).
+
+    The requests the hook serves never reach :meth:`Allocator.allocate`: they are counted in
+    ``counters`` (a view of ``g``, laid out as :data:`Allocator.COUNTERS`) by the fast path and the
+    slow path alike, out-of-memory failures by :meth:`Allocator.note_oom`, and the allocator reads
+    and resets them through its documented calls (:meth:`Allocator.stats_of`, ``reset_peaks_of``,
+    ``reset_totals_of``): the figures ``torch.cuda`` shows are those the Python path gives."""
 
     def __init__(self, allocator: PagedAllocator) -> None:
         self.allocator = allocator
         self.g = allocator.g
+        self.counters = self.g[G_COUNTERS:G_COUNTERS + len(Allocator.COUNTERS)]  # a view
         self.seconds = 0.0
         self.failed_mallocs = 0
         self.last_error: BaseException | None = None
 
     @property
     def bad_frees(self) -> int:
+        """Frees of pointers the hook never handed out (counted, never raised into C)."""
         return int(self.g[G_BAD_FREES])
 
     def allocator_stats(self) -> AllocatorStats:
-        """The hook's counters (allocated: bytes PyTorch asked for) and the driver's (reserved:
-        physical bytes it holds for this allocator)."""
-        g, d = self.g, self.allocator.driver
-        return AllocatorStats(
-            allocated_bytes=int(g[G_ALLOC_BYTES]), peak_allocated_bytes=int(g[G_PEAK_ALLOC]),
-            allocated_count=int(g[G_LIVE]), peak_allocated_count=int(g[G_PEAK_LIVE]),
-            reserved_bytes=d.physical_bytes, peak_reserved_bytes=d.peak_physical_bytes,
-            total_allocs=int(g[G_ALLOCS]), total_frees=int(g[G_FREES]), total_allocated_bytes=int(g[G_TOTAL_BYTES]),
-            num_ooms=self.failed_mallocs, driver_calls=dict(d.calls))
+        """The hook's requests (allocated: bytes PyTorch asked for) and the driver's figures
+        (reserved: physical bytes it holds for this allocator), read by the allocator
+        (:meth:`Allocator.stats_of`)."""
+        return self.allocator.stats_of(self.counters)
 
     def stats(self) -> dict:
         """``torch.cuda.memory_stats()``-style statistics (:func:`~vmstoolkit.integrations.bridge.torch_stats`)."""
         return torch_stats(self.allocator_stats())
 
     def record_stream(self, ptr: int, stream: int) -> None:
+        """``Tensor.record_stream``: the block is not reused before ``stream``'s work queued up to its free."""
         self.allocator.record_block(ptr, stream)
 
     def reset_peak(self) -> None:
+        """``torch.cuda.reset_peak_memory_stats``: the peaks start again from the current figures."""
         with self.allocator.slow_lock:
-            self.g[G_PEAK_ALLOC] = self.g[G_ALLOC_BYTES]
-            self.g[G_PEAK_LIVE] = self.g[G_LIVE]
-            self.allocator.driver.reset_peak()
+            self.allocator.reset_peaks_of(self.counters)
 
     def reset_accumulated(self) -> None:
+        """``torch.cuda.reset_accumulated_memory_stats``: the totals and the out-of-memory count
+        zeroed (``failed_mallocs`` is the bridge's count, kept, as :class:`AllocatorBridge` keeps it)."""
         with self.allocator.slow_lock:
-            self.g[G_ALLOCS] = self.g[G_FREES] = self.g[G_TOTAL_BYTES] = 0
-            self.failed_mallocs = 0
+            self.allocator.reset_totals_of(self.counters)
 
     def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache``: every cached chunk no live block uses given back."""
         pa = self.allocator
         with pa.slow_lock, pa.driver.bound():
             self.g[H.G_BUSY] += 1
@@ -279,6 +268,8 @@ class NativeHook(HookBase):
         except Exception as e:
             nd.last_error = self.last_error = e
             nd.failed_mallocs += 1
+            if isinstance(e, OutOfMemoryError):
+                nd.allocator.note_oom()  # as Allocator.allocate counts it
             if not self.raises:
                 report_failed_malloc(size, dev, e)
         finally:
@@ -295,7 +286,7 @@ class NativeHook(HookBase):
         with self._working(nd, size, dev):
             self._check_limit(nd, size, dev)
             addr = nd.allocator.alloc_block(size, stream)
-            count_alloc(nd.g, size)
+            count_alloc(nd.counters, size)
             if self._recording:
                 self.history.record("alloc", dev, addr, size, stream)
             return addr
@@ -303,8 +294,8 @@ class NativeHook(HookBase):
 
     def _check_limit(self, nd: NativeDevice, size: int, dev: int) -> None:
         lim = self.limits.get(dev)
-        if lim is not None and int(nd.g[G_ALLOC_BYTES]) + size > lim[0]:
-            raise past_limit(self.allocator_name, size, int(nd.g[G_ALLOC_BYTES]), lim[0], nd.allocator.driver, lim[1])
+        if lim is not None and int(nd.counters[C_ALLOCATED]) + size > lim[0]:
+            raise past_limit(self.allocator_name, size, int(nd.counters[C_ALLOCATED]), lim[0], nd.allocator.driver, lim[1])
 
     def _slow_map(self, dev: int, which: int, start: int, n: int, size: int, stream: int) -> int:
         nd = self.devices[dev]
@@ -313,7 +304,7 @@ class NativeHook(HookBase):
         with self._working(nd, size, dev):
             pa.map_block(heap, start, n, size)  # frees the block again on failure
             pa.order_after(heap, start, n, stream)
-            count_alloc(nd.g, size)
+            count_alloc(nd.counters, size)
             return 1
         return 0
 
@@ -329,7 +320,7 @@ class NativeHook(HookBase):
         try:
             pa = nd.allocator
             if pa.free_block(ptr, pa.slot_bit(stream)):
-                count_free(nd.g, size)
+                count_free(nd.counters, size)
                 if self._recording:
                     self.history.record("free_completed", dev, ptr, size, stream)
             else:
@@ -356,10 +347,12 @@ class _NativeUpstream:
             except Exception as e:
                 nd.last_error = e
                 nd.failed_mallocs += 1
+                if isinstance(e, OutOfMemoryError):
+                    pa.note_oom()
                 raise
             finally:
                 nd.g[H.G_BUSY] -= 1
-            count_alloc(nd.g, size)
+            count_alloc(nd.counters, size)
         self.sizes[addr] = size
         if self.hook._recording:
             self.hook.history.record("alloc", self.dev, addr, size, stream)
@@ -433,6 +426,7 @@ def _compile(slow_alloc, slow_map, slow_free, slow_wait):
 
     heap_alloc, heap_free, take_tags = H.heap_alloc, H.heap_free, H.take_tags
     counted_alloc, counted_free = count_alloc, count_free
+    c0, c1 = G_COUNTERS, G_COUNTERS + len(Allocator.COUNTERS)
     release = _gil_release
     small_size = SMALL_SIZE
     overflow = np.int64(OVERFLOW_BIT)
@@ -460,7 +454,7 @@ def _compile(slow_alloc, slow_map, slow_free, slow_wait):
                 start, missing = heap_alloc(*views, g, n)
                 if start >= 0:
                     if missing == 0:
-                        counted_alloc(g, np.int64(size))
+                        counted_alloc(g[c0:c1], np.int64(size))
                         w = take_tags(views[0], views[12], views[13], views[16], start, n, 0 if bit == overflow else bit)
                         if w != 0:  # chunks another stream's queued work may use: order after it
                             slow_wait(device, s, w)
@@ -499,7 +493,7 @@ def _compile(slow_alloc, slow_map, slow_free, slow_wait):
                         if (addr - base) & ((np.int64(1) << shift) - 1) == 0:  # a block's start, not inside one
                             k = heap_free(*heap_views(t, row + R_HEAPS + 2 * N_HEAP_ARRAYS * h), g, (addr - base) >> shift, bit)
                 if k > 0:
-                    counted_free(g, np.int64(size))
+                    counted_free(g[c0:c1], np.int64(size))
                 else:
                     g[G_BAD_FREES] += 1
         if not done:

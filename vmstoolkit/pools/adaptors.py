@@ -68,24 +68,35 @@ class AllocatorAdaptor(Allocator):
 
     @property
     def name(self) -> str:
+        """The upstream's registry name. Runtime complexity: O(1) per adaptor in the chain."""
         return self.upstream.name
 
     @property
     def streams_apart(self) -> bool:
+        """The upstream's :attr:`Allocator.streams_apart`. Runtime complexity: O(1) per adaptor in the
+        chain."""
         return self.upstream.streams_apart
 
     @property
     def counts(self) -> Mapping[str, int]:
+        """The upstream's :attr:`Allocator.counts` (the paths that served its requests). Runtime
+        complexity: O(1) per adaptor in the chain."""
         return self.upstream.counts
 
     def path_counts(self) -> dict:
+        """The upstream's :meth:`Allocator.path_counts`. Runtime complexity: the upstream's, O(paths)."""
         return self.upstream.path_counts()
 
     # -- the protocol, forwarded --------------------------------------------------------------
     def allocate(self, size: int, stream: int = 0) -> int:
+        """:meth:`Allocator.allocate`, forwarded (subclasses count or check first). Runtime complexity: the
+        upstream's allocate plus O(1)."""
         return self.upstream.allocate(size, stream)
 
     def free(self, addr: int, stream: int | None = None) -> None:
+        """:meth:`Allocator.free`, forwarded; the adaptor's own bookkeeping runs even when the upstream's
+        driver teardown fails (the allocation is gone either way). Runtime complexity: the upstream's
+        free plus one size lookup, O(1)."""
         size = self.upstream.size_of(addr)  # raises for an address nothing lives at, as free would
         try:
             self.upstream.free(addr, stream)  # a live address: gone afterwards, even on a DriverError
@@ -96,55 +107,86 @@ class AllocatorAdaptor(Allocator):
         """The live allocation at ``addr`` of ``size`` bytes was freed upstream (subclasses)."""
 
     def record_stream(self, addr: int, stream: int) -> None:
+        """:meth:`Allocator.record_stream`, forwarded. Runtime complexity: O(1)."""
         self.upstream.record_stream(addr, stream)
 
     @property
     def allocated_bytes(self) -> int:
+        """The upstream's live requested bytes. Runtime complexity: O(1)."""
         return self.upstream.allocated_bytes
 
     def size_of(self, addr: int) -> int:
+        """The upstream's :meth:`Allocator.size_of`. Runtime complexity: O(1)."""
         return self.upstream.size_of(addr)
 
     def stats(self) -> AllocatorStats:
+        """The upstream's :meth:`Allocator.stats` (subclasses add their own figures). Runtime complexity:
+        the upstream's, O(driver operations)."""
         return self.upstream.stats()
 
     def reset_peak_stats(self) -> None:
+        """The upstream's :meth:`Allocator.reset_peak_stats`. Runtime complexity: O(1)."""
         self.upstream.reset_peak_stats()
 
     def reset_accumulated_stats(self) -> None:
+        """The upstream's :meth:`Allocator.reset_accumulated_stats`. Runtime complexity: O(1)."""
         self.upstream.reset_accumulated_stats()
 
     def live_allocations(self) -> dict[int, int]:
+        """The upstream's live allocations (a copy). Runtime complexity: O(live)."""
         return self.upstream.live_allocations()
 
     def _held_by_core(self) -> dict[int, int]:
         return self.upstream._held_by_core()
 
     def empty_cache(self) -> None:
+        """The upstream's :meth:`Allocator.empty_cache`. Runtime complexity: the upstream's, O(cached
+        blocks) and their driver calls."""
         self.upstream.empty_cache()
 
     def close(self) -> None:
+        """Closes the upstream (:meth:`Allocator.close`). Runtime complexity: the upstream's, O(live) frees
+        then :meth:`empty_cache`."""
         self.upstream.close()
 
     # The compiled-path bookkeeping (Allocator.export_counters ... note_oom) is the upstream's: an
     # adaptor runs no compiled path itself (compiled_replay is None), so these only ever reach the
     # counters the upstream keeps.
     def export_counters(self):
+        """The upstream's :meth:`Allocator.export_counters`. Runtime complexity: O(1)."""
         return self.upstream.export_counters()
 
     def stream_home(self):
+        """The upstream's :meth:`Allocator.stream_home`. Runtime complexity: O(1)."""
         return self.upstream.stream_home()
 
     def block_streams(self):
+        """The upstream's :meth:`Allocator.block_streams`. Runtime complexity: O(such blocks)."""
         return self.upstream.block_streams()
 
     def report_compiled(self, counters, **state) -> None:
+        """The upstream's :meth:`Allocator.report_compiled`. Runtime complexity: O(live + freed)."""
         self.upstream.report_compiled(counters, **state)
 
     def note_oom(self) -> None:
+        """The upstream's :meth:`Allocator.note_oom`. Runtime complexity: O(1)."""
         self.upstream.note_oom()
 
+    def stats_of(self, counters):
+        """The upstream's :meth:`Allocator.stats_of`. Runtime complexity: O(driver operations)."""
+        return self.upstream.stats_of(counters)
+
+    def reset_peaks_of(self, counters) -> None:
+        """The upstream's :meth:`Allocator.reset_peaks_of`. Runtime complexity: O(1)."""
+        self.upstream.reset_peaks_of(counters)
+
+    def reset_totals_of(self, counters) -> None:
+        """The upstream's :meth:`Allocator.reset_totals_of`. Runtime complexity: O(1)."""
+        self.upstream.reset_totals_of(counters)
+
     def compiled_replay(self, events) -> None:
+        """None: an adaptor's figures need every request through Python, so a replay calls the protocol.
+        Runtime complexity: O(1)."""
         return None
 
     def _check(self) -> None:
@@ -207,6 +249,9 @@ class LimitingAdaptor(AllocatorAdaptor):
         return self._allocated
 
     def allocate(self, size: int, stream: int = 0) -> int:
+        """:meth:`Allocator.allocate`, refused with an :class:`~vmstoolkit.errors.OutOfMemoryError`
+        carrying the figures when it would take the bytes allocated through this adaptor past the limit
+        (counted in ``num_ooms``). Runtime complexity: O(1) plus the upstream's allocate."""
         if isinstance(size, int) and self._allocated + size > self.limit:
             self._refused += 1
             raise past_limit(self.name, size, self._allocated, self.limit, self.driver, self.why)
@@ -218,11 +263,14 @@ class LimitingAdaptor(AllocatorAdaptor):
         self._allocated -= size
 
     def stats(self) -> AllocatorStats:
+        """The upstream's statistics, with the refusals added to ``num_ooms``. Runtime complexity: the
+        upstream's, O(driver operations)."""
         s = self.upstream.stats()
         s.num_ooms += self._refused
         return s
 
     def reset_accumulated_stats(self) -> None:
+        """The upstream's reset, and the refusal count zeroed. Runtime complexity: O(1)."""
         self.upstream.reset_accumulated_stats()
         self._refused = 0
 
@@ -254,6 +302,7 @@ class Statistics:
     total_count: int = 0
 
     def add(self, size: int) -> None:
+        """Count one allocation of ``size`` bytes (current, peak and total). Runtime complexity: O(1)."""
         self.current_bytes += size
         self.current_count += 1
         self.total_bytes += size
@@ -264,6 +313,7 @@ class Statistics:
             self.peak_count = self.current_count
 
     def sub(self, size: int) -> None:
+        """Count the free of a ``size``-byte allocation. Runtime complexity: O(1)."""
         self.current_bytes -= size
         self.current_count -= 1
 
@@ -319,6 +369,8 @@ class StatisticsAdaptor(AllocatorAdaptor):
         self._allocs: dict[int, tuple[int, int]] = {}  # address -> (size, stream)
 
     def allocate(self, size: int, stream: int = 0) -> int:
+        """:meth:`Allocator.allocate`, counted in the innermost scope by size class (small pool up to 1
+        MiB, large above) and by stream. Runtime complexity: O(1) plus the upstream's allocate."""
         addr = self.upstream.allocate(size, stream)
         self._allocs[addr] = (size, stream)
         top = self._stack[-1]
@@ -386,17 +438,23 @@ class StatisticsAdaptor(AllocatorAdaptor):
         return frame
 
     def stats(self) -> AllocatorStats:
+        """The upstream's statistics with ``pools`` filled: the whole run's figures per size class (every
+        scope merged). Runtime complexity: O(scopes x (pools + streams)) plus the upstream's."""
         s = self.upstream.stats()
         s.pools = {k: v.as_pool() for k, v in self._whole_run().pools.items()}
         return s
 
     def reset_peak_stats(self) -> None:
+        """The upstream's reset, and every scope's peaks started again from their current figures. Runtime
+        complexity: O(scopes x (pools + streams))."""
         self.upstream.reset_peak_stats()
         for frame in self._stack:
             for st in (frame.all, *frame.pools.values(), *frame.streams.values()):
                 st.peak_bytes, st.peak_count = st.current_bytes, st.current_count
 
     def reset_accumulated_stats(self) -> None:
+        """The upstream's reset, and every scope's totals set back to their current figures. Runtime
+        complexity: O(scopes x (pools + streams))."""
         self.upstream.reset_accumulated_stats()
         for frame in self._stack:
             for st in (frame.all, *frame.pools.values(), *frame.streams.values()):
@@ -494,6 +552,8 @@ class SnapshotLog:
                        "time_us": int(time.time() * 1e6), "frames": frames, **more})
 
     def clear(self) -> None:
+        """Forget every recorded event and live frame, and the count of dropped events. Runtime complexity:
+        O(events)."""
         self.device_traces.clear()
         self.live_frames.clear()
         self.dropped = 0
@@ -554,6 +614,9 @@ class SnapshotLoggingAdaptor(AllocatorAdaptor):
         self._streams: dict[int, int] = {}  # address -> the stream it was allocated on
 
     def allocate(self, size: int, stream: int = 0) -> int:
+        """:meth:`Allocator.allocate`, logged as an ``alloc`` event (an ``oom`` event with the device's
+        free bytes when it fails, then the error). Runtime complexity: O(1) plus the upstream's allocate
+        (and, with frames recorded, the stack walk)."""
         try:
             addr = self.upstream.allocate(size, stream)
         except OutOfMemoryError:
@@ -569,9 +632,13 @@ class SnapshotLoggingAdaptor(AllocatorAdaptor):
         self.log.record("free_completed", self.device, addr, size, own if own is not None else (stream or 0))
 
     def snapshot(self) -> dict:
+        """The log in PyTorch's ``_snapshot()`` format (:meth:`SnapshotLog.snapshot`). Runtime complexity:
+        O(events + live allocations)."""
         return self.log.snapshot()
 
     def dump_snapshot(self, path: str | Path) -> Path:
+        """Write the log as a ``_dump_snapshot`` pickle at ``path`` (:meth:`SnapshotLog.dump`); returns the
+        path. Runtime complexity: O(events + live allocations) and the write."""
         return self.log.dump(path)
 
 

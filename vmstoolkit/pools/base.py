@@ -30,6 +30,7 @@ from types import MappingProxyType
 from typing import Callable, Mapping
 
 import numpy as np
+from vmstoolkit._jit import njit
 
 from vmstoolkit.errors import (
     AllocatorClosedError,
@@ -124,6 +125,34 @@ class CompiledReplay:
     reserved: np.ndarray | None = None  # with ``timeline``: physical bytes after each event
     loop_seconds: float = 0.0
     """Time spent in compiled code (the rest went to the driver's work, in Python)."""
+
+
+C_ALLOCATED, C_PEAK_ALLOCATED, C_COUNT, C_PEAK_COUNT, C_TOTAL_ALLOCS, C_TOTAL_FREES, C_TOTAL_BYTES = range(7)
+"""Indices of :data:`Allocator.COUNTERS` in an array of request counters."""
+
+
+@njit(cache=True)
+def count_alloc(c, size):
+    """Count one allocation of ``size`` bytes in ``c``, an int64 array laid out as
+    :data:`Allocator.COUNTERS`, as :meth:`Allocator.allocate` counts its own (compiled code may
+    call it: the PyTorch hook's fast path does). Runtime complexity: O(1)."""
+    c[C_ALLOCATED] += size
+    c[C_TOTAL_BYTES] += size
+    c[C_TOTAL_ALLOCS] += 1
+    c[C_COUNT] += 1
+    if c[C_ALLOCATED] > c[C_PEAK_ALLOCATED]:
+        c[C_PEAK_ALLOCATED] = c[C_ALLOCATED]
+    if c[C_COUNT] > c[C_PEAK_COUNT]:
+        c[C_PEAK_COUNT] = c[C_COUNT]
+
+
+@njit(cache=True)
+def count_free(c, size):
+    """Count the free of a ``size``-byte allocation in ``c`` (laid out as :data:`Allocator.COUNTERS`),
+    as :meth:`Allocator.free` counts its own. Runtime complexity: O(1)."""
+    c[C_ALLOCATED] -= size
+    c[C_TOTAL_FREES] += 1
+    c[C_COUNT] -= 1
 
 
 class Allocator(ABC):
@@ -318,11 +347,12 @@ class Allocator(ABC):
 
     def stream_home(self) -> int | None:
         """The one stream seen so far (``None`` before the first request), which a compiled
-        path needs to tell a single-stream run from a multi-stream one."""
+        path needs to tell a single-stream run from a multi-stream one. Runtime complexity: O(1)."""
         return self._streams.home
 
     def block_streams(self) -> dict[int, int]:
-        """address -> stream of every block the stream bookkeeping places off :meth:`stream_home` (a copy)."""
+        """address -> stream of every block the stream bookkeeping places off :meth:`stream_home` (a copy).
+        Runtime complexity: O(such blocks)."""
         return dict(self._streams.stream_of)
 
     def report_compiled(self, counters, *, live: dict[int, int], stream_of: dict[int, int], home: int | None,
@@ -349,7 +379,8 @@ class Allocator(ABC):
             rf.popitem(last=False)
 
     def note_oom(self) -> None:
-        """Count an out-of-memory failure met on a compiled path (as :meth:`allocate` counts its own)."""
+        """Count an out-of-memory failure met on a compiled path (as :meth:`allocate` counts its
+        own; only out-of-memory errors, a driver error is not one). Runtime complexity: O(1)."""
         self._num_ooms += 1
 
     def size_of(self, addr: int) -> int:
@@ -364,16 +395,27 @@ class Allocator(ABC):
         """The counters now, as a new :class:`AllocatorStats` (requested bytes and counts with
         their peaks, reserved bytes from the driver, totals, out-of-memory count, driver calls).
         Runtime complexity: O(driver operations), for the copy of the call counts."""
+        return self.stats_of((self._allocated, self._peak_allocated, len(self._live), self._peak_count,
+                              self._total_allocs, self._total_frees, self._total_bytes))
+
+    def stats_of(self, counters) -> AllocatorStats:
+        """:meth:`stats` for requests a compiled path counts in an array of its own, laid out as
+        :data:`COUNTERS` and kept with :func:`count_alloc` and :func:`count_free` (the PyTorch
+        hook's fast path, whose requests never reach :meth:`allocate`): the request figures from
+        ``counters``, the reserved bytes, the out-of-memory count (:meth:`note_oom`) and the
+        driver calls from this allocator, exactly as :meth:`stats` reads its own.
+        Runtime complexity: O(driver operations), for the copy of the call counts."""
+        c = [int(x) for x in counters[:7]]
         return AllocatorStats(
-            allocated_bytes=self._allocated,
-            peak_allocated_bytes=self._peak_allocated,
-            allocated_count=len(self._live),
-            peak_allocated_count=self._peak_count,
+            allocated_bytes=c[C_ALLOCATED],
+            peak_allocated_bytes=c[C_PEAK_ALLOCATED],
+            allocated_count=c[C_COUNT],
+            peak_allocated_count=c[C_PEAK_COUNT],
             reserved_bytes=self.driver.physical_bytes,
             peak_reserved_bytes=self.driver.peak_physical_bytes,
-            total_allocs=self._total_allocs,
-            total_frees=self._total_frees,
-            total_allocated_bytes=self._total_bytes,
+            total_allocs=c[C_TOTAL_ALLOCS],
+            total_frees=c[C_TOTAL_FREES],
+            total_allocated_bytes=c[C_TOTAL_BYTES],
             num_ooms=self._num_ooms,
             driver_calls=dict(self.driver.calls),
         )
@@ -385,10 +427,25 @@ class Allocator(ABC):
         self._peak_count = len(self._live)
         self.driver.reset_peak()
 
+    def reset_peaks_of(self, counters) -> None:
+        """:meth:`reset_peak_stats` for a compiled path's own ``counters`` (see :meth:`stats_of`):
+        their peaks start again from their current values, and so does the driver's reserved
+        peak. Runtime complexity: O(1)."""
+        counters[C_PEAK_ALLOCATED] = counters[C_ALLOCATED]
+        counters[C_PEAK_COUNT] = counters[C_COUNT]
+        self.driver.reset_peak()
+
     def reset_accumulated_stats(self) -> None:
         """Zero the running totals (allocations, frees, bytes ever requested, out-of-memory count).
         Runtime complexity: O(1)."""
         self._total_allocs = self._total_frees = self._total_bytes = self._num_ooms = 0
+
+    def reset_totals_of(self, counters) -> None:
+        """:meth:`reset_accumulated_stats` for a compiled path's own ``counters`` (see
+        :meth:`stats_of`): their totals and this allocator's out-of-memory count are zeroed.
+        Runtime complexity: O(1)."""
+        counters[C_TOTAL_ALLOCS] = counters[C_TOTAL_FREES] = counters[C_TOTAL_BYTES] = 0
+        self._num_ooms = 0
 
     def _held_by_core(self) -> dict[int, int]:
         """address -> requested size of every block the core still holds as allocated: the live

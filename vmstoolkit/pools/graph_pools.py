@@ -62,10 +62,12 @@ class PrivatePool:
 
     @property
     def cached_bytes(self) -> int:
+        """Bytes of the pool's cached (freed, kept) blocks. Runtime complexity: O(cached blocks)."""
         return sum(size for size, _ in self.cached)
 
     @property
     def live_bytes(self) -> int:
+        """Requested bytes of the pool's live allocations. Runtime complexity: O(live)."""
         return sum(req for req, _, _ in self.live.values())
 
 
@@ -96,6 +98,8 @@ class PrivatePools:
         return pool.use_count
 
     def use_count(self, pool_id) -> int:
+        """How many holders the pool ``pool_id`` has (0 for a pool never made or already given back).
+        Runtime complexity: O(1)."""
         pool = self.pools.get(tuple(pool_id))
         return 0 if pool is None else pool.use_count
 

@@ -23,6 +23,11 @@ that decides reserved memory, written from its rules:
   new segment, free unsplit large cached blocks older than average until reserved memory is
   under the threshold.
 
+Where segments come from is a parameter (``segments=``, making a :class:`SegmentSource`):
+:class:`DriverSegments` (``cudaMalloc``, the default) or :class:`AllocatorSegments` (any
+vmstoolkit allocator), which is what ``torch.cuda.MemPool`` with a pluggable allocator does:
+PyTorch's caching and splitting on top of a custom allocator's segments.
+
 Streams are kept apart as in PyTorch (a block is only reused on the stream it was allocated
 on). Not simulated: CUDA graph private pools, cross-stream ``record_stream`` events (a trace's
 ``free_completed`` already says when memory came back), IPC.
@@ -39,6 +44,8 @@ on). Not simulated: CUDA graph private pools, cross-stream ``record_stream`` eve
 from __future__ import annotations
 
 from sortedcontainers import SortedList
+
+from typing import Callable
 
 from vmstoolkit.errors import DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.base import Allocator
@@ -180,12 +187,114 @@ class BlockPool:
         return len(self.blocks)
 
 
+class SegmentSource:
+    """Where :class:`PyTorchCachingAllocator` gets its segments: the protocol.
+
+    ``driver`` is the driver the segments' memory is counted on (the caching allocator's own);
+    ``keeps_cached``: True when the last retry of a failed segment request frees no cached
+    segment (PyTorch's ``release_cached_blocks`` skips a private pool in use), so that only the
+    oversize-block retry (``max_split_size``) gives cached memory back before out of memory;
+    ``empty_cache`` and ``close`` give every whole cached segment back either way.
+    """
+
+    driver: VMMDriver
+    keeps_cached: bool = False
+
+    def allocate(self, nbytes: int) -> int | None:
+        """A new segment of ``nbytes``; None when memory is short (the caching allocator then
+        frees cached blocks and asks again, or raises out of memory)."""
+        raise NotImplementedError
+
+    def free(self, ptr: int, nbytes: int) -> None:
+        """Give back the whole segment of ``nbytes`` at ``ptr``."""
+        raise NotImplementedError
+
+    def check(self, caching: "PyTorchCachingAllocator") -> None:
+        """Assert that what the source holds agrees with ``caching``'s segments (its ``_check``)."""
+        raise NotImplementedError
+
+    def empty_cache(self) -> None:
+        """Give back what the source caches itself (after the caching allocator's ``empty_cache``)."""
+
+    def close(self) -> None:
+        """After the caching allocator's ``close``: give everything back."""
+
+
+class DriverSegments(SegmentSource):
+    """Segments from ``cudaMalloc`` (:meth:`VMMDriver.mem_alloc`), as PyTorch's default device
+    allocator; a ``cudaFree`` that fails waits in ``graveyard`` for a retry. Cost: one driver call
+    per segment made or given back."""
+
+    def __init__(self, driver: VMMDriver, graveyard: Graveyard) -> None:
+        self.driver, self.graveyard = driver, graveyard
+
+    def allocate(self, nbytes: int) -> int | None:
+        """``cudaMalloc(nbytes)``; None when the driver is out of memory. One driver call."""
+        try:
+            return self.driver.mem_alloc(nbytes)
+        except DriverOutOfMemoryError:
+            return None
+
+    def free(self, ptr: int, nbytes: int) -> None:
+        """``cudaFree``, through the graveyard (the caching allocator's state is consistent
+        first; a failed call waits for a retry). One driver call."""
+        self.graveyard.run([("mem_free", ptr, nbytes)])
+
+    def check(self, caching: "PyTorchCachingAllocator") -> None:
+        """The segments (and the graveyard's) are all the physical memory the driver counts."""
+        held = caching.total_reserved + self.graveyard.held_bytes()
+        assert held == self.driver.physical_bytes, \
+            f"{caching.name}: holds {held} bytes (graveyard included), the driver counts {self.driver.physical_bytes}"
+
+
+class AllocatorSegments(SegmentSource):
+    """Segments from any vmstoolkit allocator ``upstream`` (``torch.cuda.MemPool`` over a
+    pluggable allocator): each segment is one ``upstream.allocate(nbytes)``, given back with
+    ``upstream.free``; ``upstream`` is closed with the caching allocator. ``keeps_cached`` as
+    PyTorch does for a private pool in use (:class:`SegmentSource`). Cost: one upstream call per
+    segment made or given back."""
+
+    def __init__(self, upstream, keeps_cached: bool = True) -> None:
+        self.upstream, self.driver, self.keeps_cached = upstream, upstream.driver, keeps_cached
+
+    def allocate(self, nbytes: int) -> int | None:
+        """``upstream.allocate(nbytes)``; None when it is out of memory."""
+        try:
+            return self.upstream.allocate(nbytes)
+        except OutOfMemoryError:
+            return None
+
+    def free(self, ptr: int, nbytes: int) -> None:
+        """``upstream.free(ptr)``."""
+        self.upstream.free(ptr)
+
+    def check(self, caching: "PyTorchCachingAllocator") -> None:
+        """``upstream``'s invariants, on ``caching``'s driver, and every segment one of its live
+        allocations, of its size."""
+        assert self.driver is caching.driver, f"{caching.name}: segments from an allocator on another driver"
+        self.upstream._check()
+        live = self.upstream.live_allocations()
+        for ptr, nbytes in caching.segments.items():
+            assert live.get(ptr) == nbytes, f"{caching.name}: segment {ptr:#x} of {nbytes} bytes is not live upstream"
+
+    def empty_cache(self) -> None:
+        """``upstream.empty_cache()``."""
+        self.upstream.empty_cache()
+
+    def close(self) -> None:
+        """``upstream.close()``."""
+        self.upstream.close()
+
+
 @register_allocator("pytorch-caching", PyTorchCachingOptions, "simulation of PyTorch's CUDA caching allocator (cudaMalloc segments, best fit, splitting)")
 class PyTorchCachingAllocator(Allocator):
     """See the module docstring. ``options``: the checked
     :class:`~vmstoolkit.pools.options.PyTorchCachingOptions` (as
     :func:`~vmstoolkit.pools.make_allocator` passes them), or its ``config`` alone, a
-    ``PYTORCH_CUDA_ALLOC_CONF``-style string (checked by the options class).
+    ``PYTORCH_CUDA_ALLOC_CONF``-style string (checked by the options class). ``segments``: where
+    segments come from, ``driver -> SegmentSource`` called once with ``driver``
+    (:class:`DriverSegments`, ``cudaMalloc``, by default), e.g.
+    ``segments=lambda d: AllocatorSegments(make_allocator("vms", d))``.
 
     Runtime complexity, for ``n`` cached blocks of the request's pool (small or large): an
     allocation is O(log n) (best fit in a sorted list, a split) plus one ``cudaMalloc`` when no
@@ -200,11 +309,14 @@ class PyTorchCachingAllocator(Allocator):
     name = "pytorch-caching"
     expandable = False
 
-    def __init__(self, driver: VMMDriver, options: PyTorchCachingOptions | str | None = None) -> None:
+    def __init__(self, driver: VMMDriver, options: PyTorchCachingOptions | str | None = None, *,
+                 segments: Callable[[VMMDriver], SegmentSource] | None = None) -> None:
         super().__init__(driver)
         if not isinstance(options, PyTorchCachingOptions):
             options = self.options_class(config=options)
         self.graveyard = Graveyard(driver)
+        # made here on the allocator's own driver, so that reserved memory is counted on one
+        self.segment_source = segments(driver) if segments is not None else DriverSegments(driver, self.graveyard)
         self.config = self._alloc_conf(options.config)
         self.small_pool = BlockPool(small=True)
         self.large_pool = BlockPool(small=False)
@@ -247,7 +359,7 @@ class PyTorchCachingAllocator(Allocator):
                 self._garbage_collect()
             block = (self._alloc_block(pool, stream, size)
                      or (self._release_available_cached_blocks(pool, stream, size) and self._alloc_block(pool, stream, size))
-                     or (self._release_cached_blocks() and self._alloc_block(pool, stream, size, retry=True)))
+                     or (self._release_for_retry() and self._alloc_block(pool, stream, size, retry=True)))
             if not block:
                 d = self.driver
                 free, total = d.mem_info()
@@ -278,6 +390,15 @@ class PyTorchCachingAllocator(Allocator):
         """``torch.cuda.empty_cache()``: give back every cached segment nothing uses."""
         self.graveyard.retry()
         self._release_cached_blocks()
+        self.segment_source.empty_cache()
+
+    def close(self) -> None:
+        """As :meth:`Allocator.close`, then the segment source's ``close``. Runtime complexity:
+        O(live + cached blocks), each segment given back with one driver (or upstream) call."""
+        try:
+            super().close()
+        finally:
+            self.segment_source.close()
 
     # -- the steps of malloc ---------------------------------------------------------------
     def _wanted(self, size: int) -> int:
@@ -315,9 +436,8 @@ class PyTorchCachingAllocator(Allocator):
         nbytes = allocation_size(size)
         if self.allowed_memory_maximum is not None and self.total_reserved + nbytes > self.allowed_memory_maximum:
             return None
-        try:
-            ptr = self.driver.mem_alloc(nbytes)
-        except DriverOutOfMemoryError:
+        ptr = self.segment_source.allocate(nbytes)
+        if ptr is None:
             return None
         self.total_reserved += nbytes
         self.num_device_alloc += 1
@@ -356,8 +476,12 @@ class PyTorchCachingAllocator(Allocator):
         del self.segments[block.ptr]
         self.total_reserved -= block.size
         self.num_device_free += 1
-        # state first, then the driver: a failed cudaFree waits in the graveyard for a retry
-        self.graveyard.run([("mem_free", block.ptr, block.size)])
+        self.segment_source.free(block.ptr, block.size)  # state first, then the source
+
+    def _release_for_retry(self) -> bool:
+        """The last retry's release (:meth:`_release_cached_blocks`), unless the segment source
+        keeps cached blocks then (:attr:`SegmentSource.keeps_cached`)."""
+        return True if self.segment_source.keeps_cached else self._release_cached_blocks()
 
     def _release_available_cached_blocks(self, pool: BlockPool, stream: int, size: int) -> bool:
         """Free oversize cached blocks, just enough for ``size``: the first retry."""
@@ -474,6 +598,4 @@ class PyTorchCachingAllocator(Allocator):
             assert pos - ptr == self.segments[ptr], f"{self.name}: blocks of segment {ptr:#x} cover {pos - ptr}, not {self.segments[ptr]}"
         assert used + free == self.total_reserved == sum(self.segments.values()), \
             f"{self.name}: used {used} + free {free} != reserved {self.total_reserved}"
-        held = self.total_reserved + self.graveyard.held_bytes()
-        assert held == self.driver.physical_bytes, \
-            f"{self.name}: holds {held} bytes (graveyard included), the driver counts {self.driver.physical_bytes}"
+        self.segment_source.check(self)

@@ -106,21 +106,30 @@ class VMMDriver(ABC):
         return handle
 
     def release(self, handle: Handle) -> None:
+        """``cuMemRelease``: give back ``handle``'s physical memory (kept by CUDA until its last mapping is
+        unmapped); counted, and ``physical_bytes`` lowered. One driver call."""
         self._count("release")
         self._release(handle)
         self.physical_bytes -= self._handle_sizes.pop(handle)
 
     def reserve(self, size: int, alignment: int = 0) -> int:
+        """``cuMemAddressReserve``: a virtual range of ``size`` bytes (a positive multiple of the
+        granularity, else :class:`~vmstoolkit.errors.InvalidSizeError`), aligned to ``alignment`` (0:
+        the granularity); returns its address. One driver call."""
         if size <= 0 or size % self.granularity:
             raise InvalidSizeError(f"virtual range size {size} is not a positive multiple of the granularity {self.granularity}")
         self._count("reserve")
         return self._reserve(size, alignment)
 
     def free_address(self, va: int, size: int) -> None:
+        """``cuMemAddressFree``: give back the virtual range of ``size`` bytes at ``va`` (nothing may be
+        mapped in it). One driver call."""
         self._count("free_address")
         self._free_address(va, size)
 
     def map(self, va: int, size: int, handle: Handle, offset: int = 0) -> None:
+        """``cuMemMap``: map ``size`` bytes of ``handle``, from ``offset``, at ``va`` inside a reservation.
+        One driver call."""
         self._count("map")
         self._map(va, size, handle, offset)
 
@@ -154,14 +163,20 @@ class VMMDriver(ABC):
             tx.undo("unmap", va + i * size, size)
 
     def unmap(self, va: int, size: int) -> None:
+        """``cuMemUnmap``: unmap the whole mapping(s) covering ``size`` bytes at ``va``. One driver call."""
         self._count("unmap")
         self._unmap(va, size)
 
     def set_access(self, va: int, size: int) -> None:
+        """``cuMemSetAccess``: make ``size`` mapped bytes at ``va`` readable and writable from the
+        device (and the peers the driver was made with). One driver call."""
         self._count("set_access")
         self._set_access(va, size)
 
     def mem_alloc(self, size: int) -> int:
+        """``cuMemAlloc`` (what ``cudaMalloc`` does), for the non-VMM baselines: ``size`` bytes (positive,
+        else :class:`~vmstoolkit.errors.InvalidSizeError`); returns the address, counted in
+        ``physical_bytes``. One driver call."""
         if size <= 0:
             raise InvalidSizeError(f"allocation size must be positive, got {size}")
         self._count("mem_alloc")
@@ -171,11 +186,15 @@ class VMMDriver(ABC):
         return ptr
 
     def mem_free(self, ptr: int) -> None:
+        """``cuMemFree`` of an address :meth:`mem_alloc` returned; ``physical_bytes`` lowered. One driver
+        call."""
         self._count("mem_free")
         self._mem_free(ptr)
         self.physical_bytes -= self._alloc_sizes.pop(ptr)
 
     def memset(self, va: int, size: int, value: int = 0) -> None:
+        """``cuMemsetD8``: set ``size`` bytes at ``va`` to ``value`` (the range must be mapped and
+        accessible). One driver call."""
         self._count("memset")
         self._memset(va, size, value)
 
@@ -184,6 +203,7 @@ class VMMDriver(ABC):
         return self._mem_info()
 
     def reset_peak(self) -> None:
+        """Start ``peak_physical_bytes`` again from ``physical_bytes``. No driver call; O(1)."""
         self.peak_physical_bytes = self.physical_bytes
 
     def replay_extra(self) -> dict:

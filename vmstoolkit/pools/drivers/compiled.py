@@ -510,22 +510,27 @@ class CompiledSimulatedDriver(SimulatedDriver):
 
     # -- introspection ---------------------------------------------------------------------
     def aliases(self, handle: Handle) -> int:
+        """How many mappings ``handle`` has now (0 for an unknown or fully released handle). O(1)."""
         H = self._H
         if not 1 <= handle < H.shape[0] or H[handle, H_STATE] == 0:
             return 0
         return int(H[handle, H_NMAPS])
 
     def live_handles(self) -> set[Handle]:
+        """Handles created and not yet released. O(handles ever created)."""
         n = int(self._S[S_NEXT_H])
         return set((np.flatnonzero(self._H[:n, H_STATE] == 1)).tolist())
 
     def live_reservations(self) -> dict[int, int]:
+        """address -> size of every live reservation. O(reservations)."""
         return dict(self._R[: self._S[S_NR]].tolist())
 
     def live_mappings(self) -> dict[int, tuple[int, Handle]]:
+        """va -> (size, handle) of every mapping. O(mappings)."""
         return {s: (size, h) for s, size, h in self._M[: self._S[S_NM], :3].tolist()}
 
     def live_allocs(self) -> dict[int, int]:
+        """address -> size of every live :meth:`mem_alloc` allocation. O(allocations)."""
         return dict(self._A[: self._S[S_NA]].tolist())
 
     @property
@@ -541,10 +546,14 @@ class CompiledSimulatedDriver(SimulatedDriver):
         return int(np.count_nonzero(st)), int(np.count_nonzero(st == 2))
 
     def is_empty(self) -> bool:
+        """True when nothing is created, reserved, mapped or allocated: nothing leaked. O(handles ever
+        created)."""
         S = self._S
         return not (self._handles_alive()[0] or S[S_NR] or S[S_NM] or S[S_NA])
 
     def leak_report(self) -> str:
+        """One line counting what is still alive (handles, those released but mapped, reservations,
+        mappings, plain allocations), for a leak's error. O(handles ever created)."""
         alive, released = self._handles_alive()
         S = self._S
         return (f"{alive} handles ({released} released but mapped), {int(S[S_NR])} reservations, "

@@ -145,13 +145,17 @@ class CudaDriver(VMMDriver):
 
     @property
     def granularity(self) -> int:
+        """The device's minimum ``cuMemCreate`` granularity in bytes (asked once, when made)."""
         return self._granularity
 
     @property
     def capacity(self) -> int:
+        """The device's total memory in bytes (``cuMemGetInfo``, asked once, when made)."""
         return self._total
 
     def bound(self) -> ContextBinding:
+        """The context manager that binds this device's primary context on the calling thread
+        (:class:`ContextBinding`); every call of the driver runs inside it."""
         return self._binding
 
     def _sample_device_used(self) -> None:
@@ -172,6 +176,7 @@ class CudaDriver(VMMDriver):
         return {"device_used_at_peak": self.peak_device_used, "device": self.device_name()}
 
     def device_name(self) -> str:
+        """The device's name (``cuDeviceGetName``), ``"?"`` when the driver cannot tell. One driver call."""
         err, name = self._cu.cuDeviceGetName(256, self._dev)
         return name.split(b"\0", 1)[0].decode() if err == self._cu.CUresult.CUDA_SUCCESS else "?"
 
@@ -250,6 +255,8 @@ class CudaDriver(VMMDriver):
         return int(free), int(total)
 
     def synchronize(self) -> None:
+        """``cuCtxSynchronize``: wait until the device has finished all queued work. One driver call (which
+        waits)."""
         with self._binding:
             (err,) = self._cu.cuCtxSynchronize()
         _check(self._cu, err, "cuCtxSynchronize")
@@ -292,6 +299,8 @@ class CudaDriver(VMMDriver):
         self._spare_events.append(self._events.pop(event))
 
     def close(self) -> None:
+        """Release the primary context this driver retained (``cuDevicePrimaryCtxRelease``); a second close
+        does nothing. One driver call."""
         if self._closed:
             return
         self._closed = True

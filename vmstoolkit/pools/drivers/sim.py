@@ -79,10 +79,13 @@ class SimulatedDriver(VMMDriver):
     # -- configuration ---------------------------------------------------------------------
     @property
     def granularity(self) -> int:
+        """The simulated granularity in bytes (2 MiB unless made otherwise)."""
         return self._granularity
 
     @property
     def capacity(self) -> int:
+        """The simulated device's physical memory in bytes; :meth:`create` and :meth:`mem_alloc` past it
+        fail with ``CUDA_ERROR_OUT_OF_MEMORY``."""
         return self._capacity
 
     def fail_on(self, op: str, n: int, result: str | None = None) -> None:
@@ -99,6 +102,7 @@ class SimulatedDriver(VMMDriver):
         self._faults.setdefault(op, {})[n] = result
 
     def clear_faults(self) -> None:
+        """Forget every fault :meth:`fail_on` planned. O(1)."""
         self._faults.clear()
 
     def _before(self, op: str, n: int) -> None:
@@ -342,6 +346,7 @@ class SimulatedDriver(VMMDriver):
         return set(self._handle_maps) - self._released
 
     def live_reservations(self) -> dict[int, int]:
+        """address -> size of every live reservation (a copy). O(reservations)."""
         return dict(self._reservations)
 
     def live_mappings(self) -> dict[int, tuple[int, Handle]]:
@@ -349,6 +354,7 @@ class SimulatedDriver(VMMDriver):
         return {va: (m.size, m.handle) for va, m in self._mappings.items()}
 
     def live_allocs(self) -> dict[int, int]:
+        """address -> size of every live :meth:`mem_alloc` allocation (a copy). O(allocations)."""
         return dict(self._allocs)
 
     def is_empty(self) -> bool:
@@ -356,6 +362,8 @@ class SimulatedDriver(VMMDriver):
         return not (self._handle_maps or self._reservations or self._mappings or self._allocs)
 
     def leak_report(self) -> str:
+        """One line counting what is still alive (handles, those released but mapped, reservations,
+        mappings, plain allocations), for a leak's error. O(1)."""
         return (f"{len(self._handle_maps)} handles ({len(self._released)} released but mapped), "
                 f"{len(self._reservations)} reservations, {len(self._mappings)} mappings, "
                 f"{len(self._allocs)} plain allocations")

@@ -35,6 +35,10 @@ class Graveyard:
         self._deferred_count = 0
 
     def run(self, steps: list[tuple[str, int, int]]) -> None:
+        """Run teardown ``steps`` (``(op, a, b)``: ``unmap``, ``release``, ``free_address``, ``mem_free``)
+        in order, after one device synchronize when any unmaps (queued work may still touch the range);
+        the failed step and those after it are kept in ``pending`` for :meth:`retry`, and the error
+        raised. One driver call per step, plus the synchronize."""
         if any(op == "unmap" for op, _, _ in steps):
             # No GPU work may still touch a range we unmap: a kernel or memset queued on memory
             # the program already freed would fault (CUDA_ERROR_ILLEGAL_ADDRESS, seen on the
@@ -89,6 +93,7 @@ class Graveyard:
         yield from self.deferred
 
     def handles(self) -> set[int]:
+        """The handles still waiting to be released. O(held steps)."""
         return {a for op, a, _ in self._held() if op == "release"}
 
     def held_bytes(self) -> int:
@@ -96,7 +101,9 @@ class Graveyard:
         return sum(b for op, _, b in self._held() if op in ("release", "mem_free"))
 
     def mappings(self) -> int:
+        """How many unmaps are still waiting. O(held steps)."""
         return sum(1 for op, _, _ in self._held() if op == "unmap")
 
     def reservations(self) -> set[int]:
+        """The addresses of the reservations still waiting to be freed. O(held steps)."""
         return {a for op, a, _ in self._held() if op == "free_address"}

@@ -33,6 +33,8 @@ class Transaction:
         self._graveyard = graveyard
 
     def on_rollback(self, undo: Callable[[], None]) -> None:
+        """Register ``undo``, run if the transaction is left by an exception before :meth:`commit` (undos
+        run newest first). O(1)."""
         self._undo.append(undo)
 
     def undo(self, op: str, a: int, b: int) -> None:
@@ -49,10 +51,14 @@ class Transaction:
         self._undo.extend(steps)
 
     def commit(self) -> None:
+        """Every step succeeded: forget the undos (nothing is rolled back on leaving). O(1)."""
         self._committed = True
         self._undo.clear()
 
     def rollback(self) -> list[BaseException]:
+        """Run the undos, newest first, teardown steps through the graveyard (a failed one waits there),
+        callables directly; keeps going past failures and returns their errors. One driver call per
+        teardown step."""
         errors = []
         while self._undo:
             undo = self._undo.pop()

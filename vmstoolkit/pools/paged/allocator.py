@@ -117,7 +117,7 @@ class PagedAllocator(PagedSlowPath, Allocator):
         self.large.base = self.small.base = None  # reserved at first use (reserve_ranges)
         self.large.nbytes, self.small.nbytes = va_bytes, small_va_bytes
         # how the Python path served requests ("fast": pages already mapped); the PyTorch hook's
-        # compiled fast path counts in g (native_torch.G_ALLOCS) instead
+        # compiled fast path counts in g (native_torch.G_COUNTERS) instead
         self.counts = {"fast": 0, "mapped": 0, "pages_mapped": 0, "pages_reclaimed": 0, "chunks_created": 0,
                        "reclaims": 0, "chunks_lent": 0, "pages_remapped": 0}
 
@@ -146,6 +146,9 @@ class PagedAllocator(PagedSlowPath, Allocator):
         assert freed, f"paged: no live block at {addr:#x}"
 
     def record_stream(self, addr: int, stream: int) -> None:
+        """:meth:`Allocator.record_stream`: the stream's tag bit is added to the block's record
+        (:meth:`record_block`); its free then tags the block's chunks with it, so that a later taker
+        on another stream orders after that work. Runtime complexity: O(1)."""
         addr, stream = self._address(addr, "record_stream"), self._stream(stream, "record_stream")
         if addr not in self._live:
             raise InvalidFreeError(f"record_stream of address {addr:#x}, which is not a live allocation")
@@ -173,6 +176,9 @@ class PagedAllocator(PagedSlowPath, Allocator):
                 self._spare_ids.append(cid)
 
     def close(self) -> None:
+        """:meth:`Allocator.close`, then the two virtual ranges given back (a failed step stays in the
+        graveyard; a second close retries it). Runtime complexity: O(live) frees, O(pages + chunks) for
+        the cache, two driver calls for the ranges."""
         super().close()
         steps = []
         for h in (self.large, self.small):
@@ -182,6 +188,8 @@ class PagedAllocator(PagedSlowPath, Allocator):
         self.graveyard.run(steps)  # a failed step stays in the graveyard: a second close retries it
 
     def reset_peak_stats(self) -> None:
+        """:meth:`Allocator.reset_peak_stats`, and the live-page peak (which bounds new chunks) started
+        again from the live pages. Runtime complexity: O(1)."""
         super().reset_peak_stats()
         self.g[H.G_PEAK_LIVE_PAGES] = self.g[H.G_LIVE_PAGES]
 

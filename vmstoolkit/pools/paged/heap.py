@@ -39,7 +39,7 @@ G_FREE_CHUNKS, G_TOTAL_CHUNKS, G_LIVE_PAGES, G_PEAK_LIVE_PAGES, G_BUSY, G_SLACK 
 SMALL_UNIT_SHIFT = 9  # 512 B, PyTorch's rounding
 MAX_SLOTS = 63  # streams with a bit in chunk tags (int64; the last bit is shared by any further streams)
 OVERFLOW_BIT = 1 << (MAX_SLOTS - 1)
-G_NSLOTS = 13  # g[] slot: streams with a slot (heap.py uses 0-5, the PyTorch hook 6-12)
+G_NSLOTS = 13  # g[] slot: streams with a slot (heap.py uses 0-5, the PyTorch hook 6-12 and 14)
 NONE = -1
 NO_RECORD = -2  # heap_alloc's start when no block record is left (grow them: Heap.grow_records)
 
