@@ -5,6 +5,7 @@ baselines a user would pick instead, at the same budgets, on the same checkpoint
     python experiments/run_model_gpu.py make-checkpoints --out /tmp/ckpt
     # 2. generation: ours, accelerate's device_map offload and its cpu_offload
     python experiments/run_model_gpu.py generate --model /tmp/ckpt/llama-7b-shape --out OUT
+        [--baselines "accelerate device_map"] [--new-tokens 16] [--fractions 1 0.5]
     # 3. training: ours (full or LoRA), FSDP2 + CPUOffloadPolicy (world size 1), eager save_on_cpu
     python experiments/run_model_gpu.py train --model /tmp/ckpt/llama-13b-width --variant full --out OUT
     # CPU rehearsal of every path (tiny checkpoint, sim backend, baselines on the CPU where they can):
@@ -31,6 +32,7 @@ head frozen; AdamW with our hyper-parameters. Our rows run that loss too (``run_
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -49,10 +51,27 @@ SHAPES = {  # LLaMA-2-7B widths (16 of its 32 blocks by default, as the project'
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2,
             vocab_size=128)
 FRACTIONS = (1.0, 0.5, 0.25, 0.125)
+BASELINES = ("accelerate device_map", "accelerate cpu_offload", "fsdp2 cpu offload", "eager save_on_cpu")
+DEVICE_MAP_SHARES = (0.9, 0.75, 0.6, 0.45, 0.3, 0.15)  # of the budget, for accelerate's max_memory[0]
 
 
 def rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_split() -> dict[str, int]:
+    """The process's resident memory now, anonymous apart from file-backed: a memory-mapped
+    checkpoint's pages count in ``rss_bytes`` (the peak) but are the page cache's, reclaimable,
+    and not part of the host plan (H200 call 1: peak RSS was the plan plus the checkpoint's size)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, val = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                out[f"{key[3:].lower()}_rss_bytes"] = int(val.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def emit(out: Path, row: dict) -> None:
@@ -110,7 +129,7 @@ def ours_generate(a, out) -> tuple[list[int], dict[str, int], list[int]]:
     for r in rows:
         first = first or time.perf_counter() - t0
         r.pop("prefill_logits", None)
-        emit(out, {"kind": "ours", "time_to_first_row_s": first, "rss_bytes": rss(), **r})
+        emit(out, {"kind": "ours", "time_to_first_row_s": first, "rss_bytes": rss(), **rss_split(), **r})
         budgets[r["budget_spec"]] = r["budget"]
         ids = r["prompt_ids"]
     return ids, budgets, []
@@ -126,7 +145,7 @@ def ours_train(a, out) -> dict[str, int]:
                        rank=a.rank, backend="sim" if a.dry_run else "cuda", executors=("event-driven", "fixed-order"),
                        seed=a.seed, stages=Stages(True), loss="dot"):  # the baselines' loss (module docstring)
         first = first or time.perf_counter() - t0
-        emit(out, {"kind": "ours", "time_to_first_row_s": first, "rss_bytes": rss(), **r})
+        emit(out, {"kind": "ours", "time_to_first_row_s": first, "rss_bytes": rss(), **rss_split(), **r})
         budgets[r["budget_spec"]] = r["budget"]
     return budgets
 
@@ -153,15 +172,35 @@ def accelerate_generate(a) -> dict:
     _limit(torch, a.budget) if cuda else None
     ids = torch.tensor([json.loads(a.prompt_ids)])
     if a.baseline == "accelerate-device-map":
-        mm = {0: a.budget, "cpu": 2**40} if cuda else {"cpu": 2**40}
-        model = transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, device_map="auto",
-                                                                  max_memory=mm)
+        # max_memory[0] is the weights' share of the GPU, not the process's: at max_memory[0] = budget the
+        # weights fill the budget and the first activation is out of memory (H200 call 1). A user lowers it
+        # until generation runs; so does this, in steps, under the same cap, and the row says where it ran.
+        last = None
+        for share in (DEVICE_MAP_SHARES if cuda else (1.0,)):
+            mm = {0: int(a.budget * share), "cpu": 2**40} if cuda else {"cpu": 2**40}
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32,
+                                                                          device_map="auto", max_memory=mm)
+                return {**_generate_timed(a, torch, model, ids, cuda), "weights_share": share,
+                        "max_memory_gpu": mm.get(0)}
+            except torch.OutOfMemoryError as e:
+                last = f"at weights_share {share}: {e}"  # the text only: the traceback would keep the model alive
+            model = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        raise torch.OutOfMemoryError(last)
     else:
         from accelerate import cpu_offload
 
         model = transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
         if cuda:
             cpu_offload(model, execution_device=torch.device("cuda", 0))
+    return _generate_timed(a, torch, model, ids, cuda)
+
+
+def _generate_timed(a, torch, model, ids, cuda) -> dict:
+    """One warm-up token, the best of two one-token runs as prefill, then ``a.new_tokens``."""
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     ids = ids.to(dev)
     kw = dict(do_sample=False, num_beams=1, pad_token_id=0, eos_token_id=None)
@@ -317,6 +356,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baselines", nargs="+", default=list(BASELINES), choices=list(BASELINES),
+                    help="the baselines to run beside ours (default: all that apply)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per baseline process")
     ap.add_argument("--baseline", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
@@ -327,7 +368,7 @@ def main(argv=None) -> int:
         a.prompt_len, a.new_tokens, a.seq, a.steps, a.rank = min(a.prompt_len, 16), min(a.new_tokens, 4), min(a.seq, 16), min(a.steps, 2), min(a.rank, 4)
     if a.what == "baseline":
         res = accelerate_generate(a) if a.baseline.startswith("accelerate") else fsdp2_train(a)
-        print(json.dumps({**res, "rss_bytes": rss()}, default=str), flush=True)
+        print(json.dumps({**res, "rss_bytes": rss(), **rss_split()}, default=str), flush=True)
         return 0
     if a.what in ("make-checkpoints", "all"):
         made = make_checkpoints(a)
@@ -339,16 +380,16 @@ def main(argv=None) -> int:
         if a.what in ("generate", "all"):
             ids, budgets, _ = ours_generate(a, a.out)
             for spec, b in budgets.items():
-                for name in ("accelerate device_map", "accelerate cpu_offload"):
+                for name in [n for n in BASELINES[:2] if n in a.baselines]:
                     run_baseline(a, a.out, name, spec, b, ["--prompt-ids", json.dumps(ids), "--new-tokens",
                                                              str(a.new_tokens)])
         if a.what in ("train", "all"):
             budgets = ours_train(a, a.out)
             for spec, b in budgets.items():
                 extra = ["--seq", str(a.seq), "--steps", str(a.steps), "--variant", a.variant, "--rank", str(a.rank)]
-                if a.variant == "full":
+                if a.variant == "full" and "fsdp2 cpu offload" in a.baselines:
                     run_baseline(a, a.out, "fsdp2 cpu offload", spec, b, extra)
-                if not a.dry_run:  # the eager baseline needs a GPU
+                if not a.dry_run and "eager save_on_cpu" in a.baselines:  # the eager baseline needs a GPU
                     run_baseline(a, a.out, "eager save_on_cpu", spec, b, extra)
     summarize(a.out)
     return 0
