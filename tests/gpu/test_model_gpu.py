@@ -67,3 +67,36 @@ def test_training_gradients_on_the_gpu_equal_torch_autograd(variant):
     for k, v in fx.items():
         if k.startswith(f"grad.{variant}."):
             np.testing.assert_allclose(got[k[len(f"grad.{variant}."):]], v, atol=1e-4 * max(1.0, float(np.abs(v).max())))
+
+
+@pytest.mark.parametrize("variant", ["lora", "full"])
+def test_lm_loss_and_gradients_on_the_gpu_equal_transformers(variant):
+    """The causal-LM loss (final norm, LM head, the cross_entropy kernel) through the CUDA backend
+    under an offloading plan: transformers' loss and torch.autograd's gradients (fixture_lm.npz)."""
+    from tests.exec.model.helpers import lm_fixture
+    from vmstoolkit.exec.backends.cuda import CudaBackend
+    from vmstoolkit.exec.compiler import compile_memory_graph, working_set
+    from vmstoolkit.exec.executor import execute
+    from vmstoolkit.exec.model import load_model
+    from vmstoolkit.exec.model.train import build_model_train_step, train_values
+    from vmstoolkit.exec.train_graph import grads_from_updates, lm_loss
+
+    name = "mistral"
+    ck, fx, want = load_model(folder(name)), fixture(name), lm_fixture(name)
+    tg = build_model_train_step(ck, len(fx["prompt_ids"]), variant, rank=2)
+    adapters = {k[len("lora."):]: v for k, v in fx.items() if k.startswith("lora.")}
+    values = train_values(ck, tg, fx["prompt_ids"], adapters=adapters, copy=True)
+    mg = compile_memory_graph(tg.graph, int(working_set(tg.graph) * 0.4))
+    assert mg.reloaded_bytes > 0
+    be = CudaBackend(values)
+    try:
+        execute(mg, be)
+        out = be.result()
+    finally:
+        be.close()
+    assert lm_loss(tg, out) == pytest.approx(float(want[f"loss.{variant}"]), rel=1e-5, abs=1e-5)
+    got = grads_from_updates(tg, values, out)
+    for k, w in want.items():
+        if k.startswith(f"grad.{variant}."):
+            scale = max(1e-2, float(np.abs(w).max()))
+            np.testing.assert_allclose(got[k[len(f"grad.{variant}."):]], w, rtol=0, atol=1e-4 * scale, err_msg=k)
