@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -166,7 +167,7 @@ def main() -> int:
     print(md)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        meta = {"command": " ".join(["python", *sys.argv]), "commit": commit(), "machine": platform.platform(),
+        meta = {"command": shlex.join(["python", *sys.argv]), "commit": commit(), "machine": platform.platform(),
                 "python": platform.python_version(), "driver": "simulated"}
         (args.out / "mempool_routes.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
         (args.out / "mempool_routes.csv").write_text(rows_to_csv(rows))
