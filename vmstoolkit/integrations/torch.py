@@ -595,7 +595,9 @@ def mem_pool(allocator: str = "paged", *, use_on_oom: bool = False, **options):
 
     What differs from the global install: PyTorch's caching allocator stays in charge and asks
     vmstoolkit only for its segments (2 MiB for small requests, whole rounded segments for large
-    ones), splitting and caching them itself; expandable segments are off in such a pool;
+    ones), splitting and caching them itself and keeping them while the pool lives (its last
+    out-of-memory retry frees none), so the pool reserves what PyTorch's default would
+    (``docs/results.md``, mempool-routes); expandable segments are off in such a pool;
     statistics, snapshots and out-of-memory errors are PyTorch's (its ``memory_allocated()``
     counts the pool's blocks; ``pool.vmstoolkit.memory_stats()`` the segments vmstoolkit gave);
     allocations of other threads (the backward pass runs on autograd's) go to PyTorch's own

@@ -58,3 +58,19 @@ def test_the_default_source_is_cudamalloc_and_a_source_on_another_driver_fails_t
     a.allocate(3 * MiB)
     with pytest.raises(AssertionError, match="another driver"):
         a._check()
+
+
+def test_garbage_collection_leaves_a_private_pool_alone():
+    """PyTorch's garbage collection (``garbage_collect_cached_blocks``) walks the default large
+    pool only: a MemPool's cached segments stay, where cudaMalloc-ed ones go (the case of
+    test_pytorch_caching's ``test_garbage_collection_frees_old_blocks_first``)."""
+    conf = "per_process_memory_fraction:0.5,garbage_collection_threshold:0.5"
+    for keeps, reserved in ((False, 130 * MiB), (True, 180 * MiB)):
+        d = make_driver("sim", capacity=400 * MiB)
+        a = PyTorchCachingAllocator(d, conf, segments=lambda d: AllocatorSegments(make_allocator("vms", d), keeps_cached=keeps))
+        a.free(a.allocate(50 * MiB))
+        a.free(a.allocate(60 * MiB))
+        a.allocate(70 * MiB)  # 110 MiB cached, over the 100 MiB threshold: the older 50 MiB go, unless in a pool
+        assert a.stats().reserved_bytes == reserved and a.segment_source.upstream.stats().allocated_bytes == reserved
+        a._check()
+        a.close()

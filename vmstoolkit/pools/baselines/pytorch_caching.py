@@ -191,10 +191,14 @@ class SegmentSource:
     """Where :class:`PyTorchCachingAllocator` gets its segments: the protocol.
 
     ``driver`` is the driver the segments' memory is counted on (the caching allocator's own);
-    ``keeps_cached``: True when the last retry of a failed segment request frees no cached
-    segment (PyTorch's ``release_cached_blocks`` skips a private pool in use), so that only the
-    oversize-block retry (``max_split_size``) gives cached memory back before out of memory;
-    ``empty_cache`` and ``close`` give every whole cached segment back either way.
+    ``keeps_cached``: True for a private pool in use (a live ``torch.cuda.MemPool``): the last
+    retry of a failed segment request frees no cached segment (PyTorch skips that retry while a
+    pool is being allocated to, and its ``release_cached_blocks`` passes over pools still in use),
+    nor does garbage collection (``garbage_collection_threshold`` walks the default pool only), so
+    that only the oversize-block retry (``max_split_size``) gives cached memory back before out of
+    memory. ``empty_cache`` and ``close`` give every whole cached segment back either way: for a
+    private pool that is PyTorch's ``empty_cache()`` once the pool object is gone (while it lives,
+    PyTorch keeps its segments).
     """
 
     driver: VMMDriver
@@ -515,7 +519,11 @@ class PyTorchCachingAllocator(Allocator):
         return True
 
     def _garbage_collect(self) -> None:
-        """Free unsplit large cached blocks older than average until under the threshold."""
+        """Free unsplit large cached blocks older than average until under the threshold. Not in
+        a private pool (:attr:`SegmentSource.keeps_cached`): PyTorch's collection walks only the
+        default large pool."""
+        if self.segment_source.keeps_cached:
+            return
         threshold = int(self.config.garbage_collection_threshold * self.allowed_memory_maximum)
         if self.total_reserved <= threshold:
             return
