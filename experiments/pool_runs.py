@@ -1,7 +1,7 @@
 """Pool the step times of several training calls, for a claim no single call can carry.
 
     python experiments/pool_runs.py TRAIN_JSONL... --variant lora --mode paged:aliases=true,slack_pages=64
-        [--base default] [--steps-per-round 6] [--resamples 10000]
+        [--base default] [--model llama3-1b] [--steps-per-round 6] [--resamples 10000]
 
 Each ``train.jsonl`` is one call of ``train_llama_gpu.py``, its modes interleaved; every row is
 one process. A host-bound step (LoRA: ``enqueue_times`` ~ ``step_times``) moves by ±10% from
@@ -14,6 +14,9 @@ options is ``,``), and prints:
 - over all calls, the ratio of the pooled medians, with a 95% interval from resampling whole
   processes (a process, not a step, is the unit that varies), within each call;
 - the per-process medians, so the spread is in view.
+
+``--model`` keeps only that model's rows (``train_llama_gpu.py --model``; rows that name no model
+are ``llama``'s); without it, every row of the variant counts.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ def spelled(path: Path, mode: str) -> str:
     return mode
 
 
-def load_call(path: Path, variant: str, base: str, mode: str, steps_per_round: int) -> dict[str, list[list[float]]]:
+def load_call(path: Path, variant: str, base: str, mode: str, steps_per_round: int,
+              model: str | None = None) -> dict[str, list[list[float]]]:
     """``{base: [steady steps of each process], mode: [...]}`` of one call, whatever its spelling."""
     b, m = spelled(path, base), spelled(path, mode)
-    got = load(path, variant, (b, m), steps_per_round)
+    got = load(path, variant, (b, m), steps_per_round, model)
     return {base: got[b], mode: got[m]}
 
 
@@ -48,16 +52,19 @@ def main() -> int:
     ap.add_argument("--variant", required=True)
     ap.add_argument("--mode", required=True)
     ap.add_argument("--base", default="default")
+    ap.add_argument("--model", default=None, help="only this model's rows (default: every row of the variant)")
     ap.add_argument("--steps-per-round", type=int, default=6)
     ap.add_argument("--resamples", type=int, default=10000)
     args = ap.parse_args()
-    calls = [load_call(p, args.variant, args.base, args.mode, args.steps_per_round) for p in args.train_jsonl]
+    calls = [load_call(p, args.variant, args.base, args.mode, args.steps_per_round, args.model)
+             for p in args.train_jsonl]
     for p, c in zip(args.train_jsonl, calls):
         meds = {m: [round(statistics.median(x), 4) for x in ps] for m, ps in c.items()}
         r = f"{ratio(c[args.base], c[args.mode]):.3f}x" if c[args.base] and c[args.mode] else "-"
         print(f"{p}: {r}  per process {meds}")
     res = pooled(calls, args.base, args.mode, args.resamples)
-    print(json.dumps({"variant": args.variant, "base": args.base, "mode": args.mode, **res}))
+    print(json.dumps({"variant": args.variant, **({"model": args.model} if args.model else {}), "base": args.base,
+                      "mode": args.mode, **res}))
     return 0
 
 

@@ -4,6 +4,19 @@
         [--modes default,expandable,vms] [--rounds 3] [--steps-per-round 6] [--repeats 1] [--cpus N]
         [--snapshots DIR] [--gc-between-steps]
     python experiments/train_llama_gpu.py --out DIR --summary-of DIR/train.jsonl [--variants ...] [--modes ...]
+    python experiments/train_llama_gpu.py --model llama3-1b --plan [--rounds 3] [--steps-per-round 6]
+
+``--model`` (``MODELS`` below) picks what trains; ``llama``, the default, is the traces' model.
+``llama3-1b`` is a LLaMA-3-style decoder with a large vocabulary (128256; hidden 2048, 16 layers,
+32 heads, 8 KV heads, FFN 8192, untied head: 1.5 B parameters), weights in bf16, full fine-tuning
+with AdamW, batch from {4, 6, 8} and any sequence length from 200 to 2048 per step: every step's
+sizes differ, the workload of issue 34's "no cost when shapes change" (its held-out Qwen2-style
+decoder is deliberately not this one). ``resnet50`` (channels-last) and ``vit-b16`` train at
+224x224 under bf16 autocast with AdamW, batch from 64 to 192 per step; they are built with
+torchvision if the machine has it, else timm, else transformers (``model_impl`` in each row says
+which). These three draw every step of the run afresh (``llama`` repeats its round). Every row
+carries ``model`` and ``shapes``; ``--plan`` prints a model's description and its steps' shapes
+per round as JSON and runs nothing (no torch needed). The rest of this text is about ``llama``.
 
 The model and workloads are those of ``vmstoolkit/data/traces``: a LLaMA-architecture causal LM
 (hidden 2048, 12 layers, 16 heads, FFN 5504, vocab 32000), random weights (seed 0), AdamW,
@@ -39,6 +52,7 @@ import argparse
 import ctypes
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -50,6 +64,92 @@ from common import PYTORCH_MODES, allocator_mode, same_mode, split_modes, train_
 from vmstoolkit.errors import ConfigError
 
 HIDDEN, LAYERS, HEADS, FFN, VOCAB = 2048, 12, 16, 5504, 32000
+
+# -- Models: what trains (--model) ---------------------------------------------------------------------
+
+LLAMA3_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=2048, rope_theta=500000.0,
+                 tie_word_embeddings=False)
+"""``llama3-1b``: LLaMA-3.2-1B's shape with its head untied (transformers' ``LlamaConfig`` keywords)."""
+SEQ_RANGE = (200, 2048)  # llama3-1b: any sequence length in this range, inclusive, per step
+IMAGE_BATCH_RANGE = (64, 192)  # resnet50, vit-b16: any batch in this range, inclusive, per step
+IMAGE_SIZE, IMAGE_CLASSES = 224, 1000
+DEVICE = "cuda"
+
+MODELS = {
+    "llama": {"variants": ("full", "ckpt", "lora", "offload"),
+              "about": f"the traces' LLaMA: hidden {HIDDEN}, {LAYERS} layers, {HEADS} heads, FFN {FFN}, vocab {VOCAB}; "
+                       "fp32 weights, bf16 autocast, AdamW; batch {4, 6, 8}, sequence 256..2048 step 128"},
+    "llama3-1b": {"variants": ("full", "ckpt"),
+                  "about": "LLaMA-3-style decoder: " + ", ".join(f"{k} {v}" for k, v in LLAMA3_1B.items())
+                           + f"; bf16 weights, AdamW; batch {{4, 6, 8}}, sequence {SEQ_RANGE[0]}..{SEQ_RANGE[1]}"},
+    "resnet50": {"variants": ("full",),
+                 "about": f"ResNet-50, channels-last, bf16 autocast, AdamW; {IMAGE_SIZE}x{IMAGE_SIZE}, "
+                          f"batch {IMAGE_BATCH_RANGE[0]}..{IMAGE_BATCH_RANGE[1]}"},
+    "vit-b16": {"variants": ("full",),
+                "about": f"ViT-B/16, bf16 autocast, AdamW; {IMAGE_SIZE}x{IMAGE_SIZE}, "
+                         f"batch {IMAGE_BATCH_RANGE[0]}..{IMAGE_BATCH_RANGE[1]}"},
+}
+
+
+def model_shapes(model: str, n: int, seed: int = 0) -> list[tuple[int, int]]:
+    """The plan of ``model``: (batch, sequence length) of each of ``n`` steps for the decoders,
+    (batch, image side) for the vision models; seeded, so every mode trains the same shapes."""
+    if model == "llama":
+        return train_shapes(n, seed)
+    rng = random.Random(seed)
+    if model == "llama3-1b":
+        return [(rng.choice([4, 6, 8]), rng.randint(*SEQ_RANGE)) for _ in range(n)]
+    return [(rng.randint(*IMAGE_BATCH_RANGE), IMAGE_SIZE) for _ in range(n)]
+
+
+def run_plan(model: str, rounds: int, steps_per_round: int) -> list[list[tuple[int, int]]]:
+    """The shapes of every round: ``llama`` trains the same round again (the traces' runs);
+    the other models draw every step of the run afresh, so no two rounds repeat their sizes."""
+    if model == "llama":
+        return [model_shapes(model, steps_per_round)] * rounds
+    steps = model_shapes(model, rounds * steps_per_round)
+    return [steps[r * steps_per_round:(r + 1) * steps_per_round] for r in range(rounds)]
+
+
+def check_model(model: str, variants: list[str]) -> None:
+    """Raises ValueError naming the model or the variant it does not train."""
+    if model not in MODELS:
+        raise ValueError(f"--model {model!r}: not one of {', '.join(MODELS)}")
+    bad = [v for v in variants if v not in MODELS[model]["variants"]]
+    if bad:
+        raise ValueError(f"--model {model}: no variant {bad[0]!r} (it trains {', '.join(MODELS[model]['variants'])})")
+
+
+def build_vision(model: str):
+    """``(module, impl, forward)``: ``forward(module, images, labels)`` is the loss; built with
+    torchvision if present, else timm, else transformers (random weights)."""
+    import torch.nn.functional as F
+
+    def logits_loss(m, x, y):
+        return F.cross_entropy(m(x), y)
+
+    try:
+        import torchvision.models as tvm
+
+        m = tvm.resnet50() if model == "resnet50" else tvm.vit_b_16()
+        return m, f"torchvision {__import__('torchvision').__version__}", logits_loss
+    except ImportError:
+        pass
+    try:
+        import timm
+
+        m = timm.create_model("resnet50" if model == "resnet50" else "vit_base_patch16_224", num_classes=IMAGE_CLASSES)
+        return m, f"timm {timm.__version__}", logits_loss
+    except ImportError:
+        pass
+    import transformers as tf
+
+    if model == "resnet50":  # ResNetConfig's defaults are ResNet-50 (bottleneck, depths 3-4-6-3)
+        m = tf.ResNetForImageClassification(tf.ResNetConfig(num_labels=IMAGE_CLASSES))
+    else:  # ViTConfig's defaults are ViT-B/16 at 224
+        m = tf.ViTForImageClassification(tf.ViTConfig(num_labels=IMAGE_CLASSES, image_size=IMAGE_SIZE, patch_size=16))
+    return m, f"transformers {tf.__version__}", lambda m, x, y: m(pixel_values=x, labels=y).loss
 ALLOC_CONF = {"expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}  # PYTORCH_CUDA_ALLOC_CONF
 
 
@@ -284,7 +384,7 @@ def this_machines_cpus(n: int) -> list[int]:
 
 
 def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot: Path | None = None,
-           gc_between_steps: bool = False) -> dict:
+           gc_between_steps: bool = False, model: str = "llama") -> dict:
     handle = pool_hook = None
     spec = allocator_mode(mode, PYTORCH_MODES)
     if spec is not None:
@@ -294,51 +394,88 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
     elif mode in ("hook-async", "hook-async-gil"):  # reference hooks: where a hooked allocator's time goes
         pool_hook = AsyncPoolHook(take_gil=mode == "hook-async-gil").install()
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     if snapshot is not None:  # PyTorch's own record of every request, for replays of this exact run
         # (no tracebacks, to disturb the run least; still, time runs without it)
         torch.cuda.memory._record_memory_history(context=None, max_entries=1_000_000)
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                      num_key_value_heads=HEADS, vocab_size=VOCAB, max_position_embeddings=2048)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg).cuda()
+    vision = model in ("resnet50", "vit-b16")
+    if vision:
+        net, impl, forward = build_vision(model)
+        net = net.to(DEVICE)
+        if model == "resnet50":
+            net = net.to(memory_format=torch.channels_last)
+    else:
+        import transformers
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        impl = f"transformers {transformers.__version__}"
+        if model == "llama":
+            cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                              num_attention_heads=HEADS, num_key_value_heads=HEADS, vocab_size=VOCAB,
+                              max_position_embeddings=2048)
+            cfg._attn_implementation = "sdpa"
+            net = LlamaForCausalLM(cfg).cuda()
+        else:  # llama3-1b: built on the GPU in bf16 (no fp32 copy, on the host or the device)
+            cfg = LlamaConfig(**LLAMA3_1B)
+            cfg._attn_implementation = "sdpa"
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                with torch.device(DEVICE):
+                    net = LlamaForCausalLM(cfg)
+            finally:
+                torch.set_default_dtype(default_dtype)
+        vocab = cfg.vocab_size
     if variant in ("ckpt", "lora"):
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
+        net.gradient_checkpointing_enable()
+        net.config.use_cache = False
     if variant == "lora":
         from peft import LoraConfig, get_peft_model
 
-        model.enable_input_require_grads()
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
+        net.enable_input_require_grads()
+        net = get_peft_model(net, LoraConfig(r=16, lora_alpha=32, target_modules=[
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator(device="cpu").manual_seed(1)
-    plan = train_shapes(steps_per_round)
+    if vision:
+        gen = torch.Generator(device=DEVICE).manual_seed(1)
+    plan = run_plan(model, rounds, steps_per_round)
     losses, times, enqueue, cpu, alloc_s, calls, searched = [], [], [], [], [], [], []
     if gc_between_steps:
         import gc
 
         gc.disable()  # collected between steps only (below): no collection inside a step frees tensors
-    for r in range(rounds):
-        for bs, seq in plan:
+    for round_shapes in plan:
+        for bs, seq in round_shapes:
             if gc_between_steps:
                 gc.collect()
-            ids = torch.randint(0, VOCAB, (bs, seq), generator=gen).cuda()
+            if vision:  # (B, 3, S, S) images and (B,) labels, made on the GPU before the step's clock
+                x = torch.randn(bs, 3, seq, seq, device=DEVICE, generator=gen)
+                if model == "resnet50":
+                    x = x.contiguous(memory_format=torch.channels_last)
+                y = torch.randint(0, IMAGE_CLASSES, (bs,), device=DEVICE, generator=gen)
+            else:
+                ids = torch.randint(0, vocab, (bs, seq), generator=gen).cuda()  # (B, T)
             torch.cuda.synchronize()
             if handle is not None:
                 b = handle.bridge(0)
                 s0, c0 = b.seconds, sum(b.allocator.driver.calls.values())
                 v0 = path_counts(b.allocator).get("blocks_searched", 0)
             t0, cpu0 = time.perf_counter(), time.process_time()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                if variant == "offload":
-                    with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                        loss = model(input_ids=ids, labels=ids).loss
-                else:
-                    loss = model(input_ids=ids, labels=ids).loss
+            if vision:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = forward(net, x, y)
+            elif model == "llama3-1b":  # bf16 weights: no autocast
+                loss = net(input_ids=ids, labels=ids).loss
+            else:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    if variant == "offload":
+                        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                            loss = net(input_ids=ids, labels=ids).loss
+                    else:
+                        loss = net(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -375,7 +512,8 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
             pool = DriverPool()
             extra["pool_peak_allocated"], extra["pool_peak_reserved"] = pool.max_memory_allocated(), pool.max_memory_reserved()
     steady = times[steps_per_round:] if rounds > 1 else times
-    return {"mode": mode, "variant": variant, "losses": losses, "step_times": times,
+    return {"mode": mode, "variant": variant, "model": model, "model_impl": impl, "shapes": plan, "losses": losses,
+            "step_times": times,
             "enqueue_times": enqueue, "cpu_times": cpu, "gc_between_steps": gc_between_steps,
             "median_step_s": statistics.median(steady), "peak_allocated": peak_alloc, "peak_reserved": peak_res,
             "utilization": peak_alloc / peak_res if peak_res else None, "device": torch.cuda.get_device_name(), **extra}
@@ -438,7 +576,11 @@ def summarize(rows: list[dict], variants: list[str], modes: list[str], rounds: i
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="folder for train.jsonl and summary.json")
-    ap.add_argument("--variants", default="full,ckpt,lora,offload")
+    ap.add_argument("--model", default="llama", help=f"what trains: {', '.join(MODELS)} (the module docstring)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated; default: every variant of the model (llama: full,ckpt,lora,offload)")
+    ap.add_argument("--plan", action="store_true",
+                    help="run nothing: print the model's description and its steps' shapes (JSON) and exit")
     ap.add_argument("--modes", default="default,expandable,vms")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps-per-round", type=int, default=6)
@@ -460,9 +602,19 @@ def main() -> int:
     ap.add_argument("--summary-of", type=Path, default=None, metavar="TRAIN_JSONL",
                     help="run nothing: make DIR/summary.json again from the rows of a train.jsonl")
     args = ap.parse_args()
+    variants = args.variants.split(",") if args.variants else list(MODELS.get(args.model, {"variants": ()})["variants"])
+    try:
+        check_model(args.model, variants)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.plan:
+        print(json.dumps({"model": args.model, "about": MODELS[args.model]["about"], "variants": variants,
+                          "rounds": args.rounds, "shapes": run_plan(args.model, args.rounds, args.steps_per_round)}))
+        return 0
     if args.worker:
         try:
-            result = worker(*args.worker, args.rounds, args.steps_per_round, args.snapshot_file, args.gc_between_steps)
+            result = worker(*args.worker, args.rounds, args.steps_per_round, args.snapshot_file, args.gc_between_steps,
+                            args.model)
         except BaseException:
             traceback.print_exc()
             print_allocator_failure()
@@ -473,7 +625,7 @@ def main() -> int:
         ap.error("--out DIR is required")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
-    variants, modes = args.variants.split(","), split_modes(args.modes)
+    modes = split_modes(args.modes)
     try:
         for mode in modes:
             allocator_mode(mode, PYTORCH_MODES)
@@ -486,7 +638,8 @@ def main() -> int:
         cpus = next((r["cpus"] for r in rows if "cpus" in r), None)
     else:
         rows = run_all(args, variants, modes, cpus, args.out / "train.jsonl")
-    summary = summarize(rows, variants, modes, args.rounds, args.steps_per_round)
+    rows = [r for r in rows if r.get("model", "llama") == args.model]  # rows before models were named are llama's
+    summary = [{"model": args.model, **s} for s in summarize(rows, variants, modes, args.rounds, args.steps_per_round)]
     (args.out / "summary.json").write_text(json.dumps({"command": " ".join(sys.argv), "cpus": cpus, "rows": summary},
                                                       indent=1))
     for s in summary:
@@ -507,7 +660,7 @@ def run_all(args, variants: list[str], modes: list[str], cpus: list[int] | None,
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         if mode in ALLOC_CONF:
             env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF[mode]
-        cmd = [sys.executable, __file__, "--worker", mode, variant, "--rounds", str(args.rounds),
+        cmd = [sys.executable, __file__, "--worker", mode, variant, "--model", args.model, "--rounds", str(args.rounds),
                "--steps-per-round", str(args.steps_per_round)]
         if args.gc_between_steps:
             cmd.append("--gc-between-steps")
@@ -517,7 +670,7 @@ def run_all(args, variants: list[str], modes: list[str], cpus: list[int] | None,
                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
         if p.returncode != 0 or line is None:
-            row = {"mode": mode, "variant": variant, "error": (p.stderr or p.stdout)[-6000:]}
+            row = {"mode": mode, "variant": variant, "model": args.model, "error": (p.stderr or p.stdout)[-6000:]}
         else:
             row = json.loads(line[len("RESULT "):])
         row["repeat"] = repeat
@@ -526,7 +679,8 @@ def run_all(args, variants: list[str], modes: list[str], cpus: list[int] | None,
         rows.append(row)
         with open(jsonl, "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_times", "allocator_stats")}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_times", "allocator_stats", "shapes")}),
+              flush=True)
     return rows
 
 if __name__ == "__main__":

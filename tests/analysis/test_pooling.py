@@ -45,3 +45,13 @@ def test_no_common_call_is_an_error_naming_the_modes(tmp_path):
     calls = [pool_runs.load(_call(tmp_path / "d.jsonl", [_row("default", [1.0])]), "lora", ("default", "paged"), 2)]
     with pytest.raises(VmsError, match="'default' and 'paged'"):
         pool_runs.pooled(calls, "default", "paged")
+
+
+def test_a_model_keeps_only_its_rows_and_unnamed_rows_are_llamas(tmp_path):
+    rows = [_row("default", [1.0]), {**_row("default", [3.0]), "model": "llama3-1b"},
+            {**_row("paged", [3.3]), "model": "llama3-1b"}, _row("paged", [1.0])]
+    path = _call(tmp_path / "m.jsonl", rows)
+    big = pool_runs.load(path, "lora", ("default", "paged"), 2, model="llama3-1b")
+    assert big == {"default": [[3.0]], "paged": [[3.3]]}
+    assert pool_runs.load(path, "lora", ("default", "paged"), 2, model="llama") == {"default": [[1.0]], "paged": [[1.0]]}
+    assert len(pool_runs.load(path, "lora", ("default", "paged"), 2)["default"]) == 2  # no model: every row

@@ -21,14 +21,17 @@ import numpy as np
 from vmstoolkit.errors import VmsError
 
 
-def load(path: Path, variant: str, modes: tuple[str, ...], steps_per_round: int) -> dict[str, list[list[float]]]:
-    """``{mode: [steady steps of each process]}`` of one call (failed processes left out)."""
+def load(path: Path, variant: str, modes: tuple[str, ...], steps_per_round: int,
+         model: str | None = None) -> dict[str, list[list[float]]]:
+    """``{mode: [steady steps of each process]}`` of one call (failed processes left out); with
+    ``model``, only that model's rows (a row that names none is ``"llama"``'s)."""
     out: dict[str, list[list[float]]] = {m: [] for m in modes}
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
         r = json.loads(line)
-        if r.get("variant") == variant and r.get("mode") in out and "error" not in r:
+        if (r.get("variant") == variant and r.get("mode") in out and "error" not in r
+                and (model is None or r.get("model", "llama") == model)):
             steady = r["step_times"][steps_per_round:]
             out[r["mode"]].append(steady or r["step_times"])
     return out
