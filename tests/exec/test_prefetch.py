@@ -8,6 +8,7 @@ from vmstoolkit.exec.backends.sim import CostModel, SimBackend
 from vmstoolkit.exec.checker import check_race_free
 from vmstoolkit.exec.compiler import (EST_COPY_BYTES_PER_S, EST_COPY_S, EST_FLOPS_PER_S, compile_memory_graph,
                                       working_set)
+from vmstoolkit.exec.errors import InvalidOptionError
 from vmstoolkit.exec.executor import execute
 from vmstoolkit.exec.graph import TaskGraph, TensorKind
 
@@ -77,3 +78,40 @@ def test_compute_streams_launch_in_compile_order(frac):
         assert sorted(r.finish_order) == list(range(len(mg.vertices)))
     assert order[True] == sorted(order[True])
     assert order[False] != sorted(order[False])  # else this graph shows nothing
+
+
+class _CountingSim(SimBackend):
+    """Counts the compute vertices in flight (launched, not yet completed) and keeps the most."""
+
+    def setup(self, mg):
+        super().setup(mg)
+        self.now_in_flight = self.most_in_flight = 0
+
+    def launch(self, v, after=()):
+        fut = super().launch(v, after)
+        if v.stream == "compute":
+            self.now_in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.now_in_flight)
+            fut.add_done_callback(lambda f: setattr(self, "now_in_flight", self.now_in_flight - 1))
+        return fut
+
+
+def test_a_compute_stream_holds_at_most_compute_depth_vertices_in_flight():
+    g = tiny_llama(parts=2)
+    mg = compile_memory_graph(g, int(working_set(g) * 0.25))
+    most = {}
+    for depth in (1, 3, None):
+        be = _CountingSim(CostModel.h200(), seed=2, jitter=0.3)
+        r = execute(mg, be, "event-driven", compute_depth=depth)
+        assert sorted(r.finish_order) == list(range(len(mg.vertices)))
+        most[depth] = be.most_in_flight
+    assert most[1] == 1 and most[3] <= 3
+    assert most[None] > 3  # else the limit shows nothing on this graph
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
+def test_compute_depth_must_be_a_positive_whole_number(bad):
+    g = tiny_llama(parts=1)
+    mg = compile_memory_graph(g, int(working_set(g) * 0.5))
+    with pytest.raises(InvalidOptionError, match="compute_depth"):
+        execute(mg, SimBackend(), "event-driven", compute_depth=bad)
