@@ -80,9 +80,10 @@ event-driven step before -> with prefetch alone -> with the executor's compute s
 order too, seconds): Yi-34B at a quarter 0.568 -> 0.487 -> 0.484 (1.20x -> 1.07x its bound),
 Qwen2-7B 0.693 -> 0.639 -> 0.642, the issue's shape 0.638 -> 0.628 -> 0.624; at half 2-5%
 faster everywhere; the same bytes moved or fewer (Yi-34B 19.47 GB either way). Mistral-7B at a
-quarter is 1.3% slower (0.638 -> 0.645 -> 0.647): its backward is copy-bound, and issuing a copy
-one copy-length ahead cannot make the copy stream faster. Compile time is unchanged (0.05-0.2 s
-per budget on this box).
+quarter is slower (0.638 -> 0.645 -> 0.647; 0.641 with the executor's compute depth), although
+with no host cost its prefetching graph is 1.5% faster (0.600 -> 0.591 s, no jitter): an
+interaction with the host's launch costs, not found yet. Compile time is unchanged (0.04-0.18 s
+per budget on this box, with or without).
 
 Limitations. The estimates are one machine's figures; the issue distance counts compute only,
 not the copies queued before (a queue-aware version, tried, issued earlier, held memory longer
