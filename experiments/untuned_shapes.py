@@ -4,12 +4,14 @@
     python experiments/untuned_shapes.py --out experiments/results/untuned-shapes          # sim (CPU)
     python experiments/untuned_shapes.py --backend cuda --budgets 0.5 --out OUT            # the H200
 
-Sim: each shape's LoRA step at each budget, event-driven (as it runs now, and without device
-waits or the copy window: the executor before issue 32) and fixed-order, on the sim backend
+Sim: each shape's LoRA step at each budget, event-driven (as it runs now, and "before": without
+device waits, copy window or compute in compile order, on the graph compiled without prefetch:
+what ran at fe59af7) and fixed-order, on the sim backend
 with the H200's host costs (``CostModel.h200``) and with the default costs, mean of 3 seeds,
 jitter 5%; ``ratio``: step / the lower bound (the larger of max(compute, copies) and the
 precedence bound, ``vmstoolkit.exec.bounds``), ``resource_ratio``: step / max(compute, copies). The issue's own shape comes first, as the
-tuning case. Cuda: every shape in one process (the kernels are compiled once), the three
+tuning case. Cuda (where "before" runs the old executor on the
+prefetching graph): every shape in one process (the kernels are compiled once), the three
 executors interleaved step by step, best of ``--steps`` after a warm-up step; gradients are
 not checked here (``experiment train-offload`` checks them).
 Writes ``<out>/untuned_<backend>.jsonl`` and prints a Markdown table.
@@ -35,6 +37,10 @@ TUNED = {(4096, 32, 32, 11008), (4096, 32, 8, 11008), (5120, 40, 8, 13824)}
 ISSUE = ("issue 32 (tuning case)", 5120, 40, 8, 13824, 12)
 SEQ, RANK = 1536, 16
 EXPECTED = {"Mistral-7B-v0.1": 15, "Qwen2-7B": 14, "Yi-34B": 5}  # RULE.md's bold figures
+# "before": the executor without device waits, copy window and compute in compile order (what ran
+# on the H200 at fe59af7); in the sim also on the graph compiled without prefetch
+RUNS = {"event-driven": ("event-driven", {}), "fixed-order": ("fixed-order", {}),
+        "event-driven (before)": ("event-driven", {"device_waits": False, "copy_window": 0, "compute_in_order": False})}
 
 
 def block_bytes(h, nh, kv, f) -> int:
@@ -71,23 +77,23 @@ def sim_rows(s, budgets) -> list[dict]:
     g = build_train_step(config(s), "lora", rank=RANK).graph
     ws = working_set(g)
     rows = []
-    runs = {"event-driven": ("event-driven", {}), "fixed-order": ("fixed-order", {}),
-            "event-driven (before)": ("event-driven", {"device_waits": False, "copy_window": 0})}
     for frac in budgets:
         t0 = time.perf_counter()
         mg = compile_memory_graph(g, int(ws * frac))
         compile_s = time.perf_counter() - t0
+        old = compile_memory_graph(g, int(ws * frac), prefetch=False)
         for costs, cost in (("h200", CostModel.h200()), ("default", CostModel())):
-            lb = cost.lower_bound(mg)
-            for label, (ex, kw) in runs.items():
-                spans = [execute(mg, SimBackend(cost, seed=i, jitter=0.05), ex, **kw).makespan_s for i in range(3)]
+            for label, (ex, kw) in RUNS.items():
+                mg_ = old if label == "event-driven (before)" else mg
+                lb = cost.lower_bound(mg_)
+                spans = [execute(mg_, SimBackend(cost, seed=i, jitter=0.05), ex, **kw).makespan_s for i in range(3)]
                 rows.append({"shape": s[0], "blocks": int(s[5]), "budget_fraction": frac, "budget": int(ws * frac),
                              "costs": costs, "executor": label, "step_s": float(np.mean(spans)),
                              "lower_bound_s": lb["lower_bound_s"], "resource_s": lb["resource_s"],
                              "precedence_s": lb["precedence_s"], "compute_s": lb["compute_s"], "h2d_s": lb["h2d_s"],
                              "ratio": float(np.mean(spans)) / lb["lower_bound_s"],
-                             "resource_ratio": float(np.mean(spans)) / lb["resource_s"], "vertices": len(mg.vertices),
-                             "reloaded_bytes": mg.reloaded_bytes, "compile_s": compile_s})
+                             "resource_ratio": float(np.mean(spans)) / lb["resource_s"], "vertices": len(mg_.vertices),
+                             "reloaded_bytes": mg_.reloaded_bytes, "compile_s": compile_s})
                 print(f"{s[0]:24s} {frac:5} {costs:7s} {label:22s} {rows[-1]['ratio']:.3f} "
                       f"(resource {rows[-1]['resource_ratio']:.3f})", flush=True)
     return rows
@@ -117,8 +123,7 @@ def cuda_rows(s, budgets, steps) -> list[dict]:
     ws = timed("working_set", working_set, tg.graph)
     values = timed("random_values", random_train_values, tg, 0)
     pool = PinnedPool()
-    runs = {"event-driven": ("event-driven", {}), "fixed-order": ("fixed-order", {}),
-            "event-driven (before)": ("event-driven", {"device_waits": False, "copy_window": 0})}
+    runs = RUNS
     rows = []
     try:
         for frac in budgets:

@@ -7,7 +7,8 @@ writer, readers), the reduced edges and their kinds, the preloaded buffers, wher
 the peak bytes. The budgets are fractions of each graph's working set, which is pinned too.
 It was written by the compiler before it was split into named steps and made near-linear
 (issue 19 / issue 17, commit 7818467) and must only be rewritten on purpose, when a change is
-meant to alter compiled graphs:
+meant to alter compiled graphs (the last time: the compiler's prefetch by need time, issue 32
+item 7; the ``prefetch=False`` cases kept the digests recorded before it):
 
     python tests/exec/test_compiler_golden.py --write
 """
@@ -40,7 +41,7 @@ GRAPHS = {
 
 # (graph, fraction of its working set, compile options). 0.1 of prefill4 and of full4 take the
 # compiler's fragmentation fallback (evict a whole GPU and place again).
-CASES = [
+BASE_CASES = [
     ("prefill4", 1.0, {}), ("prefill4", 0.5, {}), ("prefill4", 0.1, {}), ("prefill4", 0.25, {"preload": False}),
     ("prefill4-parts2-2gpu", 0.5, {}), ("prefill4-parts2-2gpu", 0.15, {}),
     ("tiny-parts2", 0.25, {}), ("tiny-parts2", 0.1, {"preload": False}),
@@ -51,6 +52,10 @@ CASES = [
     ("lora8-gqa", 0.3, {}), ("lora8-gqa", 0.3, {"recompute": True}),
     *[(f"random{s}", f, {}) for s in range(3) for f in (0.5, 0.25)],
 ]
+# Every case twice: as compiled by default (with prefetch, since 2026-12-02), and with
+# ``prefetch=False``, whose digests are those the compiler wrote before prefetch existed (the
+# old path stays byte-identical).
+CASES = [*BASE_CASES, *[(g, f, {**o, "prefetch": False}) for g, f, o in BASE_CASES]]
 
 
 def _key(graph: str, fraction: float, options: dict) -> str:

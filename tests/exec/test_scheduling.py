@@ -19,9 +19,15 @@ WIDE = LlamaConfig(n_blocks=12, seq=1536, hidden=5120, heads=40, kv_heads=8, ffn
 
 
 @pytest.fixture(scope="module")
-def wide_quarter():
+def wide_graph():
     g = build_train_step(WIDE, "lora").graph
-    return compile_memory_graph(g, int(working_set(g) * 0.25))
+    return g, working_set(g)
+
+
+@pytest.fixture(scope="module")
+def wide_quarter(wide_graph):
+    g, ws = wide_graph
+    return compile_memory_graph(g, int(ws * 0.25))
 
 
 def _ratio(mg, cost, executor, bound="resource_s", **kw):
@@ -30,14 +36,17 @@ def _ratio(mg, cost, executor, bound="resource_s", **kw):
                     for s in range(2)]) / lb
 
 
-def test_wide_lora_with_h200_host_costs_comes_within_1_2x_of_its_bound_ahead_of_fixed_order(wide_quarter):
-    """Against max(compute, copies). Before arming compute on launched copies and the copy
-    window: 1.23x (fixed-order 1.38x), as the executor still runs without them."""
+def test_wide_lora_with_h200_host_costs_comes_within_1_2x_of_its_bound_ahead_of_fixed_order(wide_graph, wide_quarter):
+    """Against max(compute, copies). Before arming compute on launched copies, the copy window,
+    compute in compile order and the compiler's prefetch: 1.23x (fixed-order 1.38x), as the
+    executor and the compiler still run without them."""
     cost = CostModel.h200()
     ev = _ratio(wide_quarter, cost, "event-driven")
     assert ev <= 1.20
     assert ev <= _ratio(wide_quarter, cost, "fixed-order")
-    assert _ratio(wide_quarter, cost, "event-driven", device_waits=False, copy_window=0) > 1.20
+    g, ws = wide_graph
+    old = compile_memory_graph(g, int(ws * 0.25), prefetch=False)
+    assert _ratio(old, cost, "event-driven", device_waits=False, copy_window=0, compute_in_order=False) > 1.20
 
 
 def test_armed_launches_keep_every_edge_on_the_device_and_the_result():
@@ -189,7 +198,7 @@ def test_no_run_beats_the_precedence_bound(executor):
 
 def test_the_precedence_bound_is_tighter_where_copies_and_compute_take_turns(wide_quarter):
     lb = CostModel().lower_bound(wide_quarter)
-    assert lb["precedence_s"] >= 1.08 * lb["resource_s"]  # 1.105x
+    assert lb["precedence_s"] >= 1.05 * lb["resource_s"]  # 1.077x (1.105x before the compiler's prefetch)
     assert lb["lower_bound_s"] == lb["precedence_s"]
 
 

@@ -8,7 +8,9 @@ GPU, and emits a *memory graph*:
 - when an allocation does not fit, the resident tensor whose next use is furthest away (Belady)
   is evicted: an ``offload`` vertex (GPU -> pinned host) copies it out unless a clean host copy
   already exists (weights, inputs, activations offloaded before: tensors are write-once), and a
-  ``reload`` vertex (host -> GPU) brings it back right before its next use;
+  ``reload`` vertex (host -> GPU) brings it back before its next use: with ``prefetch`` (the
+  default) as late as its estimated copy still ends before that use, when room can be made
+  without evicting anything needed sooner (Note [Prefetch by need time]), else right before it;
 - when a buffer takes bytes that an older buffer occupied, edges go from the older buffer's last
   accesses (its readers, or its writer if nobody read it) to the new writer, and only those;
 - finally the transitive reduction drops every edge implied by the others.
@@ -50,6 +52,44 @@ prefill 2.1e-5 to 2.3e-5 before, 2.4e-5 to 2.9e-5 after (with few holes the tree
 more per placement than the scan did). What growth remains comes from the logarithmic searches
 (heaps, sorted containers, the tree: 10 to 14 levels) and from state that outgrows the caches
 (every constant-work step, ``emit`` for one, costs ~20% more per call at 64 blocks).
+
+Note [Prefetch by need time]
+----------------------------
+Rationale. Issue 32, item 7: LoRA at a quarter of the working set ran at 1.18x (Qwen2-7B) and
+1.20x (Yi-34B) of its bound on the sim backend with the H200's costs, and 1.14x for Yi-34B with
+no host cost and no jitter, where fixed-order came within 1.5% of event-driven: the loss was in
+the graph. The zero-cost run's compute stream idled 94 ms of 539; each of the big idle gaps was
+one FFN weight's reload (560 MB, 10.9 ms) that could not start before the GEMM right before its
+use ended, because the compiler placed it at that use, in the bytes that GEMM had just
+released (``b3.wg`` after ``b3.ds.dx0`` read ``b3.wd``, 10.3 ms of idle compute). A reload emitted right
+before its use can only take room freed by then, so its reuse edges tie it to the vertex
+before; no launch order can overlap it with that vertex.
+
+Approach. Before task vertex ``p`` (when ``p``'s own inputs are resident), reload each tensor
+whose next use ``q`` comes too soon to wait for vertex ``p + 1``: ``T[q] - T[p + 1]`` below its
+reload's estimate, where ``T`` is the estimated start of each vertex with compute alone (the
+``EST_*`` rates) and a reload takes ``EST_COPY_S + bytes / EST_COPY_BYTES_PER_S``. So a copy is
+issued about one copy-length of compute ahead of its use, in order of that latest issue time.
+Room comes from free holes (oldest first, as ever) or from evicting, furthest next use first,
+only tensors used after ``q``; when that is not enough, nothing more is evicted for it and the
+tensor is reloaded at ``q`` as before. The reload vertex is emitted before ``p``, so its reuse
+edges come from vertices before ``p`` and the event-driven executor also sees it as more urgent.
+
+Figures (``experiments/results/untuned-shapes``, sim, H200 costs, jitter 5%, 3 seeds, the
+event-driven step before -> with prefetch alone -> with the executor's compute streams in compile
+order too, seconds): Yi-34B at a quarter 0.568 -> 0.487 -> 0.484 (1.20x -> 1.07x its bound),
+Qwen2-7B 0.693 -> 0.639 -> 0.642, the issue's shape 0.638 -> 0.628 -> 0.624; at half 2-5%
+faster everywhere; the same bytes moved or fewer (Yi-34B 19.47 GB either way). Mistral-7B at a
+quarter is slower (0.638 -> 0.645 -> 0.647; 0.641 with the executor's compute depth), although
+with no host cost its prefetching graph is 1.5% faster (0.600 -> 0.591 s, no jitter): an
+interaction with the host's launch costs, not found yet. Compile time is unchanged (0.04-0.18 s
+per budget on this box, with or without).
+
+Limitations. The estimates are one machine's figures; the issue distance counts compute only,
+not the copies queued before (a queue-aware version, tried, issued earlier, held memory longer
+and moved up to 10% more bytes at a quarter: worse). A prefetched tensor may still be evicted
+before its use by a later placement (Belady sees it as any other tensor): a wasted copy, never a
+wrong graph. ``prefetch=False`` compiles exactly the graphs of before (``compiler_golden.json``).
 """
 
 from __future__ import annotations
@@ -83,6 +123,16 @@ STREAMS = ("compute", "h2d", "d2h")
 # rerunning it would keep alive a tensor as large as the one dropped; residual adds likewise
 # (the projection output they read is dead). Attention's outputs are far too costly to rerun.
 RECOMPUTE_OPS = ("rmsnorm", "swiglu")
+
+# What prefetch (Note [Prefetch by need time]) assumes a vertex takes: the H200's figures as
+# ``CostModel.h200`` has them (GEMM rate, HBM bandwidth, pinned copies each way, fixed costs).
+# Only their ratios matter: they turn "the compute between here and the use" and "the copy" into
+# one unit. A wrong ratio issues reloads earlier or later than they need, never a wrong graph.
+EST_FLOPS_PER_S = 41e12
+EST_MEM_BYTES_PER_S = 3.0e12
+EST_COPY_BYTES_PER_S = 54e9
+EST_KERNEL_S = 4e-6
+EST_COPY_S = 8e-6
 
 
 def align(n: int) -> int:
@@ -246,14 +296,17 @@ def recomputable_tensors(graph: TaskGraph, uses: list[list[int]], nbytes: list[i
 
 
 def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = None, *,
-                         preload: bool = True, check_budget: bool = True, recompute: bool = False) -> MemoryGraph:
+                         preload: bool = True, check_budget: bool = True, recompute: bool = False,
+                         prefetch: bool = True) -> MemoryGraph:
     """Compile ``graph`` for ``n_gpus`` GPUs (default: the graph's own) of ``budget`` bytes each.
 
     With ``preload``, weights and inputs are placed on the GPU before the run, in order of first
     use, while they fit; the rest start on the host. Preloaded tensors are clean (a host copy
     exists), so when the simulation needs their room, Belady drops the furthest-used ones for free.
     With ``recompute``, evicted :func:`recomputable_tensors` are dropped instead of offloaded and
-    their producer rerun before the next use (module docstring).
+    their producer rerun before the next use (module docstring). With ``prefetch`` (default),
+    reloads are issued an estimated copy-length ahead of their use where room allows (Note
+    [Prefetch by need time]); ``prefetch=False`` reloads right before each use.
     Raises :class:`BudgetTooSmallError` when one vertex alone does not fit, and
     :class:`InvalidBudgetError` for a budget that is not a positive whole number of bytes.
 
@@ -275,6 +328,8 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
         uses = tensor_uses(graph)
         recomputable = recomputable_tensors(graph, uses, nbytes, budget) if recompute else set()
         sim = _Simulation(graph, budget, n_gpus, nbytes, uses, recomputable, reserve)
+        if prefetch:
+            sim.plan_prefetch()
         if preload:
             sim.preload()
         for v in graph.vertices:
@@ -377,6 +432,47 @@ class _Simulation:
         self.kinds: dict[tuple[int, int], str] = {}
         self.pending_reuse: dict[int, list[int]] = {}  # buffer id -> vertices that must precede its writer
         self.preloaded: list[int] = []
+        self.prefetch_heap: list | None = None  # set by plan_prefetch
+
+    # -- prefetch (Note [Prefetch by need time]) ------------------------------------------------
+
+    def plan_prefetch(self) -> None:
+        """Estimated start ``T[p]`` of every task vertex in program order (compute only, with the
+        ``EST_*`` rates) and the longest reload; prefetch is on from here."""
+        nbytes = self.nbytes
+        T = [0.0]
+        for v in self.tverts:
+            moved = sum(nbytes[t] for t in {*v.inputs, *v.outputs})
+            T.append(T[-1] + EST_KERNEL_S + max(v.flops / EST_FLOPS_PER_S, moved / EST_MEM_BYTES_PER_S))
+        self.T = T
+        self.longest_reload = max((self.reload_estimate(t.id) for t in self.tensors), default=0.0)
+        self.prefetch_heap = []  # (latest issue time T[q] - reload estimate, use q, tensor)
+        self.scanned = 0  # task vertices whose inputs are in the heap: [0, scanned)
+
+    def reload_estimate(self, t: int) -> float:
+        return EST_COPY_S + self.nbytes[t] / EST_COPY_BYTES_PER_S
+
+    def prefetch(self, p: int) -> None:
+        """Before task vertex ``p``: reload every tensor whose next use ``q`` is too close to
+        wait for vertex ``p + 1`` (``T[q] - T[p + 1]`` below its reload's estimate), latest issue
+        time first, if room can be made by evicting only tensors used after ``q``."""
+        T, h, tverts = self.T, self.prefetch_heap, self.tverts
+        now = T[p + 1]
+        self.scanned = max(self.scanned, p + 1)
+        while self.scanned < self.n and T[self.scanned] - self.longest_reload < now:
+            q = self.scanned
+            for t in dict.fromkeys(tverts[q].inputs):
+                heapq.heappush(h, (T[q] - self.reload_estimate(t), q, t))
+            self.scanned += 1
+        if any(t not in self.resident for t in tverts[p].inputs):
+            return  # p's own reloads need the room first; the due prefetches wait for p + 1
+        while h and h[0][0] < now:
+            _, q, t = heapq.heappop(h)
+            if t in self.resident or t not in self.host_copy or self.next_use(t) != q:
+                continue  # resident, not written yet (or dropped for recompute), or used before q
+            bid = self.new_buffer(t, set(), until=q)
+            if bid is not None:  # else no room without evicting what is used by q: reloaded at q
+                self.emit_reload(t, bid)
 
     # -- liveness -------------------------------------------------------------------------------
 
@@ -429,20 +525,27 @@ class _Simulation:
 
     # -- placement and eviction -----------------------------------------------------------------
 
-    def new_buffer(self, t: int, pinned: set[int]) -> int:
+    def new_buffer(self, t: int, pinned: set[int], until: int | None = None) -> int | None:
         """Place a new residency of ``t`` in its GPU's region, evicting the resident tensors used
         furthest in the future (never a ``pinned`` one) until it fits, and note the vertices its
         writer must wait for (the last accesses of the buffers whose bytes it takes). Raises
-        :class:`_Fragmented` when evicting every unpinned tensor still leaves no room."""
+        :class:`_Fragmented` when evicting every unpinned tensor still leaves no room; with
+        ``until`` (a prefetch), evicts only tensors next used after that position and returns
+        None when that leaves no room (what it evicted stays evicted: the furthest-used ones)."""
         gpu, size = self.tgpu[t], self.nbytes[t]
         a = self.alloc[gpu]
         off = a.allocate(size)
         stash = []
         while off is None:
             victim = self.pop_victim(gpu, pinned, stash)
+            if victim is not None and until is not None and self.next_use(victim) <= until:
+                stash.append((-self.next_use(victim), victim))
+                victim = None
             if victim is None:
                 for item in stash:
                     heapq.heappush(self.heaps[gpu], item)
+                if until is not None:
+                    return None
                 raise _Fragmented(gpu, size, self.tensors[t].name, a.used)
             self.evict(victim)
             off = a.allocate(size)
@@ -538,7 +641,9 @@ class _Simulation:
 
     def reload(self, t: int, pinned: set[int]) -> None:
         """Bring ``t`` back from its host copy into a new buffer (a ``reload`` vertex on h2d)."""
-        bid = self.new_buffer(t, pinned)
+        self.emit_reload(t, self.new_buffer(t, pinned))
+
+    def emit_reload(self, t: int, bid: int) -> None:
         self.emit("reload", "reload", f"reload {self.tensors[t].name}", self.tgpu[t], "h2d", -1, t, [], [bid],
                   nb=self.tensors[t].nbytes, extra_preds=[self.host_copy[t]])
 
@@ -592,6 +697,8 @@ class _Simulation:
 
     def step(self, v) -> None:
         """Run task vertex ``v``: place it, emit its compute (or copy) vertex, retire its uses."""
+        if self.prefetch_heap is not None:
+            self.prefetch(v.id)
         outs = self.place_or_repack(v)
         nb = sum(self.tensors[t].nbytes for t in v.outputs) if v.op == "copy" else 0
         self.emit("compute", v.op, v.name, v.gpu, "h2d" if v.op == "copy" else "compute", v.id, -1,

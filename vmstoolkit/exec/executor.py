@@ -53,6 +53,30 @@ which the copy window costs; with the H200's, 1.286 -> 1.277). What remains at a
 mostly the bound: max(compute, copies) ignores that the reloads a vertex needs must all pass the
 one copy stream before it. :mod:`vmstoolkit.exec.bounds`' precedence bound is 1.105x that at the
 issue's shape at a quarter, and the step 1.10x of it (``experiments/results/untuned-shapes``).
+
+Note [Compute streams in compile order]
+---------------------------------------
+Rationale. A stream runs its work in the order it was queued. With lookahead and armed
+launches, the event-driven executor queued compute far ahead of the GPU (130 ms of it at once,
+Yi-34B at half the working set on the sim backend), in whatever order vertices became
+launchable: a block's backward went in before the AdamW updates of the block before, whose Adam
+moments were still being reloaded. The updates then ran 90 ms late, and a weight reload that
+reused their bytes waited for them: event-driven 1.083x its bound, fixed-order 1.038x.
+
+Approach. ``compute_in_order`` (default): a compute stream takes only its first unlaunched
+vertex in compile order, when it is ready or armed, and while fewer than ``COMPUTE_DEPTH`` (16)
+of its vertices are in flight; copies still go in any order (most urgent ready one first),
+which is where launching out of order pays. The depth is a measured choice (``COMPUTE_DEPTH``),
+not a derived one: with the H200's host costs the host is a serial resource (a GEMM launch
+150 us) and a bounded compute queue leaves it freer for copies, but the copy stream's idle gaps
+of ~1.7-1.9 ms before each 88 MB reload in Mistral-7B's backward at a quarter stay with it (not
+explained yet).
+
+Figures (``experiments/results/untuned-shapes``, sim, H200 costs, on the compiler's prefetching
+graphs, step before -> after): Yi-34B at half 0.482 -> 0.456 s (fixed-order 0.462), at a quarter
+0.487 -> 0.484; the issue's shape at a quarter 0.628 -> 0.624; Qwen2-7B at half 0.584 -> 0.554,
+Mistral-7B 0.566 -> 0.556; at a quarter both 0.5% slower (0.639 -> 0.642, 0.645 -> 0.647), and
+with the depth of 16: 0.628 and 0.641 (Qwen2-7B 1.08x its bound). Fixed-order is unchanged.
 """
 
 from __future__ import annotations
@@ -79,6 +103,14 @@ COPY_DEPTH = 2
 # leave the copy engine idle for a host round trip every two copies. Note [Scheduling at shapes
 # nobody tuned].
 COPY_WINDOW = 64 << 20
+# With compute in compile order (Note [Compute streams in compile order]), a compute stream takes
+# more work while fewer than COMPUTE_DEPTH of its vertices are in flight: enough queued that it
+# never waits for a host round trip (4 and 8 lose at half the working set), few enough that the
+# host, which pays 150 us a GEMM launch on the H200, is not spent far ahead of the GPU. Chosen
+# on the tuning shapes (the issue's 5120-wide case and 16 LLaMA-2-7B blocks, LoRA, 1536 tokens,
+# sim, H200 costs; sum of four steps at half and a quarter): unlimited 2.389 s, 4: 2.478,
+# 8: 2.395, 16: 2.362, 32: 2.369.
+COMPUTE_DEPTH = 16
 
 
 @dataclass
@@ -92,7 +124,8 @@ class RunResult:
 
 
 async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: int | None = None,
-               copy_window: int = 0, device_waits: bool = False) -> RunResult:
+               copy_window: int = 0, device_waits: bool = False, compute_in_order: bool = False,
+               compute_depth: int | None = None) -> RunResult:
     """The executors' common loop.
 
     Ready vertices wait in one heap per stream (by compile order). A drain launches, while any
@@ -113,6 +146,11 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
     ready (a copy queued behind a wait holds up every copy after it). Note [Scheduling at
     shapes nobody tuned] says why.
 
+    With ``compute_in_order``, a compute stream takes its vertices in compile order only (its
+    first unlaunched one, when it is ready or armed), and while fewer than ``compute_depth``
+    (None: no limit) of them are in flight; copies still go in any order. Note [Compute streams
+    in compile order] says why.
+
     Runtime complexity: O((V + E) log V) plus O(S log S) per completion (S: streams, 3 a GPU).
     """
     loop = asyncio.get_running_loop()
@@ -132,10 +170,15 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
     # a vertex may be armed only if every predecessor is on its GPU (a wait across GPUs is not asked of backends)
     armable = [device_waits and not fixed_order and not is_copy[key[v]]
                and all(verts[u].gpu == verts[v].gpu for u in preds[v]) for v in range(n)]
+    in_order = [compute_in_order and not fixed_order and not c for c in is_copy]
+    members: list[list[int]] = [[] for _ in keys]  # per stream, its vertex ids in compile order
+    for v in range(n):
+        members[key[v]].append(v)
+    first = [0] * len(keys)  # per stream, index into members of its first unlaunched vertex
     ready: list[list[int]] = [[] for _ in keys]  # per stream, a heap of vertex ids
     armed: list[list[int]] = [[] for _ in keys]  # per stream, a heap of armed vertex ids (stale entries skipped)
     for v in range(n):
-        if unsat[v] == 0:
+        if unsat[v] == 0 and not in_order[key[v]]:
             ready[key[v]].append(v)
     for h in ready:
         heapq.heapify(h)
@@ -148,7 +191,7 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
 
     def release(s: int) -> None:
         unsat[s] -= 1
-        if unsat[s] == 0 and not fixed_order and not launched[s]:
+        if unsat[s] == 0 and not fixed_order and not launched[s] and not in_order[key[s]]:
             heapq.heappush(ready[key[s]], s)
 
     def launch(v: int, after=None) -> None:
@@ -161,7 +204,7 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
             unlaunched[s] -= 1
             if lookahead and key[s] == key[v]:
                 release(s)
-            if armable[s] and unlaunched[s] == 0 and unsat[s] > 0:
+            if armable[s] and unlaunched[s] == 0 and unsat[s] > 0 and not in_order[key[s]]:
                 heapq.heappush(armed[key[s]], s)
         backend.completion(token).add_done_callback(lambda f, v=v: finished(v, f))
 
@@ -200,6 +243,21 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
 
     def pick(k: int) -> tuple[int, bool] | None:
         """The vertex stream ``k`` would take now, and whether it goes armed; None if none."""
+        if in_order[k]:
+            if compute_depth is not None and inflight[k] >= compute_depth:
+                return None
+            m, i = members[k], first[k]
+            while i < len(m) and launched[m[i]]:
+                i += 1
+            first[k] = i
+            if i == len(m):
+                return None
+            v = m[i]
+            if unsat[v] == 0:
+                return v, False
+            if armable[v] and unlaunched[v] == 0:
+                return v, True
+            return None
         r = ready[k]
         if r and (limit[k] is None or inflight[k] < limit[k]
                   or inflight_bytes[k] + verts[r[0]].nbytes <= copy_window):
@@ -216,6 +274,8 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
     def go(k: int, v: int, arm: bool) -> None:
         if arm:
             launch(v, [u for u in preds[v] if not finished_[u] and key[u] != key[v]])
+        elif in_order[k]:
+            launch(v)
         else:
             heapq.heappop(ready[k])
             launch(v)  # may release more work on stream k (lookahead)
@@ -263,20 +323,27 @@ async def _run(mg, backend, *, fixed_order: bool, lookahead: bool, copy_depth: i
 
 
 async def run_event_driven(mg, backend, *, lookahead: bool = True, copy_depth: int | None = COPY_DEPTH,
-                           copy_window: int = COPY_WINDOW, device_waits: bool | None = None) -> RunResult:
+                           copy_window: int = COPY_WINDOW, device_waits: bool | None = None,
+                           compute_in_order: bool = True, compute_depth: int | None = COMPUTE_DEPTH) -> RunResult:
     """Run ``mg`` on ``backend`` (already ``setup``) launching whatever is ready, most urgent
     (earliest in compile order) first; per copy stream at most ``copy_depth`` copies queued, or
     more while they hold at most ``copy_window`` bytes. ``device_waits``: arm vertices whose
     predecessors are launched (:func:`_run`); by default when the backend says it can
-    (``backend.device_waits``). Raises :class:`~vmstoolkit.exec.errors.CycleError` first if
-    ``mg`` has a cycle."""
+    (``backend.device_waits``). ``compute_in_order``: compute streams take their vertices in
+    compile order, at most ``compute_depth`` in flight (Note [Compute streams in compile order]);
+    copies go in any order either way.
+    Raises :class:`~vmstoolkit.exec.errors.CycleError` first if ``mg`` has a cycle."""
     check_acyclic(mg)
+    if compute_depth is not None and (isinstance(compute_depth, bool) or not isinstance(compute_depth, int)
+                                      or compute_depth < 1):
+        raise InvalidOptionError(f"compute_depth {compute_depth!r}: must be a whole number of at least 1, or None")
     if device_waits is None:
         device_waits = bool(getattr(backend, "device_waits", False))
     elif device_waits and not getattr(backend, "device_waits", False):
         raise InvalidOptionError(f"device_waits=True, but {type(backend).__name__} cannot make a stream wait on the GPU")
     return await _run(mg, backend, fixed_order=False, lookahead=lookahead, copy_depth=copy_depth,
-                      copy_window=copy_window, device_waits=device_waits)
+                      copy_window=copy_window, device_waits=device_waits, compute_in_order=compute_in_order,
+                      compute_depth=compute_depth)
 
 
 async def run_fixed_order(mg, backend, *, lookahead: bool = True) -> RunResult:
