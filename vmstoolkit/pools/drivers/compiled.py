@@ -349,14 +349,20 @@ class CompiledSimulatedDriver(SimulatedDriver):
         self._A = np.zeros((256, 2), dtype=np.int64)
 
     def _raise(self, code: int, op: str, va: int = 0, size: int = 0, handle: int = 0, offset: int = 0) -> None:
-        """The reference driver's error for ``code`` (its message, word for word: :data:`_ERRORS`)."""
+        """Raise :meth:`error`."""
+        raise self.error(code, op, va=va, size=size, handle=handle, offset=offset)
+
+    def error(self, code: int, op: str, va: int = 0, size: int = 0, handle: int = 0, offset: int = 0) -> DriverError:
+        """The reference driver's error for the result ``code`` of a compiled operation on ``op``
+        (its message, word for word: :data:`_ERRORS`), for callers of :meth:`compiled_tables`
+        too. Runtime complexity: O(1)."""
         if code not in _ERRORS:  # pragma: no cover - a compiled result without a message
             raise AssertionError(f"compiled driver: unknown result {code}")
         result, template = _ERRORS[code]
         cls = DriverOutOfMemoryError if result == "CUDA_ERROR_OUT_OF_MEMORY" else DriverError
         call = {"create": "cuMemCreate", "mem_alloc": "cuMemAlloc", "release": "cuMemRelease"}.get(op, "cuMemMap")
-        raise cls(result, template.format(va=va, size=size, handle=handle, offset=offset, g=self._granularity,
-                                          cap=self._capacity, e0=int(self._S[S_E0]), call=call))
+        return cls(result, template.format(va=va, size=size, handle=handle, offset=offset, g=self._granularity,
+                                           cap=self._capacity, e0=int(self._S[S_E0]), call=call))
 
     # -- physical memory -------------------------------------------------------------------
     def _in_use(self) -> int:
@@ -465,6 +471,36 @@ class CompiledSimulatedDriver(SimulatedDriver):
         tx.undo_steps([("unmap", va + i * size, size) for i in range(mapped)])
         if code:
             self._raise(code, "map", va=va + mapped * size, size=size, handle=handles[mapped], offset=0)
+
+    # -- compiled callers: an allocator's own compiled loop calling the operations above ----------
+    # paged's compiled replay maps its pages from its njit loop (pools/paged/driver_work.py): no
+    # Python call per driver call, and no return to Python per block that needs pages.
+    def compiled_tables(self, handles: int, mappings: int) -> tuple | None:
+        """``(S, H, R, M)``, with room for ``handles`` more handles and ``mappings`` more
+        mappings, for compiled code that calls this module's ``_create``, ``_map``, ``_unmap`` and
+        ``_set_access`` on them directly and reports what it did with :meth:`account_compiled`;
+        ``None`` while an injected fault is planned or work is queued (:meth:`enqueue_use`), which
+        only the Python calls see. The arrays stay valid until the next Python call that grows
+        a table. Runtime complexity: O(1), or a table's copy when it grows."""
+        if any(self._faults.values()) or self._queued:
+            return None
+        self._room(handles, mappings)
+        return self._S, self._H, self._R, self._M
+
+    def account_compiled(self, calls: dict[str, int], new_handles: list[Handle], size: int, syncs: int) -> None:
+        """Take on what compiled code did straight on :meth:`compiled_tables`, as the template
+        would have counted it: ``calls`` (operation -> calls, failed ones included),
+        ``new_handles`` of ``size`` bytes each (created in that order, none released),
+        ``syncs`` synchronizes (no work was queued). Runtime complexity: O(new handles)."""
+        for op, n in calls.items():
+            if n:
+                self.calls[op] += n
+        sizes = self._handle_sizes
+        for h in new_handles:
+            sizes[h] = size
+        if new_handles:
+            self._grow(len(new_handles) * size)  # only grows in between: the peak is the same
+        self.syncs += syncs
 
     def _unmap(self, va: int, size: int) -> None:
         self._check_queued(va, size)

@@ -203,17 +203,26 @@ class PagedSlowPath:
             assert k == need, "paged: chunks provided but not assigned"
             self._map_pages(heap, k)
         except (DriverError, OutOfMemoryError) as e:
-            H.settle_stack(self.nmaps, self.chunk_stack, self.g)
-            H.heap_free(*heap.arrays(), self.g, start, 0)
-            if isinstance(e, DriverOutOfMemoryError):
-                raise OutOfMemoryError(
-                    f"paged: out of memory for a request of {size} bytes ({need} new pages of {self.page}) with "
-                    f"{self.driver.physical_bytes} bytes in use: {e}", requested=size,
-                    reserved=self.driver.physical_bytes, capacity=self.driver.capacity) from None
-            raise
+            err = self.mapping_failed(heap, start, size, need, e)
+            if err is e:
+                raise
+            raise err from None
         H.settle_stack(self.nmaps, self.chunk_stack, self.g)
         self.counts["mapped"] += 1
         self.counts["pages_mapped"] += k
+
+    def mapping_failed(self, heap: H.Heap, start: int, size: int, need: int, e: Exception) -> Exception:
+        """After :meth:`map_block` (or the compiled replay's, :mod:`~vmstoolkit.pools.paged.driver_work`)
+        failed with ``e`` on the block at unit ``start`` that needed ``need`` pages: the block
+        freed again; the error to raise (a driver's out of memory as the allocator's)."""
+        H.settle_stack(self.nmaps, self.chunk_stack, self.g)
+        H.heap_free(*heap.arrays(), self.g, start, 0)
+        if isinstance(e, DriverOutOfMemoryError):
+            return OutOfMemoryError(
+                f"paged: out of memory for a request of {size} bytes ({need} new pages of {self.page}) with "
+                f"{self.driver.physical_bytes} bytes in use: {e}", requested=size,
+                reserved=self.driver.physical_bytes, capacity=self.driver.capacity)
+        return e
 
     def _provide_chunks(self, need: int) -> None:
         """Make at least ``need`` chunks free: new ones within the peak, reclaimed ones, new ones."""
