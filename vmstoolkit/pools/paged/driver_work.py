@@ -38,9 +38,10 @@ MAPPED, NO_ROOM, OOM, DRIVER_ERROR = 0, 1, 2, 3
 
 @njit(cache=True)
 def _sync(w, chunk_tag):
-    """``driver.synchronize()`` (no work is queued) and every chunk tag cleared, as the Python path."""
+    """``driver.synchronize()`` (no work is queued) and every chunk tag cleared, as the Python
+    path (``_clear_tags``: the ids handed out)."""
     w[W_SYNCS] += 1
-    chunk_tag[:] = 0
+    chunk_tag[:w[W_NEXT_ID]] = 0
 
 
 @njit(cache=True)
