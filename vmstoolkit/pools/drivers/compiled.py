@@ -54,12 +54,14 @@ OK, GROW, E_OOM, E_HANDLE, E_RES_MATCH, E_RES_MAPPED, E_ALIGN, E_OFFSET, E_RANGE
 
 
 @njit(cache=True)
-def _bisect_right(t, n, x):
-    """Rows of ``t[:n]`` whose start (column 0) is at most ``x``."""
+def _bisect(t, n, x, right, gap, gl):
+    """Logical rows of ``t[:n]`` whose start (column 0) is below ``x`` (at most ``x`` with
+    ``right``); logical rows from ``gap`` on sit ``gl`` array rows further (the mappings' gap)."""
     lo, hi = 0, n
     while lo < hi:
         mid = (lo + hi) >> 1
-        if t[mid, 0] <= x:
+        s = t[mid if mid < gap else mid + gl, 0]
+        if s < x or (right and s == x):
             lo = mid + 1
         else:
             hi = mid
@@ -67,15 +69,14 @@ def _bisect_right(t, n, x):
 
 
 @njit(cache=True)
+def _bisect_right(t, n, x):
+    """Rows of ``t[:n]`` whose start (column 0) is at most ``x``."""
+    return _bisect(t, n, x, True, n, 0)
+
+
+@njit(cache=True)
 def _bisect_left(t, n, x):
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if t[mid, 0] < x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    return _bisect(t, n, x, False, n, 0)
 
 
 @njit(cache=True)
@@ -115,26 +116,12 @@ def _mstart(S, M, i):
 @njit(cache=True)
 def _mbisect_right(S, M, x):
     """Mappings whose start is at most ``x``."""
-    lo, hi = 0, S[S_NM]
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if _mstart(S, M, mid) <= x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    return _bisect(M, S[S_NM], x, True, S[S_GAP], M.shape[0] - S[S_NM])
 
 
 @njit(cache=True)
 def _mbisect_left(S, M, x):
-    lo, hi = 0, S[S_NM]
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if _mstart(S, M, mid) < x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    return _bisect(M, S[S_NM], x, False, S[S_GAP], M.shape[0] - S[S_NM])
 
 
 @njit(cache=True)

@@ -1,25 +1,34 @@
-"""Compiled replay of a trace through ``paged``: the heap runs in one ``njit`` loop, Python only
-for the driver's work.
+"""Compiled replay of a trace through ``paged``: the heap runs in one ``njit`` loop, and on the
+compiled simulated driver the pages' mapping too; Python for the rest of the driver's work.
 
 :func:`run_events` walks the events (each free's block found beforehand by :func:`match_frees`),
 commits and frees blocks with the compiled heap (:mod:`~vmstoolkit.pools.paged.heap`) and keeps
-the :class:`~vmstoolkit.pools.base.Allocator` counters (allocated bytes, peaks, totals). It
-returns to Python at the first event that needs more than the heap:
+the :class:`~vmstoolkit.pools.base.Allocator` counters (allocated bytes, peaks, totals). On the
+compiled simulated driver (and without ``aliases``, planned faults or queued work) a block whose
+pages lack chunks is mapped in the loop (:mod:`~vmstoolkit.pools.paged.driver_work`: the steps
+of ``map_block`` on the driver's tables). It returns to Python at the first event that needs more:
 
 - ``PLACE``: the heap cannot place it as is (ranges not yet reserved, block records or virtual
   range exhausted, a failed rollback to repair): nothing is changed and
   :meth:`PagedAllocator.alloc_block` serves the whole request;
-- ``FINISH``: the block is committed but some of its pages lack chunks, or another stream's
-  work may still use them: :meth:`PagedAllocator.finish_block` maps and orders, as it does for
-  every Python allocation;
+- ``FINISH``: the block is committed but some of its pages lack chunks (another driver, or no
+  room in the driver's tables), its stream has no slot yet, or another stream's work may still
+  use them: :meth:`PagedAllocator.finish_block` maps and orders, as it does for every Python
+  allocation;
+- ``ORDER``: mapped in the loop, but other streams' work may still use its chunks:
+  :meth:`PagedAllocator.wait_for` orders the stream after it;
+- ``MAP_FAILED``: the loop's mapping ran out of memory: the block is freed and the error
+  raised, as ``map_block`` does (:meth:`PagedAllocator.mapping_failed`);
 - ``SLOT``: a free on a stream without a slot yet: :meth:`PagedAllocator.slot_bit` gives it one;
 - ``FULL``: a size no allocator can serve: :meth:`Allocator.allocate` raises its error.
 
 Then the loop resumes at that event with its address. The decisions are therefore the ones the
-Python replay makes (the same compiled heap, the same Python driver steps, in the same order),
+Python replay makes (the same compiled heap, the same driver steps, in the same order),
 so the results are the same to the byte: ``tests/pools/paged/test_paged_replay.py`` checks it on every
-bundled trace. Cost: 0.7-1.0 µs per event in the loop (1.0-1.5M events/s on the bundled traces),
-about 5 µs per return to Python, plus the driver work itself (``docs/results.md#replay-speed``).
+bundled trace, and the driver's state after it. Cost: 0.7-1.0 µs per event in the loop, about
+5 µs per return to Python; a generated 500k-entry snapshot replays in 0.67 s of CPU
+(``benchmarks/replay_speed.py --generated``), where each block that needed pages was a return
+to Python and a Python call per driver call (0.9-1.0 s).
 """
 
 from __future__ import annotations
