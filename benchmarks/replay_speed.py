@@ -16,8 +16,9 @@ traces (``--synthetic KIND:STEPS``, steady state: the driver's work is done in t
 - ``paged (compiled)``: the same replay through ``paged``'s compiled path
   (:meth:`~vmstoolkit.pools.base.Allocator.compiled_replay`), whose results are the same to the
   byte (``tests/pools/paged/test_paged_replay.py``); ``loop ev/s`` is events over the time spent in
-  compiled code alone (the rest is the simulated driver's work, in Python, shared with the
-  Python replay).
+  compiled code alone (on the compiled simulated driver that includes mapping the pages:
+  ``pools/paged/driver_work.py``; the rest is the Python steps the loop returns for: stream
+  ordering, new streams, growing the heap's records, and the set-up and hand-back).
 
 - ``--generated SIZES``: snapshots of that many entries, 5 frames each, generated at run time
   into a temporary folder (``loader_bench.generate``, never shipped), each loaded and replayed

@@ -300,6 +300,8 @@ class Allocator(ABC):
     def _address(self, addr, call: str) -> int:
         """``addr`` as an ``int`` (numpy's integers too), or the invalid-free error for a value that
         is no address (a float, a string, None, a bool), which the hex in later messages cannot format."""
+        if type(addr) is int:  # the common case first: an ABC isinstance costs a Python-level check
+            return addr
         if isinstance(addr, bool) or not isinstance(addr, numbers.Integral):
             raise InvalidFreeError(f"{self.name}: {call} of {addr!r:.60}: an address is an integer")
         return int(addr)
@@ -308,6 +310,8 @@ class Allocator(ABC):
         """``stream`` as an ``int`` (a CUDA stream handle, as PyTorch passes it: 0 is the default
         stream), or a one-line error for anything else: a string, None, a float, a bool, or a
         value outside int64, which the compiled paths store."""
+        if type(stream) is int and -(1 << 63) <= stream < (1 << 63):  # the common case, without the ABC check
+            return stream
         if isinstance(stream, bool) or not isinstance(stream, numbers.Integral) or not -(1 << 63) <= stream < (1 << 63):
             raise InvalidSizeError(f"{self.name}: {call} on stream {stream!r:.60}: a stream is an int64 handle")
         return int(stream)

@@ -182,6 +182,38 @@ def test_tables_grow(tmp_path):
     assert _state(fast) == _state(ref)
 
 
+def test_the_mappings_gap_moves_under_random_maps_and_unmaps():
+    """The mappings' table is a gap buffer: maps, unmaps (single and multi-page), access, memset
+    and reads at random places, the table growing in between, agree with the reference call by call."""
+    import random
+
+    ref, fast = SimulatedDriver(capacity=8192 * G), CompiledSimulatedDriver(capacity=8192 * G)
+    out = {id(ref): [], id(fast): []}
+    for d in (ref, fast):
+        r = random.Random(7)
+        va = d.reserve(2400 * G)
+        hs = [d.create(G) for _ in range(2400)]
+        mapped = set()
+        log = out[id(d)]
+        for _ in range(6000):
+            p = r.randrange(2400)
+            k = r.choice([1, 1, 1, 2, 3])
+            if p in mapped:
+                log.append(_outcome(d.unmap, va + p * G, k * G))  # several pages: fails unless all mapped
+                if log[-1][0] == "ok":
+                    mapped -= set(range(p, p + k))
+            else:
+                log.append(_outcome(d.map, va + p * G, G, hs[p]))
+                mapped.add(p)
+                log.append(_outcome(d.set_access, va + p * G, G))
+            q = r.randrange(2400)
+            log.append(_outcome(d.memset, va + q * G, r.choice([1, 2]) * G))
+            if r.random() < 0.01:
+                log.append(sorted(d.live_mappings().items()))
+    assert out[id(ref)] == out[id(fast)]
+    assert _state(fast) == _state(ref)
+
+
 @pytest.mark.parametrize("name", ["vms", "paged", "pytorch-expandable", "gmlake", "native", "pytorch-caching"])
 def test_allocators_on_both_drivers_agree(name, traces_dir):
     from vmstoolkit.trace import load_trace, replay

@@ -1,25 +1,34 @@
-"""Compiled replay of a trace through ``paged``: the heap runs in one ``njit`` loop, Python only
-for the driver's work.
+"""Compiled replay of a trace through ``paged``: the heap runs in one ``njit`` loop, and on the
+compiled simulated driver the pages' mapping too; Python for the rest of the driver's work.
 
 :func:`run_events` walks the events (each free's block found beforehand by :func:`match_frees`),
 commits and frees blocks with the compiled heap (:mod:`~vmstoolkit.pools.paged.heap`) and keeps
-the :class:`~vmstoolkit.pools.base.Allocator` counters (allocated bytes, peaks, totals). It
-returns to Python at the first event that needs more than the heap:
+the :class:`~vmstoolkit.pools.base.Allocator` counters (allocated bytes, peaks, totals). On the
+compiled simulated driver (and without ``aliases``, planned faults or queued work) a block whose
+pages lack chunks is mapped in the loop (:mod:`~vmstoolkit.pools.paged.driver_work`: the steps
+of ``map_block`` on the driver's tables). It returns to Python at the first event that needs more:
 
 - ``PLACE``: the heap cannot place it as is (ranges not yet reserved, block records or virtual
   range exhausted, a failed rollback to repair): nothing is changed and
   :meth:`PagedAllocator.alloc_block` serves the whole request;
-- ``FINISH``: the block is committed but some of its pages lack chunks, or another stream's
-  work may still use them: :meth:`PagedAllocator.finish_block` maps and orders, as it does for
-  every Python allocation;
+- ``FINISH``: the block is committed but some of its pages lack chunks (another driver, or no
+  room in the driver's tables), its stream has no slot yet, or another stream's work may still
+  use them: :meth:`PagedAllocator.finish_block` maps and orders, as it does for every Python
+  allocation;
+- ``ORDER``: mapped in the loop, but other streams' work may still use its chunks:
+  :meth:`PagedAllocator.wait_for` orders the stream after it;
+- ``MAP_FAILED``: the loop's mapping ran out of memory: the block is freed and the error
+  raised, as ``map_block`` does (:meth:`PagedAllocator.mapping_failed`);
 - ``SLOT``: a free on a stream without a slot yet: :meth:`PagedAllocator.slot_bit` gives it one;
 - ``FULL``: a size no allocator can serve: :meth:`Allocator.allocate` raises its error.
 
 Then the loop resumes at that event with its address. The decisions are therefore the ones the
-Python replay makes (the same compiled heap, the same Python driver steps, in the same order),
+Python replay makes (the same compiled heap, the same driver steps, in the same order),
 so the results are the same to the byte: ``tests/pools/paged/test_paged_replay.py`` checks it on every
-bundled trace. Cost: 0.7-1.0 µs per event in the loop (1.0-1.5M events/s on the bundled traces),
-about 5 µs per return to Python, plus the driver work itself (``docs/results.md#replay-speed``).
+bundled trace, and the driver's state after it. Cost: 0.7-1.0 µs per event in the loop, about
+5 µs per return to Python; a generated 500k-entry snapshot replays in 0.67 s of CPU
+(``benchmarks/replay_speed.py --generated``), where each block that needed pages was a return
+to Python and a Python call per driver call (0.9-1.0 s).
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from vmstoolkit._jit import njit
 
 from vmstoolkit.errors import OutOfMemoryError
 from vmstoolkit.pools.base import CompiledReplay, ReplayArrays
+from vmstoolkit.pools.drivers import compiled as CD
+from vmstoolkit.pools.paged import driver_work as DW
 from vmstoolkit.pools.paged import heap as H
 
 # st[] slots: the base class's counters while the loop runs (written back at the end), and the
@@ -38,7 +49,7 @@ from vmstoolkit.pools.paged import heap as H
 S_ALLOCATED, S_PEAK, S_COUNT, S_PEAK_COUNT, S_ALLOCS, S_FREES, S_BYTES = 0, 1, 2, 3, 4, 5, 6
 S_FAST, S_UNMATCHED, S_HOME, S_HAS_HOME = 7, 8, 9, 10
 # why run_events returned
-DONE, FULL, PLACE, FINISH, SLOT, DOUBLE = 0, 1, 2, 3, 4, 5
+DONE, FULL, PLACE, FINISH, SLOT, DOUBLE, ORDER, MAP_FAILED = 0, 1, 2, 3, 4, 5, 6, 7
 UNMATCHED = -1  # match[]: a free of memory allocated before recording; >= 0: the record it frees;
 # <= -2: a double free (the address was freed at event -v - 2 already)
 
@@ -104,11 +115,16 @@ def match_frees(is_alloc: np.ndarray, addr: np.ndarray, pre_addr: np.ndarray) ->
 @njit(cache=True)
 def run_events(is_alloc, size, stream, match, pre_first, rec_ptr, rec_size, rec_stream, rec_live, rec_freed, npre,
                i, end, resume_ptr, L, S, g, chunk_tag, st, slot_keys, slot_bits, nslots, bases,
-               shifts, capacity, small_size, overflow_bit, phys, timeline, tl_alloc, tl_res, out):
+               shifts, capacity, small_size, overflow_bit, timeline, tl_alloc, tl_res, out,
+               drv, DS, DH, DR, DM, nmaps, chunk_stack, hnd, out_pages, out_chunks, w, page_shift, reclaim_batch):
     """Replay events ``i`` to ``end`` (see the module docstring); ``resume_ptr`` >= 0 is event
     ``i``'s address, served by Python. ``bases``: (large, small) range starts (-1: not reserved)
     and sizes; ``shifts``: their unit shifts. Returns ``(why, event)``; ``out`` holds the heap
-    (1: small), start unit and missing pages of a ``FINISH``, the earlier free of a ``DOUBLE``."""
+    (1: small), start unit and missing pages of a ``FINISH``, the earlier free of a ``DOUBLE``,
+    the heap, start unit and streams to wait for of an ``ORDER``, the heap, start unit and
+    pages needed of a ``MAP_FAILED``. With ``drv`` 1, blocks that need pages are mapped here
+    (:func:`~vmstoolkit.pools.paged.driver_work.map_block`, on the driver's tables ``DS``,
+    ``DH``, ``DR``, ``DM``); ``w[W_PHYS]``: the physical bytes for the timeline."""
     while i < end:
         if is_alloc[i]:
             if resume_ptr >= 0:
@@ -141,21 +157,35 @@ def run_events(is_alloc, size, stream, match, pre_first, rec_ptr, rec_size, rec_
                 out[0] = h
                 out[1] = start
                 out[2] = missing
-                if missing > 0:
-                    return FINISH, i
                 bit = _slot_bit(slot_keys, slot_bits, nslots, stream[i])
-                if bit == 0:
+                if bit == 0 or (missing > 0 and drv == 0):
                     return FINISH, i
                 mine = 0 if bit == overflow_bit else bit
-                if h == 1:
-                    if _waiting(S[0], S[12], chunk_tag, start, n, mine) != 0:
+                if missing > 0:  # finish_block's map_block, then its order_after
+                    r, need = DW.map_block(L, S, h, start, n, bases, DS, DH, DR, DM, g, chunk_tag, nmaps,
+                                           chunk_stack, hnd, out_pages, out_chunks, w, page_shift, reclaim_batch)
+                    if r == DW.NO_ROOM:
                         return FINISH, i
-                    H.take_tags(S[0], S[12], S[13], chunk_tag, start, n, mine)
+                    if r != DW.MAPPED:
+                        out[2] = need
+                        return MAP_FAILED, i
+                    if h == 1:
+                        tw = H.take_tags(S[0], S[12], S[13], chunk_tag, start, n, mine)
+                    else:
+                        tw = H.take_tags(L[0], L[12], L[13], chunk_tag, start, n, mine)
+                    if tw != 0:
+                        out[2] = tw
+                        return ORDER, i
                 else:
-                    if _waiting(L[0], L[12], chunk_tag, start, n, mine) != 0:
-                        return FINISH, i
-                    H.take_tags(L[0], L[12], L[13], chunk_tag, start, n, mine)
-                st[S_FAST] += 1
+                    if h == 1:
+                        if _waiting(S[0], S[12], chunk_tag, start, n, mine) != 0:
+                            return FINISH, i
+                        H.take_tags(S[0], S[12], S[13], chunk_tag, start, n, mine)
+                    else:
+                        if _waiting(L[0], L[12], chunk_tag, start, n, mine) != 0:
+                            return FINISH, i
+                        H.take_tags(L[0], L[12], L[13], chunk_tag, start, n, mine)
+                    st[S_FAST] += 1
                 ptr = bases[h] + (start << shifts[h])
             r = npre + i
             rec_ptr[r] = ptr
@@ -195,7 +225,7 @@ def run_events(is_alloc, size, stream, match, pre_first, rec_ptr, rec_size, rec_
                 return DOUBLE, i
         if timeline:
             tl_alloc[i] = st[S_ALLOCATED]
-            tl_res[i] = phys
+            tl_res[i] = w[DW.W_PHYS]
         i += 1
     return DONE, i
 
@@ -231,6 +261,8 @@ def _replay(a, ev: ReplayArrays) -> CompiledReplay:
     every = ev.progress_every if ev.progress is not None else 0
     result = CompiledReplay(done=0)
     i, resume, nslots = 0, -1, -1
+    work = DW.CompiledDriverWork(a)
+    page_shift, reclaim_batch = a.page_shift, a.reclaim_batch
     try:
         while True:
             if nslots != len(a._slot):  # streams got slots in the Python step
@@ -240,12 +272,18 @@ def _replay(a, ev: ReplayArrays) -> CompiledReplay:
             bases = np.array([-1 if a.large.base is None else a.large.base, -1 if a.small.base is None else a.small.base,
                               a.large.nbytes, a.small.nbytes], np.int64)
             end = min(n, (i // every + 1) * every) if every else n
+            drv, DS, DH, DR, DM = work.before()
             t0 = time.perf_counter()
-            why, i = run_events(ev.is_alloc, ev.size, ev.stream, match, pre_first, rec_ptr, rec_size, rec_stream,
-                                rec_live, rec_freed, npre, i, end, resume, a.large.arrays(), a.small.arrays(),
-                                a.g, a.chunk_tag, st, keys, bits, nslots, bases, shifts, a.driver.capacity,
-                                SMALL_SIZE, OVERFLOW_BIT, a.driver.physical_bytes, ev.timeline, tl_alloc, tl_res, out)
-            result.loop_seconds += time.perf_counter() - t0
+            try:
+                why, i = run_events(ev.is_alloc, ev.size, ev.stream, match, pre_first, rec_ptr, rec_size, rec_stream,
+                                    rec_live, rec_freed, npre, i, end, resume, a.large.arrays(), a.small.arrays(),
+                                    a.g, a.chunk_tag, st, keys, bits, nslots, bases, shifts, a.driver.capacity,
+                                    SMALL_SIZE, OVERFLOW_BIT, ev.timeline, tl_alloc, tl_res, out, drv, DS, DH, DR,
+                                    DM, a.nmaps, a.chunk_stack, work.hnd, a._out_pages, a._out_chunks, work.w,
+                                    page_shift, reclaim_batch)
+            finally:
+                result.loop_seconds += time.perf_counter() - t0
+                code, va = work.after()  # the driver and the allocator take on the compiled driver work
             resume = -1
             if why == DONE:
                 if every and i % every == 0:
@@ -267,6 +305,17 @@ def _replay(a, ev: ReplayArrays) -> CompiledReplay:
                     raise AssertionError(f"paged: a request of {size} bytes was expected to fail")
                 if why == PLACE:
                     resume = a.alloc_block(size, stream)
+                elif why == ORDER:  # mapped in the loop; finish_block's order_after waits here
+                    heap = a.small if out[0] else a.large
+                    a.wait_for(stream, int(out[2]))
+                    resume = heap.base + (int(out[1]) << heap.unit_shift)
+                elif why == MAP_FAILED:
+                    heap = a.small if out[0] else a.large
+                    e = a.driver.error(code, "create" if code == CD.E_OOM else "map", va=va, size=a.page)
+                    err = a.mapping_failed(heap, int(out[1]), size, int(out[2]), e)
+                    if not isinstance(err, OutOfMemoryError):
+                        raise AssertionError(f"paged: a driver call of the compiled replay failed: {err}") from err
+                    raise err
                 else:
                     heap = a.small if out[0] else a.large
                     resume = a.finish_block(heap, int(out[1]), size, int(out[2]), stream)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from typing import Callable
-
-from sortedcontainers import SortedList
 
 from vmstoolkit.pools.vmm.blocks import PrimitiveBlock, Reservation
 from vmstoolkit.pools.drivers.base import VMMDriver
@@ -34,8 +33,11 @@ class PrimitivePool:
         self._by_end: dict[int, PrimitiveBlock] = {}  # end va -> block (left neighbours)
         self.coalesce = coalesce
         self.merges = 0
-        # (chunks, va) of every free block: tuples compare in C, much faster than a key function
-        self.free_list = SortedList()
+        # (chunks, va) of every free block, sorted: tuples compare in C, much faster than a key
+        # function; a plain list kept with bisect, not a SortedList, whose add and remove are two
+        # Python calls each over its sublists (a tenth of vms's replay time): the pool holds tens
+        # to hundreds of free blocks, a memmove of a few KB at most
+        self.free_list: list[tuple[int, int]] = []
         self.free_chunks = 0
         self.total_chunks = 0
         self.on_used: Callable[[PrimitiveBlock], None] = lambda b: None
@@ -60,7 +62,7 @@ class PrimitivePool:
         block = PrimitiveBlock(va, handles, Reservation(va, size))
         self.blocks[va] = block
         self._by_end[va + size] = block
-        self.free_list.add((nchunks, va))
+        insort(self.free_list, (nchunks, va))
         self.free_chunks += nchunks
         self.total_chunks += nchunks
         return block
@@ -74,7 +76,7 @@ class PrimitivePool:
         assert block.free and not block.stitched, f"release of {block} still in use or stitched"
         self.graveyard.flush()  # evicted ranges may still map its chunks: unmap them first
         g = self.g
-        self.free_list.remove((block.nchunks, block.va))
+        remove_key(self.free_list, (block.nchunks, block.va))
         del self.blocks[block.va]
         del self._by_end[block.va + block.nchunks * g]
         self.free_chunks -= block.nchunks
@@ -91,7 +93,7 @@ class PrimitivePool:
     def take(self, block: PrimitiveBlock, user: object) -> None:
         """Mark a free block used by ``user`` (itself or a stitched block). Runtime complexity:
         O(log B), plus the stitched ranges that map it."""
-        self.free_list.remove((block.nchunks, block.va))
+        remove_key(self.free_list, (block.nchunks, block.va))
         self.free_chunks -= block.nchunks
         block.user = user
         if block.stitched:  # the stitched pool counts busy parts of its ranges only
@@ -102,7 +104,7 @@ class PrimitivePool:
         range (:meth:`_merge`). No driver call. Runtime complexity: O(log B), plus the stitched
         ranges that map it and its neighbours."""
         block.user = None
-        self.free_list.add((block.nchunks, block.va))
+        insort(self.free_list, (block.nchunks, block.va))
         self.free_chunks += block.nchunks
         if block.stitched:
             self.on_freed(block)
@@ -131,14 +133,14 @@ class PrimitivePool:
                     return None
                 at[s] = i
         for x in (a, b):
-            self.free_list.remove((x.nchunks, x.va))
+            remove_key(self.free_list, (x.nchunks, x.va))
             del self.blocks[x.va]
         del self._by_end[a.va + a.nchunks * self.g]
         merged = PrimitiveBlock(a.va, a.handles + b.handles, a.res)
         a.res.refs -= 2
         self.blocks[merged.va] = merged
         self._by_end[merged.va + merged.nchunks * self.g] = merged
-        self.free_list.add((merged.nchunks, merged.va))
+        insort(self.free_list, (merged.nchunks, merged.va))
         for s, i in at.items():
             s.parts[i:i + 2] = [merged]
             merged.stitched.add(s)
@@ -153,7 +155,7 @@ class PrimitivePool:
         stitched ranges that map it.
         """
         assert block.free and 0 < nchunks < block.nchunks
-        self.free_list.remove((block.nchunks, block.va))
+        remove_key(self.free_list, (block.nchunks, block.va))
         head = PrimitiveBlock(block.va, block.handles[:nchunks], block.res)
         tail = PrimitiveBlock(block.va + nchunks * self.g, block.handles[nchunks:], block.res)
         block.res.refs -= 1
@@ -161,8 +163,8 @@ class PrimitivePool:
         self.blocks[tail.va] = tail
         self._by_end[tail.va] = head
         self._by_end[tail.va + tail.nchunks * self.g] = tail
-        self.free_list.add((head.nchunks, head.va))
-        self.free_list.add((tail.nchunks, tail.va))
+        insort(self.free_list, (head.nchunks, head.va))
+        insort(self.free_list, (tail.nchunks, tail.va))
         for s in block.stitched:
             i = s.parts.index(block)
             s.parts[i:i + 1] = [head, tail]
@@ -177,8 +179,9 @@ class PrimitivePool:
 
         Runtime complexity: O(log n).
         """
-        i = self.free_list.bisect_left((nchunks, -1))
-        return self.blocks[self.free_list[i][1]] if i < len(self.free_list) else None
+        fl = self.free_list
+        i = bisect_left(fl, (nchunks, -1))
+        return self.blocks[fl[i][1]] if i < len(fl) else None
 
     def free_blocks(self, largest_first: bool = False) -> list[PrimitiveBlock]:
         """The free blocks, smallest (or largest) first (a list: safe to change the pool).
@@ -222,3 +225,13 @@ class PrimitivePool:
         assert len(owned) == self.total_chunks, f"total chunks {self.total_chunks} != {len(owned)}"
         return owned
 
+
+
+def remove_key(free_list: list, key: tuple[int, int]) -> None:
+    """Take ``key`` off the sorted list ``free_list`` (a pool's free or idle blocks); a missing
+    key is a broken invariant, raised (as ``SortedList.remove`` raises). Runtime complexity:
+    O(log B) plus a memmove of the entries after it."""
+    i = bisect_left(free_list, key)
+    if i == len(free_list) or free_list[i] != key:
+        raise ValueError(f"vms: free block {key} is not on the free list")
+    del free_list[i]

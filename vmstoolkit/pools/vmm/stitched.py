@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from sortedcontainers import SortedList
+from bisect import bisect_left, insort
 
 from vmstoolkit.pools.vmm.blocks import PrimitiveBlock, StitchedBlock, StitchedPrefix
 from vmstoolkit.pools.drivers.base import VMMDriver
-from vmstoolkit.pools.vmm.primitive import PrimitivePool
+from vmstoolkit.pools.vmm.primitive import PrimitivePool, remove_key
 from vmstoolkit.pools.drivers.txn import Transaction
 
 
@@ -28,7 +28,7 @@ class StitchedPool:
         self.primitives = primitives
         self.max_cached = max_cached
         self.blocks: dict[int, StitchedBlock] = {}  # va -> every stitched block
-        self.idle = SortedList()
+        self.idle: list[tuple[int, int]] = []  # sorted, kept with bisect (see PrimitivePool.free_list)
         self._clock = 0
         primitives.on_used = self._part_used
         primitives.on_freed = self._part_freed
@@ -68,7 +68,7 @@ class StitchedPool:
         for p in parts:
             p.stitched.add(s)
         self.blocks[va] = s
-        self.idle.add((nchunks, va))
+        insort(self.idle, (nchunks, va))
         self._collect(keep=s)
         return s
 
@@ -78,7 +78,7 @@ class StitchedPool:
         Runtime complexity: O(chunks + log S); driver calls: an unmap per chunk, one free_address."""
         assert not s.allocated, f"destroy of allocated {s}"
         g = self.g
-        self.idle.remove((s.nchunks, s.va))
+        remove_key(self.idle, (s.nchunks, s.va))
         for p in s.parts:
             p.stitched.discard(s)
         del self.blocks[s.va]
@@ -111,12 +111,15 @@ class StitchedPool:
     def best_fit(self, nchunks: int, max_chunks: int) -> StitchedBlock | None:
         """The smallest usable block of ``nchunks`` to ``max_chunks`` chunks, skipping at most
         ``SCAN_LIMIT`` busy ones. Runtime complexity: O(log S + SCAN_LIMIT)."""
-        for n, (_, va) in enumerate(self.idle.irange((nchunks, -1), (max_chunks, float("inf")))):
-            s = self.blocks[va]
+        idle, blocks = self.idle, self.blocks
+        i = bisect_left(idle, (nchunks, -1))
+        for k in range(i, min(len(idle), i + self.SCAN_LIMIT + 1)):
+            n, va = idle[k]
+            if n > max_chunks:
+                break
+            s = blocks[va]
             if s.busy == 0:
                 return s
-            if n >= self.SCAN_LIMIT:
-                break
         return None
 
     def best_prefix(self, nchunks: int) -> StitchedBlock | None:
@@ -124,7 +127,9 @@ class StitchedPool:
         ``nchunks`` chunks are free (its later parts may be in use by others), scanning at most
         ``SCAN_LIMIT`` busy ones. Runtime complexity: O(log n) plus the parts scanned."""
         blocks = self.blocks
-        for k, (_, va) in enumerate(self.idle.irange((nchunks, -1))):
+        idle = self.idle
+        i = bisect_left(idle, (nchunks, -1))
+        for k, (_, va) in enumerate(idle[i:i + self.SCAN_LIMIT + 1]):  # the loop stops at SCAN_LIMIT
             s = blocks[va]
             if s.busy == 0:
                 return s
@@ -142,7 +147,7 @@ class StitchedPool:
     def take(self, s: StitchedBlock) -> None:
         """Allocate a usable block: every part becomes used by it. No driver call. Runtime
         complexity: O(log S + parts x log B) for ``B`` free primitive blocks."""
-        self.idle.remove((s.nchunks, s.va))
+        remove_key(self.idle, (s.nchunks, s.va))
         s.allocated = True
         self._clock += 1
         s.last_use = self._clock
@@ -153,7 +158,7 @@ class StitchedPool:
         """Allocate the first ``nchunks`` chunks of an unallocated block, which must be free
         (see :meth:`best_prefix`); no driver call. Runtime complexity: O(log S + parts x log B),
         plus one split of a part."""
-        self.idle.remove((s.nchunks, s.va))
+        remove_key(self.idle, (s.nchunks, s.va))
         s.allocated = True
         self._clock += 1
         s.last_use = self._clock
@@ -177,7 +182,7 @@ class StitchedPool:
         s = prefix.stitched
         s.allocated = False
         s.prefix = None
-        self.idle.add((s.nchunks, s.va))
+        insort(self.idle, (s.nchunks, s.va))
         for p in list(prefix.parts):  # a copy: giving back may merge parts of s.parts
             self.primitives.give_back(p)
 
@@ -185,7 +190,7 @@ class StitchedPool:
         """An allocated range is unallocated again and cached; its parts are free (and may
         merge). No driver call. Runtime complexity: O(log S + parts x log B)."""
         s.allocated = False
-        self.idle.add((s.nchunks, s.va))
+        insort(self.idle, (s.nchunks, s.va))
         for p in list(s.parts):  # a copy: giving back may merge neighbouring parts
             self.primitives.give_back(p)
 
