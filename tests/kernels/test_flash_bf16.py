@@ -1,0 +1,132 @@
+"""The bf16 flash-attention forward (``kernels/flash_bf16.py``) under the simulator: the generated
+kernel runs the intrinsics' twins (one warp, 16-key tiles), so these check its index math, the
+cp.async / element-wise fetches, the causal masking on diagonal tiles, GQA, ragged T and the lse
+against ``bf16.reference_attention`` and the lane model (``flash_model``). The PTX route itself
+is checked by ``cuda.compile_ptx`` where a CUDA toolkit's NVVM is found (skipped otherwise), and on
+the GPU by ``tests/gpu/test_flash_bf16_gpu.py``.
+
+Cost: the twins cost O(warp) Python per mma; each case is a few hundred mma calls, ~1 s of CPU
+at most."""
+
+import math
+
+import numpy as np
+import pytest
+
+from vmstoolkit.errors import KernelError
+from vmstoolkit.kernels import bf16 as B
+from vmstoolkit.kernels import flash_bf16 as FB
+from vmstoolkit.kernels import flash_model as FM
+from vmstoolkit.kernels import reference
+
+
+def _inputs(rng, b, t, nh, nkv, d):
+    q = B.to_bits(rng.standard_normal((b, t, nh, d)))
+    k = B.to_bits(rng.standard_normal((b, t, nkv, d)))
+    v = B.to_bits(rng.standard_normal((b, t, nkv, d)))
+    return q, k, v
+
+
+def _run(q, k, v, with_lse=True, **kw):
+    from numba import cuda
+
+    b, t, nh, d = q.shape
+    o = cuda.to_device(np.full(q.shape, 0x7FC0, np.uint16))  # NaN bits: every output must be written
+    lse = cuda.to_device(np.full((b, nh, t), np.nan, np.float32)) if with_lse else None
+    FB.flash_attention_bf16(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), o, lse, **kw)
+    return o.copy_to_host(), (lse.copy_to_host() if with_lse else None)
+
+
+def _check_out(got_bits, q, k, v):
+    """Bit-equal to the lane model (the twins compute what it computes, in its order), and within
+    one bf16 ulp of the scale of the exact reference (P rounded to bf16 as the mma takes it: the
+    flash kernel rounds P against the running max, not the row's final one, so a few percent of
+    the outputs of rows that walk several tiles differ by an ulp)."""
+    got = B.values(got_bits)
+    assert not np.isnan(got).any()
+    assert np.array_equal(got, FM.forward(q, k, v))
+    want = B.reference_attention(B.values(q), B.values(k), B.values(v), round_p=True)
+    rel = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    assert rel <= 2 * B.UNIT_ROUNDOFF, rel
+    return got
+
+
+@pytest.mark.parametrize("b, t, nh, nkv, d", [(1, 37, 2, 1, 16), (1, 18, 4, 2, 16), (2, 9, 1, 1, 32), (1, 5, 1, 1, 16)])
+def test_forward_equals_the_reference_and_lse(rng, b, t, nh, nkv, d):
+    q, k, v = _inputs(rng, b, t, nh, nkv, d)
+    o, lse = _run(q, k, v)
+    got = _check_out(o, q, k, v)
+    _, want_lse = reference.attention_lse(*(B.values(x).astype(np.float64) for x in (q, k, v)))
+    assert np.max(np.abs(lse - want_lse)) <= 1e-5 * max(1.0, np.max(np.abs(want_lse)))
+    assert np.allclose(lse, FM.forward(q, k, v, with_lse=True)[1], rtol=1e-6, atol=1e-6)
+    # and the test sees a wrong key/value head (GQA)
+    if nkv > 1:
+        bad, _ = _run(q, np.ascontiguousarray(k[:, :, ::-1]), np.ascontiguousarray(v[:, :, ::-1]), with_lse=False)
+        assert np.mean(B.values(bad) != got) > 0.2
+
+
+def test_mask_only_on_diagonal_tiles_sees_every_tile(rng):
+    """Two warps, 16-key tiles: the second block (rows 32-44) walks two tiles wholly below its
+    first row unmasked and one that crosses it; in the first, warp 0 (rows 0-15) walks a tile
+    that is wholly masked for it. Every query sees exactly its causal prefix (a future key with
+    a huge value would show in the output)."""
+    b, t, nh, nkv, d = 1, 45, 1, 1, 32
+    q, k, v = _inputs(rng, b, t, nh, nkv, d)
+    tiles = FB.FlashBf16Tiles(warps=2, bkv=16)
+    o, _ = _run(q, k, v, tiles=tiles)
+    _check_out(o, q, k, v)
+    v2 = v.copy()
+    v2[0, -1] = B.to_bits(np.full(d, 1000.0))  # the last key: only the last row may see it
+    o2, _ = _run(q, k, v2, tiles=tiles)
+    assert np.array_equal(o2[0, :-1], o[0, :-1])
+    assert not np.array_equal(o2[0, -1], o[0, -1])
+
+
+def test_elementwise_fetch_of_views(rng):
+    """q a view with a head stride that is not a multiple of 8 elements (no cp.async), k, v views
+    into a wider array; the element-wise fetch gives the same bits as the cp.async one."""
+    b, t, nh, nkv, d = 1, 11, 2, 2, 16
+    q, k, v = _inputs(rng, b, t, nh, nkv, d)
+    o_async, _ = _run(q, k, v)
+    o_elem, _ = _run(q, k, v, cp_async=False)
+    assert np.array_equal(o_async, o_elem)
+    from numba import cuda
+
+    wide = np.zeros((b, t, nh, d + 3), np.uint16)
+    wide[..., 3:] = q
+    dq = cuda.to_device(wide)[..., 3:]  # base not 16-byte aligned
+    o = cuda.to_device(np.zeros(q.shape, np.uint16))
+    FB.flash_attention_bf16(dq, cuda.to_device(k), cuda.to_device(v), o)
+    assert np.array_equal(o.copy_to_host(), o_async)
+    with pytest.raises(KernelError, match="cp_async=True"):
+        FB.flash_attention_bf16(dq, cuda.to_device(k), cuda.to_device(v), o, cp_async=True)
+
+
+def test_rejects_bad_input():
+    from numba import cuda
+
+    z = lambda *s: cuda.to_device(np.zeros(s, np.uint16))  # noqa: E731
+    with pytest.raises(KernelError, match="n_kv_heads"):
+        FB.flash_attention_bf16(z(1, 4, 3, 16), z(1, 4, 2, 16), z(1, 4, 2, 16), z(1, 4, 3, 16))
+    with pytest.raises(KernelError, match="head_dim"):
+        FB.flash_attention_bf16(z(1, 4, 2, 24), z(1, 4, 1, 24), z(1, 4, 1, 24), z(1, 4, 2, 24))
+    with pytest.raises(KernelError, match="bf16 bits"):
+        FB.flash_attention_bf16(cuda.to_device(np.zeros((1, 4, 2, 16), np.float32)), z(1, 4, 1, 16),
+                                z(1, 4, 1, 16), z(1, 4, 2, 16))
+    with pytest.raises(KernelError, match="lse"):
+        FB.flash_attention_bf16(z(1, 4, 2, 16), z(1, 4, 1, 16), z(1, 4, 1, 16), z(1, 4, 2, 16),
+                                lse=cuda.to_device(np.zeros((1, 4, 2), np.float32)))
+    with pytest.raises(KernelError, match="output"):
+        FB.flash_attention_bf16(z(1, 4, 2, 16), z(1, 4, 1, 16), z(1, 4, 1, 16), z(1, 5, 2, 16))
+    with pytest.raises(KernelError, match="shared memory"):
+        FB.FlashBf16Tiles(warps=8, bkv=256).check(128)
+
+
+def test_swizzle_stays_inside_the_row():
+    for d in (16, 32, 48, 64, 80, 128, 256):
+        cpr = d // 8
+        m = FB.swizzle_mask(d)
+        for r in range(16):
+            assert sorted(c ^ (r & m) for c in range(cpr)) == list(range(cpr)), d
+    assert FB.swizzle_mask(128) == 7 and FB.swizzle_mask(64) == 7
+    assert math.isclose(FB.LOG2E * FB.LN2, 1.0)
