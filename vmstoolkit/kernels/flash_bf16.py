@@ -169,8 +169,12 @@ def _fetch(tile: str, origin: str, src: str, base: str, rows: int, threads: int,
     ``{tile}r{i}``, column ``{tile}c{i}`` and swizzled shared offset ``{tile}s{i}``
     (:func:`_fetch_setup`). Rows past T are zero-filled (their source row clamped to 0)."""
     out = []
+    step = _uniform_step(threads, d)
     for i in range(rows * (d // CHUNK) // threads):
-        r, c, s = f"{tile}r{i}", f"{tile}c{i}", f"{tile}s{i}"
+        if step:  # one set of registers, constant offsets
+            r, c, s = f"{tile}r0 + {i * step}", f"{tile}c0", f"{tile}s0 + {i * step * d}"
+        else:
+            r, c, s = f"{tile}r{i}", f"{tile}c{i}", f"{tile}s{i}"
         out += [f"gr = {origin} + {r}", "ok = gr < T", "gr = gr if ok else 0"]
         if async_:
             out.append(f"cp_async16(Sm, {base} + {s}, {src}, gr, {c}, chunk_bytes(ok))")
@@ -186,11 +190,21 @@ def swizzle_mask(d: int) -> int:
     return min(8, cpr & -cpr) - 1
 
 
+def _uniform_step(threads: int, d: int) -> int:
+    """Rows between a thread's successive chunks when they all share its column and swizzle (the
+    thread count a multiple of the row's chunks, the row step a multiple of the swizzle period):
+    then one row, column and shared offset serve every chunk, plus constants. 0 otherwise."""
+    cpr = d // CHUNK
+    step = threads // cpr
+    return step if threads % cpr == 0 and step % (swizzle_mask(d) + 1) == 0 else 0
+
+
 def _fetch_setup(tile: str, rows: int, threads: int, d: int) -> list[str]:
     cpr = d // CHUNK
     mask = swizzle_mask(d)
     out = []
-    for i in range(rows * cpr // threads):
+    n = rows * cpr // threads
+    for i in range(1 if _uniform_step(threads, d) else n):
         q = f"(tid + {i * threads})"
         out += [f"{tile}r{i} = {q} // {cpr}", f"cc = {q} % {cpr}", f"{tile}c{i} = cc * {CHUNK}",
                 f"{tile}s{i} = {tile}r{i} * {d} + ((cc ^ ({tile}r{i} & {mask})) << 3)"]
@@ -208,7 +222,9 @@ def _kernel_source(d: int, t: FlashBf16Tiles, with_lse: bool, async_: bool) -> s
     QOFF = 2 * STAGE
     regs = lambda p: ", ".join(f"{p}_{r}" for r in range(4))  # noqa: E731
     src = ["def kernel(q, k, v, o, lse, scale2, group):",
-           f"    Sm = cuda.shared.array({0 if t.dynamic(d) else t.smem_elems(d)}, uint16)",
+           # 16-byte aligned for cp.async and ldmatrix (the simulator takes no alignment)
+           f"    Sm = cuda.shared.array({0 if t.dynamic(d) else t.smem_elems(d)}, uint16"
+           f"{'' if simulating() else ', alignment=16'})",
            "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5",
            "    g = lane >> 2", "    tq = lane & 3",
            "    T = q.shape[1]",
