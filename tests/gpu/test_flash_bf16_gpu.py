@@ -20,6 +20,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch_bf16 import bf, err, nb  # noqa: E402 - after the importorskip
+
 pytestmark = pytest.mark.skipif(
     os.environ.get("VMSTOOLKIT_REAL_GPU") != "1" or not torch.cuda.is_available(),
     reason="needs a CUDA GPU, torch and VMSTOOLKIT_REAL_GPU=1")
@@ -31,16 +33,6 @@ U = 2.0 ** -8  # bf16 unit roundoff
 def _seed():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-
-
-def nb(t):
-    from numba import cuda
-
-    return cuda.as_cuda_array(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
-
-
-def err(got, want) -> float:
-    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
 
 
 def sdpa(q, k, v):
@@ -82,10 +74,6 @@ def check(q, k, v, o, lse=None):
         want = lse_truth(q, k)
         assert (lse - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
     return e_ours, e_theirs
-
-
-def bf(*shape):
-    return torch.randn(*shape, device="cuda").bfloat16()
 
 
 @pytest.mark.parametrize("b, t, nh, nkv, d", [

@@ -130,3 +130,49 @@ def test_swizzle_stays_inside_the_row():
             assert sorted(c ^ (r & m) for c in range(cpr)) == list(range(cpr)), d
     assert FB.swizzle_mask(128) == 7 and FB.swizzle_mask(64) == 7
     assert math.isclose(FB.LOG2E * FB.LN2, 1.0)
+
+
+_PTX_PROBE = r"""
+import sys
+from numba import cuda, types
+from numba.cuda import dispatcher
+try:
+    cuda.compile_ptx(lambda a: None, (types.float32[:],), cc=(9, 0))
+except Exception as e:  # no NVVM / NVRTC here
+    print("NO-TOOLKIT", type(e).__name__, str(e).splitlines()[0][:200])
+    sys.exit(0)
+class _Device:  # device functions compile for the current device's cc: name one without a driver
+    compute_capability = (9, 0)
+dispatcher.get_current_device = lambda: _Device()
+from vmstoolkit.kernels import flash_bf16 as FB
+u4, f3 = types.Array(types.uint16, 4, "A"), types.Array(types.float32, 3, "A")
+for d in (64, 128):
+    ptx, _ = cuda.compile_ptx(FB.python_kernel(d, FB.GPU_TILES), (u4, u4, u4, u4, f3, types.float32, types.int64),
+                              cc=(9, 0))
+    need = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+            "cp.async.cg.shared.global", "cp.async.wait_group 1", "ex2.approx.ftz.f32", "shfl.sync.bfly",
+            "cvt.rn.bf16x2.f32", ".shared .align 16")
+    missing = [n for n in need if n not in ptx]
+    print("PTX", d, ptx.count("mma.sync"), "mma", "missing:", missing)
+"""
+
+
+def test_kernel_compiles_to_ptx_for_sm90():
+    """The real (not simulated) kernel through Numba's typing and NVVM for sm_90 at D 64 and 128:
+    catches typing errors before a GPU run. Needs a CUDA toolkit's NVVM and NVRTC (no GPU);
+    skipped without them. ~10 s of CPU where it runs."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    r = subprocess.run([sys.executable, "-c", _PTX_PROBE], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    if "NO-TOOLKIT" in r.stdout:
+        pytest.skip(f"no CUDA toolkit to compile PTX with: {r.stdout.strip()}")
+    lines = [x for x in r.stdout.splitlines() if x.startswith("PTX")]
+    assert len(lines) == 2, r.stdout
+    for line in lines:
+        assert line.endswith("missing: []"), line
+    # S and P V per 64-key tile: D/16 * 8 + D/16 * 8 mma (D/2 + D/2 per 16-row warp, unrolled)
+    assert lines[0].split()[2] == str(64 // 16 * 8 * 2) and lines[1].split()[2] == str(128 // 16 * 8 * 2), lines

@@ -36,9 +36,11 @@ Note [bf16 flash tile]
 ----------------------
 4 warps x 16 rows = 64 query rows per block and 64 keys per tile: per tile and warp, ``D/16 x 4``
 ldmatrix.x4 of K and as many of V (each feeding 2 mma), ``D/2`` mma for S and ``D/2`` for PV, 64
-exponentials per lane. Registers at D = 128: 64 accumulators of O, 32 of S, 32 Q fragments.
-Shared memory: 2 x 2 x 64 x D + 64 x D elements: 40 KiB at D = 64 (static), 80 KiB at D = 128
-(dynamic, two blocks per SM). Not yet timed on the H200 (``experiments/kernels_bench.py --only
+exponentials per lane. Registers at D = 128: 64 accumulators of O, 32 of S, 32 Q fragments; a
+thread's fetch chunks share one column and swizzle, so one row/offset pair serves all of them
+(ptxas sm_90 offline: 131 registers at D = 64, 174 at D = 128, no spill; 168 and 253 with a
+register set per chunk). Shared memory: 2 x 2 x 64 x D + 64 x D elements: 40 KiB at D = 64
+(static), 80 KiB at D = 128 (dynamic, two blocks per SM). Not yet timed on the H200 (``experiments/kernels_bench.py --only
 attention_bf16`` times these tiles beside 32-key tiles and 8 warps).
 
 Under the simulator the kernel runs the intrinsics' twins (:mod:`._mma`): one warp, 16 keys a tile.

@@ -1,6 +1,5 @@
 """The per-lane data flow of a bf16 flash-attention forward on ``mma.sync`` m16n8k16, in numpy: the
-CPU model that the planned Numba kernel (issue 33, not written yet) is to follow lane for lane, and
-that the simulator cannot run for it (the mma twins cost O(warp) Python per call).
+CPU model that the Numba kernel (:mod:`.flash_bf16`) follows lane for lane: its executable spec.
 
 One warp owns 16 query rows of one head; it walks the causal key tiles of 16 keys:
 
