@@ -176,3 +176,44 @@ def test_kernel_compiles_to_ptx_for_sm90():
         assert line.endswith("missing: []"), line
     # S and P V per 64-key tile: D/16 * 8 + D/16 * 8 mma (D/2 + D/2 per 16-row warp, unrolled)
     assert lines[0].split()[2] == str(64 // 16 * 8 * 2) and lines[1].split()[2] == str(128 // 16 * 8 * 2), lines
+
+
+@pytest.mark.parametrize("t, nh, nkv, d, warps", [(21, 2, 1, 16, 1), (33, 2, 1, 32, 2)])
+def test_backward_equals_the_reference(rng, t, nh, nkv, d, warps):
+    """dq, dk, dv (the dq kernel and the dk/dv kernel, GQA groups summed in registers) against
+    ``reference.attention_backward`` in float64 on the same bf16 values, the forward's o and lse:
+    within 2 bf16 ulps of the scale (P and dS are rounded to bf16 for the mma, each gradient once).
+    Two warps: the dk/dv kernel's 32 keys walk query tiles of 16 that cross them."""
+    from numba import cuda
+
+    tiles = FB.FlashBf16Tiles(warps=warps, bkv=16)
+    q, k, v = _inputs(rng, 1, t, nh, nkv, d)
+    do = B.to_bits(rng.standard_normal(q.shape))
+    dev = [cuda.to_device(x) for x in (q, k, v, do)]
+    o = cuda.to_device(np.zeros(q.shape, np.uint16))
+    lse = cuda.to_device(np.zeros((1, nh, t), np.float32))
+    FB.flash_attention_bf16(dev[0], dev[1], dev[2], o, lse, tiles=tiles)
+    grads = [cuda.to_device(np.full(x.shape, 0x7FC0, np.uint16)) for x in (q, k, v)]  # NaN: all must be written
+    FB.flash_attention_bf16_backward(dev[0], dev[1], dev[2], o, lse, dev[3], *grads, tiles=tiles)
+    f64 = lambda x: B.values(x).astype(np.float64)  # noqa: E731
+    want = reference.attention_backward(f64(q), f64(k), f64(v), f64(o.copy_to_host()),
+                                        lse.copy_to_host().astype(np.float64), f64(do))
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        got = B.values(g.copy_to_host())
+        assert not np.isnan(got).any(), name
+        rel = float(np.max(np.abs(got - w)) / np.max(np.abs(w)))
+        assert rel <= 2 * B.UNIT_ROUNDOFF, (name, rel)
+
+
+def test_backward_rejects_bad_input():
+    from numba import cuda
+
+    z = lambda *s: cuda.to_device(np.zeros(s, np.uint16))  # noqa: E731
+    lse = cuda.to_device(np.zeros((1, 2, 4), np.float32))
+    q, k = z(1, 4, 2, 16), z(1, 4, 1, 16)
+    with pytest.raises(KernelError, match="lse"):
+        FB.flash_attention_bf16_backward(q, k, k, q, None, q, q, k, k)
+    with pytest.raises(KernelError, match="dk has shape"):
+        FB.flash_attention_bf16_backward(q, k, k, q, lse, q, q, q, k)
+    with pytest.raises(KernelError, match="dsum"):
+        FB.flash_attention_bf16_backward(q, k, k, q, lse, q, q, k, k, dsum=cuda.to_device(np.zeros((1, 2, 5), np.float32)))

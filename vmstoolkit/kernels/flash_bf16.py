@@ -451,3 +451,274 @@ def _dummy_lse():
     if dev not in _DUMMY:
         _DUMMY[dev] = cuda.device_array((1, 1, 1), np.float32)
     return _DUMMY[dev]
+
+
+# ---- backward (FlashAttention-2's algorithm, two kernels, no atomics) -------------------------------
+#
+# With D = rowsum(dO o O) and P recomputed from the forward's lse (P = exp2(S scale2 - lse log2 e)):
+#   dV = P^T dO,  dP = dO V^T,  dS = P o (dP - D),  dQ = dS K / sqrt(d),  dK = dS^T Q / sqrt(d).
+# The dQ kernel is the forward's walk (a warp per 16 query rows, K and V tiles streamed, P and dS
+# as A fragments from the accumulators); the dK/dV kernel is its transpose (a warp per 16 keys,
+# K and V fragments in registers, Q and dO tiles of the query heads of its GQA group streamed),
+# so every gradient is summed in registers and written once.
+
+
+@cuda.jit(device=True)
+def masked_t(x, key, query, t):
+    """A transposed score (key row, query column): -inf where the key is after the query or the query past T."""
+    return float32(-math.inf) if key > query or query >= t else x
+
+
+@cuda.jit(device=True)
+def row_stat(a, b, h, row, t):
+    """``a[b, h, row]`` (a (B, nh, T) float32 statistic), 0 past T."""
+    return a[b, h, row] if row < t else float32(0.0)
+
+
+@cuda.jit
+def _dsum_kernel(o, do, dsum):
+    """dsum[b, h, t] = sum_d o[b, t, h, d] * do[b, t, h, d] (bf16 values, fp32 sum); one thread a row."""
+    b_, t_, nh, d = o.shape
+    for e in range(cuda.grid(1), b_ * t_ * nh, cuda.gridsize(1)):
+        h = e % nh
+        t = (e // nh) % t_
+        b = e // (nh * t_)
+        s = float32(0.0)
+        for i in range(d):
+            s += _mma.bf16_to_f32(o[b, t, h, i]) * _mma.bf16_to_f32(do[b, t, h, i])
+        dsum[b, h, t] = s
+
+
+def _offsets(d: int) -> list[str]:
+    """Per-lane ldmatrix offsets inside a (rows x d) region at k step ``kd`` / d pair ``c``:
+    ``ra`` (A, rows warp*16 + l%16, chunk 2kd + l//16: add per kd), ``bc_{kd}`` (B from rows that
+    are mma's n: rows l%8 + (l//16)*8 (+16 per pair), chunk 2kd + (l//8)%2) and ``bt_{c}`` (B
+    from rows that are mma's k, with .trans: rows l%8 + ((l//8)%2)*8 (+16 per step), chunk 2c + l//16)."""
+    mask = swizzle_mask(d)
+    src = ["rq = warp * 16 + (lane & 15)", "rk = (lane & 7) + ((lane >> 4) << 3)",
+           "rv = (lane & 7) + (((lane >> 3) & 1) << 3)", f"sw = lane & 7 & {mask}"]
+    src += [f"bc_{kd} = rk * {d} + (({2 * kd} + ((lane >> 3) & 1)) ^ sw) * 8" for kd in range(d // 16)]
+    src += [f"bt_{c} = rv * {d} + (({2 * c} + (lane >> 4)) ^ sw) * 8" for c in range(d // 16)]
+    return src
+
+
+def _a_frags(name: str, base: str, d: int) -> list[str]:
+    mask = swizzle_mask(d)
+    regs = lambda p: ", ".join(f"{p}_{r}" for r in range(4))  # noqa: E731
+    return [f"{regs(f'{name}{kd}')} = ldmatrix_x4(Sm, {base} + rq * {d} + (({2 * kd} + (lane >> 4)) ^ (rq & {mask})) * 8)"
+            for kd in range(d // 16)]
+
+
+def _mma_nt(out: str, a: str, base: str, n8: int, d: int) -> list[str]:
+    """``out`` tiles (n8 of them) = A (fragments ``{a}{kd}``) times the region at ``base`` (rows = n) transposed."""
+    regs = lambda p: ", ".join(f"{p}_{r}" for r in range(4))  # noqa: E731
+    src = [f"{regs(f'{out}{j}')} = " + ", ".join(["float32(0.0)"] * 4) for j in range(n8)]
+    for p in range(n8 // 2):
+        for kd in range(d // 16):
+            src += [f"b0, b1, b2, b3 = ldmatrix_x4(Sm, {base} + bc_{kd} + {16 * p * d})",
+                    f"{regs(f'{out}{2 * p}')} = mma_bf16({regs(f'{a}{kd}')}, b0, b1, {regs(f'{out}{2 * p}')})",
+                    f"{regs(f'{out}{2 * p + 1}')} = mma_bf16({regs(f'{a}{kd}')}, b2, b3, {regs(f'{out}{2 * p + 1}')})"]
+    return src
+
+
+def _mma_nn(acc: str, p: str, base: str, n8: int, d: int) -> list[str]:
+    """``acc`` (d/8 tiles) += the packed accumulator tiles ``{p}{j}`` (16 rows x 8 n8 columns) times the
+    region at ``base`` (rows = those columns, .trans)."""
+    regs = lambda x: ", ".join(f"{x}_{r}" for r in range(4))  # noqa: E731
+    src = []
+    for s in range(n8 // 2):
+        a, c = 2 * s, 2 * s + 1
+        src += [f"pa0 = pack_bf16x2({p}{a}_0, {p}{a}_1)", f"pa1 = pack_bf16x2({p}{a}_2, {p}{a}_3)",
+                f"pa2 = pack_bf16x2({p}{c}_0, {p}{c}_1)", f"pa3 = pack_bf16x2({p}{c}_2, {p}{c}_3)"]
+        for cc in range(d // 16):
+            src += [f"v0, v1, v2, v3 = ldmatrix_x4_trans(Sm, {base} + bt_{cc} + {16 * s * d})",
+                    f"{regs(f'{acc}{2 * cc}')} = mma_bf16(pa0, pa1, pa2, pa3, v0, v1, {regs(f'{acc}{2 * cc}')})",
+                    f"{regs(f'{acc}{2 * cc + 1}')} = mma_bf16(pa0, pa1, pa2, pa3, v2, v3, {regs(f'{acc}{2 * cc + 1}')})"]
+    return src
+
+
+def _store_rows(out: str, acc: str, d: int, r0: str, r1: str, scale: str) -> list[str]:
+    src = ["cl = 2 * tq"]
+    for n in range(d // 8):
+        src += [f"store_pair({out}, {r0}, cl + {8 * n}, T, {acc}{n}_0 * {scale}, {acc}{n}_1 * {scale})",
+                f"store_pair({out}, {r1}, cl + {8 * n}, T, {acc}{n}_2 * {scale}, {acc}{n}_3 * {scale})"]
+    return src
+
+
+def _indent(lines: list[str], n: int) -> list[str]:
+    return [" " * n + x for x in lines]
+
+
+def _dq_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
+    BKV, BQ, TH = t.bkv, t.bq, t.threads
+    NS = BKV // 8
+    STAGE = 2 * BKV * d
+    QOFF = 2 * STAGE
+    DOFF = QOFF + BQ * d
+    elems = 4 * BKV * d + 2 * BQ * d
+    dyn = 2 * elems > STATIC_SMEM
+    src = ["def kernel(q, k, v, do, lse, dsum, dq, scale2, scale, group):",
+           f"    Sm = cuda.shared.array({0 if dyn else elems}, uint16{'' if simulating() else ', alignment=16'})",
+           "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5", "    g = lane >> 2",
+           "    tq = lane & 3", "    T = q.shape[1]",
+           f"    qt = (T + {BQ - 1}) // {BQ} - 1 - cuda.blockIdx.x",
+           "    h = cuda.blockIdx.y", "    b = cuda.blockIdx.z", "    hk = h // group",
+           "    qg = q[b, :, h, :]", "    dog = do[b, :, h, :]", "    kg = k[b, :, hk, :]", "    vg = v[b, :, hk, :]",
+           "    dqg = dq[b, :, h, :]", f"    q0 = qt * {BQ}", f"    nkt = (min(T, q0 + {BQ}) + {BKV - 1}) // {BKV}",
+           "    row0 = q0 + warp * 16 + g", "    row1 = row0 + 8"]
+    src += _indent(_fetch_setup("q", BQ, TH, d) + _fetch_setup("k", BKV, TH, d) + _offsets(d), 4)
+    src += _indent(_fetch("q", "q0", "qg", str(QOFF), BQ, TH, d, async_)
+                   + _fetch("q", "q0", "dog", str(DOFF), BQ, TH, d, async_) + ["cp_async_commit()"]
+                   + _fetch("k", "0", "kg", "0", BKV, TH, d, async_) + _fetch("k", "0", "vg", str(BKV * d), BKV, TH, d, async_)
+                   + ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()"]
+                   + _a_frags("qa", str(QOFF), d) + _a_frags("da", str(DOFF), d)
+                   + [f"e0 = row_stat(lse, b, h, row0, T) * float32({LOG2E})",
+                      f"e1 = row_stat(lse, b, h, row1, T) * float32({LOG2E})",
+                      "D0 = row_stat(dsum, b, h, row0, T)", "D1 = row_stat(dsum, b, h, row1, T)"]
+                   + [f"dq{n}_0, dq{n}_1, dq{n}_2, dq{n}_3 = " + ", ".join(["float32(0.0)"] * 4) for n in range(d // 8)], 4)
+    body = ["if it + 1 < nkt:", f"    k0r = (it + 1) * {BKV}", f"    sn = ((it + 1) & 1) * {STAGE}"]
+    body += _indent(_fetch("k", "k0r", "kg", "sn", BKV, TH, d, async_)
+                    + _fetch("k", "k0r", "vg", f"sn + {BKV * d}", BKV, TH, d, async_), 4)
+    body += ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()",
+             f"sb = (it & 1) * {STAGE}", f"k0 = it * {BKV}"]
+    body += _mma_nt("s", "qa", "sb", NS, d)
+    body += [f"s{j}_{r} *= scale2" for j in range(NS) for r in range(4)]
+    body += [f"if k0 + {BKV - 1} > q0:", "    kc = k0 + 2 * tq"]
+    body += [f"    s{j}_{r} = masked(s{j}_{r}, kc + {8 * j + (r & 1)}, row{r >> 1}, T)" for j in range(NS) for r in range(4)]
+    body += [f"s{j}_{r} = exp2_approx(s{j}_{r} - e{r >> 1})" for j in range(NS) for r in range(4)]
+    body += _mma_nt("t", "da", f"sb + {BKV * d}", NS, d)
+    body += [f"s{j}_{r} = s{j}_{r} * (t{j}_{r} - D{r >> 1})" for j in range(NS) for r in range(4)]
+    body += _mma_nn("dq", "s", "sb", NS, d)
+    body += ["cuda.syncthreads()"]
+    src += ["    for it in range(nkt):"] + _indent(body, 8)
+    src += _indent(["cp_async_wait(0)"] + _store_rows("dqg", "dq", d, "row0", "row1", "scale"), 4)
+    return "\n".join(src) + "\n"
+
+
+def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
+    BK, BQI, TH = t.bq, t.bkv, t.threads  # keys per block (16 per warp), queries per streamed tile
+    NS = BQI // 8
+    VOFF = BK * d
+    SOFF = 2 * BK * d
+    STAGE = 2 * BQI * d  # Q then dO
+    elems = SOFF + 2 * STAGE
+    dyn = 2 * elems > STATIC_SMEM
+    src = ["def kernel(q, k, v, do, lse, dsum, dk, dv, scale2, scale, group):",
+           f"    Sm = cuda.shared.array({0 if dyn else elems}, uint16{'' if simulating() else ', alignment=16'})",
+           "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5", "    g = lane >> 2",
+           "    tq = lane & 3", "    T = q.shape[1]",
+           "    hk = cuda.blockIdx.y", "    b = cuda.blockIdx.z",
+           f"    k0 = cuda.blockIdx.x * {BK}",  # the first key tiles have the most queries: they start first
+           "    kg = k[b, :, hk, :]", "    vg = v[b, :, hk, :]", "    dkg = dk[b, :, hk, :]", "    dvg = dv[b, :, hk, :]",
+           "    key0 = k0 + warp * 16 + g", "    key1 = key0 + 8",
+           f"    qi0 = k0 // {BQI}", f"    nit = (T + {BQI - 1}) // {BQI} - qi0", "    total = group * nit"]
+    src += _indent(_fetch_setup("k", BK, TH, d) + _fetch_setup("q", BQI, TH, d) + _offsets(d), 4)
+    src += _indent(_fetch("k", "k0", "kg", "0", BK, TH, d, async_) + _fetch("k", "k0", "vg", str(VOFF), BK, TH, d, async_)
+                   + ["cp_async_commit()"]
+                   + ["qgn = q[b, :, hk * group, :]", "dgn = do[b, :, hk * group, :]", f"q0r = qi0 * {BQI}"]
+                   + _fetch("q", "q0r", "qgn", str(SOFF), BQI, TH, d, async_)
+                   + _fetch("q", "q0r", "dgn", str(SOFF + BQI * d), BQI, TH, d, async_)
+                   + ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()"]
+                   + _a_frags("ka", "0", d) + _a_frags("va", str(VOFF), d)
+                   + [f"{a}{n}_0, {a}{n}_1, {a}{n}_2, {a}{n}_3 = " + ", ".join(["float32(0.0)"] * 4)
+                      for a in ("dk", "dv") for n in range(d // 8)], 4)
+    body = ["if it + 1 < total:", "    hn = hk * group + (it + 1) // nit", f"    q0r = (qi0 + (it + 1) % nit) * {BQI}",
+            "    qgn = q[b, :, hn, :]", "    dgn = do[b, :, hn, :]", f"    sn = {SOFF} + ((it + 1) & 1) * {STAGE}"]
+    body += _indent(_fetch("q", "q0r", "qgn", "sn", BQI, TH, d, async_)
+                    + _fetch("q", "q0r", "dgn", f"sn + {BQI * d}", BQI, TH, d, async_), 4)
+    body += ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()",
+             "hq = hk * group + it // nit", f"qs = (qi0 + it % nit) * {BQI}", f"sb = {SOFF} + (it & 1) * {STAGE}",
+             "qc = qs + 2 * tq"]
+    body += _mma_nt("s", "ka", "sb", NS, d)  # S^T: rows keys, columns queries
+    body += [f"s{j}_{r} *= scale2" for j in range(NS) for r in range(4)]
+    body += [f"if qs < k0 + {BK - 1} or qs + {BQI} > T:"]
+    body += [f"    s{j}_{r} = masked_t(s{j}_{r}, key{r >> 1}, qc + {8 * j + (r & 1)}, T)" for j in range(NS) for r in range(4)]
+    for j in range(NS):
+        for e in range(2):
+            body += [f"l{j}_{e} = row_stat(lse, b, hq, qc + {8 * j + e}, T) * float32({LOG2E})",
+                     f"D{j}_{e} = row_stat(dsum, b, hq, qc + {8 * j + e}, T)"]
+    body += [f"s{j}_{r} = exp2_approx(s{j}_{r} - l{j}_{r & 1})" for j in range(NS) for r in range(4)]
+    body += _mma_nn("dv", "s", f"sb + {BQI * d}", NS, d)  # dV += P^T dO
+    body += _mma_nt("t", "va", f"sb + {BQI * d}", NS, d)  # dP^T = V dO^T
+    body += [f"s{j}_{r} = s{j}_{r} * (t{j}_{r} - D{j}_{r & 1})" for j in range(NS) for r in range(4)]
+    body += _mma_nn("dk", "s", "sb", NS, d)  # dK += dS^T Q
+    body += ["cuda.syncthreads()"]
+    src += ["    for it in range(total):"] + _indent(body, 8)
+    src += _indent(["cp_async_wait(0)"] + _store_rows("dkg", "dk", d, "key0", "key1", "scale")
+                   + _store_rows("dvg", "dv", d, "key0", "key1", "float32(1.0)"), 4)
+    return "\n".join(src) + "\n"
+
+
+def _build(source: str, label: str):
+    names = kernel_namespace()
+    names.update({"masked_t": masked_t, "row_stat": row_stat})
+    exec(compile(source, label, "exec"), names)  # noqa: S102 - generated from the tile constants alone
+    fn = names["kernel"]
+    fn.__doc__ = source
+    return fn
+
+
+def python_backward_kernels(d: int, tiles: FlashBf16Tiles, cp_async: bool = True):
+    """(dq kernel, dk/dv kernel) as plain Python functions (before ``cuda.jit``)."""
+    tiles.check(d)
+    tag = f"d{d} {tiles.label()}{'' if cp_async else ' elementwise'}"
+    return (_build(_dq_source(d, tiles, cp_async), f"<flash_bf16 dq {tag}>"),
+            _build(_dkv_source(d, tiles, cp_async), f"<flash_bf16 dkv {tag}>"))
+
+
+@lru_cache(maxsize=None)
+def make_flash_bf16_backward(d: int, tiles: FlashBf16Tiles, cp_async: bool = True):
+    opts = {} if simulating() else {"max_registers": 255}
+    return tuple(cuda.jit(**opts)(fn) for fn in python_backward_kernels(d, tiles, cp_async))
+
+
+def backward_smem_bytes(d: int, tiles: FlashBf16Tiles) -> tuple[int, int]:
+    """Shared bytes of the dq kernel and of the dk/dv kernel."""
+    return 2 * (4 * tiles.bkv * d + 2 * tiles.bq * d), 2 * (2 * tiles.bq * d + 4 * tiles.bkv * d)
+
+
+def flash_attention_bf16_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf16Tiles | None = None,
+                                  cp_async: bool | None = None, dsum=None) -> None:
+    """Enqueue the gradients of :func:`flash_attention_bf16`: q, o, do, dq (B, T, nh, D) and k, v,
+    dk, dv (B, T, nkv, D) bf16 bits, ``lse`` (B, nh, T) float32 from the forward. ``dsum``: a
+    (B, nh, T) float32 scratch for ``rowsum(do * o)`` (allocated when not given). dk and dv sum
+    the query heads of each GQA group in registers; every output is written once."""
+    b, t, nh, nkv, d = check_args(q, k, v, o, lse)
+    if lse is None:
+        raise KernelError("flash_attention_bf16_backward: lse (B, nh, T) from the forward is required")
+    for name, a, want in (("do", do, q.shape), ("dq", dq, q.shape), ("dk", dk, k.shape), ("dv", dv, k.shape)):
+        check_bf16(f"flash_attention_bf16_backward: {name}", a)
+        if tuple(a.shape) != tuple(want):
+            raise KernelError(f"flash_attention_bf16_backward: {name} has shape {tuple(a.shape)}, expected {tuple(want)}")
+    tiles = tiles or default_tiles()
+    tiles.check(d)
+    bq, bkv = backward_smem_bytes(d, tiles)
+    if max(bq, bkv) > MAX_SMEM:
+        raise KernelError(f"flash tiles {tiles} with head_dim={d}: the backward needs {max(bq, bkv)} bytes of shared "
+                          f"memory (limit {MAX_SMEM})")
+    if b * t * nh == 0:
+        return
+    if dsum is None:
+        dsum = cuda.device_array((b, nh, t), np.float32, stream=stream)
+    check_float32("flash_attention_bf16_backward: dsum", dsum)
+    if tuple(dsum.shape) != (b, nh, t):
+        raise KernelError(f"flash_attention_bf16_backward: dsum has shape {tuple(dsum.shape)}, expected {(b, nh, t)}")
+    q, k, v, o, do, dq, dk, dv = (as_u16(x) for x in (q, k, v, o, do, dq, dk, dv))
+    fits = all(_aligned_rows(x) for x in (q, k, v, do))
+    if cp_async and not fits:
+        raise KernelError("flash_attention_bf16_backward: cp_async=True needs q, k, v, do with unit head-dim stride, "
+                          "other strides multiples of 8 elements and 16-byte-aligned bases")
+    async_ = fits if cp_async is None else cp_async
+    n = b * t * nh
+    threads = 32 if simulating() else 256
+    _dsum_kernel[max(1, min(-(-n // threads), 2 if simulating() else 132 * 16)), threads, stream](o, do, dsum)
+    k_dq, k_dkv = make_flash_bf16_backward(d, tiles, async_)
+    scale2, scale, group = np.float32(LOG2E / math.sqrt(d)), np.float32(1.0 / math.sqrt(d)), np.int64(nh // nkv)
+    for kernel, args, grid, nbytes in (
+            (k_dq, (q, k, v, do, lse, dsum, dq, scale2, scale, group), (-(-t // tiles.bq), nh, b), bq),
+            (k_dkv, (q, k, v, do, lse, dsum, dk, dv, scale2, scale, group), (-(-t // tiles.bq), nkv, b), bkv)):
+        if nbytes > STATIC_SMEM:
+            _allow_dynamic_smem(kernel, args, nbytes)
+            kernel[grid, tiles.threads, stream, nbytes](*args)
+        else:
+            kernel[grid, tiles.threads, stream](*args)
