@@ -619,7 +619,7 @@ def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
                    + _fetch("q", "q0r", "qgn", str(SOFF), BQI, TH, d, async_)
                    + _fetch("q", "q0r", "dgn", str(SOFF + BQI * d), BQI, TH, d, async_)
                    + ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()"]
-                   + _a_frags("ka", "0", d) + _a_frags("va", str(VOFF), d)
+
                    + [f"{a}{n}_0, {a}{n}_1, {a}{n}_2, {a}{n}_3 = " + ", ".join(["float32(0.0)"] * 4)
                       for a in ("dk", "dv") for n in range(d // 8)], 4)
     body = ["if it + 1 < total:", "    hn = hk * group + (it + 1) // nit", f"    q0r = (qi0 + (it + 1) % nit) * {BQI}",
@@ -629,18 +629,24 @@ def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
     body += ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()",
              "hq = hk * group + it // nit", f"qs = (qi0 + it % nit) * {BQI}", f"sb = {SOFF} + (it & 1) * {STAGE}",
              "qc = qs + 2 * tq"]
+    body += _a_frags("ka", "0", d)  # re-read each tile, as V's below
     body += _mma_nt("s", "ka", "sb", NS, d)  # S^T: rows keys, columns queries
     body += [f"s{j}_{r} *= scale2" for j in range(NS) for r in range(4)]
     body += [f"if qs < k0 + {BK - 1} or qs + {BQI} > T:"]
     body += [f"    s{j}_{r} = masked_t(s{j}_{r}, key{r >> 1}, qc + {8 * j + (r & 1)}, T)" for j in range(NS) for r in range(4)]
+    # the columns' statistics, each loaded where it is used (fewer registers live at once)
     for j in range(NS):
-        for e in range(2):
-            body += [f"l{j}_{e} = row_stat(lse, b, hq, qc + {8 * j + e}, T) * float32({LOG2E})",
-                     f"D{j}_{e} = row_stat(dsum, b, hq, qc + {8 * j + e}, T)"]
-    body += [f"s{j}_{r} = exp2_approx(s{j}_{r} - l{j}_{r & 1})" for j in range(NS) for r in range(4)]
+        body += [f"l0 = row_stat(lse, b, hq, qc + {8 * j}, T) * float32({LOG2E})",
+                 f"l1 = row_stat(lse, b, hq, qc + {8 * j + 1}, T) * float32({LOG2E})"]
+        body += [f"s{j}_{r} = exp2_approx(s{j}_{r} - l{r & 1})" for r in range(4)]
     body += _mma_nn("dv", "s", f"sb + {BQI * d}", NS, d)  # dV += P^T dO
+    # K's and V's fragments re-read from shared memory each tile (D/16 ldmatrix each): held in
+    # registers beside the two accumulators they spilled at D = 128 (ptxas sm_90: 432 bytes)
+    body += _a_frags("va", str(VOFF), d)
     body += _mma_nt("t", "va", f"sb + {BQI * d}", NS, d)  # dP^T = V dO^T
-    body += [f"s{j}_{r} = s{j}_{r} * (t{j}_{r} - D{j}_{r & 1})" for j in range(NS) for r in range(4)]
+    for j in range(NS):
+        body += [f"D0 = row_stat(dsum, b, hq, qc + {8 * j}, T)", f"D1 = row_stat(dsum, b, hq, qc + {8 * j + 1}, T)"]
+        body += [f"s{j}_{r} = s{j}_{r} * (t{j}_{r} - D{r & 1})" for r in range(4)]
     body += _mma_nn("dk", "s", "sb", NS, d)  # dK += dS^T Q
     body += ["cuda.syncthreads()"]
     src += ["    for it in range(total):"] + _indent(body, 8)
