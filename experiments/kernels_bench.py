@@ -289,7 +289,7 @@ def _bf16_configs():
 
 
 def bench_attention_bf16(ts=ATT_T, hds=ATT_BF16_HD) -> list[dict]:
-    """The bf16 flash-attention forward (``kernels/flash_bf16.py``) against SDPA in bf16, causal
+    """The bf16 flash-attention forward and backward (``kernels/flash_bf16.py``) against SDPA in bf16, causal
     GQA, batch 1, 32 query heads, 8 key/value heads: SDPA's flash backend (on the GQA inputs with
     ``enable_gqa=True`` and on K/V repeated beforehand, the repeat not timed) and its efficient
     backend (repeated K/V). GPU time alone (``time_held``: the calls queued behind a spin, so
@@ -363,13 +363,77 @@ def bench_attention_bf16(ts=ATT_T, hds=ATT_BF16_HD) -> list[dict]:
                 bad = "" if err <= 1.6e-2 else "  <-- ERROR > 1.6e-2"
                 say(f"    {label:<20} {ms:9.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  x{ms / flash_ms:5.2f} SDPA flash"
                     f"  x{ms / sd_ms['efficient_expanded']:5.2f} efficient  err {err:.1e}{bad}")
+            rec["backward"] = _bench_bf16_backward(q, k, v, o, lse, qh, kh, vh, kr, vr, flops, reps)
             rows.append(rec)
             del q, k, v, o, lse, qh, kh, vh, kr, vr, want
             torch.cuda.empty_cache()
-    say("  time / SDPA flash's time (goal <= 1.30):")
+    say("  forward: time / SDPA flash's time (goal <= 1.30):")
     say_ratios([lab for lab, _ in _bf16_configs()], rows, "ratio_to_sdpa_flash", f"{'hd':>4} {'T':>6} {'flash ms':>9}",
                lambda rec: f"{rec['hd']:>4} {rec['T']:>6} {rec['sdpa_flash_ms']:9.3f}")
+    say("  backward (default tiles): time / SDPA flash backward's time (goal <= 1.30):")
+    for rec in rows:
+        bw = rec["backward"]
+        say(f"  {rec['hd']:>4} {rec['T']:>6} " + (f"{bw['ratio_to_sdpa_flash']:6.2f}  ({bw['ms']:.3f} ms vs "
+                                                   f"{bw['sdpa_flash_ms']:.3f} ms, {bw['sdpa_inputs']})"
+                                                   if "ms" in bw else f"failed: {bw.get('error', '')[:120]}"))
     return rows
+
+
+def _bench_bf16_backward(q, k, v, o, lse, qh, kh, vh, kr, vr, flops, reps) -> dict:
+    """The bf16 backward (default tiles) against SDPA flash's backward (``autograd.grad`` of its
+    output, the forward not timed; GQA inputs where the flash backend takes them, else K/V repeated,
+    whose per-head dK, dV are then not summed: a small advantage to SDPA). 2.5x the forward's FLOPs."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from vmstoolkit.kernels import flash_bf16 as FB
+
+    do = torch.randn_like(q)  # (B, T, nh, hd) bf16
+    doh = do.transpose(1, 2).contiguous()
+    rec = {}
+    for inputs, kk, vv, gqa in (("gqa", kh, vh, True), ("expanded", kr, vr, False)):
+        try:
+            leaves = [x.detach().clone().requires_grad_() for x in (qh, kk, vv)]
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=gqa)
+            want = torch.autograd.grad(out, leaves, doh, retain_graph=True)
+            rec["sdpa_flash_ms"] = time_held(lambda: torch.autograd.grad(out, leaves, doh, retain_graph=True),
+                                             reps)["best_ms"]
+            rec["sdpa_inputs"] = inputs
+            break
+        except Exception as e:  # noqa: BLE001 - the flash backend refused these inputs: try the next
+            say(f"    backward: SDPA flash on {inputs} inputs FAILED: {type(e).__name__}: {str(e)[:200]}")
+    else:
+        return {"error": "SDPA's flash backend ran on neither input layout"}
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    args = [cuda.as_cuda_array(a.view(torch.int16)) for a in (q, k, v, o)]
+    dlse = cuda.as_cuda_array(lse)
+    dsum = cuda.device_array(tuple(lse.shape), np.float32)
+    gargs = [cuda.as_cuda_array(a.view(torch.int16)) for a in (do, *grads)]
+
+    def run():
+        FB.flash_attention_bf16_backward(*args, dlse, *gargs, dsum=dsum)
+
+    try:
+        FB.flash_attention_bf16(*args, lse=dlse)
+        run()
+        cuda.synchronize()
+        g = q.shape[2] // k.shape[2]
+        errs = {}
+        for name, ours, theirs in zip(("dq", "dk", "dv"), grads, want):
+            theirs = theirs.transpose(1, 2)  # (B, T, n, hd)
+            if name != "dq" and rec["sdpa_inputs"] == "expanded":
+                theirs = theirs.float().reshape(*theirs.shape[:2], -1, g, theirs.shape[-1]).sum(3)
+            errs[name] = ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
+        ms = time_held(run, reps)["best_ms"]
+    except Exception as e:  # noqa: BLE001 - record the failure, keep the table going
+        say(f"    backward FAILED: {type(e).__name__}: {str(e)[:300]}")
+        return {**rec, "error": f"{type(e).__name__}: {e}"[:500]}
+    rec.update(ms=ms, tflops=2.5 * flops / ms / 1e9, ratio_to_sdpa_flash=ms / rec["sdpa_flash_ms"], rel_err_vs_sdpa=errs)
+    say(f"    backward (w4/kv64)  {ms:9.3f} ms  {2.5 * flops / ms / 1e9:6.0f} TFLOP/s  x{ms / rec['sdpa_flash_ms']:5.2f} "
+        f"SDPA flash backward ({rec['sdpa_flash_ms']:.3f} ms, {rec['sdpa_inputs']})  err " +
+        " ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+    return rec
 
 
 # ---- 4. block ---------------------------------------------------------------------------------

@@ -43,7 +43,10 @@ register set per chunk). Shared memory: 2 x 2 x 64 x D + 64 x D elements: 40 KiB
 (static), 80 KiB at D = 128 (dynamic, two blocks per SM). Not yet timed on the H200 (``experiments/kernels_bench.py --only
 attention_bf16`` times these tiles beside 32-key tiles and 8 warps).
 
-Under the simulator the kernel runs the intrinsics' twins (:mod:`._mma`): one warp, 16 keys a tile.
+The backward (:func:`flash_attention_bf16_backward`, section below) reuses the tiles, fetches and
+fragment patterns: a dQ kernel (the forward's walk) and a dK/dV kernel (its transpose).
+
+Under the simulator the kernels run the intrinsics' twins (:mod:`._mma`): one warp, 16 keys a tile.
 """
 
 from __future__ import annotations
