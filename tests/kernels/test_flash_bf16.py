@@ -5,8 +5,9 @@ against ``bf16.reference_attention`` and the lane model (``flash_model``). The P
 is checked by ``cuda.compile_ptx`` where a CUDA toolkit's NVVM is found (skipped otherwise), and on
 the GPU by ``tests/gpu/test_flash_bf16_gpu.py``.
 
-Cost: the twins cost O(warp) Python per mma; each case is a few hundred mma calls, ~1 s of CPU
-at most."""
+Cost: the twins cost O(warp) Python per mma (a block barrier each); about 30 s of CPU for the file,
+most of it the backward's two cases and the two-warp masking case (the smallest shapes that
+cross a tile boundary with two warps and a GQA group)."""
 
 import math
 
@@ -178,7 +179,7 @@ def test_kernel_compiles_to_ptx_for_sm90():
     assert lines[0].split()[2] == str(64 // 16 * 8 * 2) and lines[1].split()[2] == str(128 // 16 * 8 * 2), lines
 
 
-@pytest.mark.parametrize("t, nh, nkv, d, warps", [(21, 2, 1, 16, 1), (33, 2, 1, 32, 2)])
+@pytest.mark.parametrize("t, nh, nkv, d, warps", [(21, 2, 1, 16, 1), (24, 2, 1, 32, 2)])
 def test_backward_equals_the_reference(rng, t, nh, nkv, d, warps):
     """dq, dk, dv (the dq kernel and the dk/dv kernel, GQA groups summed in registers) against
     ``reference.attention_backward`` in float64 on the same bf16 values, the forward's o and lse:
