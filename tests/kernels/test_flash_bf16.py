@@ -155,13 +155,18 @@ for d in (64, 128):
             "cvt.rn.bf16x2.f32", ".shared .align 16")
     missing = [n for n in need if n not in ptx]
     print("PTX", d, ptx.count("mma.sync"), "mma", "missing:", missing)
+sc = (types.float32, types.float32, types.int64)
+k_dq, k_dkv = FB.python_backward_kernels(128, FB.GPU_TILES)
+for name, fn, sig in (("dq", k_dq, (u4,) * 4 + (f3, f3, u4) + sc), ("dkv", k_dkv, (u4,) * 4 + (f3, f3, u4, u4) + sc)):
+    ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+    print("BWD", name, "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx)
 """
 
 
 def test_kernel_compiles_to_ptx_for_sm90():
-    """The real (not simulated) kernel through Numba's typing and NVVM for sm_90 at D 64 and 128:
+    """The real (not simulated) forward at D 64 and 128 and backward at D 128 through Numba's typing and NVVM for sm_90:
     catches typing errors before a GPU run. Needs a CUDA toolkit's NVVM and NVRTC (no GPU);
-    skipped without them. ~10 s of CPU where it runs."""
+    skipped without them. ~30 s of CPU where it runs."""
     import os
     import subprocess
     import sys
@@ -171,6 +176,7 @@ def test_kernel_compiles_to_ptx_for_sm90():
     assert r.returncode == 0, r.stderr[-3000:]
     if "NO-TOOLKIT" in r.stdout:
         pytest.skip(f"no CUDA toolkit to compile PTX with: {r.stdout.strip()}")
+    assert [x for x in r.stdout.splitlines() if x.startswith("BWD")] == ["BWD dq True", "BWD dkv True"], r.stdout
     lines = [x for x in r.stdout.splitlines() if x.startswith("PTX")]
     assert len(lines) == 2, r.stdout
     for line in lines:
