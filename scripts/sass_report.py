@@ -4,6 +4,7 @@ and the instruction mix of its loops in SASS (sm_90).
     python scripts/sass_report.py gemm                      # every GEMM candidate, forward layout
     python scripts/sass_report.py gemm --layout nt tt       # the backward layouts
     python scripts/sass_report.py gemm --tiles 128x128x16/8x16w64x64 --variant 3 --dump
+    python scripts/sass_report.py flash-bf16                # the bf16 flash forward, D 64 and 128
 
 Pipeline: ``numba.cuda.compile_ptx`` (NVVM) -> ``ptxas -arch=sm_90 -v`` (with the kernel's register
 cap) -> ``cuobjdump -sass``. Loops are found from backward branches; for each loop the report gives
@@ -352,9 +353,38 @@ def attention_backward_reports(args) -> list[Report]:
     return out
 
 
+def flash_bf16_reports(args) -> list[Report]:
+    """The bf16 flash-attention forward (``kernels/flash_bf16.py``) at head dims 64 and 128, with
+    lse, cp.async fetches, for the bench's tile shapes (``--tiles`` as ``warps/bkv``)."""
+    from numba import float32, int64, types
+
+    from vmstoolkit.kernels import flash_bf16 as FB
+
+    u4, f3 = types.Array(types.uint16, 4, "A"), types.Array(types.float32, 3, "A")
+    sig = (u4, u4, u4, u4, f3, float32, int64)
+    cands = ([FB.FlashBf16Tiles(*map(int, t.split("/"))) for t in args.tiles] if args.tiles
+             else [FB.GPU_TILES, FB.FlashBf16Tiles(4, 32), FB.FlashBf16Tiles(8, 64)])
+    return [compile_report(f"flash_bf16 d{d} {t.label()}", FB.python_kernel(d, t), sig, 255)
+            for d in (64, 128) for t in cands]
+
+
+def _device_cc_without_a_driver(cc=(9, 0)) -> None:
+    """numba-cuda compiles a kernel's ``cuda.jit(device=True)`` callees for the current device's
+    compute capability, which needs a driver; without one, name ``cc`` (what compile_ptx targets)."""
+    from numba.cuda import dispatcher
+
+    try:
+        dispatcher.get_current_device()
+    except Exception:  # noqa: BLE001 - no driver (CudaSupportError) or no device
+        class _Device:
+            compute_capability = cc
+
+        dispatcher.get_current_device = lambda: _Device()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["gemm", "attention", "attention-backward"])
+    ap.add_argument("what", choices=["gemm", "attention", "attention-backward", "flash-bf16"])
     ap.add_argument("--layout", nargs="+", default=["nn"], choices=["nn", "nt", "tt"])
     ap.add_argument("--tiles", nargs="+", help="GEMM tile shapes BMxBNxBK/TMxTN[wWMxWN], or attention's "
                     "rows/heads/bkv/tr/tk/to[/blocks_per_sm], or attention-backward's "
@@ -367,8 +397,9 @@ def main(argv=None) -> int:
                     "checks and count the instructions an interior tile executes per pair of k slices")
     args = ap.parse_args(argv)
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+    _device_cc_without_a_driver()
     reports = {"gemm": gemm_reports, "attention": attention_reports,
-               "attention-backward": attention_backward_reports}[args.what](args)
+               "attention-backward": attention_backward_reports, "flash-bf16": flash_bf16_reports}[args.what](args)
     for rep in reports:
         print(rep.line(), flush=True)
         if args.dump and rep.main_loop() is not None:

@@ -13,6 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch_bf16 import bf, err, nb  # noqa: E402 - after the importorskip
+
 pytestmark = pytest.mark.skipif(
     os.environ.get("VMSTOOLKIT_REAL_GPU") != "1" or not torch.cuda.is_available(),
     reason="needs a CUDA GPU, torch and VMSTOOLKIT_REAL_GPU=1")
@@ -25,20 +27,6 @@ BF16_RTOL = 1.6e-2  # a bf16 rounding of each output, ours and torch's (2 ulps o
 def _fp32():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-
-
-def nb(t):
-    from numba import cuda
-
-    return cuda.as_cuda_array(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
-
-
-def err(got, want) -> float:
-    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
-
-
-def bf(*shape):
-    return torch.randn(*shape, device="cuda").bfloat16()
 
 
 def run_layouts(x, w, dy, out_dtype=torch.float32, splits=None):

@@ -1,4 +1,4 @@
-"""The per-lane model of the planned bf16 flash-attention forward (``kernels/flash_model.py``) against
+"""The per-lane model of the bf16 flash-attention forward (``kernels/flash_model.py``) against
 the numpy references: the register reuse of P as an mma A operand, the quad reductions, and the whole
 walk (causal, GQA, ragged T, head dims 16, 64 and 128) against ``bf16.reference_attention``. CPU only
 (numpy), a few hundred mma-layout calls: well under a second."""

@@ -20,7 +20,11 @@ functions whose codegen emits llvmlite ``ir.InlineAsm`` (NVVM passes inline PTX 
   the low half;
 - ``bf16_to_f32(bits) -> float32``: the (exact) value of the bf16 bit pattern in the low 16 bits
   of ``bits`` (uint16/int16 from a bf16 array, or uint32 such as half of a packed pair): a shift and
-  a bit cast, no PTX.
+  a bit cast, no PTX;
+- ``shfl_xor_f32(v, mask) -> float32``: lane ``l`` gets lane ``l ^ mask``'s ``v``
+  (``shfl.sync.bfly`` over the full warp; the simulator has no warp shuffles, hence a twin);
+- ``exp2_approx(x) -> float32``: ``ex2.approx.ftz.f32`` (MUFU.EX2 alone: 2 ulp, denormals flushed,
+  ``exp2(-inf) = 0``), the flash-attention softmax's exponential.
 
 bf16 data are uint16 arrays of bf16 bit patterns (a torch bf16 tensor viewed as int16 works too:
 both are accepted); pairs travel in uint32 registers. ``ldmatrix`` and ``cp.async`` are emitted
@@ -206,9 +210,29 @@ def _make_gpu():
 
         return sig, codegen
 
+    from numba import cuda
+
+    @cuda.jit(device=True)
+    def shfl_xor_f32(v, mask):
+        return cuda.shfl_xor_sync(0xFFFFFFFF, v, mask)
+
+    @intrinsic
+    def exp2_approx(typingctx, x):
+        if not isinstance(x, types.Float):
+            return None
+        sig = types.float32(x)
+
+        def codegen(context, builder, sig, args):
+            val = context.cast(builder, args[0], sig.args[0], types.float32)
+            return builder.asm(ir.FunctionType(_F32, [_F32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f", [val],
+                               side_effect=False)
+
+        return sig, codegen
+
     return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
             "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
-            "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32}
+            "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32, "shfl_xor_f32": shfl_xor_f32,
+            "exp2_approx": exp2_approx}
 
 
 # ---- simulator twins ---------------------------------------------------------------------------
@@ -274,9 +298,18 @@ def _make_sim():
     def bf16_to_f32(bits):
         return mma_layout.bf16_value(np.array([int(bits) & 0xFFFF], np.uint16))[0]
 
+    def shfl_xor_f32(v, mask):
+        posted, lane = _warp_exchange(np.float32(v))
+        return posted[lane ^ int(mask)]
+
+    def exp2_approx(x):
+        with np.errstate(over="ignore"):
+            return np.exp2(np.float32(x))
+
     return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
             "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
-            "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32}
+            "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32, "shfl_xor_f32": shfl_xor_f32,
+            "exp2_approx": exp2_approx}
 
 
 _IMPL = _make_sim() if simulating() else _make_gpu()
@@ -289,3 +322,5 @@ cp_async_commit = _IMPL["cp_async_commit"]
 cp_async_wait = _IMPL["cp_async_wait"]
 pack_bf16x2 = _IMPL["pack_bf16x2"]
 bf16_to_f32 = _IMPL["bf16_to_f32"]
+shfl_xor_f32 = _IMPL["shfl_xor_f32"]
+exp2_approx = _IMPL["exp2_approx"]

@@ -1,0 +1,226 @@
+"""The bf16 flash-attention forward (``kernels/flash_bf16.py``) under the simulator: the generated
+kernel runs the intrinsics' twins (one warp, 16-key tiles), so these check its index math, the
+cp.async / element-wise fetches, the causal masking on diagonal tiles, GQA, ragged T and the lse
+against ``bf16.reference_attention`` and the lane model (``flash_model``). The PTX route itself
+is checked by ``cuda.compile_ptx`` where a CUDA toolkit's NVVM is found (skipped otherwise), and on
+the GPU by ``tests/gpu/test_flash_bf16_gpu.py``.
+
+Cost: the twins cost O(warp) Python per mma (a block barrier each); about 30 s of CPU for the file,
+most of it the backward's two cases and the two-warp masking case (the smallest shapes that
+cross a tile boundary with two warps and a GQA group)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from vmstoolkit.errors import KernelError
+from vmstoolkit.kernels import bf16 as B
+from vmstoolkit.kernels import flash_bf16 as FB
+from vmstoolkit.kernels import flash_model as FM
+from vmstoolkit.kernels import reference
+
+
+def _inputs(rng, b, t, nh, nkv, d):
+    q = B.to_bits(rng.standard_normal((b, t, nh, d)))
+    k = B.to_bits(rng.standard_normal((b, t, nkv, d)))
+    v = B.to_bits(rng.standard_normal((b, t, nkv, d)))
+    return q, k, v
+
+
+def _run(q, k, v, with_lse=True, **kw):
+    from numba import cuda
+
+    b, t, nh, d = q.shape
+    o = cuda.to_device(np.full(q.shape, 0x7FC0, np.uint16))  # NaN bits: every output must be written
+    lse = cuda.to_device(np.full((b, nh, t), np.nan, np.float32)) if with_lse else None
+    FB.flash_attention_bf16(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), o, lse, **kw)
+    return o.copy_to_host(), (lse.copy_to_host() if with_lse else None)
+
+
+def _check_out(got_bits, q, k, v):
+    """Bit-equal to the lane model (the twins compute what it computes, in its order), and within
+    one bf16 ulp of the scale of the exact reference (P rounded to bf16 as the mma takes it: the
+    flash kernel rounds P against the running max, not the row's final one, so a few percent of
+    the outputs of rows that walk several tiles differ by an ulp)."""
+    got = B.values(got_bits)
+    assert not np.isnan(got).any()
+    assert np.array_equal(got, FM.forward(q, k, v))
+    want = B.reference_attention(B.values(q), B.values(k), B.values(v), round_p=True)
+    rel = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    assert rel <= 2 * B.UNIT_ROUNDOFF, rel
+    return got
+
+
+@pytest.mark.parametrize("b, t, nh, nkv, d", [(1, 37, 2, 1, 16), (1, 18, 4, 2, 16), (2, 9, 1, 1, 32), (1, 20, 1, 1, 64), (1, 5, 1, 1, 128)])
+def test_forward_equals_the_reference_and_lse(rng, b, t, nh, nkv, d):
+    q, k, v = _inputs(rng, b, t, nh, nkv, d)
+    o, lse = _run(q, k, v)
+    got = _check_out(o, q, k, v)
+    _, want_lse = reference.attention_lse(*(B.values(x).astype(np.float64) for x in (q, k, v)))
+    assert np.max(np.abs(lse - want_lse)) <= 1e-5 * max(1.0, np.max(np.abs(want_lse)))
+    assert np.allclose(lse, FM.forward(q, k, v, with_lse=True)[1], rtol=1e-6, atol=1e-6)
+    # and the test sees a wrong key/value head (GQA)
+    if nkv > 1:
+        bad, _ = _run(q, np.ascontiguousarray(k[:, :, ::-1]), np.ascontiguousarray(v[:, :, ::-1]), with_lse=False)
+        assert np.mean(B.values(bad) != got) > 0.2
+
+
+def test_mask_only_on_diagonal_tiles_sees_every_tile(rng):
+    """Two warps, 16-key tiles: the second block (rows 32-44) walks two tiles wholly below its
+    first row unmasked and one that crosses it; in the first, warp 0 (rows 0-15) walks a tile
+    that is wholly masked for it. Every query sees exactly its causal prefix (a future key with
+    a huge value would show in the output)."""
+    b, t, nh, nkv, d = 1, 45, 1, 1, 32
+    q, k, v = _inputs(rng, b, t, nh, nkv, d)
+    tiles = FB.FlashBf16Tiles(warps=2, bkv=16)
+    o, _ = _run(q, k, v, tiles=tiles)
+    _check_out(o, q, k, v)
+    v2 = v.copy()
+    v2[0, -1] = B.to_bits(np.full(d, 1000.0))  # the last key: only the last row may see it
+    o2, _ = _run(q, k, v2, tiles=tiles)
+    assert np.array_equal(o2[0, :-1], o[0, :-1])
+    assert not np.array_equal(o2[0, -1], o[0, -1])
+
+
+def test_elementwise_fetch_of_views(rng):
+    """q a view with a head stride that is not a multiple of 8 elements (no cp.async), k, v views
+    into a wider array; the element-wise fetch gives the same bits as the cp.async one."""
+    b, t, nh, nkv, d = 1, 11, 2, 2, 16
+    q, k, v = _inputs(rng, b, t, nh, nkv, d)
+    o_async, _ = _run(q, k, v)
+    o_elem, _ = _run(q, k, v, cp_async=False)
+    assert np.array_equal(o_async, o_elem)
+    from numba import cuda
+
+    wide = np.zeros((b, t, nh, d + 3), np.uint16)
+    wide[..., 3:] = q
+    dq = cuda.to_device(wide)[..., 3:]  # base not 16-byte aligned
+    o = cuda.to_device(np.zeros(q.shape, np.uint16))
+    FB.flash_attention_bf16(dq, cuda.to_device(k), cuda.to_device(v), o)
+    assert np.array_equal(o.copy_to_host(), o_async)
+    with pytest.raises(KernelError, match="cp_async=True"):
+        FB.flash_attention_bf16(dq, cuda.to_device(k), cuda.to_device(v), o, cp_async=True)
+
+
+def test_rejects_bad_input():
+    from numba import cuda
+
+    z = lambda *s: cuda.to_device(np.zeros(s, np.uint16))  # noqa: E731
+    with pytest.raises(KernelError, match="n_kv_heads"):
+        FB.flash_attention_bf16(z(1, 4, 3, 16), z(1, 4, 2, 16), z(1, 4, 2, 16), z(1, 4, 3, 16))
+    with pytest.raises(KernelError, match="head_dim"):
+        FB.flash_attention_bf16(z(1, 4, 2, 24), z(1, 4, 1, 24), z(1, 4, 1, 24), z(1, 4, 2, 24))
+    with pytest.raises(KernelError, match="bf16 bits"):
+        FB.flash_attention_bf16(cuda.to_device(np.zeros((1, 4, 2, 16), np.float32)), z(1, 4, 1, 16),
+                                z(1, 4, 1, 16), z(1, 4, 2, 16))
+    with pytest.raises(KernelError, match="lse"):
+        FB.flash_attention_bf16(z(1, 4, 2, 16), z(1, 4, 1, 16), z(1, 4, 1, 16), z(1, 4, 2, 16),
+                                lse=cuda.to_device(np.zeros((1, 4, 2), np.float32)))
+    with pytest.raises(KernelError, match="output"):
+        FB.flash_attention_bf16(z(1, 4, 2, 16), z(1, 4, 1, 16), z(1, 4, 1, 16), z(1, 5, 2, 16))
+    with pytest.raises(KernelError, match="shared memory"):
+        FB.FlashBf16Tiles(warps=8, bkv=256).check(128)
+
+
+def test_swizzle_stays_inside_the_row():
+    for d in (16, 32, 48, 64, 80, 128, 256):
+        cpr = d // 8
+        m = FB.swizzle_mask(d)
+        for r in range(16):
+            assert sorted(c ^ (r & m) for c in range(cpr)) == list(range(cpr)), d
+    assert FB.swizzle_mask(128) == 7 and FB.swizzle_mask(64) == 7
+    assert math.isclose(FB.LOG2E * FB.LN2, 1.0)
+
+
+_PTX_PROBE = r"""
+import sys
+from numba import cuda, types
+from numba.cuda import dispatcher
+try:
+    cuda.compile_ptx(lambda a: None, (types.float32[:],), cc=(9, 0))
+except Exception as e:  # no NVVM / NVRTC here
+    print("NO-TOOLKIT", type(e).__name__, str(e).splitlines()[0][:200])
+    sys.exit(0)
+class _Device:  # device functions compile for the current device's cc: name one without a driver
+    compute_capability = (9, 0)
+dispatcher.get_current_device = lambda: _Device()
+from vmstoolkit.kernels import flash_bf16 as FB
+u4, f3 = types.Array(types.uint16, 4, "A"), types.Array(types.float32, 3, "A")
+for d in (64, 128):
+    ptx, _ = cuda.compile_ptx(FB.python_kernel(d, FB.GPU_TILES), (u4, u4, u4, u4, f3, types.float32, types.int64),
+                              cc=(9, 0))
+    need = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+            "cp.async.cg.shared.global", "cp.async.wait_group 1", "ex2.approx.ftz.f32", "shfl.sync.bfly",
+            "cvt.rn.bf16x2.f32", ".shared .align 16")
+    missing = [n for n in need if n not in ptx]
+    print("PTX", d, ptx.count("mma.sync"), "mma", "missing:", missing)
+sc = (types.float32, types.float32, types.int64)
+k_dq, k_dkv = FB.python_backward_kernels(128, FB.GPU_TILES)
+for name, fn, sig in (("dq", k_dq, (u4,) * 4 + (f3, f3, u4) + sc), ("dkv", k_dkv, (u4,) * 4 + (f3, f3, u4, u4) + sc)):
+    ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+    print("BWD", name, "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx)
+"""
+
+
+def test_kernel_compiles_to_ptx_for_sm90():
+    """The real (not simulated) forward at D 64 and 128 and backward at D 128 through Numba's typing and NVVM for sm_90:
+    catches typing errors before a GPU run. Needs a CUDA toolkit's NVVM and NVRTC (no GPU);
+    skipped without them. ~30 s of CPU where it runs."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    r = subprocess.run([sys.executable, "-c", _PTX_PROBE], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    if "NO-TOOLKIT" in r.stdout:
+        pytest.skip(f"no CUDA toolkit to compile PTX with: {r.stdout.strip()}")
+    assert [x for x in r.stdout.splitlines() if x.startswith("BWD")] == ["BWD dq True", "BWD dkv True"], r.stdout
+    lines = [x for x in r.stdout.splitlines() if x.startswith("PTX")]
+    assert len(lines) == 2, r.stdout
+    for line in lines:
+        assert line.endswith("missing: []"), line
+    # S and P V per 64-key tile: D/16 * 8 + D/16 * 8 mma (D/2 + D/2 per 16-row warp, unrolled)
+    assert lines[0].split()[2] == str(64 // 16 * 8 * 2) and lines[1].split()[2] == str(128 // 16 * 8 * 2), lines
+
+
+@pytest.mark.parametrize("t, nh, nkv, d, warps", [(21, 2, 1, 16, 1), (24, 2, 1, 32, 2)])
+def test_backward_equals_the_reference(rng, t, nh, nkv, d, warps):
+    """dq, dk, dv (the dq kernel and the dk/dv kernel, GQA groups summed in registers) against
+    ``reference.attention_backward`` in float64 on the same bf16 values, the forward's o and lse:
+    within 2 bf16 ulps of the scale (P and dS are rounded to bf16 for the mma, each gradient once).
+    Two warps: the dk/dv kernel's 32 keys walk query tiles of 16 that cross them."""
+    from numba import cuda
+
+    tiles = FB.FlashBf16Tiles(warps=warps, bkv=16)
+    q, k, v = _inputs(rng, 1, t, nh, nkv, d)
+    do = B.to_bits(rng.standard_normal(q.shape))
+    dev = [cuda.to_device(x) for x in (q, k, v, do)]
+    o = cuda.to_device(np.zeros(q.shape, np.uint16))
+    lse = cuda.to_device(np.zeros((1, nh, t), np.float32))
+    FB.flash_attention_bf16(dev[0], dev[1], dev[2], o, lse, tiles=tiles)
+    grads = [cuda.to_device(np.full(x.shape, 0x7FC0, np.uint16)) for x in (q, k, v)]  # NaN: all must be written
+    FB.flash_attention_bf16_backward(dev[0], dev[1], dev[2], o, lse, dev[3], *grads, tiles=tiles)
+    f64 = lambda x: B.values(x).astype(np.float64)  # noqa: E731
+    want = reference.attention_backward(f64(q), f64(k), f64(v), f64(o.copy_to_host()),
+                                        lse.copy_to_host().astype(np.float64), f64(do))
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        got = B.values(g.copy_to_host())
+        assert not np.isnan(got).any(), name
+        rel = float(np.max(np.abs(got - w)) / np.max(np.abs(w)))
+        assert rel <= 2 * B.UNIT_ROUNDOFF, (name, rel)
+
+
+def test_backward_rejects_bad_input():
+    from numba import cuda
+
+    z = lambda *s: cuda.to_device(np.zeros(s, np.uint16))  # noqa: E731
+    lse = cuda.to_device(np.zeros((1, 2, 4), np.float32))
+    q, k = z(1, 4, 2, 16), z(1, 4, 1, 16)
+    with pytest.raises(KernelError, match="lse"):
+        FB.flash_attention_bf16_backward(q, k, k, q, None, q, q, k, k)
+    with pytest.raises(KernelError, match="dk has shape"):
+        FB.flash_attention_bf16_backward(q, k, k, q, lse, q, q, q, k)
+    with pytest.raises(KernelError, match="dsum"):
+        FB.flash_attention_bf16_backward(q, k, k, q, lse, q, q, k, k, dsum=cuda.to_device(np.zeros((1, 2, 5), np.float32)))

@@ -1,0 +1,733 @@
+"""Causal GQA flash attention in bf16 on the tensor cores (``mma.sync`` m16n8k16, fp32 accumulate):
+the kernel that :mod:`.flash_model` models lane for lane.
+
+q (B, T, nh, D), k and v (B, T, nkv, D), o (B, T, nh, D): bf16 bits as uint16 (or int16: a torch
+bf16 tensor ``.view(torch.int16)``), scale ``1/sqrt(D)``, query head ``h`` reads key/value head
+``h // (nh // nkv)``; with ``lse`` (B, nh, T) float32 also each row's natural-log log-sum-exp of
+the scaled scores (the statistics a backward recomputes P from, as :mod:`.attention` writes them).
+D a multiple of 16 (64 and 128 are the tuned ones), T any.
+
+One block per (query tile of ``16 * warps`` rows, query head, batch); query tiles run longest
+first. Each warp owns 16 query rows (:func:`.flash_model.warp_forward`): its Q fragments (A, ``D/16``
+k steps) are loaded once by ``ldmatrix`` and stay in registers; the block walks the key tiles of
+``bkv`` keys up to its diagonal:
+
+1. K and V of tile ``j + 1`` are fetched by ``cp.async`` (16 bytes each, zero-filled past T) into
+   the other of two shared stages while tile ``j`` is computed (one commit group per tile, one
+   ``wait_group 1`` and one barrier before it is read, one barrier after);
+2. ``S = Q K^T``: ``bkv / 8`` n8 accumulator tiles per warp, K's B fragments by ``ldmatrix``
+   (keys are rows, head-dim contiguous: no ``.trans``);
+3. online softmax in fp32, base 2 (log2(e) folded into the scale, one ``ex2.approx`` per score):
+   lane ``l`` owns rows ``g = l >> 2`` and ``g + 8``; row maxima over the lane's registers, then
+   the quad (two ``shfl.xor``); the running sum stays a per-lane partial until the end; masking
+   (key > row, key >= T) only on the tiles that cross the block's diagonal or T;
+4. ``O += P V``: P's accumulators packed to bf16 pairs *are* the A fragments (no shared memory),
+   V's B fragments by ``ldmatrix.trans`` (keys are rows);
+5. the end: the quad's sums added, ``O / l`` rounded once to bf16 and stored, ``lse = m ln 2 + ln l``.
+
+Shared layout: a stage holds K (bkv x D) then V (bkv x D), Q (16 warps x D) follows the two
+stages; rows of D elements in 16-byte chunks, chunk ``c`` of row ``r`` stored at chunk
+``c ^ (r & 7)`` (:func:`swizzle_mask`) so that the 8 rows of an ``ldmatrix`` phase and the
+``cp.async`` writes hit distinct bank groups. Operands that cp.async cannot fetch (head-dim stride
+not 1, a row stride or base not 16-byte aligned) take the same kernel with element-wise loads
+into the same layout (``cp_async=False``).
+
+Note [bf16 flash tile]
+----------------------
+4 warps x 16 rows = 64 query rows per block and 64 keys per tile: per tile and warp, ``D/16 x 4``
+ldmatrix.x4 of K and as many of V (each feeding 2 mma), ``D/2`` mma for S and ``D/2`` for PV, 64
+exponentials per lane. Registers at D = 128: 64 accumulators of O, 32 of S, 32 Q fragments; a
+thread's fetch chunks share one column and swizzle, so one row/offset pair serves all of them
+(ptxas sm_90 offline: 131 registers at D = 64, 174 at D = 128, no spill; 168 and 253 with a
+register set per chunk). Shared memory: 2 x 2 x 64 x D + 64 x D elements: 40 KiB at D = 64
+(static), 80 KiB at D = 128 (dynamic, two blocks per SM). Not yet timed on the H200 (``experiments/kernels_bench.py --only
+attention_bf16`` times these tiles beside 32-key tiles and 8 warps).
+
+The backward (:func:`flash_attention_bf16_backward`, section below) reuses the tiles, fetches and
+fragment patterns: a dQ kernel (the forward's walk) and a dK/dV kernel (its transpose).
+
+Under the simulator the kernels run the intrinsics' twins (:mod:`._mma`): one warp, 16 keys a tile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint16
+
+from vmstoolkit.errors import KernelError
+
+from . import _mma
+from ._util import check_float32, check_ndim, simulating
+from .bf16 import as_u16, check_bf16
+from .gemm_bf16 import CHUNK, MAX_SMEM, STATIC_SMEM, _allow_dynamic_smem
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+ROWS = 16  # query rows per warp (mma's m)
+
+
+@dataclass(frozen=True)
+class FlashBf16Tiles:
+    """``warps`` x 16 query rows per block, ``bkv`` keys per tile (a multiple of 16)."""
+
+    warps: int = 4
+    bkv: int = 64
+
+    @property
+    def bq(self) -> int:
+        return ROWS * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_elems(self, d: int) -> int:
+        return 4 * self.bkv * d + self.bq * d
+
+    def smem_bytes(self, d: int) -> int:
+        return 2 * self.smem_elems(d)
+
+    def dynamic(self, d: int) -> bool:
+        return self.smem_bytes(d) > STATIC_SMEM
+
+    def label(self) -> str:
+        return f"w{self.warps}/kv{self.bkv}"
+
+    def check(self, d: int) -> None:
+        if d <= 0 or d % 16:
+            raise KernelError(f"flash_attention_bf16: head_dim must be a positive multiple of 16, got {d}")
+        if self.bkv <= 0 or self.bkv % 16:
+            raise KernelError(f"flash tiles {self}: bkv must be a positive multiple of 16")
+        if not 1 <= self.warps <= 16:
+            raise KernelError(f"flash tiles {self}: warps must be 1 to 16")
+        chunks = d // CHUNK
+        if (self.bkv * chunks) % self.threads or (self.bq * chunks) % self.threads:
+            raise KernelError(f"flash tiles {self} with head_dim={d}: each thread must fetch whole 16-byte "
+                              f"chunks of K, V and Q ({self.bkv}x{d} and {self.bq}x{d} over {self.threads} threads)")
+        if self.smem_bytes(d) > MAX_SMEM:
+            raise KernelError(f"flash tiles {self} with head_dim={d}: {self.smem_bytes(d)} bytes of shared "
+                              f"memory (limit {MAX_SMEM})")
+
+
+GPU_TILES = FlashBf16Tiles()
+SIM_TILES = FlashBf16Tiles(warps=1, bkv=16)
+
+
+# ---- device helpers (NVVM inlines them; as kernel statements their branches would multiply the
+# kernel's basic blocks, which Numba's SSA passes pay for superlinearly) ---------------------------
+
+@cuda.jit(device=True)
+def chunk_bytes(ok):
+    return 16 if ok else 0
+
+
+@cuda.jit(device=True)
+def load_chunk(sm, i, g, row, col, ok):
+    """Element-wise twin of one zero-filling 16-byte ``cp.async``: ``sm[i:i+8] = g[row, col:col+8]``."""
+    for e in range(8):
+        sm[i + e] = g[row, col + e] if ok else 0
+
+
+@cuda.jit(device=True)
+def masked(x, key, row, t):
+    """A score of (row, key), already scaled: -inf where the key is after the row or past T."""
+    return float32(-math.inf) if key > row or key >= t else x
+
+
+@cuda.jit(device=True)
+def finite_or_zero(m):
+    """The running max to subtract: 0 for a row with no live key yet (all -inf), so exp2 gives 0."""
+    return float32(0.0) if m == float32(-math.inf) else m
+
+
+@cuda.jit(device=True)
+def reciprocal_or_zero(s):
+    return float32(1.0) / s if s > float32(0.0) else float32(0.0)
+
+
+@cuda.jit(device=True)
+def store_pair(og, row, col, t, v0, v1):
+    """Two adjacent outputs of a row, rounded to bf16, if the row is inside T."""
+    if row < t:
+        pk = _mma.pack_bf16x2(v0, v1)
+        og[row, col] = pk & 0xFFFF
+        og[row, col + 1] = pk >> 16
+
+
+@cuda.jit(device=True)
+def store_lse(lse, b, h, row, t, tq, m, s):
+    """Lane tq == 0 of a quad writes its row's lse = m ln 2 + ln(s) (m in base-2 units)."""
+    if tq == 0 and row < t:
+        lse[b, h, row] = m * float32(LN2) + math.log(s)
+
+
+# ---- the kernel, generated from the tile constants ------------------------------------------------
+
+
+def _fetch(tile: str, origin: str, src: str, base: str, rows: int, threads: int, d: int, async_: bool) -> list[str]:
+    """Source lines fetching ``rows`` x d of the 2-D global view ``src`` (T, d), from its row
+    ``origin``, into shared memory at ``base``: per thread chunk ``i`` its precomputed tile row
+    ``{tile}r{i}``, column ``{tile}c{i}`` and swizzled shared offset ``{tile}s{i}``
+    (:func:`_fetch_setup`). Rows past T are zero-filled (their source row clamped to 0)."""
+    out = []
+    step = _uniform_step(threads, d)
+    for i in range(rows * (d // CHUNK) // threads):
+        if step:  # one set of registers, constant offsets
+            r, c, s = f"{tile}r0 + {i * step}", f"{tile}c0", f"{tile}s0 + {i * step * d}"
+        else:
+            r, c, s = f"{tile}r{i}", f"{tile}c{i}", f"{tile}s{i}"
+        out += [f"gr = {origin} + {r}", "ok = gr < T", "gr = gr if ok else 0"]
+        if async_:
+            out.append(f"cp_async16(Sm, {base} + {s}, {src}, gr, {c}, chunk_bytes(ok))")
+        else:
+            out.append(f"load_chunk(Sm, {base} + {s}, {src}, gr, {c}, ok)")
+    return out
+
+
+def swizzle_mask(d: int) -> int:
+    """Chunk ``c`` of a row ``r`` of D elements is stored at chunk ``c ^ (r & mask)``: the largest
+    power of two dividing the row's chunk count, at most 8, minus one (so the XOR stays in the row)."""
+    cpr = d // CHUNK
+    return min(8, cpr & -cpr) - 1
+
+
+def _uniform_step(threads: int, d: int) -> int:
+    """Rows between a thread's successive chunks when they all share its column and swizzle (the
+    thread count a multiple of the row's chunks, the row step a multiple of the swizzle period):
+    then one row, column and shared offset serve every chunk, plus constants. 0 otherwise."""
+    cpr = d // CHUNK
+    step = threads // cpr
+    return step if threads % cpr == 0 and step % (swizzle_mask(d) + 1) == 0 else 0
+
+
+def _fetch_setup(tile: str, rows: int, threads: int, d: int) -> list[str]:
+    cpr = d // CHUNK
+    mask = swizzle_mask(d)
+    out = []
+    n = rows * cpr // threads
+    for i in range(1 if _uniform_step(threads, d) else n):
+        q = f"(tid + {i * threads})"
+        out += [f"{tile}r{i} = {q} // {cpr}", f"cc = {q} % {cpr}", f"{tile}c{i} = cc * {CHUNK}",
+                f"{tile}s{i} = {tile}r{i} * {d} + ((cc ^ ({tile}r{i} & {mask})) << 3)"]
+    return out
+
+
+def _kernel_source(d: int, t: FlashBf16Tiles, with_lse: bool, async_: bool) -> str:
+    W, BKV, BQ, TH = t.warps, t.bkv, t.bq, t.threads
+    KD = d // 16  # k steps of S = Q K^T
+    NS = BKV // 8  # n8 tiles of S
+    NO = d // 8  # n8 tiles of O
+    KP = BKV // 16  # k steps of P V (16 keys each)
+    mask = swizzle_mask(d)
+    STAGE = 2 * BKV * d  # K then V
+    QOFF = 2 * STAGE
+    regs = lambda p: ", ".join(f"{p}_{r}" for r in range(4))  # noqa: E731
+    src = ["def kernel(q, k, v, o, lse, scale2, group):",
+           # 16-byte aligned for cp.async and ldmatrix (the simulator takes no alignment)
+           f"    Sm = cuda.shared.array({0 if t.dynamic(d) else t.smem_elems(d)}, uint16"
+           f"{'' if simulating() else ', alignment=16'})",
+           "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5",
+           "    g = lane >> 2", "    tq = lane & 3",
+           "    T = q.shape[1]",
+           f"    qt = (T + {BQ - 1}) // {BQ} - 1 - cuda.blockIdx.x",  # longest tiles first
+           "    h = cuda.blockIdx.y", "    b = cuda.blockIdx.z", "    hk = h // group",
+           "    qg = q[b, :, h, :]", "    kg = k[b, :, hk, :]", "    vg = v[b, :, hk, :]", "    og = o[b, :, h, :]",
+           f"    q0 = qt * {BQ}",
+           f"    nkt = (min(T, q0 + {BQ}) + {BKV - 1}) // {BKV}",
+           "    row0 = q0 + warp * 16 + g", "    row1 = row0 + 8"]
+    src += ["    " + x for x in _fetch_setup("q", BQ, TH, d) + _fetch_setup("k", BKV, TH, d)]
+    # per-lane ldmatrix offsets (elements, inside a region) at k step kd:
+    #   Q (A): rows warp*16 + l%16, chunk 2kd + l//16
+    #   K (B, no trans): keys l%8 + (l//16)*8 (+16 per key pair), chunk 2kd + (l//8)%2
+    #   V (B, trans): keys l%8 + ((l//8)%2)*8 (+16 per key step), chunk 2c + l//16 (d tiles 2c, 2c+1)
+    src += ["    rq = warp * 16 + (lane & 15)", "    rk = (lane & 7) + ((lane >> 4) << 3)",
+            "    rv = (lane & 7) + (((lane >> 3) & 1) << 3)", f"    sw = lane & 7 & {mask}"]
+    for kd in range(KD):
+        src += [f"    ok_{kd} = rk * {d} + (({2 * kd} + ((lane >> 3) & 1)) ^ sw) * 8"]
+    for c in range(d // 16):
+        src += [f"    ov_{c} = {BKV * d} + rv * {d} + (({2 * c} + (lane >> 4)) ^ sw) * 8"]
+    # prologue: Q (group 0), tile 0 (group 1)
+    src += ["    " + x for x in _fetch("q", "q0", "qg", str(QOFF), BQ, TH, d, async_)]
+    src += ["    cp_async_commit()"]
+    src += ["    " + x for x in _fetch("k", "0", "kg", "0", BKV, TH, d, async_)]
+    src += ["    " + x for x in _fetch("k", "0", "vg", str(BKV * d), BKV, TH, d, async_)]
+    src += ["    cp_async_commit()", "    cp_async_wait(1)", "    cuda.syncthreads()"]
+    for kd in range(KD):
+        src.append(f"    {regs(f'qa{kd}')} = ldmatrix_x4(Sm, {QOFF} + rq * {d} + "
+                   f"(({2 * kd} + (lane >> 4)) ^ (rq & {mask})) * 8)")
+    src += ["    m0 = float32(-math.inf)", "    m1 = float32(-math.inf)",
+            "    l0 = float32(0.0)", "    l1 = float32(0.0)"]
+    for n in range(NO):
+        src.append(f"    {regs(f'o{n}')} = " + ", ".join(["float32(0.0)"] * 4))
+    src += ["    for it in range(nkt):",
+            "        if it + 1 < nkt:",
+            f"            k0r = (it + 1) * {BKV}",
+            f"            sn = ((it + 1) & 1) * {STAGE}"]
+    src += ["            " + x for x in _fetch("k", "k0r", "kg", "sn", BKV, TH, d, async_)
+            + _fetch("k", "k0r", "vg", f"sn + {BKV * d}", BKV, TH, d, async_)]
+    src += ["        cp_async_commit()", "        cp_async_wait(1)", "        cuda.syncthreads()",
+            f"        sb = (it & 1) * {STAGE}", f"        k0 = it * {BKV}"]
+    # S = Q K^T
+    for j in range(NS):
+        src.append(f"        {regs(f's{j}')} = " + ", ".join(["float32(0.0)"] * 4))
+    for p in range(KP):
+        for kd in range(KD):
+            src.append(f"        kb0, kb1, kb2, kb3 = ldmatrix_x4(Sm, sb + ok_{kd} + {16 * p * d})")
+            src.append(f"        {regs(f's{2 * p}')} = mma_bf16({regs(f'qa{kd}')}, kb0, kb1, {regs(f's{2 * p}')})")
+            src.append(f"        {regs(f's{2 * p + 1}')} = mma_bf16({regs(f'qa{kd}')}, kb2, kb3, "
+                       f"{regs(f's{2 * p + 1}')})")
+    for j in range(NS):
+        for r in range(4):
+            src.append(f"        s{j}_{r} *= scale2")
+    # masking on the tiles that cross the block's first row (or T, which only such tiles reach)
+    src.append(f"        if k0 + {BKV - 1} > q0:")
+    src.append("            kc = k0 + 2 * tq")
+    for j in range(NS):
+        for r in range(4):
+            src.append(f"            s{j}_{r} = masked(s{j}_{r}, kc + {8 * j + (r & 1)}, row{r >> 1}, T)")
+    # online softmax (base 2)
+    for half, rr in ((0, (0, 1)), (1, (2, 3))):
+        vals = ", ".join(f"s{j}_{r}" for j in range(NS) for r in rr)
+        src += [f"        x{half} = max({vals})",
+                f"        x{half} = max(x{half}, shfl_xor_f32(x{half}, 1))",
+                f"        x{half} = max(x{half}, shfl_xor_f32(x{half}, 2))",
+                f"        x{half} = max(m{half}, x{half})",
+                f"        f{half} = finite_or_zero(x{half})",
+                f"        a{half} = exp2_approx(m{half} - f{half})",
+                f"        m{half} = x{half}"]
+    for j in range(NS):
+        for r in range(4):
+            src.append(f"        s{j}_{r} = exp2_approx(s{j}_{r} - f{r >> 1})")
+    for half, rr in ((0, (0, 1)), (1, (2, 3))):
+        src.append(f"        l{half} = l{half} * a{half} + " + " + ".join(f"s{j}_{r}" for j in range(NS) for r in rr))
+    for n in range(NO):
+        src += [f"        o{n}_0 *= a0", f"        o{n}_1 *= a0", f"        o{n}_2 *= a1", f"        o{n}_3 *= a1"]
+    # O += P V: S tiles 2p, 2p+1 packed are the A fragment of key step p
+    for p in range(KP):
+        a, c = 2 * p, 2 * p + 1
+        src += [f"        pa0 = pack_bf16x2(s{a}_0, s{a}_1)", f"        pa1 = pack_bf16x2(s{a}_2, s{a}_3)",
+                f"        pa2 = pack_bf16x2(s{c}_0, s{c}_1)", f"        pa3 = pack_bf16x2(s{c}_2, s{c}_3)"]
+        for cc in range(d // 16):
+            src.append(f"        vb0, vb1, vb2, vb3 = ldmatrix_x4_trans(Sm, sb + ov_{cc} + {16 * p * d})")
+            src.append(f"        {regs(f'o{2 * cc}')} = mma_bf16(pa0, pa1, pa2, pa3, vb0, vb1, {regs(f'o{2 * cc}')})")
+            src.append(f"        {regs(f'o{2 * cc + 1}')} = mma_bf16(pa0, pa1, pa2, pa3, vb2, vb3, "
+                       f"{regs(f'o{2 * cc + 1}')})")
+    src.append("        cuda.syncthreads()")
+    src.append("    cp_async_wait(0)")
+    # the end: quad sums, O / l, lse
+    for half in (0, 1):
+        src += [f"    l{half} += shfl_xor_f32(l{half}, 1)", f"    l{half} += shfl_xor_f32(l{half}, 2)",
+                f"    i{half} = reciprocal_or_zero(l{half})"]
+    src.append("    cl = 2 * tq")
+    for n in range(NO):
+        src.append(f"    store_pair(og, row0, cl + {8 * n}, T, o{n}_0 * i0, o{n}_1 * i0)")
+        src.append(f"    store_pair(og, row1, cl + {8 * n}, T, o{n}_2 * i1, o{n}_3 * i1)")
+    if with_lse:
+        src += ["    store_lse(lse, b, h, row0, T, tq, m0, l0)", "    store_lse(lse, b, h, row1, T, tq, m1, l1)"]
+    return "\n".join(src) + "\n"
+
+
+_NAMES = ("mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16", "cp_async_commit", "cp_async_wait",
+          "pack_bf16x2", "shfl_xor_f32", "exp2_approx")
+
+
+def kernel_namespace() -> dict:
+    names = {"cuda": cuda, "uint16": uint16, "float32": float32, "math": math, "min": min, "max": max,
+             "chunk_bytes": chunk_bytes, "load_chunk": load_chunk, "masked": masked, "finite_or_zero": finite_or_zero,
+             "reciprocal_or_zero": reciprocal_or_zero, "store_pair": store_pair, "store_lse": store_lse}
+    names.update({n: getattr(_mma, n) for n in _NAMES})
+    return names
+
+
+def python_kernel(d: int, tiles: FlashBf16Tiles, with_lse: bool = True, cp_async: bool = True):
+    """The generated kernel as a plain Python function (before ``cuda.jit``): for reading, for
+    ``cuda.compile_ptx`` and for ``scripts/sass_report.py``-style inspection."""
+    tiles.check(d)
+    source = _kernel_source(d, tiles, with_lse, cp_async)
+    names = kernel_namespace()
+    code = compile(source, f"<flash_bf16 d{d} {tiles.label()}{'' if cp_async else ' elementwise'}>", "exec")
+    exec(code, names)  # noqa: S102 - the source is generated above from the tile constants alone
+    fn = names["kernel"]
+    fn.__doc__ = source
+    return fn
+
+
+@lru_cache(maxsize=None)
+def make_flash_bf16(d: int, tiles: FlashBf16Tiles, with_lse: bool = True, cp_async: bool = True):
+    """The kernel ``kernel(q, k, v, o, lse, scale2, group)`` for head_dim ``d``; grid
+    ``(ceil(T / bq), nh, B)``, ``tiles.threads`` threads, ``tiles.smem_bytes(d)`` of shared memory
+    (dynamic when over 48 KiB)."""
+    fn = python_kernel(d, tiles, with_lse, cp_async)
+    opts = {} if simulating() else {"max_registers": 255}
+    return cuda.jit(**opts)(fn)
+
+
+def kernel_source(d: int = 128, tiles: FlashBf16Tiles = GPU_TILES, with_lse: bool = True, cp_async: bool = True) -> str:
+    return _kernel_source(d, tiles, with_lse, cp_async)
+
+
+# ---- launcher -------------------------------------------------------------------------------------
+
+
+def _aligned_rows(a) -> bool:
+    """True if cp.async can fetch 16-byte chunks of the last axis of a 4-D 2-byte array: unit
+    element stride, every other stride a multiple of 8 elements, base 16-byte aligned (device
+    arrays by ``__cuda_array_interface__``, the simulator's by ``__array_interface__``)."""
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    shape = tuple(iface["shape"])
+    strides = iface.get("strides")
+    if strides is None:  # C-contiguous
+        strides, acc = [], 2
+        for n in reversed(shape):
+            strides.insert(0, acc)
+            acc *= n
+    if iface["data"][0] % 16:
+        return False
+    if shape[-1] > 1 and strides[-1] != 2:
+        return False
+    return all(n <= 1 or s % 16 == 0 for n, s in zip(shape[:-1], strides[:-1]))
+
+
+def check_args(q, k, v, o, lse=None) -> tuple[int, int, int, int, int]:
+    for name, a in (("q", q), ("k", k), ("v", v), ("output o", o)):
+        check_bf16(f"flash_attention_bf16: {name}", a)
+        check_ndim(f"flash_attention_bf16: {name}", a, 4)
+    b, t, nh, d = q.shape
+    bk, tk, nkv, dk = k.shape
+    if (bk, tk, dk) != (b, t, d) or tuple(v.shape) != tuple(k.shape):
+        raise KernelError(f"flash_attention_bf16: q {tuple(q.shape)} (B, T, nh, D), k {tuple(k.shape)} and v "
+                          f"{tuple(v.shape)} (B, T, nkv, D) disagree")
+    if nkv == 0 or nh % nkv:
+        raise KernelError(f"flash_attention_bf16: n_heads={nh} is not a multiple of n_kv_heads={nkv}")
+    if tuple(o.shape) != tuple(q.shape):
+        raise KernelError(f"flash_attention_bf16: output {tuple(o.shape)} != q {tuple(q.shape)}")
+    if lse is not None:
+        check_float32("flash_attention_bf16: lse", lse)
+        if tuple(lse.shape) != (b, nh, t):
+            raise KernelError(f"flash_attention_bf16: lse has shape {tuple(lse.shape)}, expected (B, nh, T) = "
+                              f"{(b, nh, t)}")
+    return b, t, nh, nkv, d
+
+
+def default_tiles() -> FlashBf16Tiles:
+    return SIM_TILES if simulating() else GPU_TILES
+
+
+def flash_attention_bf16(q, k, v, o, lse=None, stream=0, tiles: FlashBf16Tiles | None = None,
+                         cp_async: bool | None = None) -> None:
+    """Enqueue causal GQA attention of q (B, T, nh, D) over k, v (B, T, nkv, D), bf16 bits, into
+    o (B, T, nh, D) bf16; with ``lse`` (B, nh, T) float32 also the rows' log-sum-exps. Views with
+    any strides are accepted (16-byte-aligned rows take cp.async, others element-wise loads;
+    ``cp_async=False`` forces the latter)."""
+    b, t, nh, nkv, d = check_args(q, k, v, o, lse)
+    tiles = tiles or default_tiles()
+    tiles.check(d)
+    if b * t * nh == 0:
+        return
+    q, k, v, o = (as_u16(x) for x in (q, k, v, o))
+    fits = all(_aligned_rows(x) for x in (q, k, v))
+    if cp_async and not fits:
+        raise KernelError("flash_attention_bf16: cp_async=True needs q, k, v with unit head-dim stride, "
+                          "other strides multiples of 8 elements and 16-byte-aligned bases")
+    async_ = fits if cp_async is None else cp_async
+    kernel = make_flash_bf16(d, tiles, lse is not None, async_)
+    lse_arg = lse if lse is not None else cuda.device_array((1, 1, 1), np.float32) if simulating() else _dummy_lse()
+    args = (q, k, v, o, lse_arg, np.float32(LOG2E / math.sqrt(d)), np.int64(nh // nkv))
+    grid = (-(-t // tiles.bq), nh, b)
+    if tiles.dynamic(d):
+        _allow_dynamic_smem(kernel, args, tiles.smem_bytes(d))
+        kernel[grid, tiles.threads, stream, tiles.smem_bytes(d)](*args)
+    else:
+        kernel[grid, tiles.threads, stream](*args)
+
+
+_DUMMY: dict = {}
+
+
+def _dummy_lse():
+    """A (1, 1, 1) float32 device array standing in for ``lse`` when none is asked (never written)."""
+    dev = cuda.get_current_device().id
+    if dev not in _DUMMY:
+        _DUMMY[dev] = cuda.device_array((1, 1, 1), np.float32)
+    return _DUMMY[dev]
+
+
+# ---- backward (FlashAttention-2's algorithm, two kernels, no atomics) -------------------------------
+#
+# With D = rowsum(dO o O) and P recomputed from the forward's lse (P = exp2(S scale2 - lse log2 e)):
+#   dV = P^T dO,  dP = dO V^T,  dS = P o (dP - D),  dQ = dS K / sqrt(d),  dK = dS^T Q / sqrt(d).
+# The dQ kernel is the forward's walk (a warp per 16 query rows, K and V tiles streamed, P and dS
+# as A fragments from the accumulators); the dK/dV kernel is its transpose (a warp per 16 keys,
+# K and V fragments in registers, Q and dO tiles of the query heads of its GQA group streamed),
+# so every gradient is summed in registers and written once.
+
+
+@cuda.jit(device=True)
+def masked_t(x, key, query, t):
+    """A transposed score (key row, query column): -inf where the key is after the query or the query past T."""
+    return float32(-math.inf) if key > query or query >= t else x
+
+
+@cuda.jit(device=True)
+def row_stat(a, b, h, row, t):
+    """``a[b, h, row]`` (a (B, nh, T) float32 statistic), 0 past T."""
+    return a[b, h, row] if row < t else float32(0.0)
+
+
+@cuda.jit
+def _dsum_kernel(o, do, dsum):
+    """dsum[b, h, t] = sum_d o[b, t, h, d] * do[b, t, h, d] (bf16 values, fp32 sum); one thread a row."""
+    b_, t_, nh, d = o.shape
+    for e in range(cuda.grid(1), b_ * t_ * nh, cuda.gridsize(1)):
+        h = e % nh
+        t = (e // nh) % t_
+        b = e // (nh * t_)
+        s = float32(0.0)
+        for i in range(d):
+            s += _mma.bf16_to_f32(o[b, t, h, i]) * _mma.bf16_to_f32(do[b, t, h, i])
+        dsum[b, h, t] = s
+
+
+def _offsets(d: int) -> list[str]:
+    """Per-lane ldmatrix offsets inside a (rows x d) region at k step ``kd`` / d pair ``c``:
+    ``ra`` (A, rows warp*16 + l%16, chunk 2kd + l//16: add per kd), ``bc_{kd}`` (B from rows that
+    are mma's n: rows l%8 + (l//16)*8 (+16 per pair), chunk 2kd + (l//8)%2) and ``bt_{c}`` (B
+    from rows that are mma's k, with .trans: rows l%8 + ((l//8)%2)*8 (+16 per step), chunk 2c + l//16)."""
+    mask = swizzle_mask(d)
+    src = ["rq = warp * 16 + (lane & 15)", "rk = (lane & 7) + ((lane >> 4) << 3)",
+           "rv = (lane & 7) + (((lane >> 3) & 1) << 3)", f"sw = lane & 7 & {mask}"]
+    src += [f"bc_{kd} = rk * {d} + (({2 * kd} + ((lane >> 3) & 1)) ^ sw) * 8" for kd in range(d // 16)]
+    src += [f"bt_{c} = rv * {d} + (({2 * c} + (lane >> 4)) ^ sw) * 8" for c in range(d // 16)]
+    return src
+
+
+def _a_frags(name: str, base: str, d: int) -> list[str]:
+    mask = swizzle_mask(d)
+    regs = lambda p: ", ".join(f"{p}_{r}" for r in range(4))  # noqa: E731
+    return [f"{regs(f'{name}{kd}')} = ldmatrix_x4(Sm, {base} + rq * {d} + (({2 * kd} + (lane >> 4)) ^ (rq & {mask})) * 8)"
+            for kd in range(d // 16)]
+
+
+def _mma_nt(out: str, a: str, base: str, n8: int, d: int) -> list[str]:
+    """``out`` tiles (n8 of them) = A (fragments ``{a}{kd}``) times the region at ``base`` (rows = n) transposed."""
+    regs = lambda p: ", ".join(f"{p}_{r}" for r in range(4))  # noqa: E731
+    src = [f"{regs(f'{out}{j}')} = " + ", ".join(["float32(0.0)"] * 4) for j in range(n8)]
+    for p in range(n8 // 2):
+        for kd in range(d // 16):
+            src += [f"b0, b1, b2, b3 = ldmatrix_x4(Sm, {base} + bc_{kd} + {16 * p * d})",
+                    f"{regs(f'{out}{2 * p}')} = mma_bf16({regs(f'{a}{kd}')}, b0, b1, {regs(f'{out}{2 * p}')})",
+                    f"{regs(f'{out}{2 * p + 1}')} = mma_bf16({regs(f'{a}{kd}')}, b2, b3, {regs(f'{out}{2 * p + 1}')})"]
+    return src
+
+
+def _mma_nn(acc: str, p: str, base: str, n8: int, d: int) -> list[str]:
+    """``acc`` (d/8 tiles) += the packed accumulator tiles ``{p}{j}`` (16 rows x 8 n8 columns) times the
+    region at ``base`` (rows = those columns, .trans)."""
+    regs = lambda x: ", ".join(f"{x}_{r}" for r in range(4))  # noqa: E731
+    src = []
+    for s in range(n8 // 2):
+        a, c = 2 * s, 2 * s + 1
+        src += [f"pa0 = pack_bf16x2({p}{a}_0, {p}{a}_1)", f"pa1 = pack_bf16x2({p}{a}_2, {p}{a}_3)",
+                f"pa2 = pack_bf16x2({p}{c}_0, {p}{c}_1)", f"pa3 = pack_bf16x2({p}{c}_2, {p}{c}_3)"]
+        for cc in range(d // 16):
+            src += [f"v0, v1, v2, v3 = ldmatrix_x4_trans(Sm, {base} + bt_{cc} + {16 * s * d})",
+                    f"{regs(f'{acc}{2 * cc}')} = mma_bf16(pa0, pa1, pa2, pa3, v0, v1, {regs(f'{acc}{2 * cc}')})",
+                    f"{regs(f'{acc}{2 * cc + 1}')} = mma_bf16(pa0, pa1, pa2, pa3, v2, v3, {regs(f'{acc}{2 * cc + 1}')})"]
+    return src
+
+
+def _store_rows(out: str, acc: str, d: int, r0: str, r1: str, scale: str) -> list[str]:
+    src = ["cl = 2 * tq"]
+    for n in range(d // 8):
+        src += [f"store_pair({out}, {r0}, cl + {8 * n}, T, {acc}{n}_0 * {scale}, {acc}{n}_1 * {scale})",
+                f"store_pair({out}, {r1}, cl + {8 * n}, T, {acc}{n}_2 * {scale}, {acc}{n}_3 * {scale})"]
+    return src
+
+
+def _indent(lines: list[str], n: int) -> list[str]:
+    return [" " * n + x for x in lines]
+
+
+def _dq_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
+    BKV, BQ, TH = t.bkv, t.bq, t.threads
+    NS = BKV // 8
+    STAGE = 2 * BKV * d
+    QOFF = 2 * STAGE
+    DOFF = QOFF + BQ * d
+    elems = 4 * BKV * d + 2 * BQ * d
+    dyn = 2 * elems > STATIC_SMEM
+    src = ["def kernel(q, k, v, do, lse, dsum, dq, scale2, scale, group):",
+           f"    Sm = cuda.shared.array({0 if dyn else elems}, uint16{'' if simulating() else ', alignment=16'})",
+           "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5", "    g = lane >> 2",
+           "    tq = lane & 3", "    T = q.shape[1]",
+           f"    qt = (T + {BQ - 1}) // {BQ} - 1 - cuda.blockIdx.x",
+           "    h = cuda.blockIdx.y", "    b = cuda.blockIdx.z", "    hk = h // group",
+           "    qg = q[b, :, h, :]", "    dog = do[b, :, h, :]", "    kg = k[b, :, hk, :]", "    vg = v[b, :, hk, :]",
+           "    dqg = dq[b, :, h, :]", f"    q0 = qt * {BQ}", f"    nkt = (min(T, q0 + {BQ}) + {BKV - 1}) // {BKV}",
+           "    row0 = q0 + warp * 16 + g", "    row1 = row0 + 8"]
+    src += _indent(_fetch_setup("q", BQ, TH, d) + _fetch_setup("k", BKV, TH, d) + _offsets(d), 4)
+    src += _indent(_fetch("q", "q0", "qg", str(QOFF), BQ, TH, d, async_)
+                   + _fetch("q", "q0", "dog", str(DOFF), BQ, TH, d, async_) + ["cp_async_commit()"]
+                   + _fetch("k", "0", "kg", "0", BKV, TH, d, async_) + _fetch("k", "0", "vg", str(BKV * d), BKV, TH, d, async_)
+                   + ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()"]
+                   + _a_frags("qa", str(QOFF), d) + _a_frags("da", str(DOFF), d)
+                   + [f"e0 = row_stat(lse, b, h, row0, T) * float32({LOG2E})",
+                      f"e1 = row_stat(lse, b, h, row1, T) * float32({LOG2E})",
+                      "D0 = row_stat(dsum, b, h, row0, T)", "D1 = row_stat(dsum, b, h, row1, T)"]
+                   + [f"dq{n}_0, dq{n}_1, dq{n}_2, dq{n}_3 = " + ", ".join(["float32(0.0)"] * 4) for n in range(d // 8)], 4)
+    body = ["if it + 1 < nkt:", f"    k0r = (it + 1) * {BKV}", f"    sn = ((it + 1) & 1) * {STAGE}"]
+    body += _indent(_fetch("k", "k0r", "kg", "sn", BKV, TH, d, async_)
+                    + _fetch("k", "k0r", "vg", f"sn + {BKV * d}", BKV, TH, d, async_), 4)
+    body += ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()",
+             f"sb = (it & 1) * {STAGE}", f"k0 = it * {BKV}"]
+    body += _mma_nt("s", "qa", "sb", NS, d)
+    body += [f"s{j}_{r} *= scale2" for j in range(NS) for r in range(4)]
+    body += [f"if k0 + {BKV - 1} > q0:", "    kc = k0 + 2 * tq"]
+    body += [f"    s{j}_{r} = masked(s{j}_{r}, kc + {8 * j + (r & 1)}, row{r >> 1}, T)" for j in range(NS) for r in range(4)]
+    body += [f"s{j}_{r} = exp2_approx(s{j}_{r} - e{r >> 1})" for j in range(NS) for r in range(4)]
+    body += _mma_nt("t", "da", f"sb + {BKV * d}", NS, d)
+    body += [f"s{j}_{r} = s{j}_{r} * (t{j}_{r} - D{r >> 1})" for j in range(NS) for r in range(4)]
+    body += _mma_nn("dq", "s", "sb", NS, d)
+    body += ["cuda.syncthreads()"]
+    src += ["    for it in range(nkt):"] + _indent(body, 8)
+    src += _indent(["cp_async_wait(0)"] + _store_rows("dqg", "dq", d, "row0", "row1", "scale"), 4)
+    return "\n".join(src) + "\n"
+
+
+def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
+    BK, BQI, TH = t.bq, t.bkv, t.threads  # keys per block (16 per warp), queries per streamed tile
+    NS = BQI // 8
+    VOFF = BK * d
+    SOFF = 2 * BK * d
+    STAGE = 2 * BQI * d  # Q then dO
+    elems = SOFF + 2 * STAGE
+    dyn = 2 * elems > STATIC_SMEM
+    src = ["def kernel(q, k, v, do, lse, dsum, dk, dv, scale2, scale, group):",
+           f"    Sm = cuda.shared.array({0 if dyn else elems}, uint16{'' if simulating() else ', alignment=16'})",
+           "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5", "    g = lane >> 2",
+           "    tq = lane & 3", "    T = q.shape[1]",
+           "    hk = cuda.blockIdx.y", "    b = cuda.blockIdx.z",
+           f"    k0 = cuda.blockIdx.x * {BK}",  # the first key tiles have the most queries: they start first
+           "    kg = k[b, :, hk, :]", "    vg = v[b, :, hk, :]", "    dkg = dk[b, :, hk, :]", "    dvg = dv[b, :, hk, :]",
+           "    key0 = k0 + warp * 16 + g", "    key1 = key0 + 8",
+           f"    qi0 = k0 // {BQI}", f"    nit = (T + {BQI - 1}) // {BQI} - qi0", "    total = group * nit"]
+    src += _indent(_fetch_setup("k", BK, TH, d) + _fetch_setup("q", BQI, TH, d) + _offsets(d), 4)
+    src += _indent(_fetch("k", "k0", "kg", "0", BK, TH, d, async_) + _fetch("k", "k0", "vg", str(VOFF), BK, TH, d, async_)
+                   + ["cp_async_commit()"]
+                   + ["qgn = q[b, :, hk * group, :]", "dgn = do[b, :, hk * group, :]", f"q0r = qi0 * {BQI}"]
+                   + _fetch("q", "q0r", "qgn", str(SOFF), BQI, TH, d, async_)
+                   + _fetch("q", "q0r", "dgn", str(SOFF + BQI * d), BQI, TH, d, async_)
+                   + ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()"]
+
+                   + [f"{a}{n}_0, {a}{n}_1, {a}{n}_2, {a}{n}_3 = " + ", ".join(["float32(0.0)"] * 4)
+                      for a in ("dk", "dv") for n in range(d // 8)], 4)
+    body = ["if it + 1 < total:", "    hn = hk * group + (it + 1) // nit", f"    q0r = (qi0 + (it + 1) % nit) * {BQI}",
+            "    qgn = q[b, :, hn, :]", "    dgn = do[b, :, hn, :]", f"    sn = {SOFF} + ((it + 1) & 1) * {STAGE}"]
+    body += _indent(_fetch("q", "q0r", "qgn", "sn", BQI, TH, d, async_)
+                    + _fetch("q", "q0r", "dgn", f"sn + {BQI * d}", BQI, TH, d, async_), 4)
+    body += ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()",
+             "hq = hk * group + it // nit", f"qs = (qi0 + it % nit) * {BQI}", f"sb = {SOFF} + (it & 1) * {STAGE}",
+             "qc = qs + 2 * tq"]
+    body += _a_frags("ka", "0", d)  # re-read each tile, as V's below
+    body += _mma_nt("s", "ka", "sb", NS, d)  # S^T: rows keys, columns queries
+    body += [f"s{j}_{r} *= scale2" for j in range(NS) for r in range(4)]
+    body += [f"if qs < k0 + {BK - 1} or qs + {BQI} > T:"]
+    body += [f"    s{j}_{r} = masked_t(s{j}_{r}, key{r >> 1}, qc + {8 * j + (r & 1)}, T)" for j in range(NS) for r in range(4)]
+    # the columns' statistics, each loaded where it is used (fewer registers live at once)
+    for j in range(NS):
+        body += [f"l0 = row_stat(lse, b, hq, qc + {8 * j}, T) * float32({LOG2E})",
+                 f"l1 = row_stat(lse, b, hq, qc + {8 * j + 1}, T) * float32({LOG2E})"]
+        body += [f"s{j}_{r} = exp2_approx(s{j}_{r} - l{r & 1})" for r in range(4)]
+    body += _mma_nn("dv", "s", f"sb + {BQI * d}", NS, d)  # dV += P^T dO
+    # K's and V's fragments re-read from shared memory each tile (D/16 ldmatrix each): held in
+    # registers beside the two accumulators they spilled at D = 128 (ptxas sm_90: 432 bytes)
+    body += _a_frags("va", str(VOFF), d)
+    body += _mma_nt("t", "va", f"sb + {BQI * d}", NS, d)  # dP^T = V dO^T
+    for j in range(NS):
+        body += [f"D0 = row_stat(dsum, b, hq, qc + {8 * j}, T)", f"D1 = row_stat(dsum, b, hq, qc + {8 * j + 1}, T)"]
+        body += [f"s{j}_{r} = s{j}_{r} * (t{j}_{r} - D{r & 1})" for r in range(4)]
+    body += _mma_nn("dk", "s", "sb", NS, d)  # dK += dS^T Q
+    body += ["cuda.syncthreads()"]
+    src += ["    for it in range(total):"] + _indent(body, 8)
+    src += _indent(["cp_async_wait(0)"] + _store_rows("dkg", "dk", d, "key0", "key1", "scale")
+                   + _store_rows("dvg", "dv", d, "key0", "key1", "float32(1.0)"), 4)
+    return "\n".join(src) + "\n"
+
+
+def _build(source: str, label: str):
+    names = kernel_namespace()
+    names.update({"masked_t": masked_t, "row_stat": row_stat})
+    exec(compile(source, label, "exec"), names)  # noqa: S102 - generated from the tile constants alone
+    fn = names["kernel"]
+    fn.__doc__ = source
+    return fn
+
+
+def python_backward_kernels(d: int, tiles: FlashBf16Tiles, cp_async: bool = True):
+    """(dq kernel, dk/dv kernel) as plain Python functions (before ``cuda.jit``)."""
+    tiles.check(d)
+    tag = f"d{d} {tiles.label()}{'' if cp_async else ' elementwise'}"
+    return (_build(_dq_source(d, tiles, cp_async), f"<flash_bf16 dq {tag}>"),
+            _build(_dkv_source(d, tiles, cp_async), f"<flash_bf16 dkv {tag}>"))
+
+
+@lru_cache(maxsize=None)
+def make_flash_bf16_backward(d: int, tiles: FlashBf16Tiles, cp_async: bool = True):
+    opts = {} if simulating() else {"max_registers": 255}
+    return tuple(cuda.jit(**opts)(fn) for fn in python_backward_kernels(d, tiles, cp_async))
+
+
+def backward_smem_bytes(d: int, tiles: FlashBf16Tiles) -> tuple[int, int]:
+    """Shared bytes of the dq kernel and of the dk/dv kernel."""
+    return 2 * (4 * tiles.bkv * d + 2 * tiles.bq * d), 2 * (2 * tiles.bq * d + 4 * tiles.bkv * d)
+
+
+def flash_attention_bf16_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf16Tiles | None = None,
+                                  cp_async: bool | None = None, dsum=None) -> None:
+    """Enqueue the gradients of :func:`flash_attention_bf16`: q, o, do, dq (B, T, nh, D) and k, v,
+    dk, dv (B, T, nkv, D) bf16 bits, ``lse`` (B, nh, T) float32 from the forward. ``dsum``: a
+    (B, nh, T) float32 scratch for ``rowsum(do * o)`` (allocated when not given). dk and dv sum
+    the query heads of each GQA group in registers; every output is written once."""
+    b, t, nh, nkv, d = check_args(q, k, v, o, lse)
+    if lse is None:
+        raise KernelError("flash_attention_bf16_backward: lse (B, nh, T) from the forward is required")
+    for name, a, want in (("do", do, q.shape), ("dq", dq, q.shape), ("dk", dk, k.shape), ("dv", dv, k.shape)):
+        check_bf16(f"flash_attention_bf16_backward: {name}", a)
+        if tuple(a.shape) != tuple(want):
+            raise KernelError(f"flash_attention_bf16_backward: {name} has shape {tuple(a.shape)}, expected {tuple(want)}")
+    tiles = tiles or default_tiles()
+    tiles.check(d)
+    bq, bkv = backward_smem_bytes(d, tiles)
+    if max(bq, bkv) > MAX_SMEM:
+        raise KernelError(f"flash tiles {tiles} with head_dim={d}: the backward needs {max(bq, bkv)} bytes of shared "
+                          f"memory (limit {MAX_SMEM})")
+    if b * t * nh == 0:
+        return
+    if dsum is None:
+        dsum = cuda.device_array((b, nh, t), np.float32, stream=stream)
+    check_float32("flash_attention_bf16_backward: dsum", dsum)
+    if tuple(dsum.shape) != (b, nh, t):
+        raise KernelError(f"flash_attention_bf16_backward: dsum has shape {tuple(dsum.shape)}, expected {(b, nh, t)}")
+    q, k, v, o, do, dq, dk, dv = (as_u16(x) for x in (q, k, v, o, do, dq, dk, dv))
+    fits = all(_aligned_rows(x) for x in (q, k, v, do))
+    if cp_async and not fits:
+        raise KernelError("flash_attention_bf16_backward: cp_async=True needs q, k, v, do with unit head-dim stride, "
+                          "other strides multiples of 8 elements and 16-byte-aligned bases")
+    async_ = fits if cp_async is None else cp_async
+    n = b * t * nh
+    threads = 32 if simulating() else 256
+    _dsum_kernel[max(1, min(-(-n // threads), 2 if simulating() else 132 * 16)), threads, stream](o, do, dsum)
+    k_dq, k_dkv = make_flash_bf16_backward(d, tiles, async_)
+    scale2, scale, group = np.float32(LOG2E / math.sqrt(d)), np.float32(1.0 / math.sqrt(d)), np.int64(nh // nkv)
+    for kernel, args, grid, nbytes in (
+            (k_dq, (q, k, v, do, lse, dsum, dq, scale2, scale, group), (-(-t // tiles.bq), nh, b), bq),
+            (k_dkv, (q, k, v, do, lse, dsum, dk, dv, scale2, scale, group), (-(-t // tiles.bq), nkv, b), bkv)):
+        if nbytes > STATIC_SMEM:
+            _allow_dynamic_smem(kernel, args, nbytes)
+            kernel[grid, tiles.threads, stream, nbytes](*args)
+        else:
+            kernel[grid, tiles.threads, stream](*args)
