@@ -1,6 +1,5 @@
 """Shapes that change every step (issue 17): plans cached by length bucket, padding exact, every
-plan within budget and race free, and planning a small share of a 100-step run."""
-
+plan within budget and race free, and one plan per length bucket over a 100-step run."""
 
 import numpy as np
 import pytest
