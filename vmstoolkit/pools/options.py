@@ -208,7 +208,8 @@ class StitchOptions(AllocatorOptions):
                              "one-chunk segments, so it may not exceed a chunk (2 MiB)", min=0, max=PAGE)
 
     def check_for_driver(self, capacity: int, granularity: int) -> None:
-        """``small_size`` fits one chunk of the driver (its granularity)."""
+        """``small_size`` fits one chunk of the driver (its granularity). Runtime complexity: O(1); no
+        driver call."""
         if self.small_size > granularity:
             raise ConfigError(f"small_size must be at most the driver's granularity ({granularity} bytes), "
                               f"got {self.small_size}")

@@ -206,22 +206,27 @@ class SegmentSource:
 
     def allocate(self, nbytes: int) -> int | None:
         """A new segment of ``nbytes``; None when memory is short (the caching allocator then
-        frees cached blocks and asks again, or raises out of memory)."""
+        frees cached blocks and asks again, or raises out of memory). Cost: the source's; one
+        driver call (``cudaMalloc``) or one upstream allocate in the two sources here."""
         raise NotImplementedError
 
     def free(self, ptr: int, nbytes: int) -> None:
-        """Give back the whole segment of ``nbytes`` at ``ptr``."""
+        """Give back the whole segment of ``nbytes`` at ``ptr``. Cost: the source's; one driver call
+        (``cudaFree``) or one upstream free in the two sources here."""
         raise NotImplementedError
 
     def check(self, caching: "PyTorchCachingAllocator") -> None:
-        """Assert that what the source holds agrees with ``caching``'s segments (its ``_check``)."""
+        """Assert that what the source holds agrees with ``caching``'s segments (its ``_check``).
+        Cost: the source's, at least O(segments); no driver call."""
         raise NotImplementedError
 
     def empty_cache(self) -> None:
-        """Give back what the source caches itself (after the caching allocator's ``empty_cache``)."""
+        """Give back what the source caches itself (after the caching allocator's ``empty_cache``).
+        Cost: O(1) here (nothing cached); a source's own otherwise."""
 
     def close(self) -> None:
-        """After the caching allocator's ``close``: give everything back."""
+        """After the caching allocator's ``close``: give everything back. Cost: O(1) here; a source's
+        own otherwise."""
 
 
 class DriverSegments(SegmentSource):
@@ -233,7 +238,7 @@ class DriverSegments(SegmentSource):
         self.driver, self.graveyard = driver, graveyard
 
     def allocate(self, nbytes: int) -> int | None:
-        """``cudaMalloc(nbytes)``; None when the driver is out of memory. One driver call."""
+        """``cudaMalloc(nbytes)``; None when the driver is out of memory. Cost: O(1); one driver call."""
         try:
             return self.driver.mem_alloc(nbytes)
         except DriverOutOfMemoryError:
@@ -241,11 +246,13 @@ class DriverSegments(SegmentSource):
 
     def free(self, ptr: int, nbytes: int) -> None:
         """``cudaFree``, through the graveyard (the caching allocator's state is consistent
-        first; a failed call waits for a retry). One driver call."""
+        first; a failed call waits for a retry). Cost: O(1); one driver call (no synchronize: nothing
+        is unmapped)."""
         self.graveyard.run([("mem_free", ptr, nbytes)])
 
     def check(self, caching: "PyTorchCachingAllocator") -> None:
-        """The segments (and the graveyard's) are all the physical memory the driver counts."""
+        """The segments (and the graveyard's) are all the physical memory the driver counts. Cost:
+        O(held teardown steps) plus reading ``caching.total_reserved``; no driver call."""
         held = caching.total_reserved + self.graveyard.held_bytes()
         assert held == self.driver.physical_bytes, \
             f"{caching.name}: holds {held} bytes (graveyard included), the driver counts {self.driver.physical_bytes}"
@@ -262,19 +269,21 @@ class AllocatorSegments(SegmentSource):
         self.upstream, self.driver, self.keeps_cached = upstream, upstream.driver, keeps_cached
 
     def allocate(self, nbytes: int) -> int | None:
-        """``upstream.allocate(nbytes)``; None when it is out of memory."""
+        """``upstream.allocate(nbytes)``; None when it is out of memory. Cost: the upstream's allocate
+        plus O(1)."""
         try:
             return self.upstream.allocate(nbytes)
         except OutOfMemoryError:
             return None
 
     def free(self, ptr: int, nbytes: int) -> None:
-        """``upstream.free(ptr)``."""
+        """``upstream.free(ptr)``. Cost: the upstream's free plus O(1)."""
         self.upstream.free(ptr)
 
     def check(self, caching: "PyTorchCachingAllocator") -> None:
         """``upstream``'s invariants, on ``caching``'s driver, and every segment one of its live
-        allocations, of its size."""
+        allocations, of its size. Cost: the upstream's ``_check`` and ``live_allocations`` plus
+        O(segments)."""
         assert self.driver is caching.driver, f"{caching.name}: segments from an allocator on another driver"
         self.upstream._check()
         live = self.upstream.live_allocations()
@@ -282,11 +291,11 @@ class AllocatorSegments(SegmentSource):
             assert live.get(ptr) == nbytes, f"{caching.name}: segment {ptr:#x} of {nbytes} bytes is not live upstream"
 
     def empty_cache(self) -> None:
-        """``upstream.empty_cache()``."""
+        """``upstream.empty_cache()``. Cost: the upstream's plus O(1)."""
         self.upstream.empty_cache()
 
     def close(self) -> None:
-        """``upstream.close()``."""
+        """``upstream.close()``. Cost: the upstream's plus O(1)."""
         self.upstream.close()
 
 

@@ -69,12 +69,14 @@ class PyTorchAllocConfig:
     source: str = ""
 
     def divisions_for(self, size: int) -> int:
-        """The roundup divisions that apply to ``size`` (the interval of its power of two)."""
+        """The roundup divisions that apply to ``size`` (the interval of its power of two). Runtime
+        complexity: O(1)."""
         index = max(0, size.bit_length() - 1 - ROUNDUP_FIRST_LOG2)
         return self.roundup_power2_divisions[min(index, ROUNDUP_INTERVALS - 1)]
 
     def to_string(self) -> str:
-        """A configuration string that parses back to this configuration."""
+        """A configuration string that parses back to this configuration. Runtime complexity: O(1)
+        (a fixed number of options and roundup intervals, plus the inert ones)."""
         parts = []
         if self.max_split_size != UNLIMITED:
             parts.append(f"max_split_size_mb:{self.max_split_size // MiB}")
@@ -206,6 +208,7 @@ def parse_alloc_conf(text: str | None) -> PyTorchAllocConfig:
     """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` string (``None`` or ``""``: PyTorch's defaults).
 
     Raises :class:`~vmstoolkit.errors.ConfigError` naming the unknown key or the bad value.
+    Runtime complexity: O(len(text)).
     """
     cfg = PyTorchAllocConfig(source=text or "")
     if not text:
@@ -274,7 +277,8 @@ def parse_alloc_conf(text: str | None) -> PyTorchAllocConfig:
 
 
 def as_config(config: str | PyTorchAllocConfig | None) -> PyTorchAllocConfig:
-    """A :class:`PyTorchAllocConfig` from a string, a config, or ``None`` (defaults)."""
+    """A :class:`PyTorchAllocConfig` from a string, a config, or ``None`` (defaults). Runtime
+    complexity: O(1) for a config, :func:`parse_alloc_conf`'s for a string."""
     if isinstance(config, PyTorchAllocConfig):
         return config
     return parse_alloc_conf(config)

@@ -22,6 +22,9 @@ def make_driver(kind: str = "sim", *, capacity: int | str | None = None, device:
     ``capacity`` bounds the simulated device (default 141 GiB, an H200); the real driver
     ignores it, and grants ``peers`` (other devices) access to its mappings. A missing GPU
     raises :class:`~vmstoolkit.errors.NoGPUError`.
+
+    Cost: O(1); the simulated drivers make no driver call, the real one a few (``cuInit``,
+    ``cuDevicePrimaryCtxRetain``, ``cuMemGetAllocationGranularity``, ``cuMemGetInfo``...), none waits.
     """
     if kind == "sim":
         from vmstoolkit.pools.drivers.compiled import CompiledSimulatedDriver

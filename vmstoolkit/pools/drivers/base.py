@@ -74,12 +74,13 @@ class VMMDriver(ABC):
     @property
     @abstractmethod
     def granularity(self) -> int:
-        """Minimum (and recommended) granularity of physical allocations, in bytes."""
+        """Minimum (and recommended) granularity of physical allocations, in bytes. Cost: O(1); no
+        driver call (the real driver asks once, when made)."""
 
     @property
     @abstractmethod
     def capacity(self) -> int:
-        """Total physical bytes of the device."""
+        """Total physical bytes of the device. Cost: O(1); no driver call (asked once, when made)."""
 
     # -- the template ----------------------------------------------------------------------
     def _count(self, op: str) -> None:
@@ -96,7 +97,9 @@ class VMMDriver(ABC):
             self.peak_physical_bytes = self.physical_bytes
 
     def create(self, size: int) -> Handle:
-        """Allocate ``size`` bytes of physical memory (a multiple of :attr:`granularity`)."""
+        """Allocate ``size`` bytes of physical memory (a multiple of :attr:`granularity`).
+        Cost: O(1); one driver call (``cuMemCreate``), and on the real driver a ``cuMemGetInfo``
+        too when it raises ``peak_physical_bytes``."""
         if size <= 0 or size % self.granularity:
             raise InvalidSizeError(f"physical allocation size {size} is not a positive multiple of the granularity {self.granularity}")
         self._count("create")
@@ -107,7 +110,7 @@ class VMMDriver(ABC):
 
     def release(self, handle: Handle) -> None:
         """``cuMemRelease``: give back ``handle``'s physical memory (kept by CUDA until its last mapping is
-        unmapped); counted, and ``physical_bytes`` lowered. One driver call."""
+        unmapped); counted, and ``physical_bytes`` lowered. Cost: O(1); one driver call."""
         self._count("release")
         self._release(handle)
         self.physical_bytes -= self._handle_sizes.pop(handle)
@@ -115,7 +118,8 @@ class VMMDriver(ABC):
     def reserve(self, size: int, alignment: int = 0) -> int:
         """``cuMemAddressReserve``: a virtual range of ``size`` bytes (a positive multiple of the
         granularity, else :class:`~vmstoolkit.errors.InvalidSizeError`), aligned to ``alignment`` (0:
-        the granularity); returns its address. One driver call."""
+        the granularity); returns its address. Cost: O(1) here (the simulated driver: O(log r) in
+        live reservations r); one driver call."""
         if size <= 0 or size % self.granularity:
             raise InvalidSizeError(f"virtual range size {size} is not a positive multiple of the granularity {self.granularity}")
         self._count("reserve")
@@ -123,13 +127,15 @@ class VMMDriver(ABC):
 
     def free_address(self, va: int, size: int) -> None:
         """``cuMemAddressFree``: give back the virtual range of ``size`` bytes at ``va`` (nothing may be
-        mapped in it). One driver call."""
+        mapped in it). Cost: O(1) here (the simulated driver: O(log r + log m) in reservations r and
+        mappings m, to check it); one driver call."""
         self._count("free_address")
         self._free_address(va, size)
 
     def map(self, va: int, size: int, handle: Handle, offset: int = 0) -> None:
         """``cuMemMap``: map ``size`` bytes of ``handle``, from ``offset``, at ``va`` inside a reservation.
-        One driver call."""
+        Cost: O(1) here (the simulated driver: O(log m) in live mappings m, to find overlaps); one
+        driver call."""
         self._count("map")
         self._map(va, size, handle, offset)
 
@@ -163,20 +169,24 @@ class VMMDriver(ABC):
             tx.undo("unmap", va + i * size, size)
 
     def unmap(self, va: int, size: int) -> None:
-        """``cuMemUnmap``: unmap the whole mapping(s) covering ``size`` bytes at ``va``. One driver call."""
+        """``cuMemUnmap``: unmap the whole mapping(s) covering ``size`` bytes at ``va``. Cost: O(1)
+        here (the simulated driver: O(q + k log m) for k mappings covered, q pieces of queued work,
+        m live mappings); one driver call."""
         self._count("unmap")
         self._unmap(va, size)
 
     def set_access(self, va: int, size: int) -> None:
         """``cuMemSetAccess``: make ``size`` mapped bytes at ``va`` readable and writable from the
-        device (and the peers the driver was made with). One driver call."""
+        device (and the peers the driver was made with). Cost: O(1) here (the simulated driver:
+        O(k + log m) for k mappings covered); one driver call, however many mappings it covers."""
         self._count("set_access")
         self._set_access(va, size)
 
     def mem_alloc(self, size: int) -> int:
         """``cuMemAlloc`` (what ``cudaMalloc`` does), for the non-VMM baselines: ``size`` bytes (positive,
         else :class:`~vmstoolkit.errors.InvalidSizeError`); returns the address, counted in
-        ``physical_bytes``. One driver call."""
+        ``physical_bytes``. Cost: O(1) (the simulated driver: O(log a) in plain allocations a); one
+        driver call, and on the real driver a ``cuMemGetInfo`` too when it raises the peak."""
         if size <= 0:
             raise InvalidSizeError(f"allocation size must be positive, got {size}")
         self._count("mem_alloc")
@@ -186,20 +196,23 @@ class VMMDriver(ABC):
         return ptr
 
     def mem_free(self, ptr: int) -> None:
-        """``cuMemFree`` of an address :meth:`mem_alloc` returned; ``physical_bytes`` lowered. One driver
-        call."""
+        """``cuMemFree`` of an address :meth:`mem_alloc` returned; ``physical_bytes`` lowered. Cost:
+        O(1) (the simulated driver: O(log a)); one driver call, which on a real device may wait for
+        queued work as ``cudaFree`` does."""
         self._count("mem_free")
         self._mem_free(ptr)
         self.physical_bytes -= self._alloc_sizes.pop(ptr)
 
     def memset(self, va: int, size: int, value: int = 0) -> None:
         """``cuMemsetD8``: set ``size`` bytes at ``va`` to ``value`` (the range must be mapped and
-        accessible). One driver call."""
+        accessible). Cost: O(1) here (the simulated driver: O(log a + k + log m) to check the range);
+        one driver call, queued on the default stream."""
         self._count("memset")
         self._memset(va, size, value)
 
     def mem_info(self) -> tuple[int, int]:
-        """(free, total) bytes of device memory as the device reports them."""
+        """(free, total) bytes of device memory as the device reports them. Cost: O(1); one driver
+        call (``cuMemGetInfo``), not counted in :attr:`calls`."""
         return self._mem_info()
 
     def reset_peak(self) -> None:
@@ -208,41 +221,51 @@ class VMMDriver(ABC):
 
     def replay_extra(self) -> dict:
         """What the device itself says about a replay run on it, for ``ReplayResult.extra``
-        (the real driver: memory in use at the peak and the device's name); nothing by default."""
+        (the real driver: memory in use at the peak and the device's name); nothing by default.
+        Cost: O(1); no driver call here (the real driver: one ``cuDeviceGetName``)."""
         return {}
 
     def live_handles(self) -> set[Handle]:
-        """Every physical handle alive now (only where :attr:`lists_resources`)."""
+        """Every physical handle alive now (only where :attr:`lists_resources`). Cost: O(live
+        handles) where supported; no driver call."""
         raise NotImplementedError(f"the {self.name} driver cannot list its handles (lists_resources is False)")
 
     def live_mappings(self) -> dict[int, tuple[int, Handle]]:
-        """Every mapping alive now, ``va -> (size, handle)`` (only where :attr:`lists_resources`)."""
+        """Every mapping alive now, ``va -> (size, handle)`` (only where :attr:`lists_resources`).
+        Cost: O(live mappings) where supported; no driver call."""
         raise NotImplementedError(f"the {self.name} driver cannot list its mappings (lists_resources is False)")
 
     def live_reservations(self) -> dict[int, int]:
-        """Every reserved virtual range alive now, ``va -> size`` (only where :attr:`lists_resources`)."""
+        """Every reserved virtual range alive now, ``va -> size`` (only where :attr:`lists_resources`).
+        Cost: O(live reservations) where supported; no driver call."""
         raise NotImplementedError(f"the {self.name} driver cannot list its reservations (lists_resources is False)")
 
     def synchronize(self) -> None:
-        """Wait for outstanding device work (no-op where there is none)."""
+        """Wait for outstanding device work (no-op where there is none). Cost: O(1) here; the real
+        driver makes one ``cuCtxSynchronize``, which blocks the host until the device is idle."""
 
     # -- streams and events ----------------------------------------------------------------
     def record_event(self, stream: int) -> int:
-        """An event that completes once the work queued on ``stream`` so far has finished."""
+        """An event that completes once the work queued on ``stream`` so far has finished. Cost:
+        O(1); the real driver makes one ``cuEventRecord`` (and a ``cuEventCreate`` when no spare
+        event is left); the host never waits."""
         self.calls["record_event"] += 1
         return self._record_event(stream)
 
     def event_done(self, event: int) -> bool:
-        """Whether the work before ``event`` has finished (never blocks)."""
+        """Whether the work before ``event`` has finished (never blocks). Cost: O(1) here (the
+        simulated driver: O(q) in pieces of queued work); the real driver makes one ``cuEventQuery``."""
         return self._event_done(event)
 
     def stream_wait(self, stream: int, event: int) -> None:
-        """Make every later piece of work on ``stream`` wait for ``event`` (the host never waits)."""
+        """Make every later piece of work on ``stream`` wait for ``event`` (the host never waits).
+        Cost: O(1); the real driver makes one ``cuStreamWaitEvent``."""
         self.calls["stream_wait"] += 1
         self._stream_wait(stream, event)
 
     def release_event(self, event: int) -> None:
-        """Give ``event`` back (it may still be waited on by queued work)."""
+        """Give ``event`` back (it may still be waited on by queued work). Cost: O(1); no driver call
+        (the real driver keeps the event for reuse)."""
         self._release_event(event)
 
     def _record_event(self, stream: int) -> int:
@@ -260,11 +283,14 @@ class VMMDriver(ABC):
     def bound(self):
         """A context manager: the driver's context is current on the calling thread inside it
         (every call binds it anyway; binding once around many calls saves the checks). The
-        simulated driver has no contexts."""
+        simulated driver has no contexts. Cost: O(1); entering it on the real driver makes one
+        ``cuCtxGetCurrent``, plus a ``cuCtxPushCurrent``/``cuCtxPopCurrent`` pair when another
+        context is current (nested entries make none)."""
         return _UNBOUND
 
     def close(self) -> None:
-        """Give back driver resources (contexts); allocations must be released first."""
+        """Give back driver resources (contexts); allocations must be released first. Cost: O(1); the
+        real driver makes one ``cuDevicePrimaryCtxRelease``."""
 
     # -- what implementations provide ------------------------------------------------------
     @abstractmethod

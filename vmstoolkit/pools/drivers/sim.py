@@ -79,13 +79,13 @@ class SimulatedDriver(VMMDriver):
     # -- configuration ---------------------------------------------------------------------
     @property
     def granularity(self) -> int:
-        """The simulated granularity in bytes (2 MiB unless made otherwise)."""
+        """The simulated granularity in bytes (2 MiB unless made otherwise). Cost: O(1)."""
         return self._granularity
 
     @property
     def capacity(self) -> int:
         """The simulated device's physical memory in bytes; :meth:`create` and :meth:`mem_alloc` past it
-        fail with ``CUDA_ERROR_OUT_OF_MEMORY``."""
+        fail with ``CUDA_ERROR_OUT_OF_MEMORY``. Cost: O(1)."""
         return self._capacity
 
     def fail_on(self, op: str, n: int, result: str | None = None) -> None:
@@ -94,6 +94,8 @@ class SimulatedDriver(VMMDriver):
 
         ``result`` names the CUresult; the default is ``CUDA_ERROR_OUT_OF_MEMORY`` for
         ``create``/``mem_alloc``/``reserve`` and ``CUDA_ERROR_UNKNOWN`` otherwise.
+
+        Cost: O(1); every later driver call checks its faults in O(1).
         """
         if op not in OPERATIONS:
             raise ConfigError(f"unknown driver operation {op!r}; one of {', '.join(OPERATIONS)}")
@@ -276,7 +278,8 @@ class SimulatedDriver(VMMDriver):
         return self._capacity - self._in_use(), self._capacity
 
     def synchronize(self) -> None:
-        """Waits for the queued work (:meth:`enqueue_use`); counted, since a sync stalls a real device."""
+        """Waits for the queued work (:meth:`enqueue_use`); counted, since a sync stalls a real device.
+        Cost: O(q) in pieces of queued work."""
         self.syncs += 1
         self._queued.clear()
 
@@ -289,7 +292,10 @@ class SimulatedDriver(VMMDriver):
         The physical bytes behind the range are checked against the queued work of every other
         stream: touching bytes that such work still uses, with no :meth:`stream_wait` ordering
         this stream after it, is a race (the stream-ordered reuse contract broken); it is
-        recorded in :attr:`races` and raised as ``CUDA_ERROR_ILLEGAL_ADDRESS``."""
+        recorded in :attr:`races` and raised as ``CUDA_ERROR_ILLEGAL_ADDRESS``.
+
+        Cost: O(log m + k + q * k * p) for k mappings under the range, q pieces of queued work
+        and p physical pieces each (the pairwise overlap test)."""
         phys = self._physical(va, size)
         for qva, qsize, qstream, qseq, qphys in self._queued:
             if qstream == stream or self._ordered.get((stream, qstream), -1) >= qseq:
@@ -303,7 +309,8 @@ class SimulatedDriver(VMMDriver):
         self._queued.append((va, size, stream, self._seq, phys))
 
     def finish(self, stream: int | None = None) -> None:
-        """The queued work of ``stream`` (every stream: None) has finished."""
+        """The queued work of ``stream`` (every stream: None) has finished. Cost: O(q) in pieces of
+        queued work."""
         self._queued = [q for q in self._queued if stream is not None and q[2] != stream]
 
     def _physical(self, va: int, size: int) -> list[tuple[object, int, int]]:
@@ -338,11 +345,11 @@ class SimulatedDriver(VMMDriver):
 
     # -- introspection (tests, invariants, leak checks) -----------------------------------
     def aliases(self, handle: Handle) -> int:
-        """In how many virtual places ``handle`` is mapped now."""
+        """In how many virtual places ``handle`` is mapped now. Cost: O(1)."""
         return len(self._handle_maps.get(handle, ()))
 
     def live_handles(self) -> set[Handle]:
-        """Handles created and not yet released."""
+        """Handles created and not yet released. Cost: O(h) in handles not yet freed."""
         return set(self._handle_maps) - self._released
 
     def live_reservations(self) -> dict[int, int]:
@@ -350,7 +357,7 @@ class SimulatedDriver(VMMDriver):
         return dict(self._reservations)
 
     def live_mappings(self) -> dict[int, tuple[int, Handle]]:
-        """va -> (size, handle) of every mapping."""
+        """va -> (size, handle) of every mapping (a new dict). Cost: O(m) in live mappings."""
         return {va: (m.size, m.handle) for va, m in self._mappings.items()}
 
     def live_allocs(self) -> dict[int, int]:
@@ -358,7 +365,7 @@ class SimulatedDriver(VMMDriver):
         return dict(self._allocs)
 
     def is_empty(self) -> bool:
-        """True when nothing is created, reserved, mapped or allocated: nothing leaked."""
+        """True when nothing is created, reserved, mapped or allocated: nothing leaked. Cost: O(1)."""
         return not (self._handle_maps or self._reservations or self._mappings or self._allocs)
 
     def leak_report(self) -> str:

@@ -6,7 +6,8 @@ from vmstoolkit.errors import ConfigError
 
 
 def unmap_range_steps(va: int, size: int, handle: int) -> list[tuple[str, int, int]]:
-    """The teardown of :func:`map_new_range`, as :class:`Graveyard` steps."""
+    """The teardown of :func:`map_new_range`, as :class:`Graveyard` steps. Cost: O(1); no driver
+    call (running them makes three, after one synchronize)."""
     return [("unmap", va, size), ("release", handle, size), ("free_address", va, size)]
 
 
@@ -38,7 +39,8 @@ class Graveyard:
         """Run teardown ``steps`` (``(op, a, b)``: ``unmap``, ``release``, ``free_address``, ``mem_free``)
         in order, after one device synchronize when any unmaps (queued work may still touch the range);
         the failed step and those after it are kept in ``pending`` for :meth:`retry`, and the error
-        raised. One driver call per step, plus the synchronize."""
+        raised. Cost: O(s) for s steps; one driver call per step, plus one synchronize (which blocks
+        the host on a real device) when any step unmaps."""
         if any(op == "unmap" for op, _, _ in steps):
             # No GPU work may still touch a range we unmap: a kernel or memset queued on memory
             # the program already freed would fault (CUDA_ERROR_ILLEGAL_ADDRESS, seen on the
@@ -69,21 +71,25 @@ class Graveyard:
             raise ConfigError(f"unknown teardown step {op!r} (unmap, release, free_address or mem_free)")
 
     def defer(self, steps: list[tuple[str, int, int]]) -> None:
-        """Keep a teardown for the next :meth:`flush` (run at once past ``DEFER_LIMIT``)."""
+        """Keep a teardown for the next :meth:`flush` (run at once past ``DEFER_LIMIT``). Cost:
+        amortized O(s) for s steps and no driver call, but every ``DEFER_LIMIT``-th call pays the
+        flush: one driver call per deferred step and one synchronize."""
         self.deferred.extend(steps)
         self._deferred_count += 1
         if self._deferred_count >= self.DEFER_LIMIT:
             self.flush()
 
     def flush(self) -> None:
-        """Run every deferred teardown, behind one synchronization."""
+        """Run every deferred teardown, behind one synchronization. Cost: O(d) for d deferred steps;
+        d driver calls and one synchronize (none when nothing is deferred)."""
         if self.deferred:
             steps, self.deferred, self._deferred_count = self.deferred, [], 0
             self.run(steps)
 
     def retry(self) -> None:
         """Run the pending steps again, in order, then the deferred ones; stops (and raises) at
-        the first failure."""
+        the first failure. Cost: O(p + d) for p pending and d deferred steps; one driver call per
+        step and up to two synchronizes (one per batch that unmaps)."""
         steps, self.pending = self.pending, []
         self.run(steps)
         self.flush()
@@ -97,7 +103,8 @@ class Graveyard:
         return {a for op, a, _ in self._held() if op == "release"}
 
     def held_bytes(self) -> int:
-        """Physical bytes still waiting to be given back (handles to release, plain frees)."""
+        """Physical bytes still waiting to be given back (handles to release, plain frees).
+        Cost: O(held steps); no driver call."""
         return sum(b for op, _, b in self._held() if op in ("release", "mem_free"))
 
     def mappings(self) -> int:

@@ -38,14 +38,16 @@ class Transaction:
         self._undo.append(undo)
 
     def undo(self, op: str, a: int, b: int) -> None:
-        """Register a teardown step (``unmap``, ``release``, ``free_address``) as an undo."""
+        """Register a teardown step (``unmap``, ``release``, ``free_address``) as an undo. Cost: O(1)
+        amortized; no driver call."""
         if self._graveyard is None:
             raise ConfigError(f"teardown-step undo {op!r} needs a transaction made with a graveyard")
         self._undo.append((op, a, b))
 
     def undo_steps(self, steps: list) -> None:
         """Register teardown steps ``(op, a, b)`` at once, in order, as :meth:`undo` each would
-        (the driver's batched calls: :meth:`~vmstoolkit.pools.drivers.base.VMMDriver.create_mapped`)."""
+        (the driver's batched calls: :meth:`~vmstoolkit.pools.drivers.base.VMMDriver.create_mapped`).
+        Cost: O(len(steps)); no driver call."""
         if self._graveyard is None:
             raise ConfigError("teardown-step undos need a transaction made with a graveyard")
         self._undo.extend(steps)
@@ -57,8 +59,9 @@ class Transaction:
 
     def rollback(self) -> list[BaseException]:
         """Run the undos, newest first, teardown steps through the graveyard (a failed one waits there),
-        callables directly; keeps going past failures and returns their errors. One driver call per
-        teardown step."""
+        callables directly; keeps going past failures and returns their errors. Cost: O(u) for u
+        undos; one driver call per teardown step, and one synchronize per run of consecutive
+        teardown steps that unmaps (:meth:`Graveyard.run <vmstoolkit.pools.drivers.teardown.Graveyard.run>`)."""
         errors = []
         while self._undo:
             undo = self._undo.pop()
@@ -90,7 +93,9 @@ class Transaction:
 
 
 def map_new_range(driver, size: int, graveyard) -> tuple[int, int]:
-    """``(va, handle)`` of ``size`` fresh bytes: create, reserve, map, set access, all or nothing."""
+    """``(va, handle)`` of ``size`` fresh bytes: create, reserve, map, set access, all or nothing.
+    Cost: O(1); four driver calls (``cuMemCreate``, ``cuMemAddressReserve``, ``cuMemMap``,
+    ``cuMemSetAccess``), and on failure the undos of those done, behind one synchronize."""
     with Transaction(graveyard) as tx:
         h = driver.create(size)
         tx.undo("release", h, size)

@@ -111,7 +111,13 @@ def map_block(L, S, h, start, n, bases, DS, DH, DR, DM, g, chunk_tag, nmaps, chu
     chunk beyond the peak could not be made (``w[W_ERROR]``: the driver's code), the block is
     still committed: the caller frees it and raises, as the Python path does; ``DRIVER_ERROR``:
     a driver call that cannot fail without faults failed (a defect; ``w[W_ERROR]``,
-    ``w[W_ERROR_VA]``)."""
+    ``w[W_ERROR_VA]``).
+
+    Runtime complexity: O(pages of the block) plus, on the compiled driver's tables (no Python
+    call), the driver work of :meth:`PagedSlowPath.map_block
+    <vmstoolkit.pools.paged.slow_path.PagedSlowPath.map_block>`: k maps and one set access per run
+    of consecutive pages, a create per chunk made and, for a reclaim, one (counted) synchronize
+    and an unmap per page reclaimed."""
     page = 1 << page_shift
     meta = L[0] if h == 0 else S[0]
     page_chunk = L[12] if h == 0 else S[12]
@@ -201,7 +207,9 @@ class CompiledDriverWork:
                      np.zeros((1, 5), np.int64))
 
     def before(self) -> tuple:
-        """``(drv, DS, DH, DR, DM)`` for the next ``run_events`` call (``drv`` 0: the Python path maps)."""
+        """``(drv, DS, DH, DR, DM)`` for the next ``run_events`` call (``drv`` 0: the Python path maps).
+        Runtime complexity: O(chunks made since the last call), O(chunks) when the handle table is
+        copied whole, plus a driver table's copy when it grows (``compiled_tables``)."""
         a = self.a
         self.w[:] = 0
         self.w[W_PHYS] = a.driver.physical_bytes
@@ -227,7 +235,8 @@ class CompiledDriverWork:
 
     def after(self) -> tuple[int, int]:
         """Hand the driver calls and counts of the last compiled call back to the driver and the
-        allocator; the driver error it stopped on, ``(code, address)`` (code 0: none)."""
+        allocator; the driver error it stopped on, ``(code, address)`` (code 0: none). Runtime
+        complexity: O(chunks the compiled call made); no driver call."""
         if not self.active:
             return 0, 0
         a, w = self.a, self.w

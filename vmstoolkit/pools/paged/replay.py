@@ -124,7 +124,10 @@ def run_events(is_alloc, size, stream, match, pre_first, rec_ptr, rec_size, rec_
     the heap, start unit and streams to wait for of an ``ORDER``, the heap, start unit and
     pages needed of a ``MAP_FAILED``. With ``drv`` 1, blocks that need pages are mapped here
     (:func:`~vmstoolkit.pools.paged.driver_work.map_block`, on the driver's tables ``DS``,
-    ``DH``, ``DR``, ``DM``); ``w[W_PHYS]``: the physical bytes for the timeline."""
+    ``DH``, ``DR``, ``DM``); ``w[W_PHYS]``: the physical bytes for the timeline.
+
+    Runtime complexity: O(pages of each block + the fit) per event (the heap's ``heap_alloc`` and
+    ``heap_free``), compiled, plus the driver work of the blocks mapped here; no Python call."""
     while i < end:
         if is_alloc[i]:
             if resume_ptr >= 0:
@@ -232,7 +235,9 @@ def run_events(is_alloc, size, stream, match, pre_first, rec_ptr, rec_size, rec_
 
 def replay_paged(a, ev: ReplayArrays) -> CompiledReplay:
     """Replay ``ev`` through the ``paged`` allocator ``a`` (its ``compiled_replay``), holding its
-    slow-path lock throughout (the heap changes outside its methods)."""
+    slow-path lock throughout (the heap changes outside its methods). Runtime complexity: O(E
+    log(E)) for E events (matching frees: one sort), then :func:`run_events`' per event, plus a
+    return to Python, with its driver calls, for each event the compiled loop cannot serve."""
     with a.slow_lock:
         return _replay(a, ev)
 

@@ -23,7 +23,9 @@ class PagedSlowPath:
 
 
     def reserve_ranges(self) -> None:
-        """Reserve both heaps' virtual ranges (once; both or neither)."""
+        """Reserve both heaps' virtual ranges (once; both or neither). Cost: O(1); two
+        ``cuMemAddressReserve`` calls the first time (and a ``cuMemAddressFree`` if the second
+        fails), none after."""
         if self.large.base is not None:
             return
         large = self.driver.reserve(self.large.nbytes)
@@ -41,14 +43,17 @@ class PagedSlowPath:
     def alloc_block(self, size: int, stream: int = 0) -> int:
         """Address of a new block for ``size`` bytes on ``stream``, its pages mapped and the stream
         ordered after any other stream's queued work on its chunks; raises
-        :class:`~vmstoolkit.errors.OutOfMemoryError` (nothing changed) when it cannot."""
+        :class:`~vmstoolkit.errors.OutOfMemoryError` (nothing changed) when it cannot. Cost:
+        :meth:`place_block`'s then :meth:`finish_block`'s."""
         with self.slow_lock:
             heap, start, missing = self.place_block(size)
             return self.finish_block(heap, start, size, missing, stream)
 
     def place_block(self, size: int) -> tuple[H.Heap, int, int]:
         """Commit a block for ``size`` bytes in the heaps (no driver work but reserving the
-        ranges at first use): ``(heap, start unit, pages it still needs chunks for)``."""
+        ranges at first use): ``(heap, start unit, pages it still needs chunks for)``. Cost: O(pages
+        of the block) plus the fit (``heap_alloc``), O(records) more when the block records grow;
+        no driver call but the first use's reserves and the repair of stuck pages (one unmap each)."""
         with self.slow_lock:
             self._repair()
             if size > self.large.nbytes:  # sizes the heap cannot represent: an OOM, never a wrapped size
@@ -79,7 +84,9 @@ class PagedSlowPath:
         """The driver work of the block :meth:`place_block` committed at unit ``start`` (map the
         ``missing`` pages, order ``stream`` after other streams' work on its chunks); its address.
         Raises :class:`~vmstoolkit.errors.OutOfMemoryError` with the block freed again. Also the
-        slow step of the compiled replay (:mod:`vmstoolkit.pools.paged.replay`)."""
+        slow step of the compiled replay (:mod:`vmstoolkit.pools.paged.replay`). Cost: O(pages of
+        the block) and no driver call when every page has its chunk (plus :meth:`order_after`'s
+        event calls); :meth:`map_block`'s otherwise."""
         with self.slow_lock:
             n = -(-size // (1 << heap.unit_shift))
             if missing:
@@ -102,7 +109,8 @@ class PagedSlowPath:
 
     def free_block(self, addr: int, bits: int = 1) -> bool:
         """Free the live block that starts at ``addr`` (its chunks tagged with the streams
-        ``bits``); False, nothing changed, if no live block starts exactly there."""
+        ``bits``); False, nothing changed, if no live block starts exactly there. Cost: O(pages of
+        the block) (``heap_free``; merging with both neighbours is O(1)); no driver call."""
         with self.slow_lock:
             heap, start = self._locate(addr)
             return heap is not None and H.heap_free(*heap.arrays(), self.g, start, bits) > 0
@@ -121,7 +129,8 @@ class PagedSlowPath:
     def free_untracked(self) -> int:
         """Free every live block that ``alloc_block``'s callers still hold (the compiled hook's,
         which the Python bookkeeping never sees); returns how many. Before ``close`` when the
-        hook's user is gone: closing then unmaps and releases everything."""
+        hook's user is gone: closing then unmaps and releases everything. Cost: O(blocks) plus the
+        pages of the blocks freed; no driver call."""
         n = 0
         with self.slow_lock:
             for heap in (self.large, self.small):
@@ -141,7 +150,7 @@ class PagedSlowPath:
 
     def slot_bit(self, stream: int) -> int:
         """The stream's bit in chunk tags (slots are handed out in order of first use; streams
-        past the 62nd share bit 62, which waits for the whole device)."""
+        past the 62nd share bit 62, which waits for the whole device). Cost: O(1); no driver call."""
         slot = self._slot.get(stream)
         if slot is None:
             k = int(self.g[G_NSLOTS])
@@ -154,7 +163,8 @@ class PagedSlowPath:
 
     def order_after(self, heap: H.Heap, start: int, n: int, stream: int) -> None:
         """Make ``stream`` wait for every other stream whose queued work may use the chunks of
-        the block at unit ``start`` (see :func:`~vmstoolkit.pools.paged.heap.take_tags`)."""
+        the block at unit ``start`` (see :func:`~vmstoolkit.pools.paged.heap.take_tags`). Cost:
+        O(pages of the block) plus :meth:`wait_for`'s when another stream's tag is found."""
         bit = self.slot_bit(stream)
         mine = 0 if bit == OVERFLOW_BIT else bit
         w = int(H.take_tags(heap.meta, heap.page_chunk, heap.page_used, self.chunk_tag, start, n, mine))
@@ -162,7 +172,10 @@ class PagedSlowPath:
             self.wait_for(stream, w)
 
     def wait_for(self, stream: int, mask: int) -> None:
-        """``stream`` waits for the work queued so far on the streams of ``mask``."""
+        """``stream`` waits for the work queued so far on the streams of ``mask``. Cost: O(62) for
+        the slot scan; per stream in ``mask`` one ``record_event``, one ``event_done`` (never
+        blocks) and, unless it is done, one ``stream_wait`` (the host never waits); with the
+        overflow bit instead one ``synchronize``, which blocks the host, and O(chunks) to clear tags."""
         if mask & OVERFLOW_BIT:  # streams without a slot of their own: wait for the whole device
             self.driver.synchronize()
             self._clear_tags()
@@ -184,7 +197,8 @@ class PagedSlowPath:
         self.chunk_tag[:len(self.handles)] = 0
 
     def record_block(self, addr: int, stream: int) -> bool:
-        """Add ``stream`` to the streams of the live block at ``addr`` (False: none starts there)."""
+        """Add ``stream`` to the streams of the live block at ``addr`` (False: none starts there).
+        Cost: O(1); no driver call."""
         with self.slow_lock:
             heap, start = self._locate(addr)
             return heap is not None and bool(H.record_on(heap.meta, heap.b_free, heap.block_at, heap.b_rec, start,
@@ -193,7 +207,11 @@ class PagedSlowPath:
     # -- driver work -----------------------------------------------------------------------
     def map_block(self, heap: H.Heap, start: int, n: int, size: int) -> None:
         """Give the pages of the committed block at unit ``start`` their chunks; on failure the
-        block is freed again and nothing stays mapped for it."""
+        block is freed again and nothing stays mapped for it. Cost: O(pages of the block) plus the
+        driver calls: for k pages without a chunk, k ``cuMemMap`` and one ``cuMemSetAccess`` per run
+        of consecutive pages; one ``cuMemCreate`` per chunk made; pages whose chunk is an alias
+        elsewhere one ``cuMemUnmap`` each after one synchronize; a reclaim (when chunks run short,
+        no aliases) one synchronize and one ``cuMemUnmap`` per page reclaimed."""
         first, last = H.pages_of(heap.meta, start, n)
         need = 0
         try:
@@ -221,7 +239,8 @@ class PagedSlowPath:
     def mapping_failed(self, heap: H.Heap, start: int, size: int, need: int, e: Exception) -> Exception:
         """After :meth:`map_block` (or the compiled replay's, :mod:`~vmstoolkit.pools.paged.driver_work`)
         failed with ``e`` on the block at unit ``start`` that needed ``need`` pages: the block
-        freed again; the error to raise (a driver's out of memory as the allocator's)."""
+        freed again; the error to raise (a driver's out of memory as the allocator's). Cost: O(pages
+        of the block + chunks on the free stack); no driver call."""
         H.settle_stack(self.nmaps, self.chunk_stack, self.g)
         H.heap_free(*heap.arrays(), self.g, start, 0)
         if isinstance(e, DriverOutOfMemoryError):
