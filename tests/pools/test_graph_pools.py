@@ -32,6 +32,23 @@ def test_a_block_freed_inside_a_pool_is_reused_by_that_pool_only(upstream):
     upstream.free(eager)
 
 
+def test_a_pools_freed_block_serves_its_own_stream_only(upstream):
+    """PyTorch's pools key cached blocks by stream: a block freed inside a pool may still be read
+    by work queued on its stream, so another stream's request must not get it (nothing orders the
+    two streams); the same stream's request does."""
+    pools = PrivatePools(upstream)
+    pools.use(G1)
+    s1, s2 = 7, 9
+    x = pools.allocate(G1, 8 * MiB, s1)
+    pools.free(x)
+    y = pools.allocate(G1, 8 * MiB, s2)
+    assert y != x, "a block cached from stream 7 was handed to stream 9"
+    assert pools.allocate(G1, 8 * MiB, s1) == x
+    pools.free(y)
+    assert pools.allocate(G1, 8 * MiB, s2) == y  # and stream 9's block serves stream 9 again
+    pools._check()
+
+
 def test_another_pool_never_gets_a_pools_freed_block(upstream):
     pools = PrivatePools(upstream)
     pools.use(G1)

@@ -109,18 +109,25 @@ class PrivatePools:
         return self._owner.get(addr)
 
     def allocate(self, pool_id, size: int, stream: int = 0) -> int:
-        """A block of at least ``size`` bytes from the pool: a cached one that fits, else upstream's.
-        Runtime complexity: O(log(c)) in the pool's cached blocks c, plus the upstream's allocate on a miss."""
+        """A block of at least ``size`` bytes from the pool: a cached one of ``stream`` that fits,
+        else upstream's. Runtime complexity: O(log(c) + k) in the pool's cached blocks c and the k
+        fitting ones of other streams passed over, plus the upstream's allocate on a miss."""
         pool = self._pool(pool_id)
         if pool.use_count <= 0:
             raise ConfigError(f"private pool {pool.id} was released: nothing may be allocated from it")
+        # the smallest cached block that fits within the slack, among those of the asking stream: a
+        # block freed on another stream may still be read by that stream's queued work (PyTorch's
+        # pools key their blocks by stream too)
         i = pool.cached.bisect_left((size, -1))
-        if i < len(pool.cached):
+        while i < len(pool.cached):
             bsize, addr = pool.cached[i]
-            if bsize - size <= REUSE_SLACK or bsize <= 2 * size:
+            if not (bsize - size <= REUSE_SLACK or bsize <= 2 * size):
+                break
+            if pool.streams[addr] == stream:
                 del pool.cached[i]
                 pool.live[addr] = (size, bsize, pool.streams.pop(addr))
                 return addr
+            i += 1
         addr = self.upstream.allocate(size, stream)
         pool.live[addr] = (size, size, stream)
         self._owner[addr] = pool.id
