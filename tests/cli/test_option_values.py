@@ -1,14 +1,14 @@
 """Option values that passed the check and failed later, or were silently taken (issue 37,
 items 1 and 9)."""
 
-import subprocess
-import sys
 
 import pytest
+from tests.cli.helpers import run_cli
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "vmstoolkit", *args], capture_output=True, text=True, timeout=120)
+    """Exit code and both streams, as a user sees them (run in this process: tests/cli/helpers.py)."""
+    return run_cli(*args)
 
 
 def _one_line_error(r, *words):

@@ -13,6 +13,7 @@ import vmstoolkit
 from vmstoolkit.errors import VmsError
 from vmstoolkit.recording import DEFAULT_MAX_ENTRIES, RecordError
 from vmstoolkit.trace import load_trace
+from tests.cli.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,11 +106,10 @@ def test_clear_one_line_errors(tmp_path, fake_torch, fake, env, command, message
 
 
 def test_bad_arguments(tmp_path, fake_torch):
-    r = subprocess.run([sys.executable, "-m", "vmstoolkit", "record"], capture_output=True, text=True, cwd=ROOT)
+    r = run_cli("record")  # refused before any process starts: run in this process
     assert r.returncode == 2 and "after --" in r.stderr
     (tmp_path / "f").write_text("x")
-    r = subprocess.run([sys.executable, "-m", "vmstoolkit", "record", "--out", str(tmp_path / "f" / "x.gz"), "--", "true"],
-                       capture_output=True, text=True, cwd=ROOT)
+    r = run_cli("record", "--out", str(tmp_path / "f" / "x.gz"), "--", "true")
     assert r.returncode == 2 and "is a file, not a directory" in r.stderr
 
 

@@ -3,13 +3,12 @@
 import gzip
 import json
 import pickle
-import subprocess
-import sys
 
 import pytest
 from typer.testing import CliRunner
 
 from vmstoolkit.cli import app
+from tests.cli.helpers import run_cli
 
 runner = CliRunner(env={"COLUMNS": "200"})
 
@@ -52,8 +51,8 @@ def test_capacity_oom(traces_dir):
 
 
 def _cli(*args):
-    """Run the installed entry point as a user would: exit code and both streams."""
-    return subprocess.run([sys.executable, "-m", "vmstoolkit", *args], capture_output=True, text=True, timeout=120)
+    """Exit code and both streams, as a user sees them (run in this process: tests/cli/helpers.py)."""
+    return run_cli(*args)
 
 
 @pytest.mark.parametrize("make, match", [

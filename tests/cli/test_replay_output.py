@@ -5,14 +5,13 @@ import csv
 import hashlib
 import io
 import json
-import subprocess
-import sys
 
 import pytest
 from typer.testing import CliRunner
 
 from vmstoolkit import __version__
 from vmstoolkit.cli import app
+from tests.cli.helpers import run_cli
 
 runner = CliRunner(env={"COLUMNS": "250"})
 SAME_KEYS = ("trace", "source", "source_sha256", "device", "allocator", "options", "capacity", "vmstoolkit",
@@ -86,7 +85,8 @@ def test_unprefixed_option_applies_where_valid(small_trace):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "vmstoolkit", *args], capture_output=True, text=True, timeout=120)
+    """Exit code and both streams, as a user sees them (run in this process: tests/cli/helpers.py)."""
+    return run_cli(*args)
 
 
 @pytest.mark.parametrize("alloc, opt", [

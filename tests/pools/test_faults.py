@@ -76,10 +76,14 @@ def test_every_nth_call_of_every_operation(name, options, events):
     assert {"create", "reserve", "map", "set_access", "unmap", "release", "free_address"} <= set(ops)
     tried = 0
     for op in ops:
-        # every N up to 20, then 15 spread over the rest, the last call included
+        # every N up to 5, then 15 spread over the rest from 21 on, the last call included. Every N
+        # up to 20 (80 % more replays) failed at no code path that these miss: counted as distinct
+        # stacks of vmstoolkit frames at the injected raise, per case, 14 (vms), 14 (gmlake),
+        # 10 (native), 8 (each paged) either way. The rare ones (vms's small pool creating its
+        # chunk: create and map #1429 of 1941; the last release) lie in the spread or at the end.
         last = reached[op]
         step = max(1, (last - 20) // 15)
-        ns = sorted(set(range(1, min(last, 20) + 1)) | set(range(21, last + 1, step)) | {last})
+        ns = sorted(set(range(1, min(last, 5) + 1)) | set(range(21, last + 1, step)) | {last})
         for n in ns:
             d = SimulatedDriver(capacity=CAPACITY)
             d.fail_on(op, n)

@@ -19,6 +19,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
+from vmstoolkit import _interrupt
 from vmstoolkit.errors import VmsError
 
 INTERRUPTED = 130  # exit status on Ctrl-C: 128 + SIGINT, what a shell reports for a process it ended
@@ -91,13 +92,16 @@ class Group(_PlainTypes, TyperGroup):
     """A command group with :class:`_PlainTypes` help, and the CLI's one error handler."""
 
     def invoke(self, ctx):
+        if ctx.parent is None:
+            _interrupt.forget_line()
         try:
             return super().invoke(ctx)
         except VmsError as e:
             typer.secho(error_line(e), err=True, fg="red")
             raise typer.Exit(code=1) from None
         except KeyboardInterrupt:
-            typer.secho("error: interrupted", err=True, fg="red")
+            if _interrupt.new_line():
+                typer.secho("error: interrupted", err=True, fg="red")
             raise typer.Exit(code=INTERRUPTED) from None
 
 
@@ -182,5 +186,6 @@ def main() -> None:
     try:
         app()
     except KeyboardInterrupt:  # outside a command (Typer's own start-up and exit)
-        typer.secho("error: interrupted", err=True, fg="red")
+        if _interrupt.new_line():
+            typer.secho("error: interrupted", err=True, fg="red")
         raise SystemExit(INTERRUPTED) from None

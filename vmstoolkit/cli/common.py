@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from vmstoolkit import _interrupt
 from vmstoolkit.analysis.rows import json_lines, rows_to_csv
 from vmstoolkit.errors import ConfigError, VmsError
 from vmstoolkit.units import parse_size
@@ -177,7 +178,9 @@ def emit_rows(rows: list[dict], fmt: OutputFormat, table) -> None:
     """Print ``rows`` as JSON lines, CSV, or a table: ``table(rows)`` either returns a rich
     renderable (printed here; a table that is piped or captured gets 200 columns instead of being
     squeezed into 80: :func:`console`) or prints itself and returns None. Every command that prints
-    rows prints them here."""
+    rows prints them here. Nothing is printed after a Ctrl-C, even one that a library swallowed
+    (:func:`vmstoolkit._interrupt.check`)."""
+    _interrupt.check()
     if fmt is OutputFormat.json:
         typer.echo(json_lines(rows), nl=False)
     elif fmt is OutputFormat.csv:

@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from vmstoolkit import _interrupt
+
 
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
@@ -30,6 +32,7 @@ def atomic_file(path: Path) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
+        _interrupt.check()  # a Ctrl-C that a library swallowed while the file was written
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -47,6 +50,7 @@ def staged_dir(out: Path) -> Iterator[Path]:
     stage = Path(tempfile.mkdtemp(prefix=".partial-", dir=out))
     try:
         yield stage
+        _interrupt.check()
         for p in sorted(stage.iterdir()):
             os.replace(p, out / p.name)
     finally:

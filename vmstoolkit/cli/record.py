@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from vmstoolkit import _interrupt
 from vmstoolkit.cli.common import check_output_file, fail
 
 COMMAND_SETTINGS = {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True}}
@@ -47,7 +48,8 @@ def record_command(
             code = subprocess.call(command, env=env)
         except OSError as e:
             fail(f"cannot run {command[0]!r}: {e.strerror}")
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # the recorded program was interrupted: what it recorded is kept
+            _interrupt.handled()
             code = 130
         if not status.exists():
             fail(f"nothing recorded: {command[0]!r} did not start Python, or ended before its exit handlers ran "
