@@ -172,6 +172,17 @@ def test_a_free_is_logged_on_the_allocations_stream_and_an_oom_is_logged():
     assert log.snapshot()["device_traces"][0] == []
 
 
+def test_the_adaptors_snapshot_has_a_segment_per_live_allocation(tmp_path):
+    """``snapshot()`` / ``dump_snapshot()`` of the adaptor itself (not only through the PyTorch
+    handle) list the live allocations as PyTorch's segments, with their stream and device."""
+    a = SnapshotLoggingAdaptor(make_allocator("vms", capacity=64 * MiB), device=1)
+    p, q = a.allocate(3 * MiB, 7), a.allocate(MiB, 0)
+    a.free(q)
+    segs = a.snapshot()["segments"]
+    assert [(s["address"], s["total_size"], s["stream"], s["device"]) for s in segs] == [(p, 3 * MiB, 7, 1)]
+    assert load_trace(a.dump_snapshot(tmp_path / "s.pickle")).events
+
+
 def test_the_log_keeps_the_first_entries():
     log = SnapshotLog(max_entries=2)
     a = SnapshotLoggingAdaptor(make_allocator("native"), log)

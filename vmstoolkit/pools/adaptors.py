@@ -641,15 +641,21 @@ class SnapshotLoggingAdaptor(AllocatorAdaptor):
         own = self._streams.pop(addr, None)
         self.log.record("free_completed", self.device, addr, size, own if own is not None else (stream or 0))
 
+    def live_blocks(self) -> list[tuple]:
+        """``(address, size, device, stream, pool id)`` of every live allocation made through this
+        adaptor, as :meth:`SnapshotLog.snapshot` takes them. Runtime complexity: O(live)."""
+        return [(addr, size, self.device, self._streams[addr], (0, 0))
+                for addr, size in self.upstream.live_allocations().items() if addr in self._streams]
+
     def snapshot(self) -> dict:
-        """The log in PyTorch's ``_snapshot()`` format (:meth:`SnapshotLog.snapshot`). Runtime complexity:
-        O(events + live allocations)."""
-        return self.log.snapshot()
+        """The log in PyTorch's ``_snapshot()`` format (:meth:`SnapshotLog.snapshot`), with a segment
+        per live allocation. Runtime complexity: O(events + L log L) for L live allocations."""
+        return self.log.snapshot(self.live_blocks())
 
     def dump_snapshot(self, path: str | Path) -> Path:
-        """Write the log as a ``_dump_snapshot`` pickle at ``path`` (:meth:`SnapshotLog.dump`); returns the
-        path. Runtime complexity: O(events + live allocations) and the write."""
-        return self.log.dump(path)
+        """Write the log as a ``_dump_snapshot`` pickle at ``path`` (:meth:`SnapshotLog.dump`), with the
+        live allocations' segments; returns the path. Runtime complexity: :meth:`snapshot`'s and the write."""
+        return self.log.dump(path, self.live_blocks())
 
 
 __all__ = ["AllocatorAdaptor", "BLOCK_KEYS", "FRAME_KEYS", "LimitingAdaptor", "SEGMENT_KEYS", "SMALL_POOL_MAX",
