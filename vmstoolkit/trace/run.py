@@ -5,6 +5,7 @@ Kept free of printing so worker processes and the CLI share it.
 
 from __future__ import annotations
 
+from contextlib import suppress
 from pathlib import Path
 from typing import Callable
 
@@ -37,12 +38,25 @@ def replay_trace(
     driver = make_driver(device, capacity=capacity)
     alloc = make_allocator(allocator, driver, **opts)
     total = len(trace.alloc_free_events())
+    interrupted = False
     try:
         result = replay(trace, alloc, touch=touch, timeline=timeline,
                         progress=(lambda done: progress(done, total)) if progress else None)
+    except KeyboardInterrupt:
+        # Ctrl-C can land between two updates of the allocator's bookkeeping: a close of that
+        # half-made state may fail, and its error must not replace the interrupt
+        interrupted = True
+        with suppress(Exception):
+            alloc.close()
+        with suppress(Exception):
+            driver.close()
+        raise
     finally:
-        alloc.close()
-        driver.close()
+        if not interrupted:
+            try:
+                alloc.close()
+            finally:
+                driver.close()
     result.settings_applied = applied
     result.extra.update(driver.replay_extra())
     if alloc.counts:  # how the allocator's paths served the requests (allocators with several)
