@@ -209,3 +209,52 @@ def test_the_simulated_driver_catches_a_race():
     d.finish(S)
     assert d.event_done(ev)
     d.release_event(ev)
+
+
+@pytest.mark.parametrize("name", ALLOCATORS)
+def test_a_block_recorded_on_a_third_stream_waits_for_it_after_a_reuse(name):
+    """hypothesis reported a race under paged (2026-12-02): a block of S is recorded on U and
+    freed; T takes it (waiting for S and U) and frees it; S takes it back waiting for T. On a
+    device S is then ordered after U too (happens-before is transitive); the simulated driver's
+    checker was not, nor did finishing T finish the U work T had waited for. Both are modelled now."""
+    d, a = make(name, capacity="2GiB")
+    x = a.allocate(4 * MiB, S)
+    use(d, x, 4 * MiB, S)
+    for other in (S, T, U):
+        d.stream_wait(U, d.record_event(other))
+    use(d, x, 4 * MiB, U)
+    a.record_stream(x, U)
+    a.free(x, S)
+    y = a.allocate(4 * MiB, T)
+    use(d, y, 4 * MiB, T)
+    a.free(y, T)
+    z = a.allocate(4 * MiB, S)
+    use(d, z, 4 * MiB, S)
+    a._check()
+    a.free(z, S)
+    a.close()
+    assert not d.races
+
+
+def test_the_simulated_driver_orders_through_a_third_stream():
+    """The checker's happens-before is transitive (S after T's event, recorded after T waited for
+    U: S is after U), and a finished stream has finished what it waited for."""
+    d = make_driver("sim")
+    x = d.mem_alloc(2 * MiB)
+    use(d, x, 2 * MiB, U)
+    d.stream_wait(T, d.record_event(U))
+    d.stream_wait(S, d.record_event(T))
+    use(d, x, 2 * MiB, S)  # no race: S -> T -> U
+    assert not d.races
+    y = d.mem_alloc(2 * MiB)
+    use(d, y, 2 * MiB, U)
+    d.stream_wait(T, d.record_event(U))
+    use(d, y, 2 * MiB, T)
+    d.finish(T)  # T's work is done, and U's before it
+    use(d, y, 2 * MiB, S)
+    assert not d.races
+    z = d.mem_alloc(2 * MiB)
+    use(d, z, 2 * MiB, U)
+    d.finish(T)  # T waited for nothing of this
+    with pytest.raises(DriverError):
+        use(d, z, 2 * MiB, S)

@@ -54,7 +54,8 @@ class SimulatedDriver(VMMDriver):
         # queued work (enqueue_use): (va, size, stream, seq, physical ranges) not yet finished
         self._queued: list[tuple[int, int, int, int, list]] = []
         self._seq = 0  # numbers every queued piece of work and every event, in queue order
-        self._events: dict[int, tuple[int, int]] = {}  # event -> (stream, seq when recorded)
+        # event -> (stream, seq when recorded, what that stream was ordered after then: other -> seq)
+        self._events: dict[int, tuple[int, int, dict[int, int]]] = {}
         self._next_event = 1
         self._ordered: dict[tuple[int, int], int] = {}  # (waiter, stream) -> seq the waiter waits for
         self.races: list[str] = []  # unordered cross-stream uses found by enqueue_use
@@ -309,9 +310,14 @@ class SimulatedDriver(VMMDriver):
         self._queued.append((va, size, stream, self._seq, phys))
 
     def finish(self, stream: int | None = None) -> None:
-        """The queued work of ``stream`` (every stream: None) has finished. Cost: O(q) in pieces of
-        queued work."""
-        self._queued = [q for q in self._queued if stream is not None and q[2] != stream]
+        """The queued work of ``stream`` (every stream: None) has finished, and with it the work of
+        other streams that ``stream`` was ordered after (it could not have finished first). Cost:
+        O(q) in pieces of queued work."""
+        if stream is None:
+            self._queued = []
+            return
+        after = {o: q for (w, o), q in self._ordered.items() if w == stream}
+        self._queued = [q for q in self._queued if q[2] != stream and q[3] > after.get(q[2], -1)]
 
     def _physical(self, va: int, size: int) -> list[tuple[object, int, int]]:
         """The physical bytes behind ``[va, va + size)``: (handle, start, end) pieces; plain
@@ -328,17 +334,21 @@ class SimulatedDriver(VMMDriver):
     def _record_event(self, stream: int) -> int:
         ev = self._next_event
         self._next_event += 1
-        self._events[ev] = (stream, self._seq)
+        after = {o: q for (w, o), q in self._ordered.items() if w == stream}
+        self._events[ev] = (stream, self._seq, after)
         return ev
 
     def _event_done(self, event: int) -> bool:
-        stream, seq = self._events[event]
+        stream, seq, _ = self._events[event]
         return not any(q[2] == stream and q[3] <= seq for q in self._queued)
 
     def _stream_wait(self, stream: int, event: int) -> None:
-        other, seq = self._events[event]
-        if other != stream and self._ordered.get((stream, other), -1) < seq:
-            self._ordered[(stream, other)] = seq
+        # happens-before is transitive, as on a device: waiting for an event of ``other`` also
+        # orders ``stream`` after whatever ``other`` was waiting for when the event was recorded
+        other, seq, after = self._events[event]
+        for o, q in ((other, seq), *after.items()):
+            if o != stream and self._ordered.get((stream, o), -1) < q:
+                self._ordered[(stream, o)] = q
 
     def _release_event(self, event: int) -> None:
         del self._events[event]
