@@ -226,12 +226,12 @@ class PrimitivePool:
         return owned
 
 
-
 def remove_key(free_list: list, key: tuple[int, int]) -> None:
     """Take ``key`` off the sorted list ``free_list`` (a pool's free or idle blocks); a missing
-    key is a broken invariant, raised (as ``SortedList.remove`` raises). Runtime complexity:
+    key is a broken invariant, raised as an ``AssertionError`` (the base class checks every free
+    before a pool sees it, so no caller's input reaches this). Runtime complexity:
     O(log B) plus a memmove of the entries after it."""
     i = bisect_left(free_list, key)
     if i == len(free_list) or free_list[i] != key:
-        raise ValueError(f"vms: free block {key} is not on the free list")
+        raise AssertionError(f"vms: free block {key} is not on the free list")
     del free_list[i]
