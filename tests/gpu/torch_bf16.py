@@ -1,5 +1,5 @@
 """Helpers of the bf16 GPU tests (not a test module): torch bf16 tensors as Numba device arrays, the
-error measure, random bf16 tensors. Imported by name (pytest puts this folder on sys.path)."""
+error measure, random bf16 tensors. Imported by name (conftest.py puts this folder on sys.path)."""
 
 import torch
 
