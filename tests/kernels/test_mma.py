@@ -66,6 +66,19 @@ def test_bf16_rounding():
         L.a_fragments(np.zeros((8, 8), np.uint16))
 
 
+def test_the_gpu_widening_takes_what_kernels_pass_it():
+    """``bf16_to_f32`` on the GPU types its argument itself (the simulator twin takes anything):
+    ``packed[i] >> 16`` on a uint32 array is an int64, which it refused on the H200 (typing error in
+    ``mma_check.check_unpack``'s probe)."""
+    from numba import types
+
+    from vmstoolkit.kernels._mma import widens
+
+    for t in (types.uint16, types.int16, types.uint32, types.int32, types.int64, types.uint64):
+        assert widens(t), t
+    assert not widens(types.float32)
+
+
 def test_intrinsic_twins_match_the_reference():
     from vmstoolkit.kernels import mma_check
 
