@@ -45,15 +45,17 @@ def _warm_compiled_code() -> None:
 
 
 def _simulator_without_busy_wait() -> None:
-    """The CUDA simulator's blocks scheduled by a condition variable instead of its polling loop:
-    the kernel tests' CPU time about halved, the simulation itself unchanged
-    (``tests/cudasim_barrier.py``, checked by ``tests/kernels/test_simulator_barrier.py``)."""
+    """The CUDA simulator's blocks scheduled by a condition variable instead of its polling loop
+    (``tests/cudasim_barrier.py``: the kernel tests' CPU time about halved), and Numba's scalar
+    casts without their per-call import (``tests/cudasim_casts.py``); the simulation itself
+    unchanged (checked by ``tests/kernels/test_simulator_barrier.py``)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("cudasim_barrier", Path(__file__).with_name("cudasim_barrier.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.install()
+    for name in ("cudasim_barrier", "cudasim_casts"):
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.install()
 
 
 def pytest_configure(config):

@@ -47,3 +47,27 @@ def test_a_threads_exception_is_raised_and_names_the_thread():
 
     with pytest.raises(IndexError, match=r"tid=\[3, 0, 0\]"):
         fails[1, 8](np.zeros(8, np.int32))
+
+
+def test_the_fast_scalar_casts_answer_as_the_stock_ones():
+    """tests/cudasim_casts.py: every cast it answers itself gives the stock call's value and type,
+    or raises the stock call's exception; signatures still go to the stock method."""
+    from numba import types
+    from numba.core.types import abstract
+
+    assert getattr(abstract.Type, "_vmstoolkit_casts", False)
+    stock = abstract.Type._vmstoolkit_stock_call
+    values = [0, 1, -1, 3.7, -2.5, 2**31, -2**40, 2**64, True, float("inf"), float("nan"), 1e40,
+              np.int8(-3), np.uint16(65535), np.int64(-2**62), np.float16(1.5), np.float32(-0.0),
+              np.float64(2.5e-320), np.bool_(True), np.uint64(2**64 - 1)]
+    for ty in (*types.integer_domain, *types.real_domain, types.boolean):
+        for x in values:
+            def outcome(call):
+                try:
+                    with np.errstate(all="ignore"):
+                        r = call(ty, x)
+                    return type(r), repr(r)
+                except Exception as e:  # noqa: BLE001 - the exception's type is what is compared
+                    return type(e), None
+            assert outcome(type(ty).__call__) == outcome(stock), (ty, x)
+    assert types.int32(types.int32, types.float32) == stock(types.int32, types.int32, types.float32)
