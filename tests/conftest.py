@@ -57,7 +57,7 @@ def _simulator_without_busy_wait() -> None:
     unchanged (checked by ``tests/kernels/test_simulator_barrier.py``)."""
     import importlib.util
 
-    for name in ("cudasim_barrier", "cudasim_casts"):
+    for name in ("cudasim_barrier", "cudasim_casts", "cudasim_device_calls"):
         spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

@@ -71,3 +71,34 @@ def test_the_fast_scalar_casts_answer_as_the_stock_ones():
                     return type(e), None
             assert outcome(type(ty).__call__) == outcome(stock), (ty, x)
     assert types.int32(types.int32, types.float32) == stock(types.int32, types.int32, types.float32)
+
+
+@cuda.jit(device=True)
+def _lane_here():
+    return cuda.threadIdx.x
+
+
+def test_device_functions_of_the_kernels_module_and_of_another_see_the_simulated_cuda():
+    """tests/cudasim_device_calls.py: a device function beside the kernel is called directly, one
+    of another module through the stock swap; both read the simulated thread index, and both
+    modules get the real ``cuda`` back after the launch."""
+    from numba.cuda.simulator import kernel as K
+
+    assert getattr(K.FakeCUDAKernel, "_vmstoolkit_device_calls", False)
+    other = {}
+    exec("from numba import cuda\n@cuda.jit(device=True)\ndef lane():\n    return cuda.threadIdx.x * 10\n", other)
+    lane_there = other["lane"]
+
+    @cuda.jit
+    def both(out):
+        i = cuda.threadIdx.x
+        out[i, 0] = _lane_here()
+        out[i, 1] = lane_there()
+
+    out = np.zeros((6, 2), np.int32)
+    both[1, 6](out)
+    assert out.tolist() == [[i, 10 * i] for i in range(6)]
+    import sys
+
+    real = sys.modules["numba.cuda"]
+    assert globals()["cuda"] is real and other["cuda"] is real
