@@ -1,0 +1,193 @@
+"""``paged``'s ``grow_pages``: new physical memory made several pages per ``cuMemCreate`` (issue
+34, item 7: fewer driver calls on the steps whose peak grows), with the same pages mapped, the
+same placement and the same physical memory as the default."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vmstoolkit.errors import ConfigError, DriverError, OutOfMemoryError
+from vmstoolkit.integrations.hook_allocator import HookAllocator
+from vmstoolkit.pools import make_allocator
+from vmstoolkit.pools.drivers.sim import SimulatedDriver
+from vmstoolkit.pools.paged import heap as H
+from vmstoolkit.pools.registry import check_allocator as check_options
+from vmstoolkit.units import GiB, MiB
+
+G = 2 * MiB
+CALLS = ("create", "map", "set_access")
+SHAPES = (3 * MiB, 40 * MiB, 7 * MiB, 100 * MiB, 18 * MiB)  # one step's requests at scale 1
+
+
+def _steps(a, driver, scales):
+    """One step per scale: allocate every shape times the scale (the peak grows with it), free
+    them all; per step the driver calls of :data:`CALLS`."""
+    out = []
+    for scale in scales:
+        before = {k: driver.calls[k] for k in CALLS}
+        ps = [a.allocate(s * scale) for s in SHAPES]
+        for p in ps:
+            a.free(p)
+        out.append({k: driver.calls[k] - before[k] for k in CALLS})
+    return out
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["python", "hook"])
+@pytest.mark.parametrize("n", [4, 10])
+def test_a_growing_peak_makes_n_pages_per_create_and_fewer_calls_than_the_default(hook, n):
+    """Each step's peak grows: the default makes one create per new page; ``grow_pages=n`` makes
+    at most one per n new pages per block, maps the same pages (as many maps) and so cuts the
+    calls; creates are within one per block of expandable segments' (which grow 20 MiB, 10
+    pages, at a time), where the default's are about 10 times theirs. Through the compiled
+    hook too (the real-GPU path's slow path, here on the simulated driver)."""
+    scales = (1, 2, 3, 5, 8)
+    runs = {}
+    for name, opt in (("default", {}), ("grow", {"grow_pages": n})):
+        d = SimulatedDriver(capacity=16 * GiB)
+        a = HookAllocator("paged", d, **opt) if hook else make_allocator("paged", d, **opt)
+        runs[name] = (_steps(a, d, scales), a.stats().peak_reserved_bytes)
+        a.close()
+    d = SimulatedDriver(capacity=16 * GiB)
+    x = make_allocator("pytorch-expandable", d)
+    expandable = _steps(x, d, scales)
+    x.close()
+    (default, peak0), (grow, peak) = runs["default"], runs["grow"]
+    assert peak == peak0
+    for s0, s, e in zip(default, grow, expandable):
+        assert s["map"] == s0["map"] and s["set_access"] == s0["set_access"]  # the same pages mapped
+        assert s0["create"] >= 9 * e["create"] - 9 * len(SHAPES)  # the default: a create per page
+        assert s["create"] <= -(-s0["create"] // n) + len(SHAPES)
+        if n == 10:
+            assert s["create"] <= e["create"] + len(SHAPES)
+    assert sum(s0["create"] for s0 in default) > 0
+    assert sum(map(sum, (s.values() for s in grow))) < 0.6 * sum(map(sum, (s.values() for s in default)))
+
+
+ops = st.lists(st.tuples(st.sampled_from("aaf"), st.one_of(st.integers(1, MiB), st.integers(MiB + 1, 13 * G)),
+                         st.integers(0, 10**6)), min_size=1, max_size=60)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(program=ops, n=st.sampled_from([2, 3, 10]), aliases=st.booleans(), slack=st.sampled_from([0, 5]))
+def test_random_programs_place_and_hold_exactly_as_the_default(program, n, aliases, slack):
+    """Side by side with the default on a random program: every address, every page's mapping
+    and the physical bytes are the same after each step (only the creates differ), and every
+    invariant holds (``_check``: chunks held == the driver's physical bytes, the driver's
+    mappings == the books)."""
+    cap = 40 * G
+    a0 = make_allocator("paged", SimulatedDriver(capacity=cap), aliases=aliases, slack_pages=slack)
+    a = make_allocator("paged", SimulatedDriver(capacity=cap), aliases=aliases, slack_pages=slack, grow_pages=n)
+    live = []
+    for kind, size, pick in program:
+        if kind == "a" or not live:
+            try:
+                p0 = a0.allocate(size)
+            except OutOfMemoryError:
+                with pytest.raises(OutOfMemoryError):
+                    a.allocate(size)
+            else:
+                assert a.allocate(size) == p0
+                a.driver.memset(p0, size)
+                live.append(p0)
+        else:
+            p = live.pop(pick % len(live))
+            a0.free(p)
+            a.free(p)
+        a._check()
+        assert a.driver.physical_bytes == a0.driver.physical_bytes
+        assert a.driver.calls["map"] == a0.driver.calls["map"]
+        assert a.driver.calls["create"] <= a0.driver.calls["create"]
+        for h0, h in ((a0.large, a.large), (a0.small, a.small)):
+            assert ((h.page_chunk >= 0) == (h0.page_chunk >= 0)).all()
+    for x in (a0, a):
+        x.close()
+        assert x.driver.is_empty(), x.driver.leak_report()
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(program=st.lists(st.tuples(st.sampled_from("aafe"), st.integers(1, 9 * G), st.integers(0, 10**6)),
+                        min_size=1, max_size=50), n=st.sampled_from([2, 10]))
+def test_empty_cache_releases_whole_handles_only(program, n):
+    """``empty_cache`` releases a handle once none of its pages is mapped; the pages of a handle
+    partly in use stay held (free, on the stack), at most ``n - 1`` per handle a live block
+    uses. Invariants hold after every step and closing leaks nothing."""
+    cap = 40 * G
+    a = make_allocator("paged", SimulatedDriver(capacity=cap), grow_pages=n)
+    live = []
+    for kind, size, pick in program:
+        if kind == "e":
+            a.empty_cache()
+            used = {a.handles[int(c)] for h in (a.large, a.small) for c in h.page_chunk[h.page_used > 0]}
+            assert {h for h in a.handles if h is not None} == used  # every handle no live page uses is gone
+            assert a.driver.physical_bytes <= (int(a.g[H.G_LIVE_PAGES]) + (n - 1) * len(used)) * G
+        elif kind == "a" or not live:
+            try:
+                live.append(a.allocate(size))
+            except OutOfMemoryError:
+                pass
+        else:
+            a.free(live.pop(pick % len(live)))
+        a._check()
+    a.close()
+    assert a.driver.is_empty(), a.driver.leak_report()
+
+
+@pytest.mark.parametrize("op", ["create", "map", "set_access"])
+def test_a_fault_on_any_call_while_growing_leaves_a_whole_state(op):
+    """Each ``op`` call of a growing program fails once in turn: a clear error (or, for a create
+    within the peak, none: a smaller create makes up for it), every invariant holds, nothing leaks."""
+    def program(a):
+        ps = [a.allocate(s) for s in (5 * G, 300, 11 * G)]
+        a.free(ps[0])
+        ps.append(a.allocate(17 * G))
+        for p in ps[1:]:
+            a.free(p)
+
+    d0 = SimulatedDriver(capacity=64 * G)
+    a0 = make_allocator("paged", d0, grow_pages=4)
+    program(a0)
+    reached = d0.calls[op]
+    a0.close()
+    assert reached > 0
+    for k in range(1, reached + 1):
+        d = SimulatedDriver(capacity=64 * G)
+        d.fail_on(op, k)
+        a = make_allocator("paged", d, grow_pages=4)
+        try:
+            program(a)
+        except (DriverError, OutOfMemoryError) as e:
+            assert "injected fault" in str(e), e
+        a._check()
+        d.clear_faults()
+        a.close()
+        assert d.is_empty(), (op, k, d.leak_report())
+
+
+def test_a_create_refused_for_lack_of_memory_falls_back_to_single_pages():
+    """Near the device's end a create of ``n`` pages fails where single pages still fit: the
+    request is served, as by the default, from single-page creates."""
+    cap = 10 * G
+    a0 = make_allocator("paged", SimulatedDriver(capacity=cap))
+    a = make_allocator("paged", SimulatedDriver(capacity=cap), grow_pages=4)
+    for x in (a0, a):
+        p = x.allocate(7 * G)
+        q = x.allocate(3 * G)  # 3 more pages: one create of 4 cannot fit
+        assert x.driver.physical_bytes == cap
+        x._check()
+        for y in (p, q):
+            x.free(y)
+    assert a.driver.calls["create"] < a0.driver.calls["create"]
+    a.close()
+    a0.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "abc"])
+def test_bad_grow_pages_is_one_line_naming_the_value(value):
+    with pytest.raises(ConfigError) as e:
+        check_options("paged", {"grow_pages": value})
+    msg = str(e.value)
+    assert "grow_pages" in msg and repr(value) in msg and "\n" not in msg
+
+
+def test_grow_pages_parses_from_a_mode_spec():
+    assert check_options("paged", {"grow_pages": "10"})["grow_pages"] == 10
