@@ -111,6 +111,11 @@ class PagedAllocator(PagedSlowPath, Allocator):
         self.chunk_stack = np.zeros(max_chunks, np.int32)
         self.handles: list = []  # chunk id -> driver handle (None once released)
         self._spare_ids: list[int] = []
+        # grow_pages > 1: a handle holds up to grow_pages chunks, chunk id -> its offset in the
+        # handle, and handle -> how many chunk ids it holds (empty_cache releases whole handles)
+        self.grow_pages = options.grow_pages
+        self.chunk_off = np.zeros(max_chunks if self.grow_pages > 1 else 0, np.int64)
+        self._slices: dict = {}
         self._out_pages = np.zeros(max_chunks, np.int64)
         self._out_chunks = np.zeros(max_chunks, np.int32)
         self.slow_lock = threading.RLock()  # the hook's slow path and this class's calls
@@ -170,6 +175,9 @@ class PagedAllocator(PagedSlowPath, Allocator):
             self._repair()
             self.graveyard.retry()
             self._reclaim(len(self._out_pages))
+            if self.grow_pages > 1:
+                self._release_whole_handles()
+                return
             while self.g[H.G_FREE_CHUNKS] > 0:
                 cid = int(self.chunk_stack[self.g[H.G_FREE_CHUNKS] - 1])
                 self.driver.release(self.handles[cid])  # raises before the state changes
@@ -229,6 +237,14 @@ class PagedAllocator(PagedSlowPath, Allocator):
                      for p in np.flatnonzero(h.page_chunk != H.NONE)}
             assert mapped == books, (f"paged: the driver maps {len(mapped - books)} pages the books do not know, "
                                      f"and the books map {len(books - mapped)} the driver does not")
+        if self.grow_pages > 1:  # every handle's chunk ids: as many as it holds, at distinct offsets in it
+            held: dict = {}
+            for cid, h in enumerate(self.handles):
+                if h is not None:
+                    held.setdefault(h, set()).add(int(self.chunk_off[cid]))
+            assert {h: len(o) for h, o in held.items()} == self._slices, "paged: a handle's chunk ids != its pages"
+            assert all(max(o) < len(o) * self.page for o in held.values()), "paged: a chunk offset outside its handle"
+            assert sum(self._slices.values()) == g[H.G_TOTAL_CHUNKS], "paged: pages of the handles != chunks held"
         for h, p in self._stuck:
             assert h.page_chunk[p] != H.NONE and h.page_used[p] == 0, "paged: a stuck page lost its chunk or is live"
         for addr, size in self._live.items():  # every live request lies inside a live block of its own

@@ -273,6 +273,8 @@ class PagedSlowPath:
             self._create(short, must=True)  # a new peak
 
     def _create(self, count: int, must: bool) -> int:
+        if self.grow_pages > 1:
+            return self._create_grouped(count, must)
         made = 0
         for _ in range(count):
             try:
@@ -293,6 +295,68 @@ class PagedSlowPath:
             made += 1
         self.counts["chunks_created"] += made
         return made
+
+    def _create_grouped(self, count: int, must: bool) -> int:
+        """``_create`` with ``grow_pages``: the ``count`` chunks made as handles of up to
+        ``grow_pages`` pages, one ``cuMemCreate`` each, each page of a handle a chunk id of its own
+        (mapped alone, at its offset); the first page of a handle is the first taken. A handle the
+        device has no room for is made again page by page (as many chunks as the default gets)."""
+        made, n, page = 0, self.grow_pages, self.page
+        g = self.g
+        while made < count:
+            k = min(n, count - made)
+            try:
+                h = self.driver.create(k * page)
+            except DriverOutOfMemoryError:
+                if k > 1:
+                    n = 1
+                    continue
+                if must:
+                    raise
+                break
+            self._slices[h] = k
+            for i in range(k - 1, -1, -1):  # the stack is taken from the top: offset 0 last in
+                cid = self._spare_ids.pop() if self._spare_ids else len(self.handles)
+                if cid == len(self.handles):
+                    self.handles.append(h)
+                else:
+                    self.handles[cid] = h
+                self.chunk_off[cid] = i * page
+                self.chunk_tag[cid] = 0
+                self.chunk_stack[g[H.G_FREE_CHUNKS]] = cid
+                g[H.G_FREE_CHUNKS] += 1
+                g[H.G_TOTAL_CHUNKS] += 1
+            made += k
+        self.counts["chunks_created"] += made
+        return made
+
+    def _release_whole_handles(self) -> None:
+        """``empty_cache``'s release with ``grow_pages``: every handle whose chunks are all on the
+        free stack is released (one ``cuMemRelease``); the free chunks of a handle still mapped
+        somewhere stay on the stack. A release that fails raises with the books matching the
+        driver (the handles released before it are gone from both)."""
+        g = self.g
+        free = self.chunk_stack[:int(g[H.G_FREE_CHUNKS])].tolist()
+        by: dict = {}
+        for c in free:
+            by.setdefault(self.handles[c], []).append(c)
+        gone: list[int] = []
+        try:
+            for h, cids in by.items():
+                if len(cids) == self._slices[h]:
+                    self.driver.release(h)  # raises before the books change
+                    del self._slices[h]
+                    gone.extend(cids)
+        finally:
+            if gone:
+                out = set(gone)
+                keep = [c for c in free if c not in out]
+                self.chunk_stack[:len(keep)] = keep
+                g[H.G_FREE_CHUNKS] = len(keep)
+                g[H.G_TOTAL_CHUNKS] -= len(gone)
+                for c in sorted(gone, reverse=True):
+                    self.handles[c] = None
+                    self._spare_ids.append(c)
 
     def _reclaim(self, want: int) -> int:
         """Unmap up to ``want`` pages no live block uses; returns how many chunks that frees
@@ -339,8 +403,13 @@ class PagedSlowPath:
         pages, chunks = self._out_pages[:k].copy(), self._out_chunks[:k].copy()
         done = 0
         try:
+            grouped = self.grow_pages > 1  # a chunk is one page of its handle, at its offset
             for p, c in zip(pages.tolist(), chunks.tolist()):
-                self.driver.map(heap.base + (p << self.page_shift), self.page, self.handles[c])
+                if grouped:
+                    self.driver.map(heap.base + (p << self.page_shift), self.page, self.handles[c],
+                                    int(self.chunk_off[c]))
+                else:
+                    self.driver.map(heap.base + (p << self.page_shift), self.page, self.handles[c])
                 done += 1
             i = 0
             while i < k:  # runs of consecutive pages: one set_access each
