@@ -205,3 +205,30 @@ def test_bad_grow_pages_is_one_line_naming_the_value(value):
 
 def test_grow_pages_parses_from_a_mode_spec():
     assert check_options("paged", {"grow_pages": "10"})["grow_pages"] == 10
+
+
+@pytest.mark.parametrize("aliases", [False, True])
+def test_a_replay_under_grow_pages_is_the_defaults_but_for_the_creates(aliases):
+    """The compiled replay (which leaves ``grow_pages`` to the Python path) and the Python
+    replay agree, and both give the default's result (peaks, every figure) but for fewer creates."""
+    from vmstoolkit.trace import replay
+    from vmstoolkit.trace.synthetic import synthetic_trace
+
+    trace = synthetic_trace("seqgrow", seed=3, steps=3)
+    out = []
+    for opt, compiled in (({}, True), ({"grow_pages": 8}, True), ({"grow_pages": 8}, False)):
+        a = make_allocator("paged", SimulatedDriver(capacity=40 * GiB), aliases=aliases, **opt)
+        r = replay(trace, a, compiled=compiled).as_dict()
+        a._check()
+        for k in ("seconds", "events_per_second"):
+            r.pop(k)
+        out.append((r, dict(a.driver.calls)))
+        a.close()
+        assert a.driver.is_empty(), a.driver.leak_report()
+    (r0, c0), (r1, c1), (r2, c2) = out
+    assert r1 == r2 and c1 == c2
+    assert c0["create"] > 0 and c1["create"] <= -(-c0["create"] // 8) + c0["map"] // 2
+    assert c1["create"] < c0["create"]
+    assert {k: v for k, v in c1.items() if k != "create"} == {k: v for k, v in c0.items() if k != "create"}
+    diff = {k for k in r0 if r0[k] != r1[k]}
+    assert diff <= {"extra", "driver_calls"}, diff

@@ -24,6 +24,11 @@ keeps it while free (a repeated pattern calls the driver no more) until chunks a
   chunk is then live through its other mapping is the only one remapped, after a synchronize);
 - only then new chunks beyond the peak (it is a new peak).
 
+New chunks are one ``cuMemCreate`` each, or with ``grow_pages=N`` up to N pages per create (one
+handle whose pages are chunks of their own, each mapped alone at its offset): the same pages,
+placement and physical memory, N times fewer creates on a growing peak
+(``docs/architecture.md``, Note [grow_pages]).
+
 Capacity limits, and what happens at them: a request larger than the large range (twice the
 device by default) is an out-of-memory error before any work; the small range (``small_va_bytes``,
 4 GiB) full sends small requests to pages of the large one; block records (``max_blocks`` to start)

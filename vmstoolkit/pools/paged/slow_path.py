@@ -209,7 +209,7 @@ class PagedSlowPath:
         """Give the pages of the committed block at unit ``start`` their chunks; on failure the
         block is freed again and nothing stays mapped for it. Cost: O(pages of the block) plus the
         driver calls: for k pages without a chunk, k ``cuMemMap`` and one ``cuMemSetAccess`` per run
-        of consecutive pages; one ``cuMemCreate`` per chunk made; pages whose chunk is an alias
+        of consecutive pages; one ``cuMemCreate`` per chunk made (per ``grow_pages`` chunks with that option); pages whose chunk is an alias
         elsewhere one ``cuMemUnmap`` each after one synchronize; a reclaim (when chunks run short,
         no aliases) one synchronize and one ``cuMemUnmap`` per page reclaimed."""
         first, last = H.pages_of(heap.meta, start, n)
