@@ -87,8 +87,9 @@ def test_random_programs_place_and_hold_exactly_as_the_default(program, n, alias
     invariant holds (``_check``: chunks held == the driver's physical bytes, the driver's
     mappings == the books)."""
     cap = 40 * G
-    a0 = make_allocator("paged", SimulatedDriver(capacity=cap), aliases=aliases, slack_pages=slack)
-    a = make_allocator("paged", SimulatedDriver(capacity=cap), aliases=aliases, slack_pages=slack, grow_pages=n)
+    a0 = make_allocator("paged", SimulatedDriver(capacity=cap), aliases=aliases, slack_pages=slack, max_blocks=256)
+    a = make_allocator("paged", SimulatedDriver(capacity=cap), aliases=aliases, slack_pages=slack, grow_pages=n,
+                       max_blocks=256)
     live = []
     for kind, size, pick in program:
         if kind == "a" or not live:
@@ -126,7 +127,7 @@ def test_empty_cache_releases_whole_handles_only(program, n):
     partly in use stay held (free, on the stack), at most ``n - 1`` per handle a live block
     uses. Invariants hold after every step and closing leaks nothing."""
     cap = 40 * G
-    a = make_allocator("paged", SimulatedDriver(capacity=cap), grow_pages=n)
+    a = make_allocator("paged", SimulatedDriver(capacity=cap), grow_pages=n, max_blocks=256)
     live = []
     for kind, size, pick in program:
         if kind == "e":
