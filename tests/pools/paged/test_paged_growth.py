@@ -233,3 +233,116 @@ def test_a_replay_under_grow_pages_is_the_defaults_but_for_the_creates(aliases):
     assert {k: v for k, v in c1.items() if k != "create"} == {k: v for k, v in c0.items() if k != "create"}
     diff = {k for k in r0 if r0[k] != r1[k]}
     assert diff <= {"extra", "driver_calls"}, diff
+
+
+# -- map_runs: a run of new pages from one handle mapped in one cuMemMap ----------------------------
+
+RUNS = {"aliases": True, "map_runs": True}
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["python", "hook"])
+def test_map_runs_maps_a_handle_in_one_call_as_expandable_segments_do(hook):
+    """With ``map_runs`` the pages a handle backs are one mapping: on a growing peak maps drop
+    as creates do, to within one per block of expandable segments' (one create and one map per
+    20 MiB), at the default's peak here (every step's peak is new: nothing to lend)."""
+    scales = (1, 2, 3, 5, 8)
+    runs = {}
+    for name, opt in (("default", {"aliases": True}), ("runs", {**RUNS, "grow_pages": 10})):
+        d = SimulatedDriver(capacity=16 * GiB)
+        a = HookAllocator("paged", d, **opt) if hook else make_allocator("paged", d, **opt)
+        runs[name] = (_steps(a, d, scales), a.stats().peak_reserved_bytes)
+        a.close()
+    d = SimulatedDriver(capacity=16 * GiB)
+    x = make_allocator("pytorch-expandable", d)
+    expandable = _steps(x, d, scales)
+    x.close()
+    (default, peak0), (grow, peak) = runs["default"], runs["runs"]
+    assert peak == peak0
+    for s0, s, e in zip(default, grow, expandable):
+        assert s0["map"] >= 9 * e["map"] - 9 * len(SHAPES)
+        assert s["map"] <= -(-s0["map"] // 10) + len(SHAPES) and s["map"] <= e["map"] + len(SHAPES)
+        assert s["create"] <= e["create"] + len(SHAPES) and s["set_access"] <= s0["set_access"]
+    assert sum(s["map"] for s in grow) * 5 < sum(s0["map"] for s0 in default)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(program=st.lists(st.tuples(st.sampled_from("aaafe"), st.one_of(st.integers(1, MiB), st.integers(MiB + 1, 13 * G)),
+                                  st.integers(0, 10**6)), min_size=1, max_size=60),
+       n=st.sampled_from([2, 3, 10]), slack=st.sampled_from([0, 5]))
+def test_map_runs_random_programs_keep_every_invariant(program, n, slack):
+    """Random programs with ``empty_cache``: ``_check`` after each step (the driver's mappings
+    are the books' runs and single pages), no two live pages share physical memory, a live page
+    never changes its physical memory, every byte of a live block is mapped and accessible, and
+    closing gives everything back."""
+    a = make_allocator("paged", SimulatedDriver(capacity=40 * G), slack_pages=slack, grow_pages=n, max_blocks=256,
+                       **RUNS)
+    live, held = [], {}
+    for kind, size, pick in program:
+        if kind == "e":
+            a.empty_cache()
+        elif kind == "a" or not live:
+            try:
+                p = a.allocate(size)
+            except OutOfMemoryError:
+                pass
+            else:
+                a.driver.memset(p, size)
+                live.append(p)
+        else:
+            a.free(live.pop(pick % len(live)))
+        a._check()
+        now = {}
+        for h in (a.large, a.small):
+            for p in (h.page_used > 0).nonzero()[0].tolist():
+                (piece,) = a.driver._physical(h.base + (p << a.page_shift), a.page)
+                now[(h.base, p)] = piece[:2]
+        assert len(set(now.values())) == len(now), "two live pages map the same physical page"
+        assert all(now[k] == v for k, v in held.items() if k in now), "a live page changed its physical memory"
+        held = now
+    a.close()
+    assert a.driver.is_empty(), a.driver.leak_report()
+
+
+@pytest.mark.parametrize("op", ["create", "map", "set_access", "unmap"])
+def test_map_runs_a_fault_on_any_call_leaves_a_whole_state(op):
+    """Each ``op`` call of a program that grows, lends and empties the cache fails once in turn
+    (a failed map or set_access unmaps whole runs; a failed unmap leaves a run stuck until
+    repaired): the error is clear, every invariant holds, nothing leaks."""
+    def program(a):
+        ps = [a.allocate(s) for s in (5 * G, 300, 11 * G)]
+        a.free(ps[0])
+        ps.append(a.allocate(17 * G))
+        a.free(ps.pop(1))
+        a.empty_cache()
+        ps.append(a.allocate(3 * G))
+        for p in ps[1:]:
+            a.free(p)
+        a.empty_cache()
+
+    d0 = SimulatedDriver(capacity=64 * G)
+    a0 = make_allocator("paged", d0, grow_pages=4, **RUNS)
+    program(a0)
+    reached = d0.calls[op]
+    a0.close()
+    assert reached > 0
+    for k in range(1, reached + 1):
+        d = SimulatedDriver(capacity=64 * G)
+        d.fail_on(op, k)
+        a = make_allocator("paged", d, grow_pages=4, **RUNS)
+        try:
+            program(a)
+        except (DriverError, OutOfMemoryError) as e:
+            assert "injected fault" in str(e), e
+        a._check()
+        d.clear_faults()
+        a.close()
+        assert d.is_empty(), (op, k, d.leak_report())
+
+
+@pytest.mark.parametrize("opt, what", [({"map_runs": True, "aliases": True}, "grow_pages"),
+                                       ({"map_runs": True, "grow_pages": 4}, "aliases")])
+def test_map_runs_without_what_it_needs_is_one_line(opt, what):
+    with pytest.raises(ConfigError) as e:
+        check_options("paged", opt)
+    msg = str(e.value)
+    assert f"map_runs needs {what}" in msg and "\n" not in msg
