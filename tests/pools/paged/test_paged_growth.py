@@ -268,14 +268,15 @@ def test_map_runs_maps_a_handle_in_one_call_as_expandable_segments_do(hook):
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(program=st.lists(st.tuples(st.sampled_from("aaafe"), st.one_of(st.integers(1, MiB), st.integers(MiB + 1, 13 * G)),
                                   st.integers(0, 10**6)), min_size=1, max_size=60),
-       n=st.sampled_from([2, 3, 10]), slack=st.sampled_from([0, 5]))
-def test_map_runs_random_programs_keep_every_invariant(program, n, slack):
+       n=st.sampled_from([2, 3, 10]), slack=st.sampled_from([0, 5]), aliases=st.booleans(),
+       reclaim=st.sampled_from(["top-down", "clock"]), batch=st.sampled_from([1, 4]))
+def test_map_runs_random_programs_keep_every_invariant(program, n, slack, aliases, reclaim, batch):
     """Random programs with ``empty_cache``: ``_check`` after each step (the driver's mappings
     are the books' runs and single pages), no two live pages share physical memory, a live page
     never changes its physical memory, every byte of a live block is mapped and accessible, and
     closing gives everything back."""
     a = make_allocator("paged", SimulatedDriver(capacity=40 * G), slack_pages=slack, grow_pages=n, max_blocks=256,
-                       **RUNS)
+                       map_runs=True, aliases=aliases, reclaim=reclaim, reclaim_batch=batch)
     live, held = [], {}
     for kind, size, pick in program:
         if kind == "e":
@@ -303,11 +304,12 @@ def test_map_runs_random_programs_keep_every_invariant(program, n, slack):
     assert a.driver.is_empty(), a.driver.leak_report()
 
 
+@pytest.mark.parametrize("aliases", [True, False])
 @pytest.mark.parametrize("op", ["create", "map", "set_access", "unmap"])
-def test_map_runs_a_fault_on_any_call_leaves_a_whole_state(op):
+def test_map_runs_a_fault_on_any_call_leaves_a_whole_state(op, aliases):
     """Each ``op`` call of a program that grows, lends and empties the cache fails once in turn
-    (a failed map or set_access unmaps whole runs; a failed unmap leaves a run stuck until
-    repaired): the error is clear, every invariant holds, nothing leaks."""
+    (a failed map or set_access unmaps whole runs; without aliases, reclaims unmap whole idle
+    mappings): the error is clear, every invariant holds, nothing leaks."""
     def program(a):
         ps = [a.allocate(s) for s in (5 * G, 300, 11 * G)]
         a.free(ps[0])
@@ -320,7 +322,7 @@ def test_map_runs_a_fault_on_any_call_leaves_a_whole_state(op):
         a.empty_cache()
 
     d0 = SimulatedDriver(capacity=64 * G)
-    a0 = make_allocator("paged", d0, grow_pages=4, **RUNS)
+    a0 = make_allocator("paged", d0, grow_pages=4, map_runs=True, aliases=aliases)
     program(a0)
     reached = d0.calls[op]
     a0.close()
@@ -328,7 +330,7 @@ def test_map_runs_a_fault_on_any_call_leaves_a_whole_state(op):
     for k in range(1, reached + 1):
         d = SimulatedDriver(capacity=64 * G)
         d.fail_on(op, k)
-        a = make_allocator("paged", d, grow_pages=4, **RUNS)
+        a = make_allocator("paged", d, grow_pages=4, map_runs=True, aliases=aliases)
         try:
             program(a)
         except (DriverError, OutOfMemoryError) as e:
@@ -339,10 +341,40 @@ def test_map_runs_a_fault_on_any_call_leaves_a_whole_state(op):
         assert d.is_empty(), (op, k, d.leak_report())
 
 
-@pytest.mark.parametrize("opt, what", [({"map_runs": True, "aliases": True}, "grow_pages"),
-                                       ({"map_runs": True, "grow_pages": 4}, "aliases")])
-def test_map_runs_without_what_it_needs_is_one_line(opt, what):
-    with pytest.raises(ConfigError) as e:
-        check_options("paged", opt)
-    msg = str(e.value)
-    assert f"map_runs needs {what}" in msg and "\n" not in msg
+def test_map_runs_with_one_page_per_handle_is_the_default():
+    """``grow_pages=1``: every handle is one page, so every run is one page: the default's calls."""
+    runs = []
+    for opt in ({}, {"map_runs": True}):
+        d = SimulatedDriver(capacity=16 * GiB)
+        a = make_allocator("paged", d, aliases=True, **opt)
+        runs.append((_steps(a, d, (1, 3, 2, 5)), a.stats().peak_reserved_bytes))
+        a.close()
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("first", ["map", "set_access"])
+def test_map_runs_a_failed_rollback_unmap_leaves_the_run_stuck_until_repaired(first):
+    """A failed map or set_access, then the rollback's unmap of a whole run failing too: the run
+    stays in the books, mapped, as the driver has it; the next slow-path call unmaps it whole."""
+    d = SimulatedDriver(capacity=4 * GiB)
+    a = make_allocator("paged", d, grow_pages=4, **RUNS)
+    keep = a.allocate(8 * MiB)
+    a.free(a.allocate(1 * MiB))
+    # 12 new pages: the idle small page's chunk lent (mapped alone), then handles of 3, 4 and 4
+    # pages, one run each; fail the last map (or the access), then the rollback's second unmap (the run of 3)
+    d.fail_on(first, d.calls[first] + (4 if first == "map" else 1))
+    d.fail_on("unmap", d.calls["unmap"] + 2)
+    with pytest.raises(DriverError):
+        a.allocate(24 * MiB)
+    assert len(a._stuck) == 1 and int(a.large.map_len[a._stuck[0][1]]) == 3, "the run whose unmap failed is stuck whole"
+    a._check()  # the books match the driver's mappings
+    d.clear_faults()
+    xs = [a.allocate(s) for s in (24 * MiB, 2 * MiB, 40 * MiB)]
+    assert not a._stuck
+    for x, s in zip(xs, (24 * MiB, 2 * MiB, 40 * MiB)):
+        d.memset(x, s)
+    a._check()
+    for x in xs + [keep]:
+        a.free(x)
+    a.close()
+    assert d.is_empty(), d.leak_report()
