@@ -51,7 +51,9 @@ def run(name, native=False, **opt):
         c = {k: v - p.get(k, 0) for k, v in d.calls.items() if v - p.get(k, 0)}
         cc = {k: v - pc.get(k, 0) for k, v in counts().items() if v - pc.get(k, 0)}
         steps.append({**c, **{"py." + k: v for k, v in cc.items()}, "syncs": d.syncs})
-    return {"mode": name, **opt, "native": native, "peak_GiB": round(a.stats().peak_reserved_bytes / 2**30, 2), "per_step": steps[1:]}
+    peak = a.stats().peak_reserved_bytes
+    a.close()  # one compiled hook per process at a time: the next paged spec makes its own
+    return {"mode": name, **opt, "native": native, "peak_GiB": round(peak / 2**30, 2), "per_step": steps[1:]}
 for spec in sys.argv[1:]:
     name, _, o = spec.partition(":")
     opt = {}

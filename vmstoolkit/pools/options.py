@@ -304,6 +304,11 @@ class PagedOptions(AllocatorOptions):
     small_va_bytes: int = option(4 * GiB, "size", "the small heap's virtual range (requests up to 1 MiB)", min=1)
     slack_pages: int = option(0, "int", "pages of physical memory allowed beyond the live-page peak before "
                               "free pages are reclaimed", min=0, max=1 << 31)
+    grow_pages: int = option(1, "int", "pages of new physical memory made per cuMemCreate when chunks run short "
+                             "(each page still mapped on its own: the same pages, placement and physical memory)",
+                             min=1, max=1 << 16)
+    map_runs: bool = option(False, "bool", "map the new pages one handle backs (grow_pages) in one cuMemMap; "
+                            "such pages are unmapped only all together, when none is live, and never lent")
     reclaim: str = option("top-down", "choice", "which free pages give their chunks back first",
                           choices=("top-down", "clock"))
     reclaim_batch: int = option(16, "int", "fewest pages reclaimed per device synchronize", min=1, max=1 << 31)
