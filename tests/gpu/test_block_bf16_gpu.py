@@ -117,7 +117,11 @@ def test_block_bf16_matches_the_reference_rounding_points():
     x = B.rn(rng.standard_normal((2, 37, 256)))
     out = llama_block_forward(x, w, c)
     want = B.reference_block(x, w, c.n_heads, c.n_kv_heads, c.rms_eps, c.rope_theta)
+    g, h = (B.to_bits(a).view(np.uint16).astype(np.int64) for a in (out, want))
+    g, h = (np.where(a & 0x8000, -(a & 0x7FFF), a) for a in (g, h))
+    dist = np.abs(g - h)  # bf16 ulps apart, per output (a summation-order flip is 1)
     print(f"\nreference: rel err {float(np.max(np.abs(out - want)) / np.max(np.abs(want))):.3g}, "
-          f"differing outputs {float(np.mean(out != want)):.4f}")
+          f"differing outputs {float(np.mean(out != want)):.4f}, ulps apart: "
+          f"{ {int(k): int(v) for k, v in zip(*np.unique(dist, return_counts=True))} }")
     assert float(np.max(np.abs(out - want)) / np.max(np.abs(want))) <= 2 * 2 * U
     assert np.mean(out != want) <= 0.05
