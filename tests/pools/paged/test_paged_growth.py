@@ -32,6 +32,25 @@ def _steps(a, driver, scales):
     return out
 
 
+SCALES = (1, 2, 3, 5, 8)  # the growing program's steps: each shape times these
+
+
+def _beside_expandable(hook: bool, base: dict, changed: dict, scales=SCALES):
+    """(per-step calls, peak) of ``paged`` with ``base`` and with ``changed`` options (through the
+    compiled hook if ``hook``), and expandable segments' per-step calls, on the same growing program."""
+    runs = []
+    for opt in (base, changed):
+        d = SimulatedDriver(capacity=16 * GiB)
+        a = HookAllocator("paged", d, **opt) if hook else make_allocator("paged", d, **opt)
+        runs.append((_steps(a, d, scales), a.stats().peak_reserved_bytes))
+        a.close()
+    d = SimulatedDriver(capacity=16 * GiB)
+    x = make_allocator("pytorch-expandable", d)
+    expandable = _steps(x, d, scales)
+    x.close()
+    return runs[0], runs[1], expandable
+
+
 @pytest.mark.parametrize("hook", [False, True], ids=["python", "hook"])
 @pytest.mark.parametrize("n", [4, 10])
 def test_a_growing_peak_makes_n_pages_per_create_and_fewer_calls_than_the_default(hook, n):
@@ -40,18 +59,7 @@ def test_a_growing_peak_makes_n_pages_per_create_and_fewer_calls_than_the_defaul
     calls; creates are within one per block of expandable segments' (which grow 20 MiB, 10
     pages, at a time), where the default's are about 10 times theirs. Through the compiled
     hook too (the real-GPU path's slow path, here on the simulated driver)."""
-    scales = (1, 2, 3, 5, 8)
-    runs = {}
-    for name, opt in (("default", {}), ("grow", {"grow_pages": n})):
-        d = SimulatedDriver(capacity=16 * GiB)
-        a = HookAllocator("paged", d, **opt) if hook else make_allocator("paged", d, **opt)
-        runs[name] = (_steps(a, d, scales), a.stats().peak_reserved_bytes)
-        a.close()
-    d = SimulatedDriver(capacity=16 * GiB)
-    x = make_allocator("pytorch-expandable", d)
-    expandable = _steps(x, d, scales)
-    x.close()
-    (default, peak0), (grow, peak) = runs["default"], runs["grow"]
+    (default, peak0), (grow, peak), expandable = _beside_expandable(hook, {}, {"grow_pages": n})
     assert peak == peak0
     for s0, s, e in zip(default, grow, expandable):
         assert s["map"] == s0["map"] and s["set_access"] == s0["set_access"]  # the same pages mapped
@@ -62,7 +70,7 @@ def test_a_growing_peak_makes_n_pages_per_create_and_fewer_calls_than_the_defaul
     assert sum(s0["create"] for s0 in default) > 0
     # a map and a create per page before; a map and 1/n create (plus one per block) now
     total, total0 = (sum(sum(s.values()) for s in r) for r in (grow, default))
-    assert total <= (0.5 + 0.5 / n) * total0 + len(SHAPES) * len(scales)
+    assert total <= (0.5 + 0.5 / n) * total0 + len(SHAPES) * len(SCALES)
 
 
 def _live_physical(a) -> list:
@@ -248,18 +256,7 @@ def test_map_runs_maps_a_handle_in_one_call_as_expandable_segments_do(hook):
     """With ``map_runs`` the pages a handle backs are one mapping: on a growing peak maps drop
     as creates do, to within one per block of expandable segments' (one create and one map per
     20 MiB), at the default's peak here (every step's peak is new: nothing to lend)."""
-    scales = (1, 2, 3, 5, 8)
-    runs = {}
-    for name, opt in (("default", {"aliases": True}), ("runs", {**RUNS, "grow_pages": 10})):
-        d = SimulatedDriver(capacity=16 * GiB)
-        a = HookAllocator("paged", d, **opt) if hook else make_allocator("paged", d, **opt)
-        runs[name] = (_steps(a, d, scales), a.stats().peak_reserved_bytes)
-        a.close()
-    d = SimulatedDriver(capacity=16 * GiB)
-    x = make_allocator("pytorch-expandable", d)
-    expandable = _steps(x, d, scales)
-    x.close()
-    (default, peak0), (grow, peak) = runs["default"], runs["runs"]
+    (default, peak0), (grow, peak), expandable = _beside_expandable(hook, {"aliases": True}, {**RUNS, "grow_pages": 10})
     assert peak == peak0
     for s0, s, e in zip(default, grow, expandable):
         assert s0["map"] >= 9 * e["map"] - 9 * len(SHAPES)
