@@ -155,6 +155,29 @@ def test_empty_cache_releases_whole_handles_only(program, n):
     assert a.driver.is_empty(), a.driver.leak_report()
 
 
+def _fail_each_call(op: str, program, **options) -> None:
+    """Run ``program`` on ``paged`` with ``options`` once per ``op`` call it makes, that call failing:
+    a clear error or none, every invariant holds, closing gives the driver everything back."""
+    d0 = SimulatedDriver(capacity=64 * G)
+    a0 = make_allocator("paged", d0, **options)
+    program(a0)
+    reached = d0.calls[op]
+    a0.close()
+    assert reached > 0
+    for k in range(1, reached + 1):
+        d = SimulatedDriver(capacity=64 * G)
+        d.fail_on(op, k)
+        a = make_allocator("paged", d, **options)
+        try:
+            program(a)
+        except (DriverError, OutOfMemoryError) as e:
+            assert "injected fault" in str(e), e
+        a._check()
+        d.clear_faults()
+        a.close()
+        assert d.is_empty(), (op, k, d.leak_report())
+
+
 @pytest.mark.parametrize("op", ["create", "map", "set_access"])
 def test_a_fault_on_any_call_while_growing_leaves_a_whole_state(op):
     """Each ``op`` call of a growing program fails once in turn: a clear error (or, for a create
@@ -166,24 +189,7 @@ def test_a_fault_on_any_call_while_growing_leaves_a_whole_state(op):
         for p in ps[1:]:
             a.free(p)
 
-    d0 = SimulatedDriver(capacity=64 * G)
-    a0 = make_allocator("paged", d0, grow_pages=4)
-    program(a0)
-    reached = d0.calls[op]
-    a0.close()
-    assert reached > 0
-    for k in range(1, reached + 1):
-        d = SimulatedDriver(capacity=64 * G)
-        d.fail_on(op, k)
-        a = make_allocator("paged", d, grow_pages=4)
-        try:
-            program(a)
-        except (DriverError, OutOfMemoryError) as e:
-            assert "injected fault" in str(e), e
-        a._check()
-        d.clear_faults()
-        a.close()
-        assert d.is_empty(), (op, k, d.leak_report())
+    _fail_each_call(op, program, grow_pages=4)
 
 
 def test_a_create_refused_for_lack_of_memory_falls_back_to_single_pages():
@@ -321,24 +327,7 @@ def test_map_runs_a_fault_on_any_call_leaves_a_whole_state(op, aliases):
             a.free(p)
         a.empty_cache()
 
-    d0 = SimulatedDriver(capacity=64 * G)
-    a0 = make_allocator("paged", d0, grow_pages=4, map_runs=True, aliases=aliases)
-    program(a0)
-    reached = d0.calls[op]
-    a0.close()
-    assert reached > 0
-    for k in range(1, reached + 1):
-        d = SimulatedDriver(capacity=64 * G)
-        d.fail_on(op, k)
-        a = make_allocator("paged", d, grow_pages=4, map_runs=True, aliases=aliases)
-        try:
-            program(a)
-        except (DriverError, OutOfMemoryError) as e:
-            assert "injected fault" in str(e), e
-        a._check()
-        d.clear_faults()
-        a.close()
-        assert d.is_empty(), (op, k, d.leak_report())
+    _fail_each_call(op, program, grow_pages=4, map_runs=True, aliases=aliases)
 
 
 def test_map_runs_with_one_page_per_handle_is_the_default():
