@@ -4,14 +4,17 @@ recorded traces replayed at the addresses the real allocator gave."""
 from vmstoolkit.errors import OutOfMemoryError
 
 
-def run_random_program(a, ops) -> None:
+def run_random_program(a, ops, after_empty_cache=None) -> None:
     """``ops``: (kind, size, stream, pick) with kind ``"a"`` (allocate; out of memory is allowed),
-    ``"f"`` (free live block ``pick``, or allocate when none is live) or ``"e"`` (empty_cache);
-    ``a._check()`` after each, then ``close()`` must give the driver everything back."""
+    ``"f"`` (free live block ``pick``, or allocate when none is live) or ``"e"`` (empty_cache,
+    then ``after_empty_cache(a)`` if given); ``a._check()`` after each, then ``close()`` must give
+    the driver everything back."""
     live = []
     for kind, size, stream, pick in ops:
         if kind == "e":
             a.empty_cache()
+            if after_empty_cache is not None:
+                after_empty_cache(a)
         elif kind == "a" or not live:
             try:
                 live.append(a.allocate(size, stream))

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.pools.programs import run_random_program
 from vmstoolkit.errors import ConfigError, DriverError, OutOfMemoryError
 from vmstoolkit.integrations.hook_allocator import HookAllocator
 from vmstoolkit.pools import make_allocator
@@ -136,23 +137,13 @@ def test_empty_cache_releases_whole_handles_only(program, n):
     uses. Invariants hold after every step and closing leaks nothing."""
     cap = 40 * G
     a = make_allocator("paged", SimulatedDriver(capacity=cap), grow_pages=n, max_blocks=256)
-    live = []
-    for kind, size, pick in program:
-        if kind == "e":
-            a.empty_cache()
-            used = {a.handles[int(c)] for h in (a.large, a.small) for c in h.page_chunk[h.page_used > 0]}
-            assert {h for h in a.handles if h is not None} == used  # every handle no live page uses is gone
-            assert a.driver.physical_bytes <= (int(a.g[H.G_LIVE_PAGES]) + (n - 1) * len(used)) * G
-        elif kind == "a" or not live:
-            try:
-                live.append(a.allocate(size))
-            except OutOfMemoryError:
-                pass
-        else:
-            a.free(live.pop(pick % len(live)))
-        a._check()
-    a.close()
-    assert a.driver.is_empty(), a.driver.leak_report()
+
+    def whole_handles_only(a):
+        used = {a.handles[int(c)] for h in (a.large, a.small) for c in h.page_chunk[h.page_used > 0]}
+        assert {h for h in a.handles if h is not None} == used  # every handle no live page uses is gone
+        assert a.driver.physical_bytes <= (int(a.g[H.G_LIVE_PAGES]) + (n - 1) * len(used)) * G
+
+    run_random_program(a, [(kind, size, 0, pick) for kind, size, pick in program], whole_handles_only)
 
 
 def _fail_each_call(op: str, program, **options) -> None:
