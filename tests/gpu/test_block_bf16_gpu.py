@@ -107,8 +107,15 @@ def test_block_bf16_matches_transformers_to_bf16_noise(h, nh, nkv, f, b, t):
 
 
 def test_block_bf16_matches_the_reference_rounding_points():
+    """Against ``reference_block`` (exact sums, the same rounding points), measured beside the same
+    reference with cuBLAS's bf16 GEMMs in place of the exact sums: the tensor cores' fp32
+    accumulation alone flips some roundings, and each flip travels on (through cancellation in
+    the residual adds, by many ulps of a small output). Ours may differ from the exact reference
+    at no more outputs than cuBLAS's order does, plus 2% of them; a missing rounding point (the
+    fp32 block) differs at most outputs."""
     from vmstoolkit.kernels import LlamaBlockConfig, llama_block_forward
     from vmstoolkit.kernels import bf16 as B
+    from vmstoolkit.kernels import reference as R
 
     c = LlamaBlockConfig(hidden_size=256, n_heads=4, n_kv_heads=2, ffn_size=688, rms_eps=1e-5, dtype="bfloat16")
     rng = np.random.default_rng(0)
@@ -116,12 +123,32 @@ def test_block_bf16_matches_the_reference_rounding_points():
          for n, s in c.weight_shapes().items()}
     x = B.rn(rng.standard_normal((2, 37, 256)))
     out = llama_block_forward(x, w, c)
-    want = B.reference_block(x, w, c.n_heads, c.n_kv_heads, c.rms_eps, c.rope_theta)
-    g, h = (B.to_bits(a).view(np.uint16).astype(np.int64) for a in (out, want))
-    g, h = (np.where(a & 0x8000, -(a & 0x7FFF), a) for a in (g, h))
-    dist = np.abs(g - h)  # bf16 ulps apart, per output (a summation-order flip is 1)
-    print(f"\nreference: rel err {float(np.max(np.abs(out - want)) / np.max(np.abs(want))):.3g}, "
-          f"differing outputs {float(np.mean(out != want)):.4f}, ulps apart: "
-          f"{ {int(k): int(v) for k, v in zip(*np.unique(dist, return_counts=True))} }")
+    args = (x, w, c.n_heads, c.n_kv_heads, c.rms_eps, c.rope_theta)
+    want = B.reference_block(*args)
+
+    def cublas(a, wt):  # bf16 x bf16 -> bf16 on cuBLAS: fp32 accumulation, one rounding
+        t = (torch.from_numpy(np.ascontiguousarray(m, np.float32)).cuda().to(torch.bfloat16) for m in (a, wt))
+        return (next(t) @ next(t).T).float().cpu().numpy()
+
+    reduced = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        vendor = B.reference_block(*args, matmul=cublas)
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
+
+    def ulps(a, b):  # bf16 ulps apart, per output (a flip of the last bit is 1)
+        g, h = (B.to_bits(m).view(np.uint16).astype(np.int64) for m in (a, b))
+        g, h = (np.where(m & 0x8000, -(m & 0x7FFF), m) for m in (g, h))
+        d = np.abs(g - h)
+        return {int(k): int(v) for k, v in zip(*np.unique(d, return_counts=True))}
+
+    ours, theirs = float(np.mean(out != want)), float(np.mean(vendor != want))
+    missing = float(np.mean(B.rn(R.llama_block(*args)) != want))
+    print(f"\nreference: rel err {float(np.max(np.abs(out - want)) / np.max(np.abs(want))):.3g}; outputs that "
+          f"differ: ours {ours:.4f}, cuBLAS-ordered reference {theirs:.4f}, ours vs it "
+          f"{float(np.mean(out != vendor)):.4f}, the fp32 block {missing:.4f}\nulps apart, ours: {ulps(out, want)}"
+          f"\nulps apart, cuBLAS-ordered: {ulps(vendor, want)}")
     assert float(np.max(np.abs(out - want)) / np.max(np.abs(want))) <= 2 * 2 * U
-    assert np.mean(out != want) <= 0.05
+    assert ours <= theirs + 0.02, (ours, theirs)
+    assert missing > 0.25

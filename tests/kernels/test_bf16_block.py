@@ -149,6 +149,27 @@ def test_block_bf16_rounds_where_the_reference_does(rng):
     assert np.mean(B.rn(fp32) != want) > 0.25
 
 
+def test_reference_block_takes_another_summation(rng):
+    """``matmul`` replaces only the GEMMs' sums: the exact product gives the default's bits, a
+    float32 product (another order, same rounding points) moves few outputs, and the caller sees
+    each GEMM's operands."""
+    c = LlamaBlockConfig(hidden_size=16, n_heads=4, n_kv_heads=2, ffn_size=24, rms_eps=1e-5, dtype="bfloat16")
+    w = weights(c, rng)
+    x = B.rn(rng.standard_normal((1, 6, 16)))
+    ref = B.reference_block(x, w, c.n_heads, c.n_kv_heads, c.rms_eps, c.rope_theta)
+    seen = []
+
+    def exact(a, wt):
+        seen.append((a.shape, wt.shape))
+        return a @ wt.T
+
+    assert np.array_equal(B.reference_block(x, w, c.n_heads, c.n_kv_heads, c.rms_eps, c.rope_theta, matmul=exact), ref)
+    assert len(seen) == 7 and seen[0] == ((6, 16), (16, 16)) and seen[-1] == ((6, 24), (16, 24))
+    f32 = B.reference_block(x, w, c.n_heads, c.n_kv_heads, c.rms_eps, c.rope_theta,
+                            matmul=lambda a, wt: a.astype(np.float32) @ wt.astype(np.float32).T)
+    assert np.mean(f32 != ref) <= 0.05
+
+
 def test_block_bf16_forms_of_input_and_output(rng):
     """bits in, bits out (numpy int16 like a torch bf16 view; device uint16); float32 weights are
     rounded once; one LlamaBlock reused gives the same bits."""

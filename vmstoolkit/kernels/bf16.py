@@ -362,16 +362,22 @@ def reference_attention(q, k, v, round_p: bool = False) -> np.ndarray:
 
 
 def reference_block(x, weights: dict, n_heads: int, n_kv_heads: int, eps: float = 1e-6,
-                    theta: float = 10000.0, round_p: bool = False) -> np.ndarray:
+                    theta: float = 10000.0, round_p: bool = False, matmul=None) -> np.ndarray:
     """The bf16 ``LlamaDecoderLayer`` on bf16 values: ``x`` (B, T, H) and ``weights`` (a state
     dict) hold float32 values of bf16 numbers (``values(bits)``); every GEMM sums exactly and
-    rounds once, every other op rounds where its kernel does. Returns (B, T, H) float32 values."""
+    rounds once, every other op rounds where its kernel does. Returns (B, T, H) float32 values.
+
+    ``matmul(a, w)``, if given, computes each GEMM's unrounded ``a @ w.T`` in place of the exact
+    sum (``a`` (M, K) and ``w`` (N, K) float64 arrays of bf16 values; any float array back): the
+    same rounding points with another summation, for instance a vendor GEMM's, to measure how
+    far an order change alone moves the outputs."""
     b, t, h = x.shape
     hd = h // n_heads
     w = {k: np.asarray(a, np.float64) for k, a in weights.items()}
 
-    def linear(a, name):  # fp32-accumulated product, one rounding
-        return rn(np.asarray(a, np.float64) @ w[name].T)
+    def linear(a, name):  # the exact product (or ``matmul``'s), one rounding
+        a = np.asarray(a, np.float64)
+        return rn(a @ w[name].T if matmul is None else np.asarray(matmul(a, w[name]), np.float64))
 
     x2d = np.asarray(x, np.float32).reshape(b * t, h)  # (M, H)
     hn = reference_rmsnorm(x2d, w["input_layernorm.weight"], eps)  # (M, H)
