@@ -72,6 +72,8 @@ def _text(f, draw) -> str:
     """A value of field ``f`` as a user types it."""
     meta = f.metadata
     kind, lo, hi = meta["kind"], meta["min"], meta["max"]
+    if meta["retired"]:  # takes only its default
+        return draw(st.sampled_from(FALSE)) if kind == "bool" else str(f.default)
     if meta["choices"]:
         return draw(st.sampled_from(meta["choices"]))
     if kind == "bool":

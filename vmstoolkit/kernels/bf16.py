@@ -31,10 +31,15 @@ significant bits); one ulp of a value is ``2u`` of it at most.
   in another order, so their pre-rounding values are within ``~ n 2^-24`` relative (``n`` the
   reduction length) of the reference's and round differently only where a value lies that close to
   a rounding boundary: by one ulp, which travels on through the later ops with a gain of order
-  one. Checked: ``err <= 2u`` (one ulp of the scale) and at most 5% of the outputs differ at all
-  (``tests/kernels/test_bf16_block.py``: bit-equal at the simulator's sizes). The fp32
-  computation of the same inputs differs from the reference at most outputs, so a missing rounding
-  point fails the test.
+  one, and by many ulps of a small output where a residual add cancels. No fixed share of
+  differing outputs is right for every shape, so the GPU test measures the share beside the same
+  reference with cuBLAS's bf16 GEMMs (fp32 accumulation) in place of the exact sums: ours may
+  differ at no more outputs than that cuBLAS-ordered reference, plus 2%, and ``err <= 4u``.
+  Measured on the H200 (H 256, 4 heads, 2 KV heads, 2 x 37 tokens; kernels-h200/run10-bf16-rounding):
+  ``err`` 0.00259; 6.40% of the outputs differ from the exact reference, exactly as many as for
+  the cuBLAS-ordered one, and ours equals the cuBLAS-ordered reference at every output. The fp32
+  computation of the same inputs differs at 64.8% of the outputs, so a missing rounding point
+  fails the test (``tests/kernels/test_bf16_block.py``: bit-equal at the simulator's sizes).
 - Against ``transformers`` (its eager path rounds the scores and probabilities to bf16, its SDPA
   path does not, so the two disagree by ``err`` 0.0074 with each other): with ``truth`` the layer
   in fp32 on the same bf16 weights and input, ours must satisfy ``err(ours, truth) <= 2

@@ -101,12 +101,13 @@ _CONVERT = {"bool": _bool, "int": _int, "float": _float, "size": _size, "str": s
 
 
 def option(default: Any, kind: str, help: str, *, min: float | None = None, max: float | None = None,
-           choices: tuple[str, ...] = (), power_of_two: bool = False, optional: bool = False):
+           choices: tuple[str, ...] = (), power_of_two: bool = False, optional: bool = False, retired: str = ""):
     """A documented option field: ``kind`` is bool, int, float, size, str or choice; ``min``/``max``
-    bound numbers and sizes; ``optional``: ``None`` (the allocator's own default) is allowed.
-    Runtime complexity: O(1)."""
+    bound numbers and sizes; ``optional``: ``None`` (the allocator's own default) is allowed;
+    ``retired``: why the option now takes only its default (an older command that sets it is
+    refused with that reason instead of "unknown option"). Runtime complexity: O(1)."""
     return field(default=default, metadata=dict(kind=kind, help=help, min=min, max=max, choices=choices,
-                                                power_of_two=power_of_two, optional=optional))
+                                                power_of_two=power_of_two, optional=optional, retired=retired))
 
 
 def _check_field(f, value: Any) -> Any:
@@ -125,6 +126,8 @@ def _check_field(f, value: Any) -> Any:
         raise ConfigError(f"must be at most {_show(hi, meta['kind'])}, got {value!r}")
     if meta["power_of_two"] and v & (v - 1):
         raise ConfigError(f"must be a power of two, got {value!r}")
+    if meta["retired"] and v != f.default:
+        raise ConfigError(f"is retired and takes only {_show(f.default, meta['kind'])}, got {value!r}: {meta['retired']}")
     return v
 
 
@@ -145,6 +148,10 @@ the chunk bound infinite (an ``OverflowError`` mid-replay, issue 37, item 1)."""
 
 
 # -- the options of each allocator -----------------------------------------------------------------
+_WHOLE_HANDLES = ("the CUDA driver maps a physical allocation only whole (cuMemMap of 2 MiB of a 20 MiB handle is "
+                  "CUDA_ERROR_NOT_SUPPORTED on the H200), so paged makes one handle per page "
+                  "(docs/architecture.md, Note [whole handles])")
+
 @dataclass(frozen=True)
 class AllocatorOptions:
     """Base of every allocator's options: construction converts and checks each field."""
@@ -304,11 +311,10 @@ class PagedOptions(AllocatorOptions):
     small_va_bytes: int = option(4 * GiB, "size", "the small heap's virtual range (requests up to 1 MiB)", min=1)
     slack_pages: int = option(0, "int", "pages of physical memory allowed beyond the live-page peak before "
                               "free pages are reclaimed", min=0, max=1 << 31)
-    grow_pages: int = option(1, "int", "pages of new physical memory made per cuMemCreate when chunks run short "
-                             "(each page still mapped on its own: the same pages, placement and physical memory)",
-                             min=1, max=1 << 16)
-    map_runs: bool = option(False, "bool", "map the new pages one handle backs (grow_pages) in one cuMemMap; "
-                            "such pages are unmapped only all together, when none is live, and never lent")
+    grow_pages: int = option(1, "int", "retired (takes only 1): pages per cuMemCreate", min=1, max=1 << 16,
+                             retired=_WHOLE_HANDLES)
+    map_runs: bool = option(False, "bool", "retired (takes only false): one cuMemMap per run of a grow_pages "
+                            "handle", retired=_WHOLE_HANDLES)
     reclaim: str = option("top-down", "choice", "which free pages give their chunks back first",
                           choices=("top-down", "clock"))
     reclaim_batch: int = option(16, "int", "fewest pages reclaimed per device synchronize", min=1, max=1 << 31)

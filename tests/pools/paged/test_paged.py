@@ -269,6 +269,23 @@ def test_bad_input_is_refused_clearly():
     a.close()
 
 
+@pytest.mark.parametrize("opts, shown", [({"grow_pages": 10}, "grow_pages is retired and takes only 1, got 10"),
+                                         ({"grow_pages": "4"}, "grow_pages is retired and takes only 1, got '4'"),
+                                         ({"map_runs": "true"}, "map_runs is retired and takes only False, got 'true'")])
+def test_retired_growth_options_are_refused_with_the_driver_rule(opts, shown):
+    """``grow_pages`` mapped single pages of a many-page handle, which the H200's driver refuses
+    (CUDA_ERROR_NOT_SUPPORTED, Note [whole handles]): an older command that sets it, such as
+    changing-shapes-run2's mode, is refused up front with the reason, in one line."""
+    from vmstoolkit.pools.registry import parse_allocator_spec
+
+    with pytest.raises(ConfigError) as e:
+        make_allocator("paged", SimulatedDriver(capacity=CAPACITY), **opts)
+    msg = str(e.value)
+    assert shown in msg and "only whole" in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="grow_pages is retired"):
+        parse_allocator_spec("paged:aliases=true,slack_pages=64,grow_pages=10,map_runs=true")
+
+
 def test_check_heap_names_a_broken_invariant():
     a = make_allocator("paged", SimulatedDriver(capacity=CAPACITY))
     a.allocate(3 * G)

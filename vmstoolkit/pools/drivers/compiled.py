@@ -50,7 +50,7 @@ H_SIZE, H_STATE, H_NMAPS = range(3)
 M_START, M_SIZE, M_HANDLE, M_OFFSET, M_ACCESS = range(5)
 # results
 OK, GROW, E_OOM, E_HANDLE, E_RES_MATCH, E_RES_MAPPED, E_ALIGN, E_OFFSET, E_RANGE, E_OVERLAP, E_UNMAP_WHOLE, \
-    E_UNMAP_HOLE, E_HOLE, E_ACCESS, E_PTR = range(15)
+    E_UNMAP_HOLE, E_HOLE, E_ACCESS, E_PTR, E_PARTIAL = range(16)
 
 
 @njit(cache=True)
@@ -230,6 +230,9 @@ def _map(S, H, R, M, va, size, h, offset):
     if offset + size > H[h, H_SIZE]:
         S[S_E0] = H[h, H_SIZE]
         return E_OFFSET
+    if offset or size != H[h, H_SIZE]:  # a handle is mapped only whole (Note [whole handles])
+        S[S_E0] = H[h, H_SIZE]
+        return E_PARTIAL
     r = _bisect_right(R, S[S_NR], va) - 1
     if r < 0 or not (R[r, 0] <= va and va + size <= R[r, 0] + R[r, 1]):
         return E_RANGE
@@ -376,6 +379,8 @@ _ERRORS = {
     E_RES_MAPPED: (_INVALID, "cuMemAddressFree({va:#x}, {size}) of a range that is still mapped"),
     E_ALIGN: (_INVALID, "cuMemMap({va:#x}, {size}, offset={offset}) is not aligned to {g}"),
     E_OFFSET: (_INVALID, "cuMemMap of {size} bytes at offset {offset} of a {e0}-byte handle"),
+    E_PARTIAL: ("CUDA_ERROR_NOT_SUPPORTED", "cuMemMap of {size} bytes at offset {offset} of a {e0}-byte handle: "
+                                            "a handle is mapped only whole"),
     E_RANGE: (_INVALID, "range [{va:#x}, +{size}) is not inside one reserved range"),
     E_OVERLAP: (_INVALID, "cuMemMap({va:#x}, {size}) overlaps an existing mapping"),
     E_UNMAP_WHOLE: (_INVALID, "cuMemUnmap({va:#x}, {size}) does not cover whole mappings exactly"),

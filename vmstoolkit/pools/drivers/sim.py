@@ -199,6 +199,9 @@ class SimulatedDriver(VMMDriver):
             raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemMap of unknown or released handle {handle}")
         if offset + size > self._sizes[handle]:
             raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemMap of {size} bytes at offset {offset} of a {self._sizes[handle]}-byte handle")
+        if offset or size != self._sizes[handle]:  # as the H200's driver answers (Note [whole handles])
+            raise DriverError("CUDA_ERROR_NOT_SUPPORTED", f"cuMemMap of {size} bytes at offset {offset} of a "
+                              f"{self._sizes[handle]}-byte handle: a handle is mapped only whole")
         self._reservation_of(va, size)
         if self._overlapping(va, size):
             raise DriverError("CUDA_ERROR_INVALID_VALUE", f"cuMemMap({va:#x}, {size}) overlaps an existing mapping")

@@ -24,11 +24,9 @@ keeps it while free (a repeated pattern calls the driver no more) until chunks a
   chunk is then live through its other mapping is the only one remapped, after a synchronize);
 - only then new chunks beyond the peak (it is a new peak).
 
-New chunks are one ``cuMemCreate`` each, or with ``grow_pages=N`` up to N pages per create (one
-handle whose pages are chunks of their own, each mapped alone at its offset): the same pages,
-placement and physical memory, N times fewer creates on a growing peak; ``map_runs`` maps a
-handle's consecutive new pages in one ``cuMemMap`` too, unmapped only whole, when none of them is
-live, and never lent (``docs/architecture.md``, Note [grow_pages]).
+New chunks are one ``cuMemCreate`` of one page each: a CUDA driver maps a physical allocation
+only whole, so a chunk that a page may lose alone must be a handle of its own
+(``docs/architecture.md``, Note [whole handles]).
 
 Capacity limits, and what happens at them: a request larger than the large range (twice the
 device by default) is an out-of-memory error before any work; the small range (``small_va_bytes``,
@@ -117,20 +115,6 @@ class PagedAllocator(PagedSlowPath, Allocator):
         self.chunk_stack = np.zeros(max_chunks, np.int32)
         self.handles: list = []  # chunk id -> driver handle (None once released)
         self._spare_ids: list[int] = []
-        # grow_pages > 1: a handle holds up to grow_pages chunks, chunk id -> its offset in the
-        # handle, and handle -> how many chunk ids it holds (empty_cache releases whole handles)
-        self.grow_pages = options.grow_pages
-        self.chunk_off = np.zeros(max_chunks if self.grow_pages > 1 or options.map_runs else 0, np.int64)
-        self._slices: dict = {}
-        # map_runs: per chunk, whether it lies in a mapping of several pages (never lent); per
-        # heap and page, the first page of that mapping (NONE: a page mapped alone) and, at the
-        # first page, the mapping's length in pages
-        self.map_runs = options.map_runs
-        self.in_run = np.zeros(max_chunks if self.map_runs else 0, np.int32)
-        for h in (self.large, self.small):
-            npages = h.page_chunk.shape[0] if self.map_runs else 0
-            h.map_head = np.full(npages, H.NONE, np.int64)
-            h.map_len = np.zeros(npages, np.int64)
         self._out_pages = np.zeros(max_chunks, np.int64)
         self._out_chunks = np.zeros(max_chunks, np.int32)
         self.slow_lock = threading.RLock()  # the hook's slow path and this class's calls
@@ -189,13 +173,7 @@ class PagedAllocator(PagedSlowPath, Allocator):
         with self.slow_lock:
             self._repair()
             self.graveyard.retry()
-            if self.map_runs:
-                self._reclaim_runs(len(self._out_pages))
-            else:
-                self._reclaim(len(self._out_pages))
-            if self.grow_pages > 1:
-                self._release_whole_handles()
-                return
+            self._reclaim(len(self._out_pages))
             while self.g[H.G_FREE_CHUNKS] > 0:
                 cid = int(self.chunk_stack[self.g[H.G_FREE_CHUNKS] - 1])
                 self.driver.release(self.handles[cid])  # raises before the state changes
@@ -221,25 +199,6 @@ class PagedAllocator(PagedSlowPath, Allocator):
         again from the live pages. Runtime complexity: O(1)."""
         super().reset_peak_stats()
         self.g[H.G_PEAK_LIVE_PAGES] = self.g[H.G_LIVE_PAGES]
-
-    def _check_runs(self) -> None:
-        """``map_runs``' books: each run is consecutive pages backed by consecutive pages of one
-        handle, mapped nowhere else, and is one mapping of its length on the simulated driver."""
-        runs = 0
-        maps = self.driver.live_mappings() if self.driver.lists_resources else None
-        for h in (self.large, self.small):
-            assert not np.any((h.map_head != H.NONE) & (h.page_chunk == H.NONE)), "paged: a run's page has no chunk"
-            for s in np.flatnonzero(h.map_len).tolist():
-                n = int(h.map_len[s])
-                cs = h.page_chunk[s:s + n]
-                assert n > 1 and np.all(h.map_head[s:s + n] == s), f"paged: run at page {s} of {n} pages broken"
-                assert len({self.handles[int(c)] for c in cs}) == 1, f"paged: run at page {s} spans handles"
-                assert np.all(np.diff(self.chunk_off[cs]) == self.page), f"paged: run at page {s} not in handle order"
-                assert np.all(self.in_run[cs] == 1) and np.all(self.nmaps[cs] == 1), f"paged: run at page {s} lent"
-                if maps is not None:
-                    assert maps[h.base + (s << self.page_shift)][0] == n * self.page, f"paged: run at page {s} mapped apart"
-                runs += n
-        assert runs == int(self.in_run.sum()), "paged: chunks in runs != pages of the runs"
 
     def _check(self) -> None:
         super()._check()
@@ -271,20 +230,9 @@ class PagedAllocator(PagedSlowPath, Allocator):
             mapped = {va for va in self.driver.live_mappings() for h in (self.large, self.small)
                       if h.base is not None and h.base <= va < h.base + h.nbytes}
             books = {h.base + (int(p) << self.page_shift) for h in (self.large, self.small) if h.base is not None
-                     for p in np.flatnonzero(h.page_chunk != H.NONE)
-                     if not self.map_runs or h.map_head[p] in (H.NONE, p)}  # a run: one mapping, at its first page
+                     for p in np.flatnonzero(h.page_chunk != H.NONE)}
             assert mapped == books, (f"paged: the driver maps {len(mapped - books)} pages the books do not know, "
                                      f"and the books map {len(books - mapped)} the driver does not")
-        if self.grow_pages > 1:  # every handle's chunk ids: as many as it holds, at distinct offsets in it
-            held: dict = {}
-            for cid, h in enumerate(self.handles):
-                if h is not None:
-                    held.setdefault(h, set()).add(int(self.chunk_off[cid]))
-            assert {h: len(o) for h, o in held.items()} == self._slices, "paged: a handle's chunk ids != its pages"
-            assert all(max(o) < len(o) * self.page for o in held.values()), "paged: a chunk offset outside its handle"
-            assert sum(self._slices.values()) == g[H.G_TOTAL_CHUNKS], "paged: pages of the handles != chunks held"
-        if self.map_runs:
-            self._check_runs()
         for h, p in self._stuck:
             assert h.page_chunk[p] != H.NONE and h.page_used[p] == 0, "paged: a stuck page lost its chunk or is live"
         for addr, size in self._live.items():  # every live request lies inside a live block of its own

@@ -197,8 +197,7 @@ class CompiledDriverWork:
     def __init__(self, a) -> None:
         self.a = a
         # exactly that driver: a subclass (a test's spy) may override the calls bypassed here
-        # and one page per handle (grow_pages: the Python path maps handles' pages at their offsets)
-        self.eligible = type(a.driver) is CD.CompiledSimulatedDriver and not a.aliases and a.grow_pages == 1
+        self.eligible = type(a.driver) is CD.CompiledSimulatedDriver and not a.aliases
         self.hnd = np.zeros(a.nmaps.shape[0] if self.eligible else 0, np.int64)  # chunk id -> handle
         self.w = np.zeros(W_SIZE, np.int64)
         self.known = 0  # a.handles[:known] are in hnd

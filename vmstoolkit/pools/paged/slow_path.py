@@ -1,6 +1,5 @@
 """``paged``'s slow path: placing, committing and freeing blocks, stream ordering, and the driver
-work behind them (mapping pages, creating and reclaiming chunks, rollback and repair); the
-``grow_pages`` and ``map_runs`` variants of that driver work are in :mod:`.growth`.
+work behind them (mapping pages, creating and reclaiming chunks, rollback and repair).
 
 One of the two jobs :class:`~vmstoolkit.pools.paged.allocator.PagedAllocator` does, kept apart
 from the other (the :class:`~vmstoolkit.pools.base.Allocator` protocol, in ``allocator.py``):
@@ -16,11 +15,10 @@ import numpy as np
 
 from vmstoolkit.errors import DriverError, DriverOutOfMemoryError, OutOfMemoryError
 from vmstoolkit.pools.paged import heap as H
-from vmstoolkit.pools.paged.growth import PagedGrowth
 from vmstoolkit.pools.paged.heap import G_NSLOTS, MAX_SLOTS, OVERFLOW_BIT, SMALL_SIZE
 
 
-class PagedSlowPath(PagedGrowth):
+class PagedSlowPath:
     """The slow-path API of ``paged`` (see the module docstring)."""
 
 
@@ -210,8 +208,9 @@ class PagedSlowPath(PagedGrowth):
     def map_block(self, heap: H.Heap, start: int, n: int, size: int) -> None:
         """Give the pages of the committed block at unit ``start`` their chunks; on failure the
         block is freed again and nothing stays mapped for it. Cost: O(pages of the block) plus the
-        driver calls: for k pages without a chunk, k ``cuMemMap`` (one per run with ``map_runs``) and one ``cuMemSetAccess`` per run
-        of consecutive pages; one ``cuMemCreate`` per chunk made (per ``grow_pages`` chunks with that option); pages whose chunk is an alias
+        driver calls: for k pages without a chunk, k ``cuMemMap`` (each chunk is one handle, mapped
+        whole: Note [whole handles]) and one ``cuMemSetAccess`` per run of consecutive pages; one
+        ``cuMemCreate`` per chunk made; pages whose chunk is an alias
         elsewhere one ``cuMemUnmap`` each after one synchronize; a reclaim (when chunks run short,
         no aliases) one synchronize and one ``cuMemUnmap`` per page reclaimed."""
         first, last = H.pages_of(heap.meta, start, n)
@@ -263,13 +262,10 @@ class PagedSlowPath(PagedGrowth):
         short -= self._create(within, must=False)
         if short > 0 and self.aliases:
             # chunks mapped only where nothing is live: map them here too, unmapping nothing
-            live = self.chunk_live + self.in_run if self.map_runs else self.chunk_live  # a run's chunks are never lent
-            lent = H.lend_idle(live, self.nmaps, len(self.handles), self.chunk_stack, g, self._lend_hand, short)
+            lent = H.lend_idle(self.chunk_live, self.nmaps, len(self.handles), self.chunk_stack, g, self._lend_hand, short)
             self.counts["chunks_lent"] += lent
             short -= lent
-        if short > 0 and not self.aliases and self.map_runs:  # whole idle mappings only
-            short -= self._reclaim_runs(max(short, self.reclaim_batch))
-        elif short > 0 and not self.aliases:
+        if short > 0 and not self.aliases:
             # at least reclaim_batch pages per synchronize: the spare chunks serve the next
             # requests without another one (16: 2-4x fewer syncs on the traces for 0-6% more
             # driver time, docs/results.md#paged-policy)
@@ -278,8 +274,6 @@ class PagedSlowPath(PagedGrowth):
             self._create(short, must=True)  # a new peak
 
     def _create(self, count: int, must: bool) -> int:
-        if self.grow_pages > 1:
-            return self._create_grouped(count, must)
         made = 0
         for _ in range(count):
             try:
@@ -330,8 +324,6 @@ class PagedSlowPath(PagedGrowth):
         just took off (after a synchronize unless ``synced``); on a driver error the pages not yet
         unmapped get their chunks back and the error is raised."""
         pages, chunks = self._out_pages[:k].copy(), self._out_chunks[:k].copy()
-        if self.map_runs:  # a run's chunks are never lent: no conflict takes one, and no reclaim runs
-            assert np.all(heap.map_head[pages] == H.NONE), "paged: a page of a run unmapped alone"
         if k and not synced:
             self.driver.synchronize()  # queued work may still use these pages (see _reclaim)
             self._clear_tags()
@@ -345,18 +337,11 @@ class PagedSlowPath(PagedGrowth):
 
     def _map_pages(self, heap: H.Heap, k: int) -> None:
         """Map the ``k`` pages just assigned, then grant access run by run; undo on failure."""
-        if self.map_runs:
-            return self._map_runs(heap, k)
         pages, chunks = self._out_pages[:k].copy(), self._out_chunks[:k].copy()
         done = 0
         try:
-            grouped = self.grow_pages > 1  # a chunk is one page of its handle, at its offset
             for p, c in zip(pages.tolist(), chunks.tolist()):
-                if grouped:
-                    self.driver.map(heap.base + (p << self.page_shift), self.page, self.handles[c],
-                                    int(self.chunk_off[c]))
-                else:
-                    self.driver.map(heap.base + (p << self.page_shift), self.page, self.handles[c])
+                self.driver.map(heap.base + (p << self.page_shift), self.page, self.handles[c])
                 done += 1
             i = 0
             while i < k:  # runs of consecutive pages: one set_access each
@@ -393,16 +378,13 @@ class PagedSlowPath(PagedGrowth):
             return
         keep = []
         for heap, p in self._stuck:
-            n = int(heap.map_len[p]) if self.map_runs and heap.map_len[p] > 1 else 1  # a run: unmapped whole
             try:
-                self.driver.unmap(heap.base + (p << self.page_shift), n * self.page)
+                self.driver.unmap(heap.base + (p << self.page_shift), self.page)
             except DriverError:
                 keep.append((heap, p))
                 continue
-            if n > 1:
-                self._forget_run(heap, p, n)
             H.unassign(heap.page_chunk, heap.page_used, self.chunk_live, self.nmaps, self.chunk_stack, self.g,
-                       np.arange(p, p + n, dtype=np.int64), n)
+                       np.array([p], np.int64), 1)
         H.settle_stack(self.nmaps, self.chunk_stack, self.g)
         self._stuck = keep
         if not keep:
