@@ -72,6 +72,13 @@ LLAMA3_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                  tie_word_embeddings=False)
 """``llama3-1b``: LLaMA-3.2-1B's shape with its head untied (transformers' ``LlamaConfig`` keywords)."""
 SEQ_RANGE = (200, 2048)  # llama3-1b: any sequence length in this range, inclusive, per step
+QWEN2_HELDOUT = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=12, num_attention_heads=12,
+                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=2048, rope_theta=1000000.0,
+                     tie_word_embeddings=True)
+"""``qwen2-heldout``: issue 34's held-out decoder (12 layers, 1536 wide, 2 KV heads, a 152k vocabulary;
+Qwen2-1.5B's widths and tied head, transformers' ``Qwen2Config`` keywords). It was never tuned on:
+it runs only with settings chosen on ``llama3-1b`` and the vision models."""
+QWEN2_SEQ_RANGE = (317, 2048)  # qwen2-heldout: the issue's sequence lengths, inclusive, per step
 IMAGE_BATCH_RANGE = (64, 192)  # resnet50, vit-b16: any batch in this range, inclusive, per step
 IMAGE_SIZE, IMAGE_CLASSES = 224, 1000
 DEVICE = "cuda"
@@ -83,6 +90,9 @@ MODELS = {
     "llama3-1b": {"variants": ("full", "ckpt"),
                   "about": "LLaMA-3-style decoder: " + ", ".join(f"{k} {v}" for k, v in LLAMA3_1B.items())
                            + f"; bf16 weights, AdamW; batch {{4, 6, 8}}, sequence {SEQ_RANGE[0]}..{SEQ_RANGE[1]}"},
+    "qwen2-heldout": {"variants": ("full",),
+                      "about": "Qwen2-style decoder (held out): " + ", ".join(f"{k} {v}" for k, v in QWEN2_HELDOUT.items())
+                               + f"; bf16 weights, AdamW; batch {{4, 6, 8}}, sequence {QWEN2_SEQ_RANGE[0]}..{QWEN2_SEQ_RANGE[1]}"},
     "resnet50": {"variants": ("full",),
                  "about": f"ResNet-50, channels-last, bf16 autocast, AdamW; {IMAGE_SIZE}x{IMAGE_SIZE}, "
                           f"batch {IMAGE_BATCH_RANGE[0]}..{IMAGE_BATCH_RANGE[1]}"},
@@ -98,8 +108,9 @@ def model_shapes(model: str, n: int, seed: int = 0) -> list[tuple[int, int]]:
     if model == "llama":
         return train_shapes(n, seed)
     rng = random.Random(seed)
-    if model == "llama3-1b":
-        return [(rng.choice([4, 6, 8]), rng.randint(*SEQ_RANGE)) for _ in range(n)]
+    if model in ("llama3-1b", "qwen2-heldout"):
+        lo_hi = SEQ_RANGE if model == "llama3-1b" else QWEN2_SEQ_RANGE
+        return [(rng.choice([4, 6, 8]), rng.randint(*lo_hi)) for _ in range(n)]
     return [(rng.randint(*IMAGE_BATCH_RANGE), IMAGE_SIZE) for _ in range(n)]
 
 
@@ -407,7 +418,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
             net = net.to(memory_format=torch.channels_last)
     else:
         import transformers
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
         impl = f"transformers {transformers.__version__}"
         if model == "llama":
@@ -416,14 +427,14 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
                               max_position_embeddings=2048)
             cfg._attn_implementation = "sdpa"
             net = LlamaForCausalLM(cfg).cuda()
-        else:  # llama3-1b: built on the GPU in bf16 (no fp32 copy, on the host or the device)
-            cfg = LlamaConfig(**LLAMA3_1B)
+        else:  # llama3-1b, qwen2-heldout: built on the GPU in bf16 (no fp32 copy, on the host or the device)
+            cfg = LlamaConfig(**LLAMA3_1B) if model == "llama3-1b" else Qwen2Config(**QWEN2_HELDOUT)
             cfg._attn_implementation = "sdpa"
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(torch.bfloat16)
             try:
                 with torch.device(DEVICE):
-                    net = LlamaForCausalLM(cfg)
+                    net = (LlamaForCausalLM if model == "llama3-1b" else Qwen2ForCausalLM)(cfg)
             finally:
                 torch.set_default_dtype(default_dtype)
         vocab = cfg.vocab_size
@@ -467,7 +478,7 @@ def worker(mode: str, variant: str, rounds: int, steps_per_round: int, snapshot:
             if vision:
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     loss = forward(net, x, y)
-            elif model == "llama3-1b":  # bf16 weights: no autocast
+            elif model in ("llama3-1b", "qwen2-heldout"):  # bf16 weights: no autocast
                 loss = net(input_ids=ids, labels=ids).loss
             else:
                 with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -31,6 +31,16 @@ def test_the_large_vocabulary_decoder_draws_every_step_afresh_and_the_same_in_ev
     assert plan["shapes"][1] != plan["shapes"][0]
 
 
+def test_the_held_out_decoder_is_the_issues_qwen2_shape_with_its_sequence_lengths():
+    plan = _plan("qwen2-heldout")
+    about = plan["about"]
+    for part in ("hidden_size 1536", "num_hidden_layers 12", "num_key_value_heads 2", "vocab_size 151936"):
+        assert part in about, about
+    steps = [tuple(s) for r in plan["shapes"] for s in r]
+    assert all(b in (4, 6, 8) and 317 <= t <= 2048 for b, t in steps)
+    assert len({t for _, t in steps}) >= 15 and plan["shapes"][1] != plan["shapes"][0]
+
+
 def test_the_traces_llama_stays_the_default_and_repeats_its_round():
     p = _run("--plan", "--rounds", "2", "--steps-per-round", "6")
     assert p.returncode == 0, p.stderr
@@ -50,7 +60,7 @@ def test_vision_models_draw_their_batch_per_step():
 
 
 def test_unknown_models_and_their_missing_variants_are_refused_before_any_run(tmp_path):
-    for args, message in ((["--model", "qwen2"], "--model 'qwen2': not one of llama, llama3-1b, resnet50, vit-b16"),
+    for args, message in ((["--model", "qwen2"], "--model 'qwen2': not one of llama, llama3-1b, qwen2-heldout, resnet50, vit-b16"),
                           (["--model", "resnet50", "--variants", "lora"], "--model resnet50: no variant 'lora'"),
                           (["--model", "llama3-1b", "--variants", "full,offload"], "no variant 'offload'")):
         p = _run("--out", str(tmp_path), *args)
