@@ -246,7 +246,7 @@ class SimBackend:
         if kind == "start":  # read inputs now
             if v.kind == "reload":
                 out = [self.host[v.tensor].copy()]
-            elif v.kind == "offload":
+            elif v.kind in ("offload", "move"):  # a move: compaction's device-to-device copy
                 out = [self._view(v.reads[0]).copy()]
             else:
                 tv = self.mg.graph.vertices[v.task]
