@@ -304,15 +304,40 @@ def check_budget_value(budget) -> int:
 
 def working_set(graph: TaskGraph) -> int:
     """The smallest budget (within 1%) that runs ``graph`` with no offload or reload: every
-    weight resident plus the peak of live activations, plus what placement loses to
-    fragmentation."""
-    total = sum(align(t.nbytes) for t in graph.tensors)
-    b = max(compile_memory_graph(graph, total, check_budget=False).peak_bytes)
-    while True:
-        mg = compile_memory_graph(graph, b, check_budget=False)
-        if mg.offloaded_bytes == 0 and mg.reloaded_bytes == 0:
-            return b
-        b = align(int(b * 1.01) + 1)
+    weight resident plus the peak of live activations (:func:`live_peak`), plus what placement
+    loses to fragmentation where compaction cannot open a hole.
+
+    The candidates are those a walk up from the live peak in 1% steps tries (``b`` then
+    ``align(int(b * 1.01) + 1)``); the first one that compiles with nothing moved to or from the
+    host is found by galloping (candidates 0, 1, 3, 7, ...) and then bisecting between the last
+    that moved bytes and the first that did not: O(log k) compiles for the k-th candidate, one
+    when the live peak itself is enough. That takes "nothing moved" to be monotone in the budget,
+    which compaction made it (Note [Compaction instead of eviction]; the walk itself is
+    ``tests/exec/test_working_set.py``'s reference, equal on every graph the tests use)."""
+    nbytes = [align(t.nbytes) for t in graph.tensors]
+    cands = [max(live_peak(graph, nbytes, tensor_uses(graph), graph.n_gpus))]
+
+    def candidate(i: int) -> int:
+        while len(cands) <= i:
+            cands.append(align(int(cands[-1] * 1.01) + 1))
+        return cands[i]
+
+    def fits(i: int) -> bool:
+        mg = compile_memory_graph(graph, candidate(i), check_budget=False)
+        return mg.offloaded_bytes == 0 and mg.reloaded_bytes == 0
+
+    if fits(0):
+        return cands[0]
+    bad, good = 0, 1
+    while not fits(good):  # gallop: 1, 3, 7, 15, ...
+        bad, good = good, 2 * good + 1
+    while good - bad > 1:  # invariant: candidate(bad) moves bytes, candidate(good) does not
+        mid = (bad + good) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return candidate(good)
 
 
 def recomputable_tensors(graph: TaskGraph, uses: list[list[int]], nbytes: list[int], budget: int) -> set[int]:
