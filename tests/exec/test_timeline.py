@@ -92,7 +92,9 @@ def test_schedule_figure_draws_every_span_in_its_lane_and_kind():
     be = SimBackend(values=random_train_values(tg, 0), numerics=False)
     execute(mg, be)
     kinds = {vertex_kind(mg, vid) for vid, *_ in be.spans}
-    assert kinds == set(KIND_COLORS)  # a full fine-tuning step under pressure does all five
+    # a full fine-tuning step under pressure does all five; compaction's moves happen only where
+    # the budget holds every live tensor
+    assert kinds == set(KIND_COLORS) - {"move"}
     ax = plot_schedule(mg, be.spans, title="one step")
     bars = ax.patches
     assert len(bars) == len(be.spans) and ax.get_title() == "one step"

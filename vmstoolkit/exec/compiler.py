@@ -20,6 +20,10 @@ With ``recompute=True``, an activation that is cheap to rerun from tensors live 
 dropped, and a compute vertex running its producer again (``MVertex.recompute``) rewrites it
 right before its next use. ``MemoryGraph.recomputed_flops`` sums the FLOPs so added.
 
+When a placement finds enough free bytes but no hole large enough and the budget holds every
+live tensor (:func:`live_peak`), resident tensors are moved aside on the device (``move``
+vertices) instead of evicted (Note [Compaction instead of eviction]).
+
 Vertex ids are the compile-time order, which is a topological order of the memory graph.
 
 Runtime complexity: O((V + E) log V) for the simulation, plus O(E * V / 64) word operations for
@@ -90,6 +94,55 @@ not the copies queued before (a queue-aware version, tried, issued earlier, held
 and moved up to 10% more bytes at a quarter: worse). A prefetched tensor may still be evicted
 before its use by a later placement (Belady sees it as any other tensor): a wasted copy, never a
 wrong graph. ``prefetch=False`` compiles exactly the graphs of before (``compiler_golden.json``).
+
+Note [Compaction instead of eviction]
+-------------------------------------
+Rationale. Issue 32: "no offload" was not monotone in the budget. Placement takes the oldest
+hole (:mod:`vmstoolkit.exec.region`), so the layout, and where it fragments, changes with every
+budget; a placement that found enough free bytes but no hole large enough evicted Belady's
+victims until one opened. On the tiny checkpoints' generation graphs (8 prompt tokens, 64 new)
+the victims were the tokens (graph outputs, used last) and the logits, dirty, so offloaded:
+400-590 bytes at some budgets up to 1.5x the unconstrained peak and none at others (llama-tied:
+none at 167,936, 400 at 171,520, none at 173,312). :func:`working_set` could only walk up in 1%
+steps (26-40 compiles, 5.5 of a 6.6 s ``vmstoolkit run generate``), since a bisection landed on
+a larger value on two of twenty graphs.
+
+Approach. On a GPU whose budget holds its :func:`live_peak` (every tensor live at once, computed
+from the liveness alone), such a placement compacts instead (:meth:`_Simulation.compact`): it
+chooses a window of the requested size, starting or ending where a free range does, that moves
+the fewest resident bytes, and moves every tensor overlapping it into the free ranges outside
+it (best fit, largest first). Each move is a ``move`` vertex on the compute stream, a
+device-to-device copy of one buffer into a new buffer of the same tensor that never overlaps the
+old one (its bytes are taken while the old ones are still held): it reads the old buffer (a data
+edge from its writer), writes the new one (reuse edges from the last accesses of the bytes it
+takes), and later readers read the new one; the old bytes' next occupant waits for the move as
+for any reader. So moves need nothing new from the race checker or the executors beyond the copy
+itself (the sim backend's view copy, the CUDA backend's device-to-device ``copy_to_device``).
+Buffers allocated but not written yet (the outputs of the vertex being placed) never move. At
+such a budget nothing is then evicted as long as every compaction succeeds: what is resident is
+exactly what is live, which the budget holds. Below the live peak evictions are needed anyway and
+Belady's choice stands as before (``compact=True`` compacts there too; not the default, its
+makespans not measured), so every graph compiled below its live peak is byte-identical to
+before (``compiler_golden.json``: no digest changed).
+
+Limitations. A move never overlaps its source, so compaction can fail when the free bytes barely
+exceed the request: ``tiny_llama()`` at exactly its live peak needs a 4096-byte hole with 4096
+bytes free in two pieces, 256 and 3840, every buffer between them larger than either; it then
+evicts as before (one weight reloaded, 32 KiB). Over every graph the tests use, from the live
+peak to 1.5x it in 1% steps, the bytes offloaded plus reloaded never grow with the budget
+(``tests/exec/test_budget_monotone.py``) and the working set is the live peak or one 1% step
+above it; that is checked, not proved. An overlapping move (a memmove) would close the gap but
+needs chunked copies or a staging buffer on the CUDA backend: not done.
+
+Figures (sim backend, ``CostModel.h200()``, no jitter, event-driven; every 1% step from the live
+peak to 1.5x it, 37-41 budgets per graph; makespan with compaction over without, at the same
+budget): the tiny checkpoints' 8/64 generation graphs 0.994-1.004 (llama-tied, qwen2, mistral;
+a move is launched like a copy, 30 us of host time: at 40 us, as a kernel, up to 1.008), their
+LoRA step 0.997-1.000, ``qwen2`` generating the fixture's tokens 0.987-1.009, 4-block LoRA
+0.998-1.013 (1.013 at the live peak itself, where one compaction failed), full 1.000-1.001;
+meanwhile nothing moves to or from the host at every budget from the (new) working set up,
+where before up to 0.9 GB did (4-block LoRA). The working sets shrink: the 8/64 generation
+graphs' by 13-24% (llama-tied 167,936 -> 127,744 bytes), 4-block LoRA's by 6%.
 """
 
 from __future__ import annotations
@@ -98,11 +151,12 @@ import contextlib
 import gc
 import heapq
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 from sortedcontainers import SortedDict
 
-from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError, InvalidGraphError
+from vmstoolkit.exec.errors import BudgetTooSmallError, InvalidBudgetError, InvalidGraphError, InvalidOptionError
 from vmstoolkit.exec.graph import TaskGraph, TensorKind
 from vmstoolkit.exec.region import OffsetAllocator
 
@@ -167,17 +221,17 @@ class MVertex:
     """A vertex of the memory graph: a task-graph operation, an offload or a reload."""
 
     id: int
-    kind: str  # "compute" | "offload" | "reload"
-    op: str  # task op name, "offload" or "reload"
+    kind: str  # "compute" | "offload" | "reload" | "move"
+    op: str  # task op name, "offload", "reload" or "move"
     name: str
     gpu: int
     stream: str  # one of STREAMS
     task: int  # task vertex id (compute) or -1
-    tensor: int  # tensor moved (offload/reload) or -1
+    tensor: int  # tensor copied (offload/reload/move) or -1
     reads: tuple[int, ...]  # buffer ids
     writes: tuple[int, ...]  # buffer ids
     flops: float = 0.0
-    nbytes: int = 0  # bytes copied (offload, reload, copy)
+    nbytes: int = 0  # bytes copied (offload, reload, move, copy)
     recompute: bool = False  # a compute vertex rerunning ``task`` to rewrite a dropped tensor
 
 
@@ -218,6 +272,12 @@ class MemoryGraph:
         return self.bytes_moved("reload")
 
     @property
+    def compacted_bytes(self) -> int:
+        """Bytes copied device to device by compaction's ``move`` vertices (Note [Compaction
+        instead of eviction]); not part of :meth:`summary`, whose keys the golden file pins."""
+        return self.bytes_moved("move")
+
+    @property
     def recomputed_flops(self) -> float:
         """FLOPs added by recomputation (0 unless compiled with ``recompute=True``)."""
         return sum(v.flops for v in self.vertices if v.recompute)
@@ -254,15 +314,40 @@ def check_budget_value(budget) -> int:
 
 def working_set(graph: TaskGraph) -> int:
     """The smallest budget (within 1%) that runs ``graph`` with no offload or reload: every
-    weight resident plus the peak of live activations, plus what placement loses to
-    fragmentation."""
-    total = sum(align(t.nbytes) for t in graph.tensors)
-    b = max(compile_memory_graph(graph, total, check_budget=False).peak_bytes)
-    while True:
-        mg = compile_memory_graph(graph, b, check_budget=False)
-        if mg.offloaded_bytes == 0 and mg.reloaded_bytes == 0:
-            return b
-        b = align(int(b * 1.01) + 1)
+    weight resident plus the peak of live activations (:func:`live_peak`), plus what placement
+    loses to fragmentation where compaction cannot open a hole.
+
+    The candidates are those a walk up from the live peak in 1% steps tries (``b`` then
+    ``align(int(b * 1.01) + 1)``); the first one that compiles with nothing moved to or from the
+    host is found by galloping (candidates 0, 1, 3, 7, ...) and then bisecting between the last
+    that moved bytes and the first that did not: O(log k) compiles for the k-th candidate, one
+    when the live peak itself is enough. That takes "nothing moved" to be monotone in the budget,
+    which compaction made it (Note [Compaction instead of eviction]; the walk itself is
+    ``tests/exec/test_working_set.py``'s reference, equal on every graph the tests use)."""
+    nbytes = [align(t.nbytes) for t in graph.tensors]
+    cands = [max(live_peak(graph, nbytes, tensor_uses(graph), graph.n_gpus))]
+
+    def candidate(i: int) -> int:
+        while len(cands) <= i:
+            cands.append(align(int(cands[-1] * 1.01) + 1))
+        return cands[i]
+
+    def fits(i: int) -> bool:
+        mg = compile_memory_graph(graph, candidate(i), check_budget=False)
+        return mg.offloaded_bytes == 0 and mg.reloaded_bytes == 0
+
+    if fits(0):
+        return cands[0]
+    bad, good = 0, 1
+    while not fits(good):  # gallop: 1, 3, 7, 15, ...
+        bad, good = good, 2 * good + 1
+    while good - bad > 1:  # invariant: candidate(bad) moves bytes, candidate(good) does not
+        mid = (bad + good) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return candidate(good)
 
 
 def recomputable_tensors(graph: TaskGraph, uses: list[list[int]], nbytes: list[int], budget: int) -> set[int]:
@@ -295,9 +380,36 @@ def recomputable_tensors(graph: TaskGraph, uses: list[list[int]], nbytes: list[i
     return out
 
 
+def live_peak(graph: TaskGraph, nbytes: list[int], uses: list[list[int]], n_gpus: int) -> list[int]:
+    """Per GPU, the most bytes resident at once when nothing is ever evicted: every weight and
+    input with a use from the start until its last use, every activation from its producer until
+    its last use (the unconstrained compile's ``peak_bytes``, without compiling). A budget of at
+    least this holds everything live at every step, so whatever the compiler evicts there it
+    evicts for fragmentation alone. O(V + E)."""
+    tgpu = [t.gpu for t in graph.tensors]
+    used = [0] * n_gpus
+    for t in graph.tensors:
+        if t.kind is not TensorKind.ACTIVATION and uses[t.id]:
+            used[t.gpu] += nbytes[t.id]
+    peak = list(used)
+    left = [len(u) for u in uses]
+    for v in graph.vertices:
+        for t in v.outputs:
+            used[tgpu[t]] += nbytes[t]
+            peak[tgpu[t]] = max(peak[tgpu[t]], used[tgpu[t]])
+        for t in dict.fromkeys(v.inputs):
+            left[t] -= 1
+            if left[t] == 0:
+                used[tgpu[t]] -= nbytes[t]
+        for t in v.outputs:
+            if not uses[t]:
+                used[tgpu[t]] -= nbytes[t]
+    return peak
+
+
 def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = None, *,
                          preload: bool = True, check_budget: bool = True, recompute: bool = False,
-                         prefetch: bool = True) -> MemoryGraph:
+                         prefetch: bool = True, compact: bool | None = None) -> MemoryGraph:
     """Compile ``graph`` for ``n_gpus`` GPUs (default: the graph's own) of ``budget`` bytes each.
 
     With ``preload``, weights and inputs are placed on the GPU before the run, in order of first
@@ -306,7 +418,10 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
     With ``recompute``, evicted :func:`recomputable_tensors` are dropped instead of offloaded and
     their producer rerun before the next use (module docstring). With ``prefetch`` (default),
     reloads are issued an estimated copy-length ahead of their use where room allows (Note
-    [Prefetch by need time]); ``prefetch=False`` reloads right before each use.
+    [Prefetch by need time]); ``prefetch=False`` reloads right before each use. ``compact``:
+    when a placement finds enough free bytes but no hole large enough, move resident tensors
+    aside on the device instead of evicting (Note [Compaction instead of eviction]); None (the
+    default) on each GPU whose budget holds its :func:`live_peak`, True on every GPU, False never.
     Raises :class:`BudgetTooSmallError` when one vertex alone does not fit, and
     :class:`InvalidBudgetError` for a budget that is not a positive whole number of bytes.
 
@@ -317,6 +432,8 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
     insertion, data and reuse edges), and :meth:`~_Simulation.memory_graph` (transitive reduction).
     """
     budget = check_budget_value(budget)
+    if compact not in (None, True, False):
+        raise InvalidOptionError(f"compact={compact!r}: must be True, False or None (where the budget holds the live peak)")
     n_gpus = graph.n_gpus if n_gpus is None else n_gpus
     if graph.n_gpus > n_gpus:
         raise InvalidGraphError(f"graph uses {graph.n_gpus} GPUs, compiling for {n_gpus}")
@@ -327,7 +444,11 @@ def compile_memory_graph(graph: TaskGraph, budget: int, n_gpus: int | None = Non
     with _cyclic_gc_paused():
         uses = tensor_uses(graph)
         recomputable = recomputable_tensors(graph, uses, nbytes, budget) if recompute else set()
-        sim = _Simulation(graph, budget, n_gpus, nbytes, uses, recomputable, reserve)
+        if compact is None:
+            compacting = [budget >= p for p in live_peak(graph, nbytes, uses, n_gpus)]
+        else:
+            compacting = [compact] * n_gpus
+        sim = _Simulation(graph, budget, n_gpus, nbytes, uses, recomputable, reserve, compacting)
         if prefetch:
             sim.plan_prefetch()
         if preload:
@@ -411,7 +532,7 @@ class _Simulation:
     """
 
     def __init__(self, graph: TaskGraph, budget: int, n_gpus: int, nbytes: list[int], uses: list[list[int]],
-                 recomputable: set[int], reserve: list[int]):
+                 recomputable: set[int], reserve: list[int], compacting: list[bool] | None = None):
         self.graph, self.budget, self.n_gpus = graph, budget, n_gpus
         self.tensors, self.tverts = graph.tensors, graph.vertices
         self.n = len(graph.vertices)
@@ -433,6 +554,8 @@ class _Simulation:
         self.pending_reuse: dict[int, list[int]] = {}  # buffer id -> vertices that must precede its writer
         self.preloaded: list[int] = []
         self.prefetch_heap: list | None = None  # set by plan_prefetch
+        self.compacting = compacting or [False] * n_gpus  # per GPU: compact instead of evicting
+        self.unwritten: set[int] = set()  # buffers allocated whose writer is not emitted yet: never moved
 
     # -- prefetch (Note [Prefetch by need time]) ------------------------------------------------
 
@@ -537,6 +660,9 @@ class _Simulation:
         off = a.allocate(size)
         stash = []
         while off is None:
+            if self.compacting[gpu] and a.used + size <= a.size and self.compact(gpu, size):
+                off = a.allocate(size)
+                break
             victim = self.pop_victim(gpu, pinned, stash)
             if victim is not None and until is not None and self.next_use(victim) <= until:
                 stash.append((-self.next_use(victim), victim))
@@ -551,15 +677,80 @@ class _Simulation:
             off = a.allocate(size)
         for item in stash:
             heapq.heappush(self.heaps[gpu], item)
+        bid = self.add_buffer(t, gpu, off, size)
+        self.resident[t] = bid
+        heapq.heappush(self.heaps[gpu], (-self.next_use(t), t))
+        return bid
+
+    def add_buffer(self, t: int, gpu: int, off: int, size: int) -> int:
+        """A new, not yet written buffer of ``t`` at ``off``, and the last accesses of the older
+        buffers there that its writer must wait for."""
         bid = len(self.buffers)
         self.buffers.append(Buffer(bid, t, gpu, off, size, -1))
         must = []
         for ob in self.occupy(gpu, off, size, bid):
             must.extend(self.buffers[ob].last_accesses())
         self.pending_reuse[bid] = must
-        self.resident[t] = bid
-        heapq.heappush(self.heaps[gpu], (-self.next_use(t), t))
+        self.unwritten.add(bid)
         return bid
+
+    # -- compaction (Note [Compaction instead of eviction]) -------------------------------------
+
+    def compact(self, gpu: int, size: int) -> bool:
+        """Open a hole of ``size`` bytes on ``gpu`` by moving resident tensors, each into a free
+        range outside the window it leaves (never overlapping its old bytes), with ``move``
+        vertices; False, and nothing done, when no window can be emptied so. The window: among
+        those starting or ending where a free range does, the one whose emptying moves the fewest
+        bytes (then the lowest) among those whose tensors fit in the free ranges left outside it
+        (best fit, largest first). Buffers not written yet (outputs being placed) stay put.
+        O(H (log R + k) + tries * k H): H free ranges, R resident tensors, k moved per window."""
+        a = self.alloc[gpu]
+        holes = a.holes()
+        buffers = self.buffers
+        bufs = sorted((buffers[bid].offset, bid) for t, bid in self.resident.items() if self.tgpu[t] == gpu)
+        offs = [o for o, _ in bufs]
+        starts = set()
+        for o, s in holes:
+            if o + size <= a.size:
+                starts.add(o)
+            if o + s >= size:
+                starts.add(o + s - size)
+        scored = []
+        for lo in starts:
+            hi = lo + size
+            j = max(bisect_right(offs, lo) - 1, 0)
+            moved, cost = [], 0
+            while j < len(bufs) and bufs[j][0] < hi:
+                b = buffers[bufs[j][1]]
+                if b.offset + b.size > lo:
+                    if b.id in self.unwritten:
+                        break
+                    moved.append(b.id)
+                    cost += b.size
+                j += 1
+            else:
+                scored.append((cost, lo, moved))
+        scored.sort(key=lambda c: c[:2])
+        for _, lo, moved in scored:
+            plan = _pack_outside(holes, lo, lo + size, [(buffers[b].size, b) for b in moved])
+            if plan is not None:
+                for bid, dest in plan:
+                    self.move(bid, dest)
+                return True
+        return False
+
+    def move(self, bid: int, dest: int) -> None:
+        """Copy resident buffer ``bid`` to the free bytes at ``dest`` on its GPU (a ``move``
+        vertex on the compute stream: it reads the old buffer, writes the new one, so the old
+        one's next occupant waits for it) and give the old bytes back."""
+        b = self.buffers[bid]
+        t, gpu = b.tensor, b.gpu
+        self.alloc[gpu].allocate_at(dest, b.size)
+        nb = self.add_buffer(t, gpu, dest, b.size)
+        self.resident[t] = nb
+        self.emit("move", "move", f"move {self.tensors[t].name}", gpu, "compute", -1, t, [bid], [nb],
+                  nb=self.tensors[t].nbytes)
+        self.alloc[gpu].free(b.offset, len(self.vertices))
 
     def pop_victim(self, gpu: int, pinned: set[int], stash: list) -> int | None:
         """Belady: the resident tensor of ``gpu`` whose next use is furthest away, skipping stale
@@ -613,6 +804,7 @@ class _Simulation:
                 kinds[(u, vid)] = "data"
         for b in writes:
             buffers[b].writer = vid
+            self.unwritten.discard(b)
             for u in self.pending_reuse.pop(b):
                 ps.add(u)
                 kinds[(u, vid)] = "data+reuse" if kinds.get((u, vid)) == "data" else "reuse"
@@ -637,6 +829,7 @@ class _Simulation:
                 continue
             bid = self.new_buffer(t, set())
             self.pending_reuse.pop(bid)
+            self.unwritten.discard(bid)  # filled before the run
             self.preloaded.append(bid)
 
     def reload(self, t: int, pinned: set[int]) -> None:
@@ -686,6 +879,7 @@ class _Simulation:
                     bid = self.resident.pop(t)
                     b = self.buffers[bid]
                     b.writer, b.inherited = -2, self.pending_reuse.pop(bid)
+                    self.unwritten.discard(bid)
                     self.alloc[b.gpu].free(b.offset, len(self.vertices))
             for t in [t for t in self.resident if self.tgpu[t] == e.gpu]:
                 self.evict(t)
@@ -717,6 +911,31 @@ class _Simulation:
         return MemoryGraph(self.graph, self.budget, self.n_gpus, self.vertices, self.buffers, reduced, self.preloaded,
                            output_location, [a.peak for a in self.alloc], edges_before,
                            {e: k for e, k in self.kinds.items() if e in kept})
+
+
+def _pack_outside(holes: list[tuple[int, int]], lo: int, hi: int, items: list[tuple[int, int]]):
+    """Destinations for ``items`` (``(size, buffer id)``) in the free ranges ``holes`` less the
+    window ``[lo, hi)``: largest first, each in the smallest range it fits (then the lowest), at
+    that range's low end. A list of ``(buffer id, offset)``, or None when one does not fit."""
+    free = []
+    for o, s in holes:
+        if o < lo:
+            free.append([o, min(o + s, lo) - o])
+        if o + s > hi:
+            start = max(o, hi)
+            free.append([start, o + s - start])
+    plan = []
+    for size, bid in sorted(items, key=lambda i: (-i[0], i[1])):
+        best = None
+        for f in free:
+            if f[1] >= size and (best is None or (f[1], f[0]) < (best[1], best[0])):
+                best = f
+        if best is None:
+            return None
+        plan.append((bid, best[0]))
+        best[0] += size
+        best[1] -= size
+    return plan
 
 
 def transitive_reduction(preds: list) -> list[list[int]]:

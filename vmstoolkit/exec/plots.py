@@ -11,7 +11,8 @@ not. (The makespan-against-budget figure is :func:`vmstoolkit.exec.experiment.pl
 from __future__ import annotations
 
 KIND_COLORS = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green",
-               "offload": "tab:red", "reload": "tab:purple"}
+               "offload": "tab:red", "reload": "tab:purple",
+               "move": "tab:brown"}
 BACKWARD_OPS = frozenset({"linear_dx", "linear_dw", "rmsnorm_dx", "rmsnorm_dw", "rope_backward",
                           "attention_backward", "swiglu_backward"})
 OPTIMIZER_OPS = frozenset({"adamw"})
@@ -19,7 +20,7 @@ STREAM_LANES = ("d2h", "h2d", "compute")  # bottom to top within a GPU
 
 
 def vertex_kind(mg, vid: int) -> str:
-    """What memory-graph vertex ``vid`` does: ``offload``, ``reload``, or a compute vertex's
+    """What memory-graph vertex ``vid`` does: ``offload``, ``reload``, ``move``, or a compute vertex's
     ``forward``, ``backward`` (the backward ops, and vertices named ``.dx``, ``.dh`` or ``.back``)
     or ``optimizer``."""
     v = mg.vertices[vid]

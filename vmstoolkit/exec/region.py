@@ -183,6 +183,29 @@ class OffsetAllocator:
         self.peak = max(self.peak, self.used)
         return off
 
+    def allocate_at(self, off: int, size: int) -> None:
+        """Take the ``size`` bytes at ``off``, which must lie inside one free range (a compaction
+        choosing its destinations itself); the range's remainders keep its time. O(log n + log T)."""
+        i = self._by_off.bisect_right(off) - 1
+        start, (sz, t) = self._by_off.peekitem(i)
+        if not (start <= off and off + size <= start + sz):
+            raise AssertionError(f"[{off}, {off + size}) is not free")
+        del self._by_off[start]
+        left, right = off - start, start + sz - (off + size)
+        self._fit.update(((t, sz, start),), (t, left, start) if left else None)
+        if left:
+            self._by_off[start] = (left, t)
+        if right:
+            self._fit.add(t, right, off + size)
+            self._by_off[off + size] = (right, t)
+        self._used[off] = size
+        self.used += size
+        self.peak = max(self.peak, self.used)
+
+    def holes(self):
+        """The free ranges as ``(offset, size)``, lowest first."""
+        return [(o, s) for o, (s, _) in self._by_off.items()]
+
     def free(self, off: int, when: int = 0) -> None:
         """Give back the range allocated at ``off``, freed at time ``when`` (an integer of at
         least -1, usually the number of vertices emitted so far); it merges with free neighbours

@@ -268,6 +268,8 @@ class CudaBackend:
                 self.view(v.writes[0]).copy_to_device(self._host[v.tensor], stream=s)
             elif v.kind == "offload":
                 self.view(v.reads[0]).copy_to_host(self._host[v.tensor], stream=s)
+            elif v.kind == "move":  # compaction: device to device, never overlapping (compiler.py)
+                self.view(v.writes[0]).copy_to_device(self.view(v.reads[0]), stream=s)
             else:
                 tv = self.mg.graph.vertices[v.task]
                 n_in = len(tv.inputs)
@@ -518,8 +520,9 @@ def measure_lower_bound(mg, values) -> dict:
     compute, bw, per_vertex = _LB_CACHE[mg.graph]
     h2d = max(mg.bytes_moved("reload", g) for g in range(mg.n_gpus)) / bw["h2d"]
     d2h = max(mg.bytes_moved("offload", g) for g in range(mg.n_gpus)) / bw["d2h"]
+    # a move (compaction's device copy) is not measured: counted as free, the bound stays a bound
     durations = [v.nbytes / bw["h2d"] if v.kind == "reload" else v.nbytes / bw["d2h"] if v.kind == "offload"
-                 else per_vertex[v.task] for v in mg.vertices]
+                 else 0.0 if v.kind == "move" else per_vertex[v.task] for v in mg.vertices]
     prec = precedence_bound(mg, durations)
     prec_s = None if prec is None else prec[0]
     resource = max(compute, h2d, d2h)

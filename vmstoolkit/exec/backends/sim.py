@@ -67,12 +67,13 @@ class CostModel:
         launch of our Numba kernels 70-225 us of host time (``gemm-h200/run8``: planning, the
         alignment checks, Numba's dispatch; 150 us here); the other kernels and copies are
         estimates (Numba's dispatch plus the CUDA backend's views, event and future): 40 and
-        30 us, a completion seen 30 us after it. The GEMM rate is cuBLAS's 46 TFLOP/s at 90%
+        30 us (a ``move``, compaction's device-to-device copy, is a copy too), a completion seen
+        30 us after it. The GEMM rate is cuBLAS's 46 TFLOP/s at 90%
         (our variant 13 reaches 86-94%, ``gemm-h200/run8``)."""
         gemm = 150e-6
         base = cls(flops_per_s=41e12, h2d_bytes_per_s=54e9, d2h_bytes_per_s=54e9, launch_s=40e-6, notify_s=30e-6,
                    launch_s_by_op=(("linear", gemm), ("linear_dx", gemm), ("linear_dw", gemm),
-                                   ("reload", 30e-6), ("offload", 30e-6)))
+                                   ("reload", 30e-6), ("offload", 30e-6), ("move", 30e-6)))
         return replace(base, **changes)
 
     def launch_cost(self, v) -> float:
@@ -246,7 +247,7 @@ class SimBackend:
         if kind == "start":  # read inputs now
             if v.kind == "reload":
                 out = [self.host[v.tensor].copy()]
-            elif v.kind == "offload":
+            elif v.kind in ("offload", "move"):  # a move: compaction's device-to-device copy
                 out = [self._view(v.reads[0]).copy()]
             else:
                 tv = self.mg.graph.vertices[v.task]
