@@ -36,14 +36,21 @@ def install() -> bool:
 
     # The numpy constructor that the stock cast_python_value calls, for the integer and real types
     # whose cast is the stock one (``getattr(np, self.name)(value)``)
-    direct = {ty: getattr(np, ty.name) for ty in (*types.integer_domain, *types.real_domain)
-              if type(ty).cast_python_value in (scalars.Integer.cast_python_value, scalars.Float.cast_python_value)}
+    # Keyed by the type's id, not the type: a numba type hashes through a Python-level __hash__
+    # and its ``key`` property, which on the GEMM tests' millions of casts cost more than the
+    # rest of the call. The types are interned and held here (``kept``), so their ids stay theirs.
+    kept = [ty for ty in (*types.integer_domain, *types.real_domain)
+            if type(ty).cast_python_value in (scalars.Integer.cast_python_value, scalars.Float.cast_python_value)]
+    direct = {id(ty): getattr(np, ty.name) for ty in kept}
+    direct_get, plain = direct.get, _PLAIN
 
     def __call__(self, *args):
-        if len(args) == 1 and type(args[0]) in _PLAIN:
-            f = direct.get(self)
+        if len(args) == 1 and type(args[0]) in plain:
+            f = direct_get(id(self))
             return f(args[0]) if f is not None else self.cast_python_value(args[0])
         return stock(self, *args)
+
+    __call__._vmstoolkit_kept = kept
 
     t.__call__ = __call__
     t._vmstoolkit_casts, t._vmstoolkit_stock_call = True, stock

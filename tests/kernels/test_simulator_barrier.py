@@ -102,3 +102,32 @@ def test_device_functions_of_the_kernels_module_and_of_another_see_the_simulated
 
     real = sys.modules["numba.cuda"]
     assert globals()["cuda"] is real and other["cuda"] is real
+
+
+def test_shared_arrays_are_keyed_by_the_calling_line_as_the_stock_ones():
+    """tests/cudasim_shared.py: the arrays come back keyed by the same (file, line) as the stock
+    method's (the same line: one array, whatever the thread; two lines: two), and dynamic shared
+    memory and the alignment refusal are the stock method's."""
+    from numba import float32
+    from numba.cuda.simulator import kernelapi as K
+
+    assert getattr(K.FakeCUDAShared, "_vmstoolkit_shared", False)
+    stock = K.FakeCUDAShared._vmstoolkit_stock_array
+    fast, ref = K.FakeCUDAShared(64), K.FakeCUDAShared(64)
+
+    def two_lines(s, array):
+        a = array(s, (2, 3), float32)
+        b = array(s, 4, np.int32)
+        return a, b
+
+    got = [two_lines(fast, K.FakeCUDAShared.array) for _ in range(3)]
+    want = two_lines(ref, stock)
+    assert all(g[0] is got[0][0] and g[1] is got[0][1] for g in got) and got[0][0] is not got[0][1]
+    assert [k[1] for k in fast._allocations] == [k[1] for k in ref._allocations]  # the same lines
+    assert {k[0] for k in fast._allocations} == {k[0] for k in ref._allocations} == {__file__}
+    for g, w in zip(got[0], want):
+        assert (g.shape, g.dtype) == (w.shape, w.dtype)
+    dyn = fast.array(0, np.dtype(np.float32))
+    assert dyn.shape == (16,) and dyn.base is not None
+    with pytest.raises(RuntimeError, match="alignment"):
+        fast.array((4,), np.float32, alignment=16)
