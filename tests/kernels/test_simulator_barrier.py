@@ -131,3 +131,37 @@ def test_shared_arrays_are_keyed_by_the_calling_line_as_the_stock_ones():
     assert dyn.shape == (16,) and dyn.base is not None
     with pytest.raises(RuntimeError, match="alignment"):
         fast.array((4,), np.float32, alignment=16)
+
+
+def test_threads_run_block_after_block_and_a_failed_blocks_threads_are_not_reused():
+    """tests/cudasim_barrier.py keeps a block shape's threads: every block of a launch, and the
+    next launch, runs on the same threads, each block with its own blockIdx; after a thread's
+    exception that block's threads are retired and the next launch starts new ones."""
+    import threading
+
+    seen = []
+
+    @cuda.jit
+    def where(out, fail_at):
+        i, b = cuda.threadIdx.x, cuda.blockIdx.x
+        seen.append((b, i, threading.current_thread()))
+        cuda.syncthreads()
+        if b == fail_at and i == 1:
+            out[100, 0] = 1  # out of bounds
+        out[b, i] = b * 10 + i
+
+    def launch(fail_at=-1):
+        seen.clear()
+        out = np.zeros((3, 5), np.int32)
+        where[3, 5](out, fail_at)
+        assert out.tolist() == [[b * 10 + i for i in range(5)] for b in range(3)]
+        return {(b, i): t for b, i, t in seen}
+
+    first = launch()
+    assert len(first) == 15 and len(set(first.values())) == 5
+    assert all(first[b, i] == first[0, i] for b in range(3) for i in range(5))
+    assert launch() == first
+    with pytest.raises(IndexError, match=r"tid=\[1, 0, 0\] ctaid=\[1, 0, 0\]"):
+        where[3, 5](np.zeros((3, 5), np.int32), 1)
+    after = launch()
+    assert not {id(t) for t in after.values()} & {id(t) for t in first.values()}  # first's still referenced
