@@ -2,6 +2,8 @@
 barrier, early-exiting threads, the counting barriers and a thread's exception behave as the
 stock simulator's. Every kernel test runs on it too."""
 
+import sys
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -165,3 +167,24 @@ def test_threads_run_block_after_block_and_a_failed_blocks_threads_are_not_reuse
         where[3, 5](np.zeros((3, 5), np.int32), 1)
     after = launch()
     assert not {id(t) for t in after.values()} & {id(t) for t in first.values()}  # first's still referenced
+
+
+def test_a_launched_modules_scalar_types_are_numpys_constructors_for_the_launch():
+    """tests/cudasim_casts.py: while a module's kernel runs, its ``float32``/``uint64``/``int32``
+    globals are the numpy constructors that the stock casts return from (same values, same
+    types), its other globals untouched; after the launch they are numba's types again."""
+    import numba
+
+    mod = {"seen": []}
+    exec("from numba import cuda, float32, uint64, int32, boolean\n"
+         "@cuda.jit\n"
+         "def k(out):\n"
+         "    seen.append((float32, uint64, int32, boolean))\n"
+         "    i = cuda.threadIdx.x\n"
+         "    out[i] = float32(2.5) * float32(uint64(i) + int32(1))\n", mod)
+    out = np.zeros(3, np.float32)
+    mod["k"][1, 3](out)
+    assert out.tolist() == [2.5, 5.0, 7.5]
+    assert set(mod["seen"]) == {(np.float32, np.uint64, np.int32, numba.boolean)}
+    assert (mod["float32"], mod["uint64"], mod["int32"]) == (numba.float32, numba.uint64, numba.int32)
+    assert mod["cuda"] is sys.modules["numba.cuda"]
