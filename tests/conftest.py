@@ -37,6 +37,37 @@ def traces_dir() -> Path:
     return TRACES
 
 
+_BUNDLED: dict = {}
+
+
+@pytest.fixture(scope="session")
+def bundled_trace():
+    """:func:`_bundled_trace`."""
+    return _bundled_trace
+
+
+def _bundled_trace(path):
+    """``load_trace(path)`` of a bundled trace, loaded once a process (each load of the LoRA trace
+    costs about 0.25 s of CPU, and some 30 tests replay the bundled traces). A :class:`Trace` is
+    frozen; its event columns are made read-only here, so a test or replay that wrote into a
+    shared one would fail rather than change what the next test reads. For a test of loading
+    itself, call ``load_trace``."""
+    import numpy as np
+
+    from vmstoolkit.trace import load_trace
+
+    key = Path(path).resolve()
+    assert key.parent.name == "traces" and key.parent.parent.name == "data", f"{path} is not a bundled trace"
+    t = _BUNDLED.get(key)
+    if t is None:
+        t = _BUNDLED[key] = load_trace(key)
+        for name in ("action", "addr", "size", "stream", "time_us"):
+            col = getattr(t.events, name, None)
+            if isinstance(col, np.ndarray):
+                col.flags.writeable = False
+    return t
+
+
 def _warm_compiled_code() -> None:
     """Compile (or load from the user cache) the package's disk-cached compiled functions once,
     before any test and before pytest-xdist starts its workers, so that no worker, subprocess or
