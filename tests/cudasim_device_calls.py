@@ -9,7 +9,9 @@ itself holds that module swapped for the whole launch, so each such call only ta
 moves the count up and back: profiled on the fp32 GEMM tests, about a fifth of the kernel
 threads' time. :func:`install` calls those functions directly; a device function of another
 module (``kernels/_mma.py``'s, say) still goes through the stock path, as does everything
-outside a launch. Without the expected internals nothing is replaced.
+outside a launch. Those that a launched kernel closes over (the GEMM's, made in a factory) are
+not even called through ``FakeCUDAKernel.__call__`` during its launch: the closure cells hold
+the Python functions until it ends. Without the expected internals nothing is replaced.
 """
 
 from __future__ import annotations
@@ -35,11 +37,39 @@ def install() -> bool:
                 return self.fn(*args)
             return stock(self, *args)
         held.append(id(self.fn.__globals__))
+        swapped = _bypass_same_module_device_functions(fk, self.fn)
         try:
             return stock(self, *args)
         finally:
+            for cell, v in swapped:
+                cell.cell_contents = v
             held.pop()
 
     fk.__call__ = __call__
     fk._vmstoolkit_device_calls = True
     return True
+
+
+def _bypass_same_module_device_functions(fk, kernel_fn) -> list:
+    """For one launch: every closure cell reachable from the kernel (through the device functions
+    it closes over, as ``make_gemm``'s kernels do) that holds a device function of the kernel's
+    own module is set to that function's Python function, which is what the call above would
+    run; returns the (cell, device function) pairs to put back. A device function reached
+    through a module global, or one of another module, is left to the call above."""
+    g = kernel_fn.__globals__
+    swapped, seen, todo = [], set(), [kernel_fn]
+    while todo:
+        f = todo.pop()
+        for cell in getattr(f, "__closure__", None) or ():
+            if id(cell) in seen:
+                continue
+            seen.add(id(cell))
+            try:
+                v = cell.cell_contents
+            except ValueError:  # not yet bound
+                continue
+            if type(v) is fk and v._device and v.fn.__globals__ is g:
+                swapped.append((cell, v))
+                cell.cell_contents = v.fn
+                todo.append(v.fn)
+    return swapped

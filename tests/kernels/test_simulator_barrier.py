@@ -188,3 +188,40 @@ def test_a_launched_modules_scalar_types_are_numpys_constructors_for_the_launch(
     assert set(mod["seen"]) == {(np.float32, np.uint64, np.int32, numba.boolean)}
     assert (mod["float32"], mod["uint64"], mod["int32"]) == (numba.float32, numba.uint64, numba.int32)
     assert mod["cuda"] is sys.modules["numba.cuda"]
+
+
+def test_device_functions_a_kernel_closes_over_are_its_python_functions_for_the_launch():
+    """tests/cudasim_device_calls.py: device functions made in a factory beside the kernel (as
+    make_gemm's) are reached through closure cells; for the launch those cells hold the Python
+    functions (what the direct call would run), nested ones too, and afterwards the device
+    functions again."""
+    from numba.cuda.simulator import kernel as K
+
+    seen = []
+
+    def make():
+        @cuda.jit(device=True)
+        def inner(i):
+            return cuda.threadIdx.x + i
+
+        @cuda.jit(device=True)
+        def outer(i):
+            seen.append((type(inner), type(outer_ref[0])))
+            return inner(i) * 2
+
+        outer_ref = [outer]
+
+        @cuda.jit
+        def k(out):
+            out[cuda.threadIdx.x] = outer(1)
+
+        return k, inner, outer
+
+    k, inner, outer = make()
+    out = np.zeros(4, np.int32)
+    k[1, 4](out)
+    assert out.tolist() == [2, 4, 6, 8]
+    assert set(seen) == {(type(inner.py_func), K.FakeCUDAKernel)}  # cells swapped, a list's item not
+    cells = [c.cell_contents for f in (k.py_func, outer.py_func) for c in f.__closure__]
+    assert any(v is inner for v in cells) and any(v is outer for v in cells)
+    assert not any(v is inner.py_func or v is outer.py_func for v in cells)  # put back
