@@ -95,11 +95,12 @@ def _simulator_without_busy_wait() -> None:
     """The CUDA simulator's blocks scheduled by a condition variable instead of its polling loop
     (``tests/cudasim_barrier.py``: the kernel tests' CPU time about halved), and Numba's scalar
     casts without their per-call import (``tests/cudasim_casts.py``), shared arrays without a
-    traceback per call (``tests/cudasim_shared.py``); the simulation itself
+    traceback per call (``tests/cudasim_shared.py``), in-kernel indexing without the wrappers'
+    calls (``tests/cudasim_arrays.py``); the simulation itself
     unchanged (checked by ``tests/kernels/test_simulator_barrier.py``)."""
     import importlib.util
 
-    for name in ("cudasim_barrier", "cudasim_casts", "cudasim_device_calls", "cudasim_shared"):
+    for name in ("cudasim_barrier", "cudasim_casts", "cudasim_device_calls", "cudasim_shared", "cudasim_arrays"):
         spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

@@ -225,3 +225,30 @@ def test_device_functions_a_kernel_closes_over_are_its_python_functions_for_the_
     cells = [c.cell_contents for f in (k.py_func, outer.py_func) for c in f.__closure__]
     assert any(v is inner for v in cells) and any(v is outer for v in cells)
     assert not any(v is inner.py_func or v is outer.py_func for v in cells)  # put back
+
+
+def test_in_kernel_indexing_gives_what_the_stock_wrappers_give():
+    """tests/cudasim_arrays.py: elements, rows, slices and records read and written through the
+    in-kernel array as through the stock wrappers: the same values and types, writes landing."""
+    from numba.cuda.simulator.cudadrv import devicearray as D
+
+    W = D.FakeWithinKernelCUDAArray
+    assert getattr(W, "_vmstoolkit_arrays", False)
+    stock_get, stock_set = W._vmstoolkit_stock
+    rec = np.zeros(3, dtype=[("a", np.int32), ("b", np.float32)])
+    for base in (np.arange(24, dtype=np.float32).reshape(4, 6), rec):
+        fast, ref = W(D.FakeCUDAArray(base.copy(), stream=5)), W(D.FakeCUDAArray(base.copy(), stream=5))
+        for idx in ((1, 2), 1, (slice(1, 3), 2), -1, (Ellipsis,), 0) if base.ndim == 2 else (0, 2, slice(0, 2)):
+            got, want = fast[idx], stock_get(ref, idx)
+            assert type(got) is type(want)
+            if isinstance(got, W):
+                assert type(got._item) is D.FakeCUDAArray and got._item.stream == want._item.stream == 5
+                got, want = got._item._ary, want._item._ary
+            assert np.array_equal(got, want) and np.asarray(got).dtype == np.asarray(want).dtype
+        i = (2, 3) if base.ndim == 2 else 1
+        v = np.float32(7) if base.ndim == 2 else (4, 2.5)
+        fast[i] = v
+        stock_set(ref, i, v)
+        assert np.array_equal(fast._item._ary, ref._item._ary)
+    with pytest.raises(IndexError):
+        W(D.FakeCUDAArray(np.zeros(3)))[5]
