@@ -13,7 +13,9 @@ paid 40 ms before running a line of the kernel).
 pools, the last used ones): each runs the blocks of a launch one after another, as the stock
 manager runs them, one block at a time, its ``blockIdx`` set for each. The barrier is a count
 under a lock: the thread that makes every live thread of the block blocked (by entering
-``syncthreads()`` or by ending) releases them all at once, the stock rule. A thread's exception
+``syncthreads()`` or by ending) releases them all, the stock rule (woken one after another, each
+waking the next, rather than all at once into a fight for the GIL: on the bf16 kernels'
+barrier-heavy warp exchanges that fight was most of their system CPU time). A thread's exception
 is raised the stock way (named ``tid=[...] ctaid=[...]``, with its traceback), the other threads
 of the block aborted and not joined; that pool is then retired. Everything else is the
 simulator's own: the same ``BlockThread`` class (``threadIdx``, ``thread_id``,
@@ -59,6 +61,7 @@ def install() -> bool:
             self._bar = allocate_lock()  # held: released to let the thread past a barrier
             self._bar.acquire()
             self._job = None
+            self._next = None  # the thread this one wakes after a barrier, if any
             self._retire = False
 
         def run(self):
@@ -99,19 +102,27 @@ def install() -> bool:
                 self.syncthreads_blocked = True
                 release = m._take_blocked_if_all()
             if release:
-                for t in release:
-                    t._bar.release()
+                release._bar.release()
             self._bar.acquire()
+            nxt = self._next
+            if nxt is not None:  # wake the next thread of the released chain
+                self._next = None
+                nxt._bar.release()
             if self.abort:
                 raise RuntimeError(_CLEAR_ABORT)
 
     def take_blocked_if_all(self):
-        """Under ``_lock``: the blocked threads, taken, if they are all the live ones."""
+        """Under ``_lock``: if the blocked threads are all the live ones, take them, chained: the
+        first of the chain is returned, to be woken, and each one woken wakes the next (one thread
+        waking at a time, not a block's worth at once contending for the GIL)."""
         if self._blocked and len(self._blocked) == self._live:
             release, self._blocked = self._blocked, []
             for t in release:
                 t.syncthreads_blocked = False
-            return release
+            for a, b in zip(release, release[1:]):
+                a._next = b
+            release[-1]._next = None
+            return release[0]
         return None
 
     def thread_done(self, t):
@@ -128,8 +139,7 @@ def install() -> bool:
         if wake:
             self._done.release()
         elif release:
-            for other in release:
-                other._bar.release()
+            release._bar.release()
 
     def pool_for(manager):
         key = tuple(manager._block_dim)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+_ABSENT = object()  # by_id.get default that no global is
 _PLAIN = frozenset({int, float, bool, *(np.dtype(c).type for c in "bBhHiIlLqQefdg?")})
 
 
@@ -92,7 +93,7 @@ def _swap_scalars_in_launched_modules(kept: list, direct: dict) -> bool:
             lock = KA._globals_locks[gid]
         with lock:
             if KA._swap_refcount[gid] == 0:
-                orig = {k: v for k, v in fn_globs.items() if v is cuda or by_id.get(id(v)) is v}
+                orig = {k: v for k, v in fn_globs.items() if v is cuda or by_id.get(id(v), _ABSENT) is v}
                 KA._swap_orig[gid] = orig
                 for k, v in orig.items():
                     fn_globs[k] = fake_cuda_module if v is cuda else direct[id(v)]

@@ -7,14 +7,18 @@ swaps the module's ``cuda`` for the simulated one on first entry and back on las
 generator context manager. For a device function defined beside the kernel, the kernel launch
 itself holds that module swapped for the whole launch, so each such call only takes the locks and
 moves the count up and back: profiled on the fp32 GEMM tests, about a fifth of the kernel
-threads' time. :func:`install` calls those functions directly; a device function of another
-module (``kernels/_mma.py``'s, say) still goes through the stock path, as does everything
-outside a launch. Those that a launched kernel closes over (the GEMM's, made in a factory) are
+threads' time. :func:`install` calls those functions directly. A device function of another
+module (``kernels/_mma.py``'s, say) swaps its module at its first call in a launch, as the stock
+path does, but keeps it swapped until the launch ends (so its later calls are direct too: the
+bf16 kernels call ``_mma``'s helpers tens of thousands of times a test); everything outside a
+launch takes the stock path. Those that a launched kernel closes over (the GEMM's, made in a factory) are
 not even called through ``FakeCUDAKernel.__call__`` during its launch: the closure cells hold
 the Python functions until it ends. Without the expected internals nothing is replaced.
 """
 
 from __future__ import annotations
+
+import threading
 
 
 def install() -> bool:
@@ -29,21 +33,37 @@ def install() -> bool:
     if getattr(fk, "_vmstoolkit_device_calls", False):
         return True
     stock = fk.__call__
-    held: list[int] = []  # ids of the globals that running launches hold swapped (launches do not nest)
+    # Per running launch (launches do not nest): the ids of the module globals it holds swapped
+    # (the kernel's, then each other module whose device function it calls), and the swaps of
+    # those other modules, entered at the first such call and left when the launch ends.
+    launches: list[tuple[set, list]] = []
+    enter_lock = threading.Lock()
 
     def __call__(self, *args):
         if self._device or K._kernel_context is not None:
-            if held and id(self.fn.__globals__) == held[-1]:
-                return self.fn(*args)
-            return stock(self, *args)
-        held.append(id(self.fn.__globals__))
+            if not launches:
+                return stock(self, *args)
+            ids, entered = launches[-1]
+            g = id(self.fn.__globals__)
+            if g not in ids:
+                with enter_lock:  # the first call from this module in this launch swaps it
+                    if g not in ids:
+                        cm = K.swapped_cuda_module(self.fn, K._kernel_context)
+                        cm.__enter__()
+                        entered.append(cm)
+                        ids.add(g)
+            return self.fn(*args)
+        entered: list = []
+        launches.append(({id(self.fn.__globals__)}, entered))
         swapped = _bypass_same_module_device_functions(fk, self.fn)
         try:
             return stock(self, *args)
         finally:
             for cell, v in swapped:
                 cell.cell_contents = v
-            held.pop()
+            launches.pop()
+            for cm in reversed(entered):
+                cm.__exit__(None, None, None)
 
     fk.__call__ = __call__
     fk._vmstoolkit_device_calls = True

@@ -175,17 +175,17 @@ def test_a_launched_modules_scalar_types_are_numpys_constructors_for_the_launch(
     types), its other globals untouched; after the launch they are numba's types again."""
     import numba
 
-    mod = {"seen": []}
+    mod = {"seen": [], "nothing": None}  # a None global stays None (not taken for a type)
     exec("from numba import cuda, float32, uint64, int32, boolean\n"
          "@cuda.jit\n"
          "def k(out):\n"
-         "    seen.append((float32, uint64, int32, boolean))\n"
+         "    seen.append((float32, uint64, int32, boolean, nothing))\n"
          "    i = cuda.threadIdx.x\n"
          "    out[i] = float32(2.5) * float32(uint64(i) + int32(1))\n", mod)
     out = np.zeros(3, np.float32)
     mod["k"][1, 3](out)
     assert out.tolist() == [2.5, 5.0, 7.5]
-    assert set(mod["seen"]) == {(np.float32, np.uint64, np.int32, numba.boolean)}
+    assert set(mod["seen"]) == {(np.float32, np.uint64, np.int32, numba.boolean, None)}
     assert (mod["float32"], mod["uint64"], mod["int32"]) == (numba.float32, numba.uint64, numba.int32)
     assert mod["cuda"] is sys.modules["numba.cuda"]
 
