@@ -101,7 +101,7 @@ def install() -> bool:
                 m._blocked.append(self)
                 self.syncthreads_blocked = True
                 release = m._take_blocked_if_all()
-            if release:
+            if release is not None:
                 release._bar.release()
             self._bar.acquire()
             nxt = self._next
@@ -138,7 +138,7 @@ def install() -> bool:
                 release = self._take_blocked_if_all()
         if wake:
             self._done.release()
-        elif release:
+        elif release is not None:
             release._bar.release()
 
     def pool_for(manager):
