@@ -37,6 +37,37 @@ def traces_dir() -> Path:
     return TRACES
 
 
+_BUNDLED: dict = {}
+
+
+@pytest.fixture(scope="session")
+def bundled_trace():
+    """:func:`_bundled_trace`."""
+    return _bundled_trace
+
+
+def _bundled_trace(path):
+    """``load_trace(path)`` of a bundled trace, loaded once a process (each load of the LoRA trace
+    costs about 0.25 s of CPU, and some 30 tests replay the bundled traces). A :class:`Trace` is
+    frozen; its event columns are made read-only here, so a test or replay that wrote into a
+    shared one would fail rather than change what the next test reads. For a test of loading
+    itself, call ``load_trace``."""
+    import numpy as np
+
+    from vmstoolkit.trace import load_trace
+
+    key = Path(path).resolve()
+    assert key.parent.name == "traces" and key.parent.parent.name == "data", f"{path} is not a bundled trace"
+    t = _BUNDLED.get(key)
+    if t is None:
+        t = _BUNDLED[key] = load_trace(key)
+        for name in ("action", "addr", "size", "stream", "time_us"):
+            col = getattr(t.events, name, None)
+            if isinstance(col, np.ndarray):
+                col.flags.writeable = False
+    return t
+
+
 def _warm_compiled_code() -> None:
     """Compile (or load from the user cache) the package's disk-cached compiled functions once,
     before any test and before pytest-xdist starts its workers, so that no worker, subprocess or
@@ -61,13 +92,18 @@ def _warm_compiled_code() -> None:
 
 
 def _simulator_without_busy_wait() -> None:
-    """The CUDA simulator's blocks scheduled by a condition variable instead of its polling loop
-    (``tests/cudasim_barrier.py``: the kernel tests' CPU time about halved), and Numba's scalar
-    casts without their per-call import (``tests/cudasim_casts.py``); the simulation itself
-    unchanged (checked by ``tests/kernels/test_simulator_barrier.py``)."""
+    """The CUDA simulator's blocks run on kept threads with a counting barrier instead of a new
+    thread per CUDA thread and a polling loop (``tests/cudasim_barrier.py``), Numba's scalar
+    casts without their per-call import and, in a launched module, as numpy's constructors
+    (``tests/cudasim_casts.py``), device functions called without the module swap's locks
+    (``tests/cudasim_device_calls.py``), shared arrays without a traceback per call
+    (``tests/cudasim_shared.py``), in-kernel indexing without the wrappers' calls
+    (``tests/cudasim_arrays.py``); the simulation itself unchanged (checked by
+    ``tests/kernels/test_simulator_barrier.py``). Together they took tests/kernels from 46 s of
+    CPU (summed over its tests, under -n auto on 2 cores) to 19."""
     import importlib.util
 
-    for name in ("cudasim_barrier", "cudasim_casts", "cudasim_device_calls"):
+    for name in ("cudasim_barrier", "cudasim_casts", "cudasim_device_calls", "cudasim_shared", "cudasim_arrays"):
         spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

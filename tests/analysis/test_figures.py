@@ -2,26 +2,34 @@
 
 import numpy as np
 import pytest
-from matplotlib.figure import Figure
-
-from vmstoolkit.analysis import figures
 
 
 @pytest.fixture
 def saved(monkeypatch):
+    # matplotlib imported here, not at collection: the workers that do not run these tests
+    # skip its import (0.3 s of CPU each)
+    from matplotlib.figure import Figure
+
     out = []
     monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: out.append(self))
     return out
 
 
-def test_utilization_axis_ends_at_one(saved, tmp_path):
+@pytest.fixture
+def figures(saved):
+    from vmstoolkit.analysis import figures
+
+    return figures
+
+
+def test_utilization_axis_ends_at_one(saved, figures, tmp_path):
     rows = [{"workload": "w", "a.utilization": 0.99}, {"workload": "v", "a.utilization": 0.5}]
     figures.utilization_figure(rows, ["a"], tmp_path / "u.png")
     (ax,) = saved[0].axes
     assert ax.get_ylim() == (0.0, 1.0)
 
 
-def test_timeline_has_a_panel_per_workload_in_seconds(saved, tmp_path):
+def test_timeline_has_a_panel_per_workload_in_seconds(saved, figures, tmp_path):
     tl = {"allocated": np.array([1, 2, 1]) << 30, "reserved": np.array([2, 2, 2]) << 30,
           "time_us": np.array([5_000_000, 6_000_000, 7_500_000])}
     figures.timeline_figure({"w1": {"a": tl, "b": tl}, "w2": {"a": tl}, "s": {"a": tl}}, tmp_path / "t.png",

@@ -14,7 +14,8 @@ runner = CliRunner(env={"COLUMNS": "200"})
 
 
 def test_json_lines_have_the_documented_keys(traces_dir):
-    res = runner.invoke(app, ["replay", str(traces_dir / "llama-lora.caching.pickle.gz"), "-a", "vms", "-a", "native", "--format", "json"])
+    # the smallest bundled trace (vms takes its small-pool path there 2,005 times)
+    res = runner.invoke(app, ["replay", str(traces_dir / "llama-full.caching.pickle.gz"), "-a", "vms", "-a", "native", "--format", "json"])
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     assert [r["allocator"] for r in rows] == ["vms", "native"]
@@ -22,7 +23,7 @@ def test_json_lines_have_the_documented_keys(traces_dir):
         for key in ("trace", "allocator", "events", "peak_allocated", "peak_reserved", "utilization",
                     "fragmentation", "oom", "driver_calls", "seconds"):
             assert key in r
-        assert r["trace"] == "llama-lora.caching" and r["oom"] is False
+        assert r["trace"] == "llama-full.caching" and r["oom"] is False
     paths = {k: v for k, v in rows[0].items() if k.startswith("paths.")}  # vms says how it served the requests
     assert paths["paths.small"] > 0 and sum(paths.values()) == rows[0]["events"] - _frees(traces_dir)  # one path per alloc
     assert rows[0]["utilization"] > rows[1]["utilization"] - 1  # both real numbers
@@ -31,7 +32,7 @@ def test_json_lines_have_the_documented_keys(traces_dir):
 def _frees(traces_dir):
     from vmstoolkit.trace import load_trace
 
-    t = load_trace(traces_dir / "llama-lora.caching.pickle.gz")
+    t = load_trace(traces_dir / "llama-full.caching.pickle.gz")
     return sum(1 for e in t.alloc_free_events() if e.action.value != "alloc")
 
 

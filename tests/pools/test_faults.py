@@ -5,8 +5,12 @@ and every driver resource is owned by a block or by the graveyard: closing it le
 empty.
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 
+import vmstoolkit
 from vmstoolkit.errors import DriverError, OutOfMemoryError
 from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.drivers.base import OPERATIONS
@@ -60,39 +64,94 @@ def _after_fault(name, d, a, op, n, err, kept) -> None:
     assert d.is_empty(), f"{name}: after a fault on {op} #{n}: {d.leak_report()}"
 
 
+_PACKAGE = str(Path(vmstoolkit.__file__).resolve().parent)
+
+
+class _SiteDriver(SimulatedDriver):
+    """The simulated driver, recording where each call comes from: the (file, function, line)
+    of every vmstoolkit frame on the stack of the call and of _replay's (its *site*). With
+    ``every_call`` it records every call's site in ``sites[op]`` (the N-th call's at index
+    N - 1); otherwise only the sites of the calls it fails (``failed_at[(op, n)]``)."""
+
+    def __init__(self, *args, every_call: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.every_call = every_call
+        self.sites: dict[str, list[tuple]] = {}
+        self.failed_at: dict[tuple[str, int], tuple] = {}
+
+    def _before(self, op: str, n: int) -> None:
+        faults = self._faults.get(op)
+        if self.every_call:
+            self.sites.setdefault(op, []).append(_site())
+        elif faults and n in faults:
+            self.failed_at[op, n] = _site()
+        super()._before(op, n)
+
+
+def _site() -> tuple:
+    """The vmstoolkit frames of the driver call being made, up to and with _replay's."""
+    f, site = sys._getframe(2), []
+    while f is not None:
+        code = f.f_code
+        if code.co_filename.startswith(_PACKAGE) or code is _replay.__code__:
+            site.append((code.co_filename, code.co_name, f.f_lineno))
+        if code is _replay.__code__:
+            break
+        f = f.f_back
+    return tuple(site)
+
+
 def _calls_reached(name, events, **options):
-    a = make_allocator(name, SimulatedDriver(capacity=CAPACITY), **options)
+    d = _SiteDriver(capacity=CAPACITY, every_call=True)
+    a = make_allocator(name, d, **options)
     assert _replay(a, events, after_each=a.empty_cache if name != "native" else None) is None
     assert a.driver.is_empty()
-    return dict(a.driver.calls)
+    assert all(len(d.sites[op]) == n for op, n in d.calls.items() if n)
+    return dict(a.driver.calls), d.sites
+
+
+# The distinct sites (stacks of calls, _SiteDriver) at which the 160-event prefix calls the
+# driver: every one gets a fault below. A change of an allocator's code paths changes these:
+# recount them (the test prints the counts it found).
+SITES = {"vms": 18, "gmlake": 18, "native": 14, "paged": 11}
 
 
 @pytest.mark.parametrize("name, options", [("vms", {}), ("gmlake", {}), ("native", {}), ("paged", {}),
                                            ("paged", {"aliases": True}),
                                            ("paged", {"aliases": True, "large_unit": 64 << 10})])
 def test_every_nth_call_of_every_operation(name, options, events):
-    reached = _calls_reached(name, events, **options)
+    reached, sites = _calls_reached(name, events, **options)
     ops = [op for op in OPERATIONS if reached.get(op)]
     assert {"create", "reserve", "map", "set_access", "unmap", "release", "free_address"} <= set(ops)
-    tried = 0
+    # Which N of each operation fail: every N up to 5, the last call, and the first and the last
+    # call at each distinct site (the stack of the call, _SiteDriver): every site at which the
+    # replay calls the driver gets a fault, at its first and its last use. (Sampling every N up
+    # to 5 and 15 N spread over the rest, as this test did, tried 112-161 replays a case and
+    # reached a subset of these sites; every N up to 20 no more.) The replay is deterministic, so
+    # the N-th call of a faulted run is made where the clean run made it: checked at each raise.
+    plan = []
     for op in ops:
-        # every N up to 5, then 15 spread over the rest from 21 on, the last call included. Every N
-        # up to 20 (80 % more replays) failed at no code path that these miss: counted as distinct
-        # stacks of vmstoolkit frames at the injected raise, per case, 14 (vms), 14 (gmlake),
-        # 10 (native), 8 (each paged) either way. The rare ones (vms's small pool creating its
-        # chunk: create and map #1429 of 1941; the last release) lie in the spread or at the end.
-        last = reached[op]
-        step = max(1, (last - 20) // 15)
-        ns = sorted(set(range(1, min(last, 5) + 1)) | set(range(21, last + 1, step)) | {last})
-        for n in ns:
-            d = SimulatedDriver(capacity=CAPACITY)
-            d.fail_on(op, n)
-            a = make_allocator(name, d, **options)
-            err = _replay(a, events, after_each=a.empty_cache if name != "native" else None)
-            assert d.calls[op] >= n, f"{op} #{n} was not reached"
-            _after_fault(name, d, a, op, n, err, _kept(a))
-            tried += 1
-    assert tried > 60
+        first, last = {}, {}
+        for n, site in enumerate(sites[op], 1):
+            first.setdefault(site, n)
+            last[site] = n
+        ns = set(range(1, min(reached[op], 5) + 1)) | set(first.values()) | set(last.values()) | {reached[op]}
+        plan += [(op, n) for n in sorted(ns)]
+    distinct = {(op, site) for op in ops for site in sites[op]}
+    print(f"{name} {options}: {len(distinct)} distinct sites, {len(plan)} faulted replays")
+    assert len(distinct) == SITES[name], f"{name}: {len(distinct)} distinct driver call sites, not {SITES[name]}"
+    faulted = set()
+    for op, n in plan:
+        d = _SiteDriver(capacity=CAPACITY)
+        d.fail_on(op, n)
+        a = make_allocator(name, d, **options)
+        err = _replay(a, events, after_each=a.empty_cache if name != "native" else None)
+        assert d.calls[op] >= n, f"{op} #{n} was not reached"
+        assert d.failed_at[op, n] == sites[op][n - 1], f"{op} #{n} was called from elsewhere than in the clean run"
+        faulted.add((op, d.failed_at[op, n]))
+        _after_fault(name, d, a, op, n, err, _kept(a))
+    assert faulted == distinct  # every site of every operation failed once at least
+    assert len(plan) >= 39
 
 
 def _small_trace(seed: int = 0, n: int = 160):

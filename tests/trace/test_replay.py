@@ -4,7 +4,7 @@ import pytest
 
 from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.drivers.sim import SimulatedDriver
-from vmstoolkit.trace import bundled_trace_paths, load_trace, recorded_stats, replay
+from vmstoolkit.trace import bundled_trace_paths, recorded_stats, replay
 from vmstoolkit.units import GiB
 
 PATHS = bundled_trace_paths()
@@ -12,8 +12,8 @@ PATHS = bundled_trace_paths()
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.name.split(".")[0])
-def test_vms_reaches_097_and_beats_real_expandable_segments(path):
-    trace = load_trace(path)
+def test_vms_reaches_097_and_beats_real_expandable_segments(path, bundled_trace):
+    trace = bundled_trace(path)
     a = make_allocator("vms")
     r = replay(trace, a, touch=True)
     a._check()
@@ -38,8 +38,8 @@ def max_live_requested(trace):
     return peak
 
 
-def test_oom_is_reported_with_the_event(traces_dir):
-    trace = load_trace(traces_dir / "llama-lora.caching.pickle.gz")
+def test_oom_is_reported_with_the_event(traces_dir, bundled_trace):
+    trace = bundled_trace(traces_dir / "llama-lora.caching.pickle.gz")
     a = make_allocator("vms", SimulatedDriver(capacity=4 * GiB))
     r = replay(trace, a)
     assert r.oom and r.oom_event is not None and "out of memory" in r.oom_message
@@ -49,8 +49,8 @@ def test_oom_is_reported_with_the_event(traces_dir):
     assert a.driver.is_empty()
 
 
-def test_timeline_and_check_every(traces_dir):
-    trace = load_trace(traces_dir / "llama-full.caching.pickle.gz")
+def test_timeline_and_check_every(traces_dir, bundled_trace):
+    trace = bundled_trace(traces_dir / "llama-full.caching.pickle.gz")
     a = make_allocator("gmlake")
     r = replay(trace, a, timeline=True, check_every=5000)
     tl = r.timeline

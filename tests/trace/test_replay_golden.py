@@ -56,8 +56,8 @@ def golden() -> dict:
 
 
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name.split(".pickle")[0])
-def test_replay_results_match_the_recorded_ones(path, golden):
-    trace = load_trace(path)
+def test_replay_results_match_the_recorded_ones(path, golden, bundled_trace):
+    trace = bundled_trace(path)
     for allocator, options in VARIANTS:
         key = _key(path, allocator, options)
         assert figures(trace, allocator, options) == golden[key], key

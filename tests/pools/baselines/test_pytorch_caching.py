@@ -12,7 +12,7 @@ from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.baselines.pytorch_caching import PyTorchCachingAllocator, allocation_size, round_size
 from vmstoolkit.pools.baselines.pytorch_config import parse_alloc_conf
 from vmstoolkit.pools.drivers.sim import SimulatedDriver
-from vmstoolkit.trace import bundled_trace_paths, load_trace, replay
+from vmstoolkit.trace import bundled_trace_paths, replay
 from vmstoolkit.units import MiB
 
 from tests.pools.programs import replay_at_recorded_addresses, run_random_program
@@ -288,8 +288,8 @@ class RecordedAddressDriver(SimulatedDriver):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CACHING, ids=lambda p: p.name.split(".")[0])
-def test_fidelity_peak_reserved_within_2_percent(path):
-    trace = load_trace(path)
+def test_fidelity_peak_reserved_within_2_percent(path, bundled_trace):
+    trace = bundled_trace(path)
     real = trace.recorded_peak_reserved()
     result = replay(trace, make_allocator("pytorch-caching"))
     assert not result.oom
@@ -298,10 +298,10 @@ def test_fidelity_peak_reserved_within_2_percent(path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CACHING, ids=lambda p: p.name.split(".")[0])
-def test_every_allocation_lands_where_pytorch_put_it(path):
+def test_every_allocation_lands_where_pytorch_put_it(path, bundled_trace):
     """Given the addresses the real cudaMalloc returned, the simulation makes the same
     segments, and every request lands at the address PyTorch gave it."""
-    trace = load_trace(path)
+    trace = bundled_trace(path)
     recorded = [e for e in trace.events if e.action.value == "segment_alloc"]
     d = RecordedAddressDriver(e.addr for e in recorded)
     a = PyTorchCachingAllocator(d)

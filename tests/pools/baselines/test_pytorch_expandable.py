@@ -11,7 +11,7 @@ from vmstoolkit.errors import ConfigError, OutOfMemoryError
 from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.baselines.pytorch_expandable import PyTorchExpandableAllocator
 from vmstoolkit.pools.drivers.sim import SimulatedDriver
-from vmstoolkit.trace import bundled_trace_paths, load_trace, recorded_stats, replay
+from vmstoolkit.trace import bundled_trace_paths, recorded_stats, replay
 from vmstoolkit.units import MiB
 
 from tests.pools.programs import replay_at_recorded_addresses, run_random_program
@@ -148,11 +148,11 @@ CACHING = bundled_trace_paths("caching")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CACHING, ids=lambda p: p.name.split(".")[0])
-def test_fidelity_peak_reserved_within_3_percent(path):
+def test_fidelity_peak_reserved_within_3_percent(path, bundled_trace):
     """The workload's caching-run trace, replayed with expandable segments, reserves what the
     real expandable run of the same workload reserved (its ``.expandable.json``)."""
     real = recorded_stats(path, "expandable")["peak_reserved"]
-    result = replay(load_trace(path), make_allocator("pytorch-expandable"))
+    result = replay(bundled_trace(path), make_allocator("pytorch-expandable"))
     assert not result.oom
     assert abs(result.peak_reserved - real) / real < 0.03, (result.peak_reserved, real)
 
@@ -172,8 +172,8 @@ class RecordedBaseDriver(SimulatedDriver):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", EXPANDABLE, ids=lambda p: p.name.split(".")[0])
-def test_every_allocation_lands_where_pytorch_put_it(path):
-    trace = load_trace(path)
+def test_every_allocation_lands_where_pytorch_put_it(path, bundled_trace):
+    trace = bundled_trace(path)
     maps = [e for e in trace.events if e.action.value == "segment_map"]
     ends, bases = set(), []
     for e in maps:  # a map that does not continue an earlier one starts a new segment

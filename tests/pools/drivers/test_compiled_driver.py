@@ -215,10 +215,10 @@ def test_the_mappings_gap_moves_under_random_maps_and_unmaps():
 
 
 @pytest.mark.parametrize("name", ["vms", "paged", "pytorch-expandable", "gmlake", "native", "pytorch-caching"])
-def test_allocators_on_both_drivers_agree(name, traces_dir):
-    from vmstoolkit.trace import load_trace, replay
+def test_allocators_on_both_drivers_agree(name, traces_dir, bundled_trace):
+    from vmstoolkit.trace import replay
 
-    trace = load_trace(traces_dir / "llama-lora.caching.pickle.gz")
+    trace = bundled_trace(traces_dir / "llama-lora.caching.pickle.gz")
     results = []
     for d in (SimulatedDriver(), CompiledSimulatedDriver()):
         a = make_allocator(name, d)

@@ -9,7 +9,6 @@ from vmstoolkit.errors import ConfigError, DoubleFreeError, DriverError, OutOfMe
 from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.paged import heap as H
 from vmstoolkit.pools.drivers.sim import SimulatedDriver
-from vmstoolkit.trace import load_trace
 from vmstoolkit.units import MiB
 
 G = 2 * MiB
@@ -296,12 +295,12 @@ def test_check_heap_names_a_broken_invariant():
 
 
 @pytest.mark.parametrize("variant", ["lora", "full"])
-def test_bundled_traces_reserve_less_than_expandable_segments(traces_dir, variant):
+def test_bundled_traces_reserve_less_than_expandable_segments(traces_dir, variant, bundled_trace):
     """The point of the design, on real traces: peak reserved at or below vms and below
     PyTorch's expandable segments (``experiments/results/paged/``)."""
     from vmstoolkit.trace import replay
 
-    trace = load_trace(traces_dir / f"llama-{variant}.caching.pickle.gz")
+    trace = bundled_trace(traces_dir / f"llama-{variant}.caching.pickle.gz")
     peaks = {}
     for name in ("paged", "vms", "pytorch-expandable"):
         a = make_allocator(name)
@@ -394,7 +393,7 @@ def _live_chunk_arrays(heaps):
     return out
 
 
-def test_with_aliases_a_live_page_keeps_its_chunk_through_a_real_trace(traces_dir, monkeypatch):
+def test_with_aliases_a_live_page_keeps_its_chunk_through_a_real_trace(traces_dir, monkeypatch, bundled_trace):
     """The bundled LoRA trace, two passes, aliases and 64 pages of slack: small blocks straddle
     two pages of the small heap, and ten times (second pass; counted here) the first page is held
     live by a neighbour while the second maps the same chunk. After every request, each page that
@@ -408,7 +407,7 @@ def test_with_aliases_a_live_page_keeps_its_chunk_through_a_real_trace(traces_di
         return conflicts(meta, page_chunk, page_used, chunk_live, nmaps, chunk_stack, g, start, n, *out)
 
     monkeypatch.setattr(H, "conflicts", counting)
-    trace = load_trace(traces_dir / "llama-lora.caching.pickle.gz")
+    trace = bundled_trace(traces_dir / "llama-lora.caching.pickle.gz")
     events = trace.alloc_free_events()
     a = make_allocator("paged", SimulatedDriver(capacity=64 << 30), aliases=True, slack_pages=64)
     heaps = (a.large, a.small)

@@ -12,7 +12,7 @@ from vmstoolkit.pools import make_allocator
 from vmstoolkit.pools.base import ReplayArrays
 from vmstoolkit.pools.paged.replay import match_frees
 from vmstoolkit.pools.drivers.sim import SimulatedDriver
-from vmstoolkit.trace import load_trace, replay
+from vmstoolkit.trace import replay
 from vmstoolkit.trace.events import Action, Trace, TraceEvent
 from vmstoolkit.trace.replay import event_arrays
 from vmstoolkit.trace.synthetic import synthetic_trace
@@ -75,8 +75,8 @@ BUNDLED = [(p, o) for p in TRACES for i, o in enumerate(OPTIONS)
 @pytest.mark.slow
 @pytest.mark.parametrize("path, options", BUNDLED,
                          ids=[f"{p.name.split('.pickle')[0]}-{'aliases' if o else 'default'}" for p, o in BUNDLED])
-def test_every_bundled_trace(path, options):
-    r = both(load_trace(path), options)
+def test_every_bundled_trace(path, options, bundled_trace):
+    r = both(bundled_trace(path), options)
     floor = 10000 if ".frames." in path.name else 20000  # the frames trace is four short steps of a small model
     assert r.events > floor and not r.oom
 
