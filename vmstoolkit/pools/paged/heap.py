@@ -100,13 +100,16 @@ class Heap:
         self.meta[M_REC_TOP] = top + old
 
 
-@njit(cache=True)
+# The small helpers of heap_alloc and heap_free are inlined (inline='always', Numba's IR inlining):
+# as calls, each took and dropped a reference to every array it was passed, an atomic increment and
+# decrement each (replay.py's run_events has the figures).
+@njit(cache=True, inline='always')
 def _bucket(meta, length):
     nb = meta[M_NB]
     return length if length < nb else nb
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _push_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, blk):
     k = _bucket(meta, b_len[blk])
     head = bucket_head[k]
@@ -118,7 +121,7 @@ def _push_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, blk):
     bits[k >> 6] |= np.uint64(1) << np.uint64(k & 63)
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _pop_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, blk):
     k = _bucket(meta, b_len[blk])
     p, n = b_fprev[blk], b_fnext[blk]
@@ -149,7 +152,7 @@ def _drop_record(meta, rec_stack, blk):
     meta[M_REC_TOP] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _split(meta, b_start, b_len, b_free, b_prev, b_next, rec_stack, block_at, blk, k):
     """Cut block ``blk`` (off the free lists) after its first ``k`` units: returns the new free
     block of the rest, linked after it, or ``NONE`` (nothing changed) when no record is left."""
@@ -183,7 +186,7 @@ def init_heap(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, re
     _push_free(meta, b_len, b_fprev, b_fnext, bucket_head, bits, blk)
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _find_fit(meta, b_len, b_fnext, bucket_head, bits, n):
     """The free block to serve ``n`` units: the newest of the smallest exact bucket at least
     ``n``, else the smallest fit of the overflow list; ``NONE`` if nothing is that large."""
@@ -274,7 +277,7 @@ def heap_alloc(meta, b_start, b_len, b_free, b_prev, b_next, b_fprev, b_fnext, r
 CONFLICT_COST = 4  # a page whose chunk is live elsewhere: a synchronize and an unmap before the map
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _cost(page_chunk, chunk_live, p):
     """Driver work to make page ``p`` usable by a new block: 0 when its chunk is idle, 1 when it
     has none (map one), ``CONFLICT_COST`` when its chunk is live through another mapping."""
@@ -284,7 +287,7 @@ def _cost(page_chunk, chunk_live, p):
     return 0 if chunk_live[c] == 0 else CONFLICT_COST
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _missing(page_chunk, chunk_live, first, n):
     """The driver work (:func:`_cost`) the ``n`` pages from ``first`` need (whole-page units)."""
     k = 0
