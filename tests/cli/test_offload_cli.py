@@ -108,3 +108,10 @@ def test_schedule_folder_gets_each_budgets_runs(tmp_path):
     assert r.exit_code == 0, r.output
     names = sorted(p.name for p in (tmp_path / "s").iterdir())
     assert len(names) == 4 and all(n.startswith("schedule_") and n.endswith(("B.json", "B.png")) for n in names)
+
+
+def test_no_budget_that_fits_exits_non_zero_naming_it():
+    r = invoke(*OK_SHAPE, "--budget", "16KiB")
+    assert r.exit_code == 1, r.output
+    last = r.output.strip().splitlines()[-1]
+    assert last.startswith("error: no budget fits: budget 16KiB:") and "needs" in last, last

@@ -79,3 +79,18 @@ def test_bad_input_is_one_line(args, match):
 def test_a_folder_that_is_not_a_model_is_one_line(tmp_path):
     res = runner.invoke(app, ["run", "generate", "--model", str(tmp_path), "--prompt-len", "2"])
     assert res.exit_code == 1 and "has no config.json" in res.stderr and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("command", ["generate", "train"])
+def test_a_run_where_no_budget_fits_exits_non_zero_with_the_reason(command):
+    # the rows still say why (a table a user reads), but a script must not see success when
+    # nothing ran: exit status 1 and one error line naming the budget and the reason
+    extra = ["--new-tokens", "2", "--prompt-len", "4"] if command == "generate" else ["--seq", "4", "--steps", "2"]
+    res = runner.invoke(app, ["run", command, "--model", str(folder("llama-tied")), "--budget", "1B", *extra])
+    assert res.exit_code == 1, res.output
+    last = res.output.strip().splitlines()[-1]
+    assert last.startswith("error: no budget fits:") and "1B" in last and "needs" in last, last
+    # one budget that fits among those that do not: success, as before
+    res = runner.invoke(app, ["run", command, "--model", str(folder("llama-tied")), "--budget", "1B",
+                              "--budget", "1.0", *extra])
+    assert res.exit_code == 0, res.output

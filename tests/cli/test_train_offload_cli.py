@@ -89,3 +89,10 @@ def test_schedule_saves_each_budgets_last_step_under_both_executors(tmp_path):
             assert spans and all(end >= start >= 0 for *_, start, end in spans)
             assert max(end for *_, end in spans) == pytest.approx(sched[ex]["seconds"], rel=0.2)
         assert (tmp_path / "sched" / f"schedule_{b}B.png").stat().st_size > 10_000
+
+
+def test_no_budget_that_fits_exits_non_zero_naming_it():
+    r = run("--budget", "1KiB")
+    assert r.exit_code == 1, r.output
+    last = r.output.strip().splitlines()[-1]
+    assert last.startswith("error: no schedule fits:") and "1024 bytes" in last, last

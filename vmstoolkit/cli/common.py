@@ -191,6 +191,17 @@ def emit_rows(rows: list[dict], fmt: OutputFormat, table) -> None:
             console().print(rendered)
 
 
+def fail_if_nothing_ran(rows: list[dict]) -> None:
+    """After the rows are printed: when every row is an error (no budget fits, say), exit with
+    status 1 and one line naming the first row's budget and reason, so that a script does not take
+    a run where nothing ran for a success. A run where one row ran exits 0, as before."""
+    if rows and all("error" in r for r in rows):
+        r = rows[0]
+        spec = r.get("budget_spec") or (f"{r['budget']}B" if isinstance(r.get("budget"), int) else r.get("budget"))
+        more = f" (and {len(rows) - 1} more row{'s' if len(rows) > 2 else ''})" if len(rows) > 1 else ""
+        fail(f"no budget fits: budget {spec}: {r['error']}{more}", code=1)
+
+
 def load_options(gpu: int | None, lenient: bool, max_bytes: str | None, max_objects: int | None) -> dict:
     """Snapshot-loading keywords from the ``--gpu``, ``--lenient``, ``--max-bytes`` and
     ``--max-objects`` flags, checked."""
@@ -204,4 +215,5 @@ def load_options(gpu: int | None, lenient: bool, max_bytes: str | None, max_obje
 
 __all__ = ["OutputFormat", "Device", "Backend", "OOM_EXIT_CODE", "load_options", "fail", "console", "size_option", "host_budget_option", "allocator_options", "option_value",
            "check_allocators", "check_output_dir", "check_output_file", "rows_to_csv", "json_lines", "emit_rows",
+           "fail_if_nothing_ran",
            "VmsError"]

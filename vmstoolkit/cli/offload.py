@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vmstoolkit.cli.common import Backend, OutputFormat, check_output_file, emit_rows, fail
+from vmstoolkit.cli.common import Backend, OutputFormat, check_output_file, emit_rows, fail, fail_if_nothing_ran
 from vmstoolkit.cli.flags import format_flag
 from vmstoolkit.cli.output import atomic_file
 from vmstoolkit.errors import VmsError
@@ -55,6 +55,7 @@ def offload_command(
     rows = run_offload_experiment(backend.value, gpus, config=cfg, parts=parts, seed=seed, budgets=specs,
                                   schedule_dir=schedule)
     emit_rows(rows, format, offload_table)
+    fail_if_nothing_ran(rows)
     if figure is not None:
         with atomic_file(figure) as tmp:
             plot_makespan(rows, tmp)

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail, host_budget_option
+from vmstoolkit.cli.common import Backend, OutputFormat, emit_rows, fail, fail_if_nothing_ran, host_budget_option
 from vmstoolkit.cli.flags import format_flag
 
 
@@ -85,6 +85,7 @@ def generate_command(
                              host_budget=host_budget_option(host_budget), executor=executor.value, seed=seed, stages=stages))
     stages.note(f"first row after {stages.elapsed():.1f} s")
     emit_rows(rows, format, _generate_table)
+    fail_if_nothing_ran(rows)
 
 
 def train_command(
@@ -116,6 +117,7 @@ def train_command(
                           executors=exs, check_grads=check_grads, seed=seed, stages=stages))
     stages.note(f"first row after {stages.elapsed():.1f} s")
     emit_rows(rows, format, _train_table)
+    fail_if_nothing_ran(rows)
 
 
 def _gib(n) -> str:
