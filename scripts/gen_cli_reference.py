@@ -37,7 +37,8 @@ CONVENTIONS = """## Conventions of every command
 * **Snapshots**: a folder given as `TRACE` stands for the snapshots directly in it (`replay`, `sweep`).
 * **Output files** (`--out`, `--figure`) are written whole or not at all: under a temporary name,
   renamed once complete. Missing folders on the way are made.
-* **Exit status**: 0 done; 1 an error (one line, `error: ...`); 2 bad arguments; 3 a replay ran out of
+* **Exit status**: 0 done; 1 an error (one line, `error: ...`), also a run of budgets of which none fits
+  (`run`, `experiment offload`: the rows are printed first, then `error: no budget fits: ...`); 2 bad arguments; 3 a replay ran out of
   memory (`--oom-exit-code`); 130 interrupted (Ctrl-C: one line, `error: interrupted`).
 
 """
