@@ -158,3 +158,32 @@ def test_gemm_bf16_rejects_bad_input():
         GB.gemm_bf16(x, w, cuda.device_array((4, 3), np.uint16), acc=cuda.device_array((4, 3), np.float32))
     with pytest.raises(KernelError, match="splits"):
         GB.gemm_bf16(x, w, cuda.device_array((4, 3), np.uint16), splits=2)
+
+
+def test_gemm_bf16_ragged_rows_with_aligned_pitch():
+    """Operands whose rows are 16-byte aligned (pitch a multiple of 8) but whose length is not a
+    multiple of 8 take the cp.async fetch: the last chunk of a row must stop at the row's end,
+    not read the padding after it (filled here with large values, so reading it shows)."""
+    from numba import cuda
+
+    from vmstoolkit.kernels import gemm_bf16 as GB
+
+    rng = np.random.default_rng(5)
+    m, n, k = 5, 13, 13  # k and n end mid-chunk; the arrays' pitch is 16 elements
+    garbage = L.bf16_bits(np.full(1, 1e4, np.float32))[0]
+
+    def padded(rows, cols):
+        full = np.full((rows, 16), garbage, np.uint16)
+        full[:, :cols] = _bits(rng, (rows, cols))
+        dev = cuda.to_device(full)[:, :cols]
+        assert GB.aligned_b16(dev), "the view must take the cp.async path"
+        return full[:, :cols], dev
+
+    (x, xd), (w, wd), (dy, dyd) = padded(m, k), padded(n, k), padded(m, n)
+    for layout, fn, a, ad, b, bd, shape in (("nn", GB.gemm_bf16, x, xd, w, wd, (m, n)),
+                                           ("nt", GB.linear_dx_bf16, dy, dyd, w, wd, (m, k)),
+                                           ("tt", GB.linear_dw_bf16, dy, dyd, x, xd, (n, k))):
+        want = GB.reference(layout, a, b)
+        out = cuda.device_array(shape, np.float32)
+        fn(ad, bd, out)
+        assert np.max(np.abs(out.copy_to_host() - want)) <= 1e-5 * np.max(np.abs(want)), layout

@@ -117,8 +117,20 @@ SIM_TILES = MmaTiles(bm=16, bn=16, wm=16, wn=16, stages=3)
 
 @cuda.jit(device=True)
 def chunk_bytes(row_ok, k, K):
-    """Source bytes of a 16-byte chunk at ``k`` of a row that is (``row_ok``) inside the matrix."""
-    return 16 if row_ok and k < K else 0
+    """Source bytes of the 16-byte chunk at ``k`` of a row of an "n" operand that is (``row_ok``)
+    inside the matrix: those before the row's end ``K`` (cp.async zero-fills the rest). A row
+    whose pitch is a multiple of 8 but whose length is not ends mid-chunk; reading the whole
+    chunk would add the padding after it into the sums."""
+    if row_ok and k < K:
+        return 2 * min(8, K - k)
+    return 0
+
+
+@cuda.jit(device=True)
+def chunk_bytes_t(inside, k, K):
+    """Source bytes of a chunk of k row ``k`` of a "t" operand, ``inside`` of whose 8 elements
+    are inside the matrix (0-8: fixed per chunk, since the chunk runs along the rows)."""
+    return 2 * inside if k < K else 0
 
 
 # Epilogues: a lane's two adjacent outputs (row, col), (row, col + 1), each stored if inside C.
@@ -189,6 +201,7 @@ def _fetch_setup(op: str, trans: bool, rows: int, threads: int, bound: str, BK: 
         if trans:  # stored (K, rows): chunk cr of k row kr
             lines += [f"kr = {q} // {per_row}", f"cr = {q} % {per_row}", f"gr = r0_{op} + cr * {CHUNK}",
                       f"d{op}{i} = " + _swizzle_t("kr", "cr", rows), f"v{op}{i} = gr < {bound}",
+                      f"w{op}{i} = max(0, min({CHUNK}, {bound} - gr))",
                       f"k{op}{i} = kr",
                       f"o{op}{i} = (kbeg * {BK} + kr) * pitch_{op} + (gr if v{op}{i} else 0)"]
         else:  # stored (rows, K): chunk cr of row rr
@@ -208,8 +221,9 @@ def _fetch_lines(op: str, trans: bool, rows: int, threads: int, bound: str, asyn
     lines = []
     if async_:  # zero-fill (0 source bytes) outside the matrix: the mma loop needs no checks
         for i in range(rows * BK // CHUNK // threads):
-            lines += [f"cp_async16_at({smem}, {base} + d{op}{i}, {op}, o{op}{i}, "
-                      f"chunk_bytes(v{op}{i}, k0 + k{op}{i}, K))",
+            nbytes = (f"chunk_bytes_t(w{op}{i}, k0 + k{op}{i}, K)" if trans
+                      else f"chunk_bytes(v{op}{i}, k0 + k{op}{i}, K)")
+            lines += [f"cp_async16_at({smem}, {base} + d{op}{i}, {op}, o{op}{i}, {nbytes})",
                       f"o{op}{i} += step_{op}"]
         return lines
     lines.append(f"for e in range(tid, {rows * BK}, {threads}):")
@@ -332,7 +346,8 @@ def make_gemm_bf16(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool = F
     global fetches (operands must pass :func:`aligned_b16`)."""
     t.check()
     source = _kernel_source(t, a_trans, b_trans, out_bf16, accumulate, atomic, cp_async)
-    names = {"cuda": cuda, "uint16": uint16, "float32": float32, "min": min, "chunk_bytes": chunk_bytes,
+    names = {"cuda": cuda, "uint16": uint16, "float32": float32, "min": min, "max": max, "chunk_bytes": chunk_bytes,
+             "chunk_bytes_t": chunk_bytes_t,
              "store_f32": store_f32, "store_acc": store_acc, "store_add": store_add, "store_bf16": store_bf16}
     for name in ("mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16_at", "cp_async_commit",
                  "cp_async_wait", "pack_bf16x2"):
