@@ -57,6 +57,7 @@ from common import run_env, say, tf32_off, time_best, time_held
 
 from vmstoolkit.kernels import gemm as G
 from vmstoolkit.kernels import gemm_bf16 as GB
+from vmstoolkit.kernels import gemm_wgmma as GW
 
 # (name, kind, (M, N, K)) with x (M, K), w (N, K): kind "fwd" times y = x w^T (M, N), "dx"
 # dx = dy w (M, K), "dw" dw = dy^T x (N, K); all 2 M N K flops.
@@ -356,17 +357,25 @@ class ProblemBf16:
         return float((got - self.want).abs().max() / self.want.abs().max())
 
 
-def bf16_candidates(tiles: bool = True):
+# --wgmma: the warpgroup-MMA kernel's tile shapes (gemm_wgmma), timed beside the rule
+WGMMA_TILES = [GW.WgmmaTiles(128, 128, 4), GW.WgmmaTiles(128, 256, 4), GW.WgmmaTiles(128, 128, 3),
+               GW.WgmmaTiles(128, 256, 3)]
+
+
+def bf16_candidates(tiles: bool = True, wgmma: bool = False):
     """The rule with both outputs, or (``tiles``) with a bf16 output beside the other tile shapes
-    (run 1: the two outputs within 1 point of each other at all 15 shapes)."""
+    (run 1: the two outputs within 1 point of each other at all 15 shapes); ``wgmma``: beside the
+    wgmma kernel's tiles instead."""
     rule = [("rule bf16-out", None, "bf16"), ("rule fp32-out", None, "fp32")]
-    return rule[:1] + [(f"{t.label()} bf16-out", t, "bf16") for t in BF16_TILES] if tiles else rule
+    others = WGMMA_TILES if wgmma else BF16_TILES
+    return rule[:1] + [(f"{t.label()} bf16-out", t, "bf16") for t in others] if tiles else rule
 
 
-def run_shape_bf16(name, kind, dims, time_it: bool, deadline: float, tiles: bool = True) -> list[dict]:
+def run_shape_bf16(name, kind, dims, time_it: bool, deadline: float, tiles: bool = True,
+                   wgmma: bool = False) -> list[dict]:
     m, n, k = dims
     row0 = {"shape": name, "kind": kind, "M": m, "N": n, "K": k}
-    cands = bf16_candidates(tiles and time_it)  # ragged: the rule's builds alone
+    cands = bf16_candidates(tiles and time_it, wgmma)  # ragged: the rule's builds alone
     if time_it and time.time() > deadline:
         return [{**row0, "config": c[0], "skipped": "time budget"} for c in cands]
     p = ProblemBf16(kind, m, n, k)
@@ -422,7 +431,7 @@ def bf16_main(args, shapes, kinds, t0, deadline) -> None:
     say(f"== GEMM bf16 vs cuBLAS bf16; {REPS} launches held behind a spin, best of {SAMPLES}")
     res["gemm"] = []
     for name, kind, dims in shapes:
-        res["gemm"] += run_shape_bf16(name, kind, dims, True, deadline, not args.rule_only)
+        res["gemm"] += run_shape_bf16(name, kind, dims, True, deadline, not args.rule_only, args.wgmma)
         say(f"  ({time.time() - t0:.0f} s)")
     say("== % of cuBLAS bf16, candidate x shape (columns: the shapes above, in order)")
     for line in pct_table(res["gemm"]):
@@ -437,6 +446,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-ragged", action="store_true", help="bf16: no ragged correctness shapes (their builds)")
     ap.add_argument("--rule-only", action="store_true", help="bf16: time the rule's launches only, not BF16_TILES")
+    ap.add_argument("--wgmma", action="store_true", help="bf16: time the wgmma kernel's WGMMA_TILES beside the rule "
+                    "instead of BF16_TILES")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                     help="fp32: the CUDA-core GEMM against cuBLAS fp32; bf16: the tensor-core GEMM against cuBLAS bf16")
     ap.add_argument("--out", default=".")

@@ -122,3 +122,15 @@ def test_views_and_strides():
     GB.gemm_bf16(nb(xt), nb(big_w[:, :k]), nb(y))
     cuda.synchronize()
     assert err(y, xt.float() @ big_w[:, :k].float().T) <= F32_RTOL
+
+
+def test_rows_ending_mid_chunk_with_an_aligned_pitch():
+    """Rows of 1027 and 517 elements with a pitch of 1040 pass ``aligned_b16`` (cp.async): the last
+    chunk of a row stops at its end instead of adding the padding after it into the sums."""
+    from vmstoolkit.kernels import gemm_bf16 as GB
+
+    xr, wr, dyr = bf(1000, 1040)[:, :1027], bf(517, 1040)[:, :1027], bf(1000, 1040)[:, :517]
+    assert GB.aligned_b16(nb(xr)) and GB.aligned_b16(nb(dyr))
+    ours, want = run_layouts(xr, wr, dyr)
+    for name, a, b in zip(("y", "dx", "dw"), ours, want):
+        assert err(a, b) <= F32_RTOL, (name, err(a, b))

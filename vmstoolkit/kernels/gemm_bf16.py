@@ -187,12 +187,14 @@ def _swizzle_t(k: str, chunk: str, width: int) -> str:
     return f"(({k}) * {width} + ((({chunk}) ^ (({k}) & {mask})) << 3))"
 
 
-def _fetch_setup(op: str, trans: bool, rows: int, threads: int, bound: str, BK: int) -> list[str]:
+def _fetch_setup(op: str, trans: bool, rows: int, threads: int, bound: str, BK: int,
+                 swizzle_t=_swizzle_t) -> list[str]:
     """Source lines, before the k loop, of the cp.async fetch of operand ``op`` ('a' or 'b'): per
     chunk ``i`` this thread copies, its swizzled shared offset ``d{op}{i}`` inside a stage, its
     element offset ``o{op}{i}`` in global memory at the block's first slice (stepped by
     ``step_{op}`` per slice), whether its row (column) is inside the matrix ``v{op}{i}``, and
-    its k inside the slice ``k{op}{i}``."""
+    its k inside the slice ``k{op}{i}``. ``swizzle_t``: the "t" tile's offset function (the wgmma
+    GEMM's tiles are panels: :mod:`.gemm_wgmma`)."""
     per_row = rows // CHUNK if trans else BK // CHUNK
     lines = [f"pitch_{op} = {op}.strides[0] // 2",
              f"step_{op} = " + (f"{BK} * pitch_{op}" if trans else f"{BK}")]
@@ -200,7 +202,7 @@ def _fetch_setup(op: str, trans: bool, rows: int, threads: int, bound: str, BK: 
         q = f"(tid + {i * threads})"
         if trans:  # stored (K, rows): chunk cr of k row kr
             lines += [f"kr = {q} // {per_row}", f"cr = {q} % {per_row}", f"gr = r0_{op} + cr * {CHUNK}",
-                      f"d{op}{i} = " + _swizzle_t("kr", "cr", rows), f"v{op}{i} = gr < {bound}",
+                      f"d{op}{i} = " + swizzle_t("kr", "cr", rows), f"v{op}{i} = gr < {bound}",
                       f"w{op}{i} = max(0, min({CHUNK}, {bound} - gr))",
                       f"k{op}{i} = kr",
                       f"o{op}{i} = (kbeg * {BK} + kr) * pitch_{op} + (gr if v{op}{i} else 0)"]
@@ -425,19 +427,28 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits) -> None:
             raise KernelError("K=0 with a bf16 output: nothing to multiply")
         (copy_fill(acc, c, stream) if acc is not None else zero_fill(c, stream))
         return
+    a_trans, b_trans = LAYOUTS[layout]
+    async_ = aligned_b16(a) and aligned_b16(b)
+    from . import gemm_wgmma as GW
+
+    wgmma = GW.usable(tiles, async_)
+    if isinstance(tiles, GW.WgmmaTiles) and not wgmma:
+        raise KernelError(f"tiles {tiles.label()}: the wgmma GEMM needs a GPU and 16-byte aligned operands "
+                          f"(unit column stride, row stride a multiple of 8); got a {tuple(a.shape)} and b {tuple(b.shape)}")
     launch = choose(m, n, k, splits, out_bf16)
-    tiles = tiles or launch.tiles
+    tiles = tiles or (GW.GPU_WGMMA if wgmma else launch.tiles)
     slices = -(-k // tiles.bk)
     s = launch.splits
     if not 1 <= s <= slices:
         raise KernelError(f"splits={s} must be between 1 and the {slices} k slices of K={k}")
     per = -(-slices // s)
     s = -(-slices // per)  # no empty split
-    a_trans, b_trans = LAYOUTS[layout]
-    async_ = aligned_b16(a) and aligned_b16(b)
     if s > 1:
         (copy_fill(acc, c, stream) if acc is not None else zero_fill(c, stream))
-    kernel = make_gemm_bf16(tiles, a_trans, b_trans, out_bf16, acc is not None and s == 1, s > 1, async_)
+    if wgmma:
+        kernel = GW.make_gemm_wgmma(tiles, a_trans, b_trans, out_bf16, acc is not None and s == 1, s > 1)
+    else:
+        kernel = make_gemm_bf16(tiles, a_trans, b_trans, out_bf16, acc is not None and s == 1, s > 1, async_)
     grid = (-(-n // tiles.bn), -(-m // tiles.bm), s)
     args = (a, b, c if acc is None else acc, c, per)
     if tiles.dynamic:

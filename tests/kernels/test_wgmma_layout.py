@@ -1,0 +1,166 @@
+"""The wgmma GEMM's layouts on the CPU (no warpgroup MMA runs under the simulator): the fetch code
+the kernel is generated from puts every element of a staged slice where the descriptors that the
+kernel builds make the hardware read it (:mod:`vmstoolkit.kernels.wgmma_layout`'s model of the
+PTX ISA's canonical layouts), each element exactly once, and the accumulator map is a bijection.
+The GPU checks are ``tests/gpu/test_gemm_wgmma_gpu.py``."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from vmstoolkit.errors import KernelError
+from vmstoolkit.kernels import gemm_bf16 as GB
+from vmstoolkit.kernels import gemm_wgmma as GW
+from vmstoolkit.kernels import wgmma_layout as WL
+
+TILE = 0x4400  # a shared address on a 1024-byte atom
+
+
+class _Pitched:
+    """Stands for a device array in the generated fetch set-up (it reads ``.strides`` alone)."""
+
+    def __init__(self, pitch):
+        self.strides = (2 * pitch, 2)
+
+
+def _fetch_offsets(trans: bool, rows: int, threads: int) -> dict:
+    """Run the generated set-up of one operand's fetch for every thread: {element offset in the
+    stage: (shared offset d, the chunk's first (row-or-k, col) in the tile)}."""
+    lines = GB._fetch_setup("a", trans, rows, threads, "M", WL.BK, GW._swizzle_panel)
+    code = compile("\n".join(lines), "<fetch>", "exec")
+    written = {}
+    for tid in range(threads):
+        env = {"tid": tid, "r0_a": 0, "kbeg": 0, "M": 10 ** 6, "a": _Pitched(4096), "min": min, "max": max}
+        exec(code, env)  # noqa: S102 - the kernel's own generated lines
+        for i in range(rows * WL.BK // 8 // threads):
+            d = env[f"da{i}"]
+            off = env[f"oa{i}"]
+            # global element offset -> (k, mn) for "t" (stored (K, rows)), (row, k) for "n"
+            key = divmod(off, 4096)
+            assert d not in written, ("two chunks written to one place", d, key)
+            written[d] = key
+    return written
+
+
+@pytest.mark.parametrize("rows", [64, 128, 256])
+def test_kmajor_fetch_lands_where_the_descriptor_reads(rows):
+    written = _fetch_offsets(False, rows, 256 if rows >= 128 else 128)
+    assert sorted(written) == list(range(0, rows * WL.BK, 8))  # every 16-byte chunk once
+    for d, (r, k) in written.items():
+        for e in range(8):
+            assert 2 * (d + e) == WL.kmajor_offset(r, k + e)
+    lbo, sbo = WL.fields(False)
+    for step in range(WL.BK // WL.K_STEP):
+        for first in range(0, rows, 64):  # a warpgroup's A rows, or all of B at once
+            n = 64 if rows > 64 else rows
+            start = TILE + first * WL.ROW_BYTES + WL.step_offset(False, step)
+            got = WL.reads(WL.descriptor(start, lbo, sbo), n, False)
+            want = [[TILE + WL.kmajor_offset(first + r, 16 * step + k) for k in range(16)] for r in range(n)]
+            assert (got == np.array(want)).all(), (rows, step, first)
+    got = WL.reads(WL.descriptor(TILE + WL.step_offset(False, 2), lbo, sbo), rows, False)  # B: all rows
+    assert (got == np.array([[TILE + WL.kmajor_offset(r, 32 + k) for k in range(16)] for r in range(rows)])).all()
+
+
+@pytest.mark.parametrize("rows", [64, 128, 256])
+def test_mnmajor_fetch_lands_where_the_descriptor_reads(rows):
+    written = _fetch_offsets(True, rows, 256 if rows >= 128 else 128)
+    assert sorted(written) == list(range(0, rows * WL.BK, 8))
+    for d, (k, mn) in written.items():
+        for e in range(8):
+            assert 2 * (d + e) == WL.mnmajor_offset(mn + e, k)
+    lbo, sbo = WL.fields(True)
+    for step in range(WL.BK // WL.K_STEP):
+        start = TILE + WL.step_offset(True, step)
+        got = WL.reads(WL.descriptor(start, lbo, sbo), rows, True)  # B: every panel from one descriptor
+        want = [[TILE + WL.mnmajor_offset(mn, 16 * step + k) for k in range(16)] for mn in range(rows)]
+        assert (got == np.array(want)).all(), (rows, step)
+        for wg in range(rows // 64):  # A: warpgroup wg's panel
+            got = WL.reads(WL.descriptor(start + wg * WL.BK * WL.ROW_BYTES, lbo, sbo), 64, True)
+            want = [[TILE + WL.mnmajor_offset(64 * wg + m, 16 * step + k) for k in range(16)] for m in range(64)]
+            assert (got == np.array(want)).all(), (rows, step, wg)
+
+
+def test_the_swizzle_spreads_a_chunk_column_over_the_banks():
+    """What the 128-byte swizzle is for: the 8 rows of one 16-byte chunk column of an atom, as
+    both layouts write them, fall in 8 different 16-byte bank groups."""
+    for c in range(8):
+        assert len({WL.kmajor_offset(r, 8 * c) % 128 // 16 for r in range(8)}) == 8
+        assert len({WL.mnmajor_offset(8 * c, k) % 128 // 16 for k in range(8)}) == 8
+
+
+def test_descriptor_fields():
+    d = WL.descriptor(0x4410, 8192, 1024)
+    assert d & 0x3FFF == 0x441 and (d >> 16) & 0x3FFF == 512 and (d >> 32) & 0x3FFF == 64 and d >> 62 == 1
+    with pytest.raises(ValueError, match="128-byte swizzle"):
+        WL.reads(WL.descriptor(0, 16, 1024, mode=0), 64, False)
+
+
+@pytest.mark.parametrize("n", [8, 128, 256])
+def test_accumulators_have_one_owner_each(n):
+    own = WL.accumulator_owner(n)
+    cells = {tuple(x) for x in own.reshape(-1, 2)}
+    assert cells == {(r, c) for r in range(64) for c in range(n)}
+    for t in range(128):  # warp w owns rows 16w .. 16w + 15 (its m16 block, as in mma.sync)
+        assert set(own[t, :, 0]) <= set(range(16 * (t // 32), 16 * (t // 32) + 16))
+
+
+def test_tiles_are_checked():
+    GW.WgmmaTiles().check()
+    GW.WgmmaTiles(128, 256, 4).check()
+    for bad, why in ((GW.WgmmaTiles(bm=96), "bm"), (GW.WgmmaTiles(bn=100), "bn"), (GW.WgmmaTiles(stages=1), "stages"),
+                     (GW.WgmmaTiles(bm=256, bn=256, stages=4), "shared memory")):
+        with pytest.raises(KernelError, match=why):
+            bad.check()
+
+
+def test_no_wgmma_on_the_simulator():
+    """Under the simulator the launchers keep the mma.sync kernel, and asking for wgmma tiles
+    is an error naming why (not a silent fallback)."""
+    from numba import cuda
+
+    x, w = cuda.to_device(np.zeros((4, 8), np.uint16)), cuda.to_device(np.zeros((3, 8), np.uint16))
+    y = cuda.device_array((4, 3), np.float32)
+    GB.gemm_bf16(x, w, y)
+    assert not y.copy_to_host().any()
+    with pytest.raises(KernelError, match="wgmma"):
+        GB.gemm_bf16(x, w, y, tiles=GW.GPU_WGMMA)
+
+
+_PTX_PROBE = r"""
+import sys
+from numba import cuda, types
+from numba.cuda import dispatcher
+try:
+    cuda.compile_ptx(lambda a: None, (types.float32[:],), cc=(9, 0, "a"))
+except Exception as e:  # no NVVM / NVRTC here
+    print("NO-TOOLKIT", type(e).__name__, str(e).splitlines()[0][:200])
+    sys.exit(0)
+class _Device:  # device functions compile for the current device's cc: name one without a driver
+    compute_capability = (9, 0)
+dispatcher.get_current_device = lambda: _Device()
+from vmstoolkit.kernels import gemm_wgmma as GW
+A2, F2 = types.Array(types.int16, 2, "A"), types.Array(types.float32, 2, "A")
+for layout, bn in (("nn", 128), ("nt", 256), ("tt", 128)):
+    src = GW.kernel_source(GW.WgmmaTiles(bn=bn), layout)
+    fn = GW.python_kernel(GW.WgmmaTiles(bn=bn), layout)
+    ptx, _ = cuda.compile_ptx(fn, (A2, A2, F2, F2, types.int64), cc=(9, 0, "a"))
+    print("PTX", layout, bn, ".target sm_90a" in ptx, ptx.count(f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16"),
+          ptx.count("fence.proxy.async.shared::cta"), ptx.count("wgmma.wait_group.sync.aligned 0"))
+"""
+
+
+def test_kernel_compiles_to_sm90a_ptx():
+    """The real kernel through Numba's typing and NVVM for sm_90a (numba-cuda builds a 9.0 device's
+    kernels for compute_90a): 4 MMAs a slice, the proxy fence and the wait in the loop. Needs a CUDA
+    toolkit's NVVM and NVRTC (no GPU); skipped where there is none."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    r = subprocess.run([sys.executable, "-c", _PTX_PROBE], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    if "NO-TOOLKIT" in r.stdout:
+        pytest.skip(f"no CUDA toolkit to compile PTX with: {r.stdout.strip()}")
+    lines = [x.split() for x in r.stdout.splitlines() if x.startswith("PTX")]
+    assert [x[1:] for x in lines] == [["nn", "128", "True", "4", "1", "1"], ["nt", "256", "True", "4", "1", "1"],
+                                      ["tt", "128", "True", "4", "1", "1"]], r.stdout

@@ -1,0 +1,234 @@
+"""The bf16 GEMMs of :mod:`.gemm_bf16` on Hopper's warpgroup MMA (``wgmma.mma_async``), for sm_90.
+
+Same contract as :mod:`.gemm_bf16` (``C (R, C) = [acc +] A @ B``, A stored (R, K) "n" or (K, R)
+"t", B stored (C, K) "n" or (K, C) "t", fp32 or bf16 output, split k with fp32 output); the
+launchers there call this kernel where it applies (:func:`usable`). Layouts and descriptors:
+:mod:`.wgmma_layout`; intrinsics: :mod:`._wgmma`.
+
+Note [wgmma GEMM tile]
+----------------------
+mma.sync reaches 36-51% of cuBLAS on the H200 (``experiments/results/gemm-bf16-h200``): each
+warp must load its fragments from shared memory into registers (ldmatrix) before every MMA, and
+the issue slots those take bound it. ``wgmma`` reads both operands from shared memory itself,
+through descriptors, asynchronously: a warpgroup (4 warps, 128 threads) issues one instruction
+for a 64 x n x 16 product, and the registers hold only the accumulators.
+
+- A block of ``bm / 64`` warpgroups (2 by default: 256 threads) computes ``bm x bn``; each
+  warpgroup 64 rows x all ``bn`` columns with one m64n{bn}k16 per k step, so B's tile is shared
+  by the warpgroups and each accumulates ``bn / 2`` fp32 per thread (64 at bn 128, 128 at 256).
+- k slices of BK = 64 (one 128-byte swizzle row of bf16) are staged by ``cp.async`` (16 bytes per
+  instruction, as :mod:`.gemm_bf16` does) into ``stages`` buffers of the 128-byte-swizzled
+  layouts of :mod:`.wgmma_layout`; the dynamic shared array is aligned to 1024 bytes at run time.
+- Per slice: wait for its cp.async group, ``fence.proxy.async`` (cp.async writes through the
+  generic proxy, wgmma reads through the async one), a block barrier, then the fetch of the
+  slice ``stages - 1`` ahead into the buffer read by the previous slice, then
+  ``wgmma.fence``, 4 MMAs (k steps of 16), ``commit`` and ``wait 0``. Keeping an MMA group in
+  flight across the barrier would need one more buffer between reads and writes; the bubble
+  at each barrier is what a second resident block hides (``stages`` 3 at bn 128: 99 KiB, two
+  blocks an SM).
+- No TMA and no warp specialisation: the fetch is the threads' own cp.async, and every thread
+  computes. Operands must be 16-byte aligned (:func:`.gemm_bf16.aligned_b16`); other operands
+  take the mma.sync kernel.
+
+Measurements: ``experiments/results/gemm-bf16-h200`` (run 3 on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from numba import cuda, float32, uint16
+
+from vmstoolkit.errors import KernelError
+
+from . import _mma, _wgmma, wgmma_layout as WL
+from ._util import simulating
+
+BK = WL.BK
+MAX_SMEM = 227 * 1024  # the H200's dynamic shared memory per block at most
+
+
+@dataclass(frozen=True)
+class WgmmaTiles:
+    """``bm x bn`` outputs per block (``bm / 64`` warpgroups), ``stages`` k slices of 64 in flight."""
+
+    bm: int = 128
+    bn: int = 128
+    stages: int = 4
+
+    @property
+    def bk(self) -> int:
+        return BK
+
+    @property
+    def warpgroups(self) -> int:
+        return self.bm // 64
+
+    @property
+    def threads(self) -> int:
+        return WL.WARPGROUP * self.warpgroups
+
+    @property
+    def smem_bytes(self) -> int:
+        """Stages of both operands, and 1024 bytes to align the first to an atom."""
+        return self.stages * (self.bm + self.bn) * BK * 2 + WL.ATOM_BYTES
+
+    @property
+    def dynamic(self) -> bool:
+        return True
+
+    def label(self) -> str:
+        return f"wgmma {self.bm}x{self.bn}x{BK}/s{self.stages}"
+
+    def check(self) -> None:
+        if self.bm not in (64, 128, 192, 256):
+            raise KernelError(f"tiles {self}: bm must be 64, 128, 192 or 256 (a warpgroup per 64 rows)")
+        if self.bn % 64 or not 64 <= self.bn <= 256:
+            raise KernelError(f"tiles {self}: bn must be 64, 128, 192 or 256 (whole 64-element panels)")
+        if (self.bm * BK // 8) % self.threads or (self.bn * BK // 8) % self.threads:
+            raise KernelError(f"tiles {self}: each thread must fetch whole 16-byte chunks of both operands")
+        if self.stages < 2:
+            raise KernelError(f"tiles {self}: stages must be at least 2")
+        if self.smem_bytes > MAX_SMEM:
+            raise KernelError(f"tiles {self}: {self.smem_bytes} bytes of shared memory (limit {MAX_SMEM})")
+
+
+GPU_WGMMA = WgmmaTiles()
+
+
+def _swizzle_panel(k: str, chunk: str, width: int) -> str:
+    """Element offset in an MN-major tile of chunk ``chunk`` (8 elements along M/N) of k row ``k``:
+    :func:`.wgmma_layout.mnmajor_offset` / 2, with 64-element panels of BK rows."""
+    return f"(((({chunk}) >> 3) * {BK * WL.PANEL}) + ({k}) * {WL.PANEL} + (((({chunk}) & 7) ^ (({k}) & 7)) << 3))"
+
+
+def _kernel_source(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, accumulate: bool,
+                   atomic: bool) -> str:
+    from .gemm_bf16 import _fetch_lines, _fetch_setup
+
+    T, S, N = t.threads, t.stages, t.bn
+    regs = N // 2
+    a_stage, b_stage = t.bm * BK, t.bn * BK  # elements
+    boff = S * a_stage
+    hi_a = WL.descriptor_hi(*WL.fields(a_trans))
+    hi_b = WL.descriptor_hi(*WL.fields(b_trans))
+    wg_bytes = 64 * WL.ROW_BYTES if not a_trans else BK * WL.ROW_BYTES  # a warpgroup's 64 rows of A
+    src = ["def kernel(a, b, acc, c, per):",
+           "    Sm = cuda.shared.array(0, uint16)",
+           "    base = shared_addr(Sm, 0)",
+           f"    pad = ((base + {WL.ATOM_BYTES - 1}) & {-WL.ATOM_BYTES}) - base",
+           "    e0 = pad >> 1",  # the aligned start, in elements of Sm
+           "    s0 = base + pad",  # and as a shared address
+           "    tid = cuda.threadIdx.x", "    wg = tid >> 7", "    lt = tid & 127",
+           "    M = c.shape[0]", "    N = c.shape[1]",
+           f"    K = a.shape[{0 if a_trans else 1}]",
+           f"    r0_a = cuda.blockIdx.y * {t.bm}", f"    r0_b = cuda.blockIdx.x * {t.bn}",
+           f"    ksteps = (K + {BK - 1}) // {BK}",
+           "    kbeg = cuda.blockIdx.z * per", "    nk = min(ksteps, kbeg + per) - kbeg",
+           f"    d = wgmma_zeros({regs})"]
+    src += ["    " + line for line in _fetch_setup("a", a_trans, t.bm, T, "M", BK, _swizzle_panel)
+            + _fetch_setup("b", b_trans, t.bn, T, "N", BK, _swizzle_panel)]
+    fetch = (_fetch_lines("a", a_trans, t.bm, T, "M", True, BK, "e0")
+             + _fetch_lines("b", b_trans, t.bn, T, "N", True, BK, f"e0 + {boff}"))
+    for s in range(S - 1):
+        src += [f"    if {s} < nk:", f"        st = {s}", f"        k0 = (kbeg + {s}) * {BK}"]
+        src += ["        " + line for line in fetch]
+        src.append("    cp_async_commit()")
+    src += [f"    st = {S - 1}", "    sr = 0", f"    k0 = (kbeg + {S - 1}) * {BK}",
+            "    for it in range(nk):",
+            f"        cp_async_wait({S - 2})",
+            "        fence_proxy_async()",
+            "        cuda.syncthreads()",
+            f"        if it + {S - 1} < nk:"]
+    src += ["            " + line for line in fetch]
+    src += ["        cp_async_commit()",
+            f"        k0 += {BK}",
+            "        st += 1",
+            f"        if st == {S}:",
+            "            st = 0",
+            f"        sa = s0 + sr * {a_stage * 2} + wg * {wg_bytes}",
+            f"        sb = s0 + {boff * 2} + sr * {b_stage * 2}",
+            "        sr += 1",
+            f"        if sr == {S}:",
+            "            sr = 0",
+            "        wgmma_fence()"]
+    for step in range(BK // WL.K_STEP):
+        oa, ob = WL.step_offset(a_trans, step), WL.step_offset(b_trans, step)
+        src.append(f"        d = wgmma_bf16(d, sa + {oa}, sb + {ob}, {hi_a}, {hi_b}, {N}, "
+                   f"{int(a_trans)}, {int(b_trans)})")
+    src += ["        wgmma_commit()",
+            "        wgmma_wait(0)",
+            "        d = wgmma_pin(d)",
+            "    cp_async_wait(0)",
+            # accumulator i = 4j + q: row 16w + l/4 + 8(q/2), column 8j + 2(l%4) + q%2 (wgmma_layout)
+            "    rw = r0_a + wg * 64 + (lt >> 5) * 16 + ((lt & 31) >> 2)",
+            "    cl = r0_b + 2 * (lt & 3)"]
+    store = "store_bf16" if out_bf16 else "store_add" if atomic else "store_acc" if accumulate else "store_f32"
+    for j in range(N // 8):
+        for h in range(2):
+            src.append(f"    {store}(c, acc, rw + {8 * h}, cl + {8 * j}, M, N, d[{4 * j + 2 * h}], d[{4 * j + 2 * h + 1}])")
+    return "\n".join(src) + "\n"
+
+
+def kernel_source(t: WgmmaTiles = GPU_WGMMA, layout: str = "nn", out_bf16: bool = False, accumulate: bool = False,
+                  atomic: bool = False) -> str:
+    """The generated source of one build (for reading, and for the layout tests)."""
+    from .gemm import LAYOUTS
+
+    a_trans, b_trans = LAYOUTS[layout]
+    return _kernel_source(t, a_trans, b_trans, out_bf16, accumulate, atomic)
+
+
+def python_kernel(t: WgmmaTiles = GPU_WGMMA, layout: str = "nn", out_bf16: bool = False, accumulate: bool = False,
+                  atomic: bool = False):
+    """The generated Python function, not yet compiled (``cuda.compile_ptx`` takes it offline)."""
+    from .gemm import LAYOUTS
+
+    a_trans, b_trans = LAYOUTS[layout]
+    return _python_kernel(t, a_trans, b_trans, out_bf16, accumulate, atomic)
+
+
+def _python_kernel(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, accumulate: bool, atomic: bool):
+    from . import gemm_bf16 as GB
+
+    t.check()
+    source = _kernel_source(t, a_trans, b_trans, out_bf16, accumulate, atomic)
+    names = {"cuda": cuda, "uint16": uint16, "float32": float32, "min": min, "max": max,
+             "chunk_bytes": GB.chunk_bytes, "chunk_bytes_t": GB.chunk_bytes_t, "store_f32": GB.store_f32,
+             "store_acc": GB.store_acc, "store_add": GB.store_add, "store_bf16": GB.store_bf16}
+    for name in ("cp_async16_at", "cp_async_commit", "cp_async_wait"):
+        names[name] = getattr(_mma, name)
+    for name in ("shared_addr", "wgmma_zeros", "wgmma_bf16", "wgmma_pin", "wgmma_wait", "wgmma_fence",
+                 "wgmma_commit", "fence_proxy_async"):
+        names[name] = getattr(_wgmma, name)
+    code = compile(source, f"<gemm_wgmma {t.label()} {'t' if a_trans else 'n'}{'t' if b_trans else 'n'}>", "exec")
+    exec(code, names)  # noqa: S102 - the source is generated above from the tile constants alone
+    fn = names["kernel"]
+    fn.__doc__ = source
+    return fn
+
+
+@lru_cache(maxsize=None)
+def make_gemm_wgmma(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool = False, accumulate: bool = False,
+                    atomic: bool = False):
+    """The kernel ``kernel(a, b, acc, c, per)`` (as :func:`.gemm_bf16.make_gemm_bf16`'s, cp.async
+    operands only)."""
+    if simulating():
+        raise KernelError("the wgmma GEMM runs on an sm_90 GPU only (the CUDA simulator has no warpgroup MMA)")
+    return cuda.jit(max_registers=255)(_python_kernel(t, a_trans, b_trans, out_bf16, accumulate, atomic))
+
+
+def usable(tiles, aligned: bool) -> bool:
+    """Whether a launch takes this kernel: wgmma tiles asked for (or none, on an sm_90 device,
+    where ``VMSTOOLKIT_WGMMA=1``: not the default until the H200 has checked it), and both
+    operands 16-byte aligned."""
+    import os
+
+    if simulating() or not aligned:
+        return False
+    if isinstance(tiles, WgmmaTiles):
+        return True
+    if tiles is not None or os.environ.get("VMSTOOLKIT_WGMMA", "0") != "1":
+        return False
+    return tuple(cuda.get_current_device().compute_capability) == (9, 0)
