@@ -358,8 +358,9 @@ class ProblemBf16:
 
 
 # --wgmma: the warpgroup-MMA kernel's tile shapes (gemm_wgmma), timed beside the rule
-WGMMA_TILES = [GW.WgmmaTiles(128, 128, 4), GW.WgmmaTiles(128, 256, 4), GW.WgmmaTiles(128, 128, 3),
-               GW.WgmmaTiles(128, 256, 3)]
+WGMMA_TILES = [GW.WgmmaTiles(128, 128, 4), GW.WgmmaTiles(128, 256, 4), GW.WgmmaTiles(128, 128, 3, blocks=2),
+               GW.WgmmaTiles(128, 128, 4, ahead=1), GW.WgmmaTiles(128, 256, 4, ahead=1),
+               GW.WgmmaTiles(128, 128, 5, ahead=1)]
 
 
 def bf16_candidates(tiles: bool = True, wgmma: bool = False):

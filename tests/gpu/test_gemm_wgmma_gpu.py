@@ -32,8 +32,8 @@ def _fp32():
 def _tiles():
     from vmstoolkit.kernels import gemm_wgmma as GW
 
-    return [GW.WgmmaTiles(128, 128, 4), GW.WgmmaTiles(128, 256, 4), GW.WgmmaTiles(128, 128, 3),
-            GW.WgmmaTiles(128, 256, 3), GW.WgmmaTiles(64, 128, 4)]
+    return [GW.WgmmaTiles(128, 128, 4), GW.WgmmaTiles(128, 256, 4, ahead=1), GW.WgmmaTiles(128, 128, 3, blocks=2),
+            GW.WgmmaTiles(128, 128, 5, ahead=1), GW.WgmmaTiles(64, 128, 4), GW.WgmmaTiles(128, 256, 4)]
 
 
 def run_layouts(x, w, dy, tiles, out_dtype=torch.float32, splits=None):

@@ -109,8 +109,12 @@ def test_accumulators_have_one_owner_each(n):
 
 def test_tiles_are_checked():
     GW.WgmmaTiles().check()
-    GW.WgmmaTiles(128, 256, 4).check()
+    GW.WgmmaTiles(128, 256, 4, ahead=1).check()
+    assert GW.WgmmaTiles(128, 128, 3, blocks=2).max_registers == 128 and GW.WgmmaTiles().max_registers == 255
+    assert GW.WgmmaTiles(stages=4, ahead=1).prefetch == 2 and GW.WgmmaTiles(stages=4).prefetch == 3
     for bad, why in ((GW.WgmmaTiles(bm=96), "bm"), (GW.WgmmaTiles(bn=100), "bn"), (GW.WgmmaTiles(stages=1), "stages"),
+                     (GW.WgmmaTiles(stages=2, ahead=1), "stages"), (GW.WgmmaTiles(ahead=2), "ahead"),
+                     (GW.WgmmaTiles(stages=4, blocks=2), "do not fit"),
                      (GW.WgmmaTiles(bm=256, bn=256, stages=4), "shared memory")):
         with pytest.raises(KernelError, match=why):
             bad.check()
@@ -143,18 +147,17 @@ class _Device:  # device functions compile for the current device's cc: name one
 dispatcher.get_current_device = lambda: _Device()
 from vmstoolkit.kernels import gemm_wgmma as GW
 A2, F2 = types.Array(types.int16, 2, "A"), types.Array(types.float32, 2, "A")
-for layout, bn in (("nn", 128), ("nt", 256), ("tt", 128)):
-    src = GW.kernel_source(GW.WgmmaTiles(bn=bn), layout)
-    fn = GW.python_kernel(GW.WgmmaTiles(bn=bn), layout)
+for layout, bn, ahead in (("nn", 128, 0), ("nt", 256, 1), ("tt", 128, 1)):
+    fn = GW.python_kernel(GW.WgmmaTiles(bn=bn, ahead=ahead), layout)
     ptx, _ = cuda.compile_ptx(fn, (A2, A2, F2, F2, types.int64), cc=(9, 0, "a"))
     print("PTX", layout, bn, ".target sm_90a" in ptx, ptx.count(f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16"),
-          ptx.count("fence.proxy.async.shared::cta"), ptx.count("wgmma.wait_group.sync.aligned 0"))
+          ptx.count("fence.proxy.async.shared::cta"), ptx.count(f"wgmma.wait_group.sync.aligned {ahead}"))
 """
 
 
 def test_kernel_compiles_to_sm90a_ptx():
     """The real kernel through Numba's typing and NVVM for sm_90a (numba-cuda builds a 9.0 device's
-    kernels for compute_90a): 4 MMAs a slice, the proxy fence and the wait in the loop. Needs a CUDA
+    kernels for compute_90a): 4 MMAs a slice, the proxy fence and the waits. Needs a CUDA
     toolkit's NVVM and NVRTC (no GPU); skipped where there is none."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     r = subprocess.run([sys.executable, "-c", _PTX_PROBE], capture_output=True, text=True, env=env, timeout=600)
@@ -162,5 +165,6 @@ def test_kernel_compiles_to_sm90a_ptx():
     if "NO-TOOLKIT" in r.stdout:
         pytest.skip(f"no CUDA toolkit to compile PTX with: {r.stdout.strip()}")
     lines = [x.split() for x in r.stdout.splitlines() if x.startswith("PTX")]
-    assert [x[1:] for x in lines] == [["nn", "128", "True", "4", "1", "1"], ["nt", "256", "True", "4", "1", "1"],
+    # wait 0 once in the loop and once after it (ahead 0); wait 1 in the loop (ahead 1)
+    assert [x[1:] for x in lines] == [["nn", "128", "True", "4", "1", "2"], ["nt", "256", "True", "4", "1", "1"],
                                       ["tt", "128", "True", "4", "1", "1"]], r.stdout

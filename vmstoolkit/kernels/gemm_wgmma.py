@@ -20,12 +20,14 @@ for a 64 x n x 16 product, and the registers hold only the accumulators.
   instruction, as :mod:`.gemm_bf16` does) into ``stages`` buffers of the 128-byte-swizzled
   layouts of :mod:`.wgmma_layout`; the dynamic shared array is aligned to 1024 bytes at run time.
 - Per slice: wait for its cp.async group, ``fence.proxy.async`` (cp.async writes through the
-  generic proxy, wgmma reads through the async one), a block barrier, then the fetch of the
-  slice ``stages - 1`` ahead into the buffer read by the previous slice, then
-  ``wgmma.fence``, 4 MMAs (k steps of 16), ``commit`` and ``wait 0``. Keeping an MMA group in
-  flight across the barrier would need one more buffer between reads and writes; the bubble
-  at each barrier is what a second resident block hides (``stages`` 3 at bn 128: 99 KiB, two
-  blocks an SM).
+  generic proxy, wgmma reads through the async one), a block barrier, then the fetch of a slice
+  ahead into a buffer no MMA still reads, then ``wgmma.fence``, 4 MMAs (k steps of 16),
+  ``commit`` and ``wait ahead``. With ``ahead = 0`` the slice's MMAs complete before the next
+  barrier, and the fetch runs ``stages - 1`` slices ahead; with ``ahead = 1`` one group stays in
+  flight across it (the tensor cores are not idle at the barrier), its buffer is rewritten a
+  slice later, so the fetch runs ``stages - 2`` ahead. The other way to fill the bubble at each
+  barrier is a second resident block (``blocks = 2``: 3 stages at bn 128, 97 KiB, and at most
+  128 registers a thread).
 - No TMA and no warp specialisation: the fetch is the threads' own cp.async, and every thread
   computes. Operands must be 16-byte aligned (:func:`.gemm_bf16.aligned_b16`); other operands
   take the mma.sync kernel.
@@ -56,6 +58,8 @@ class WgmmaTiles:
     bm: int = 128
     bn: int = 128
     stages: int = 4
+    ahead: int = 0  # MMA groups left in flight across the next slice's barrier (0 or 1)
+    blocks: int = 1  # blocks an SM is meant to hold: bounds the registers a thread
 
     @property
     def bk(self) -> int:
@@ -78,8 +82,19 @@ class WgmmaTiles:
     def dynamic(self) -> bool:
         return True
 
+    @property
+    def max_registers(self) -> int:
+        return min(255, 65536 // (self.threads * self.blocks) // 8 * 8)
+
+    @property
+    def prefetch(self) -> int:
+        """Slices fetched ahead of the one multiplied: a buffer is rewritten only once the MMA
+        group that read it is complete, ``ahead`` groups back."""
+        return self.stages - 1 - self.ahead
+
     def label(self) -> str:
-        return f"wgmma {self.bm}x{self.bn}x{BK}/s{self.stages}"
+        return (f"wgmma {self.bm}x{self.bn}x{BK}/s{self.stages}" + (f"/a{self.ahead}" if self.ahead else "")
+                + (f"/b{self.blocks}" if self.blocks > 1 else ""))
 
     def check(self) -> None:
         if self.bm not in (64, 128, 192, 256):
@@ -88,8 +103,13 @@ class WgmmaTiles:
             raise KernelError(f"tiles {self}: bn must be 64, 128, 192 or 256 (whole 64-element panels)")
         if (self.bm * BK // 8) % self.threads or (self.bn * BK // 8) % self.threads:
             raise KernelError(f"tiles {self}: each thread must fetch whole 16-byte chunks of both operands")
-        if self.stages < 2:
-            raise KernelError(f"tiles {self}: stages must be at least 2")
+        if self.ahead not in (0, 1):
+            raise KernelError(f"tiles {self}: ahead must be 0 or 1")
+        if self.prefetch < 1:
+            raise KernelError(f"tiles {self}: stages must be at least {2 + self.ahead} with ahead={self.ahead}")
+        if self.blocks * self.smem_bytes > 228 * 1024:
+            raise KernelError(f"tiles {self}: {self.blocks} blocks of {self.smem_bytes} bytes of shared memory "
+                              "do not fit an SM (228 KiB)")
         if self.smem_bytes > MAX_SMEM:
             raise KernelError(f"tiles {self}: {self.smem_bytes} bytes of shared memory (limit {MAX_SMEM})")
 
@@ -131,16 +151,17 @@ def _kernel_source(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, 
             + _fetch_setup("b", b_trans, t.bn, T, "N", BK, _swizzle_panel)]
     fetch = (_fetch_lines("a", a_trans, t.bm, T, "M", True, BK, "e0")
              + _fetch_lines("b", b_trans, t.bn, T, "N", True, BK, f"e0 + {boff}"))
-    for s in range(S - 1):
+    P = t.prefetch
+    for s in range(P):
         src += [f"    if {s} < nk:", f"        st = {s}", f"        k0 = (kbeg + {s}) * {BK}"]
         src += ["        " + line for line in fetch]
         src.append("    cp_async_commit()")
-    src += [f"    st = {S - 1}", "    sr = 0", f"    k0 = (kbeg + {S - 1}) * {BK}",
+    src += [f"    st = {P}", "    sr = 0", f"    k0 = (kbeg + {P}) * {BK}",
             "    for it in range(nk):",
-            f"        cp_async_wait({S - 2})",
+            f"        cp_async_wait({P - 1})",
             "        fence_proxy_async()",
             "        cuda.syncthreads()",
-            f"        if it + {S - 1} < nk:"]
+            f"        if it + {P} < nk:"]
     src += ["            " + line for line in fetch]
     src += ["        cp_async_commit()",
             f"        k0 += {BK}",
@@ -157,9 +178,11 @@ def _kernel_source(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, 
         oa, ob = WL.step_offset(a_trans, step), WL.step_offset(b_trans, step)
         src.append(f"        d = wgmma_bf16(d, sa + {oa}, sb + {ob}, {hi_a}, {hi_b}, {N}, "
                    f"{int(a_trans)}, {int(b_trans)})")
-    src += ["        wgmma_commit()",
-            "        wgmma_wait(0)",
-            "        d = wgmma_pin(d)",
+    src += ["        wgmma_commit()", f"        wgmma_wait({t.ahead})"]
+    if not t.ahead:  # (with a group in flight, touching its accumulators would serialise the MMAs)
+        src.append("        d = wgmma_pin(d)")
+    src += ["    wgmma_wait(0)",
+            "    d = wgmma_pin(d)",
             "    cp_async_wait(0)",
             # accumulator i = 4j + q: row 16w + l/4 + 8(q/2), column 8j + 2(l%4) + q%2 (wgmma_layout)
             "    rw = r0_a + wg * 64 + (lt >> 5) * 16 + ((lt & 31) >> 2)",
@@ -216,7 +239,7 @@ def make_gemm_wgmma(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool 
     operands only)."""
     if simulating():
         raise KernelError("the wgmma GEMM runs on an sm_90 GPU only (the CUDA simulator has no warpgroup MMA)")
-    return cuda.jit(max_registers=255)(_python_kernel(t, a_trans, b_trans, out_bf16, accumulate, atomic))
+    return cuda.jit(max_registers=t.max_registers)(_python_kernel(t, a_trans, b_trans, out_bf16, accumulate, atomic))
 
 
 def usable(tiles, aligned: bool) -> bool:
