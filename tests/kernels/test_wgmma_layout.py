@@ -13,6 +13,7 @@ import pytest
 
 from vmstoolkit.errors import KernelError
 from vmstoolkit.kernels import gemm_bf16 as GB
+from vmstoolkit.kernels import gemm_staging as GS
 from vmstoolkit.kernels import gemm_wgmma as GW
 from vmstoolkit.kernels import wgmma_layout as WL
 
@@ -29,7 +30,7 @@ class _Pitched:
 def _fetch_offsets(trans: bool, rows: int, threads: int) -> dict:
     """Run the generated set-up of one operand's fetch for every thread: {element offset in the
     stage: (shared offset d, the chunk's first (row-or-k, col) in the tile)}."""
-    lines = GB._fetch_setup("a", trans, rows, threads, "M", WL.BK, GW._swizzle_panel)
+    lines = GS.fetch_setup("a", trans, rows, threads, "M", WL.BK, GW._swizzle_panel)
     code = compile("\n".join(lines), "<fetch>", "exec")
     written = {}
     for tid in range(threads):

@@ -56,14 +56,15 @@ from numba import cuda, float32, uint16
 
 from vmstoolkit.errors import KernelError
 
-from . import _mma, mma_layout
+from . import _mma, gemm_wgmma as GW, mma_layout
 from ._util import check_ndim, simulating, sm_count
 from .gemm import LAYOUTS, copy_fill, zero_fill
+from .gemm_staging import (CHUNK, fetch_lines, fetch_setup, swizzle_n, swizzle_t, aligned_b16, chunk_bytes,
+                           chunk_bytes_t, store_acc, store_add, store_bf16, store_f32)
 
 BK = 32  # the default k depth of a staged slice (two mma k steps)
 STATIC_SMEM = 48 * 1024  # a kernel's static shared memory at most
 MAX_SMEM = 227 * 1024  # the H200's (sm_90) dynamic shared memory per block at most
-CHUNK = 8  # bf16 elements per 16-byte chunk (one cp.async, one ldmatrix row)
 
 
 @dataclass(frozen=True)
@@ -115,131 +116,6 @@ GPU_TILES = MmaTiles()
 SIM_TILES = MmaTiles(bm=16, bn=16, wm=16, wn=16, stages=3)
 
 
-@cuda.jit(device=True)
-def chunk_bytes(row_ok, k, K):
-    """Source bytes of the 16-byte chunk at ``k`` of a row of an "n" operand that is (``row_ok``)
-    inside the matrix: those before the row's end ``K`` (cp.async zero-fills the rest). A row
-    whose pitch is a multiple of 8 but whose length is not ends mid-chunk; reading the whole
-    chunk would add the padding after it into the sums."""
-    if row_ok and k < K:
-        return 2 * min(8, K - k)
-    return 0
-
-
-@cuda.jit(device=True)
-def chunk_bytes_t(inside, k, K):
-    """Source bytes of a chunk of k row ``k`` of a "t" operand, ``inside`` of whose 8 elements
-    are inside the matrix (0-8: fixed per chunk, since the chunk runs along the rows)."""
-    return 2 * inside if k < K else 0
-
-
-# Epilogues: a lane's two adjacent outputs (row, col), (row, col + 1), each stored if inside C.
-# Device functions (NVVM inlines them): as statements of the kernel their branches would
-# multiply its basic blocks, and Numba's SSA passes take time superlinear in those.
-@cuda.jit(device=True)
-def store_f32(c, acc, row, col, M, N, v0, v1):
-    if row < M:
-        if col < N:
-            c[row, col] = v0
-        if col + 1 < N:
-            c[row, col + 1] = v1
-
-
-@cuda.jit(device=True)
-def store_acc(c, acc, row, col, M, N, v0, v1):
-    if row < M:
-        if col < N:
-            c[row, col] = acc[row, col] + v0
-        if col + 1 < N:
-            c[row, col + 1] = acc[row, col + 1] + v1
-
-
-@cuda.jit(device=True)
-def store_add(c, acc, row, col, M, N, v0, v1):
-    if row < M:
-        if col < N:
-            cuda.atomic.add(c, (row, col), v0)
-        if col + 1 < N:
-            cuda.atomic.add(c, (row, col + 1), v1)
-
-
-@cuda.jit(device=True)
-def store_bf16(c, acc, row, col, M, N, v0, v1):
-    if row < M:
-        if col + 1 < N:
-            pk = _mma.pack_bf16x2(v0, v1)
-            c[row, col] = pk & 0xFFFF
-            c[row, col + 1] = pk >> 16
-        elif col < N:
-            c[row, col] = _mma.pack_bf16x2(v0, v0) & 0xFFFF
-
-
-def _swizzle_n(rows: str, chunk: str, bk: int) -> str:
-    """Element offset in an "n" tile (rows x bk) of chunk ``chunk`` of row ``rows`` (source text):
-    rows of 4 chunks (bk 32) swap chunk c with c ^ ((row >> 1) & 3), rows of 8 with c ^ (row & 7)."""
-    sw = f"((({rows}) >> 1) & 3)" if bk == 32 else f"(({rows}) & 7)"
-    return f"(({rows}) * {bk} + ((({chunk}) ^ {sw}) << 3))"
-
-
-def _swizzle_t(k: str, chunk: str, width: int) -> str:
-    """Element offset in a "t" tile (BK x width) of chunk ``chunk`` of k row ``k``."""
-    mask = min(8, width // CHUNK) - 1
-    return f"(({k}) * {width} + ((({chunk}) ^ (({k}) & {mask})) << 3))"
-
-
-def _fetch_setup(op: str, trans: bool, rows: int, threads: int, bound: str, BK: int,
-                 swizzle_t=_swizzle_t) -> list[str]:
-    """Source lines, before the k loop, of the cp.async fetch of operand ``op`` ('a' or 'b'): per
-    chunk ``i`` this thread copies, its swizzled shared offset ``d{op}{i}`` inside a stage, its
-    element offset ``o{op}{i}`` in global memory at the block's first slice (stepped by
-    ``step_{op}`` per slice), whether its row (column) is inside the matrix ``v{op}{i}``, and
-    its k inside the slice ``k{op}{i}``. ``swizzle_t``: the "t" tile's offset function (the wgmma
-    GEMM's tiles are panels: :mod:`.gemm_wgmma`)."""
-    per_row = rows // CHUNK if trans else BK // CHUNK
-    lines = [f"pitch_{op} = {op}.strides[0] // 2",
-             f"step_{op} = " + (f"{BK} * pitch_{op}" if trans else f"{BK}")]
-    for i in range(rows * BK // CHUNK // threads):
-        q = f"(tid + {i * threads})"
-        if trans:  # stored (K, rows): chunk cr of k row kr
-            lines += [f"kr = {q} // {per_row}", f"cr = {q} % {per_row}", f"gr = r0_{op} + cr * {CHUNK}",
-                      f"d{op}{i} = " + swizzle_t("kr", "cr", rows), f"v{op}{i} = gr < {bound}",
-                      f"w{op}{i} = max(0, min({CHUNK}, {bound} - gr))",
-                      f"k{op}{i} = kr",
-                      f"o{op}{i} = (kbeg * {BK} + kr) * pitch_{op} + (gr if v{op}{i} else 0)"]
-        else:  # stored (rows, K): chunk cr of row rr
-            lines += [f"rr = {q} // {per_row}", f"cr = {q} % {per_row}", f"gr = r0_{op} + rr",
-                      f"d{op}{i} = " + _swizzle_n("rr", "cr", BK), f"v{op}{i} = gr < {bound}",
-                      f"k{op}{i} = cr * {CHUNK}",
-                      f"o{op}{i} = (gr if v{op}{i} else 0) * pitch_{op} + kbeg * {BK} + cr * {CHUNK}"]
-    return lines
-
-
-def _fetch_lines(op: str, trans: bool, rows: int, threads: int, bound: str, async_: bool, BK: int,
-                 offset: int) -> list[str]:
-    """Source lines fetching the next slice of operand ``op`` ('a' or 'b') into stage ``st``
-    (``k0`` = the slice's first k; ``bound`` = the operand's row count R or C; the operand's
-    stages start at element ``offset`` of the shared array)."""
-    smem, base = "Sm", f"{offset} + st * {rows * BK}"
-    lines = []
-    if async_:  # zero-fill (0 source bytes) outside the matrix: the mma loop needs no checks
-        for i in range(rows * BK // CHUNK // threads):
-            nbytes = (f"chunk_bytes_t(w{op}{i}, k0 + k{op}{i}, K)" if trans
-                      else f"chunk_bytes(v{op}{i}, k0 + k{op}{i}, K)")
-            lines += [f"cp_async16_at({smem}, {base} + d{op}{i}, {op}, o{op}{i}, {nbytes})",
-                      f"o{op}{i} += step_{op}"]
-        return lines
-    lines.append(f"for e in range(tid, {rows * BK}, {threads}):")
-    if trans:
-        lines += [f"    kr = e // {rows}", f"    rr = e % {rows}", f"    gk = k0 + kr", f"    gr = r0_{op} + rr",
-                  f"    v = {op}[gk, gr] if gk < K and gr < {bound} else 0",
-                  f"    {smem}[{base} + {_swizzle_t('kr', 'rr >> 3', rows)} + (rr & 7)] = v"]
-    else:
-        lines += [f"    rr = e // {BK}", f"    kr = e % {BK}", f"    gr = r0_{op} + rr", f"    gk = k0 + kr",
-                  f"    v = {op}[gr, gk] if gr < {bound} and gk < K else 0",
-                  f"    {smem}[{base} + {_swizzle_n('rr', 'kr >> 3', BK)} + (kr & 7)] = v"]
-    return lines
-
-
 def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, accumulate: bool,
                    atomic: bool, async_: bool) -> str:
     MT, NT = t.wm // 16, t.wn // 8  # m16 tiles and n8 tiles per warp
@@ -263,26 +139,26 @@ def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, ac
     # parts of an offset have no bits there), a "t" tile's is kk rows further
     for i in range(MT):
         if a_trans:  # ldmatrix.trans of the (K, rows) tile: k = l%8 + (j//2)*8, m chunk + j%2
-            src.append(f"    oa_{i} = " + _swizzle_t("(lane & 7) + ((lane >> 4) << 3)",
+            src.append(f"    oa_{i} = " + swizzle_t("(lane & 7) + ((lane >> 4) << 3)",
                                                   f"((wy * {t.wm} + {i * 16}) >> 3) + ((lane >> 3) & 1)", t.bm))
         else:  # rows wy*wm + 16i + l%16, chunk l/16
-            src.append(f"    oa_{i} = " + _swizzle_n(f"wy * {t.wm} + {i * 16} + (lane & 15)", "(lane >> 4)", BK))
+            src.append(f"    oa_{i} = " + swizzle_n(f"wy * {t.wm} + {i * 16} + (lane & 15)", "(lane >> 4)", BK))
     for p in range(NT // 2):
         if b_trans:  # (K, cols) tile: k = l%8 + ((l//8)%2)*8, n chunk + l//16
-            src.append(f"    ob_{p} = " + _swizzle_t("(lane & 7) + (((lane >> 3) & 1) << 3)",
+            src.append(f"    ob_{p} = " + swizzle_t("(lane & 7) + (((lane >> 3) & 1) << 3)",
                                                   f"((wx * {t.wn} + {p * 16}) >> 3) + (lane >> 4)", t.bn))
         else:  # rows (n) wx*wn + 16p + l%8 + (l//16)*8, chunk (l//8)%2
-            src.append(f"    ob_{p} = " + _swizzle_n(f"wx * {t.wn} + {p * 16} + (lane & 7) + ((lane >> 4) << 3)",
+            src.append(f"    ob_{p} = " + swizzle_n(f"wx * {t.wn} + {p * 16} + (lane & 7) + ((lane >> 4) << 3)",
                                                   "((lane >> 3) & 1)", BK))
     for i in range(MT):
         for j in range(NT):
             src.append(f"    " + ", ".join(f"c{i}_{j}_{r}" for r in range(4)) + " = "
                        + ", ".join(["float32(0.0)"] * 4))
     if async_:
-        src += ["    " + line for line in _fetch_setup("a", a_trans, t.bm, T, "M", BK)
-                + _fetch_setup("b", b_trans, t.bn, T, "N", BK)]
-    fetch = (_fetch_lines("a", a_trans, t.bm, T, "M", async_, BK, 0)
-             + _fetch_lines("b", b_trans, t.bn, T, "N", async_, BK, BOFF))
+        src += ["    " + line for line in fetch_setup("a", a_trans, t.bm, T, "M", BK)
+                + fetch_setup("b", b_trans, t.bn, T, "N", BK)]
+    fetch = (fetch_lines("a", a_trans, t.bm, T, "M", async_, BK, 0)
+             + fetch_lines("b", b_trans, t.bn, T, "N", async_, BK, BOFF))
 
     def emit_fetch(indent: str):
         return [indent + line for line in fetch]
@@ -369,16 +245,6 @@ def kernel_source(t: MmaTiles = GPU_TILES, layout: str = "nn", out_bf16: bool = 
     return _kernel_source(t, a_trans, b_trans, out_bf16, accumulate, atomic, cp_async)
 
 
-def aligned_b16(a) -> bool:
-    """True if a 2-D 2-byte array can be fetched in 16-byte chunks from any column that is a
-    multiple of 8: base address 16-byte aligned, unit column stride, row stride a multiple of 8
-    elements (device arrays by ``__cuda_array_interface__``, the simulator's by ``__array_interface__``)."""
-    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
-    shape = tuple(iface["shape"])
-    row, col = iface.get("strides") or (shape[1] * 2, 2)
-    return (iface["data"][0] % 16 == 0 and (shape[0] <= 1 or row % 16 == 0) and (shape[1] <= 1 or col == 2))
-
-
 def _b16(name: str, a) -> None:
     if np.dtype(a.dtype) not in (np.dtype(np.uint16), np.dtype(np.int16)):
         raise KernelError(f"{name} must hold bf16 bits as uint16 or int16, got dtype={np.dtype(a.dtype)} "
@@ -429,8 +295,6 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits) -> None:
         return
     a_trans, b_trans = LAYOUTS[layout]
     async_ = aligned_b16(a) and aligned_b16(b)
-    from . import gemm_wgmma as GW
-
     wgmma = GW.usable(tiles, async_)
     if isinstance(tiles, GW.WgmmaTiles) and not wgmma:
         raise KernelError(f"tiles {tiles.label()}: the wgmma GEMM needs a GPU and 16-byte aligned operands "

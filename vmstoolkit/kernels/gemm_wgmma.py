@@ -29,7 +29,7 @@ for a 64 x n x 16 product, and the registers hold only the accumulators.
   barrier is a second resident block (``blocks = 2``: 3 stages at bn 128, 97 KiB, and at most
   128 registers a thread).
 - No TMA and no warp specialisation: the fetch is the threads' own cp.async, and every thread
-  computes. Operands must be 16-byte aligned (:func:`.gemm_bf16.aligned_b16`); other operands
+  computes. Operands must be 16-byte aligned (:func:`.gemm_staging.aligned_b16`); other operands
   take the mma.sync kernel.
 
 Measurements: ``experiments/results/gemm-bf16-h200`` (run 3 on).
@@ -44,7 +44,7 @@ from numba import cuda, float32, uint16
 
 from vmstoolkit.errors import KernelError
 
-from . import _mma, _wgmma, wgmma_layout as WL
+from . import _mma, _wgmma, gemm_staging as GS, wgmma_layout as WL
 from ._util import simulating
 
 BK = WL.BK
@@ -125,8 +125,6 @@ def _swizzle_panel(k: str, chunk: str, width: int) -> str:
 
 def _kernel_source(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, accumulate: bool,
                    atomic: bool) -> str:
-    from .gemm_bf16 import _fetch_lines, _fetch_setup
-
     T, S, N = t.threads, t.stages, t.bn
     regs = N // 2
     a_stage, b_stage = t.bm * BK, t.bn * BK  # elements
@@ -147,10 +145,10 @@ def _kernel_source(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, 
            f"    ksteps = (K + {BK - 1}) // {BK}",
            "    kbeg = cuda.blockIdx.z * per", "    nk = min(ksteps, kbeg + per) - kbeg",
            f"    d = wgmma_zeros({regs})"]
-    src += ["    " + line for line in _fetch_setup("a", a_trans, t.bm, T, "M", BK, _swizzle_panel)
-            + _fetch_setup("b", b_trans, t.bn, T, "N", BK, _swizzle_panel)]
-    fetch = (_fetch_lines("a", a_trans, t.bm, T, "M", True, BK, "e0")
-             + _fetch_lines("b", b_trans, t.bn, T, "N", True, BK, f"e0 + {boff}"))
+    src += ["    " + line for line in GS.fetch_setup("a", a_trans, t.bm, T, "M", BK, _swizzle_panel)
+            + GS.fetch_setup("b", b_trans, t.bn, T, "N", BK, _swizzle_panel)]
+    fetch = (GS.fetch_lines("a", a_trans, t.bm, T, "M", True, BK, "e0")
+             + GS.fetch_lines("b", b_trans, t.bn, T, "N", True, BK, f"e0 + {boff}"))
     P = t.prefetch
     for s in range(P):
         src += [f"    if {s} < nk:", f"        st = {s}", f"        k0 = (kbeg + {s}) * {BK}"]
@@ -213,13 +211,11 @@ def python_kernel(t: WgmmaTiles = GPU_WGMMA, layout: str = "nn", out_bf16: bool 
 
 
 def _python_kernel(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, accumulate: bool, atomic: bool):
-    from . import gemm_bf16 as GB
-
     t.check()
     source = _kernel_source(t, a_trans, b_trans, out_bf16, accumulate, atomic)
     names = {"cuda": cuda, "uint16": uint16, "float32": float32, "min": min, "max": max,
-             "chunk_bytes": GB.chunk_bytes, "chunk_bytes_t": GB.chunk_bytes_t, "store_f32": GB.store_f32,
-             "store_acc": GB.store_acc, "store_add": GB.store_add, "store_bf16": GB.store_bf16}
+             "chunk_bytes": GS.chunk_bytes, "chunk_bytes_t": GS.chunk_bytes_t, "store_f32": GS.store_f32,
+             "store_acc": GS.store_acc, "store_add": GS.store_add, "store_bf16": GS.store_bf16}
     for name in ("cp_async16_at", "cp_async_commit", "cp_async_wait"):
         names[name] = getattr(_mma, name)
     for name in ("shared_addr", "wgmma_zeros", "wgmma_bf16", "wgmma_pin", "wgmma_wait", "wgmma_fence",
