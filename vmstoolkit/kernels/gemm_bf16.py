@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable, ClassVar
 
 import numpy as np
 from numba import cuda, float32, uint16
@@ -70,6 +71,9 @@ CHUNK = 8  # bf16 elements per 16-byte chunk (one cp.async, one ldmatrix row)
 class MmaTiles:
     """``bm x bn`` outputs per block, ``wm x wn`` per warp, ``stages`` shared k slices in flight."""
 
+    ELEM_BYTES: ClassVar[int] = 2  # bytes of an operand element (bf16)
+    BKS: ClassVar[tuple[int, ...]] = (32, 64)  # the slice depths the kernel's swizzles take
+
     bm: int = 128
     bn: int = 128
     wm: int = 64
@@ -78,8 +82,13 @@ class MmaTiles:
     bk: int = 32  # k depth of a staged slice: 32 or 64
 
     @property
+    def chunk(self) -> int:
+        """Operand elements per 16-byte chunk (one cp.async)."""
+        return 16 // self.ELEM_BYTES
+
+    @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.bm + self.bn) * self.bk * 2
+        return self.stages * (self.bm + self.bn) * self.bk * self.ELEM_BYTES
 
     @property
     def dynamic(self) -> bool:
@@ -100,10 +109,11 @@ class MmaTiles:
     def check(self) -> None:
         if self.bm % self.wm or self.bn % self.wn or self.wm % 16 or self.wn % 16:
             raise KernelError(f"tiles {self}: warp tiles must divide the block tile and be multiples of 16")
-        if self.bk not in (32, 64):
-            raise KernelError(f"tiles {self}: bk must be 32 or 64")
-        if self.bm % CHUNK or self.bn % CHUNK or (self.bm * self.bk // CHUNK) % self.threads \
-                or (self.bn * self.bk // CHUNK) % self.threads:
+        if self.bk not in self.BKS:
+            raise KernelError(f"tiles {self}: bk must be {' or '.join(map(str, self.BKS))}")
+        c = self.chunk
+        if self.bm % c or self.bn % c or (self.bm * self.bk // c) % self.threads \
+                or (self.bn * self.bk // c) % self.threads:
             raise KernelError(f"tiles {self}: each thread must fetch whole 16-byte chunks of both operands")
         if self.stages < 2:
             raise KernelError(f"tiles {self}: stages must be at least 2")
@@ -175,39 +185,42 @@ def _swizzle_t(k: str, chunk: str, width: int) -> str:
     return f"(({k}) * {width} + ((({chunk}) ^ (({k}) & {mask})) << 3))"
 
 
-def _fetch_setup(op: str, trans: bool, rows: int, threads: int, bound: str, BK: int) -> list[str]:
+def _fetch_setup(fmt: "OperandFormat", t: MmaTiles, op: str, trans: bool, rows: int, bound: str) -> list[str]:
     """Source lines, before the k loop, of the cp.async fetch of operand ``op`` ('a' or 'b'): per
     chunk ``i`` this thread copies, its swizzled shared offset ``d{op}{i}`` inside a stage, its
     element offset ``o{op}{i}`` in global memory at the block's first slice (stepped by
     ``step_{op}`` per slice), whether its row (column) is inside the matrix ``v{op}{i}``, and
     its k inside the slice ``k{op}{i}``."""
-    per_row = rows // CHUNK if trans else BK // CHUNK
-    lines = [f"pitch_{op} = {op}.strides[0] // 2",
+    BK, threads, chunk = t.bk, t.threads, t.chunk
+    per_row = rows // chunk if trans else BK // chunk
+    lines = [f"pitch_{op} = {op}.strides[0] // {t.ELEM_BYTES}",
              f"step_{op} = " + (f"{BK} * pitch_{op}" if trans else f"{BK}")]
-    for i in range(rows * BK // CHUNK // threads):
+    for i in range(rows * BK // chunk // threads):
         q = f"(tid + {i * threads})"
         if trans:  # stored (K, rows): chunk cr of k row kr
-            lines += [f"kr = {q} // {per_row}", f"cr = {q} % {per_row}", f"gr = r0_{op} + cr * {CHUNK}",
-                      f"d{op}{i} = " + _swizzle_t("kr", "cr", rows), f"v{op}{i} = gr < {bound}",
+            lines += [f"kr = {q} // {per_row}", f"cr = {q} % {per_row}", f"gr = r0_{op} + cr * {chunk}",
+                      f"d{op}{i} = " + fmt.swizzle_t("kr", "cr", rows), f"v{op}{i} = gr < {bound}",
                       f"k{op}{i} = kr",
                       f"o{op}{i} = (kbeg * {BK} + kr) * pitch_{op} + (gr if v{op}{i} else 0)"]
         else:  # stored (rows, K): chunk cr of row rr
             lines += [f"rr = {q} // {per_row}", f"cr = {q} % {per_row}", f"gr = r0_{op} + rr",
-                      f"d{op}{i} = " + _swizzle_n("rr", "cr", BK), f"v{op}{i} = gr < {bound}",
-                      f"k{op}{i} = cr * {CHUNK}",
-                      f"o{op}{i} = (gr if v{op}{i} else 0) * pitch_{op} + kbeg * {BK} + cr * {CHUNK}"]
+                      f"d{op}{i} = " + fmt.swizzle_n("rr", "cr", BK), f"v{op}{i} = gr < {bound}",
+                      f"k{op}{i} = cr * {chunk}",
+                      f"o{op}{i} = (gr if v{op}{i} else 0) * pitch_{op} + kbeg * {BK} + cr * {chunk}"]
     return lines
 
 
-def _fetch_lines(op: str, trans: bool, rows: int, threads: int, bound: str, async_: bool, BK: int,
+def _fetch_lines(fmt: "OperandFormat", t: MmaTiles, op: str, trans: bool, rows: int, bound: str, async_: bool,
                  offset: int) -> list[str]:
     """Source lines fetching the next slice of operand ``op`` ('a' or 'b') into stage ``st``
     (``k0`` = the slice's first k; ``bound`` = the operand's row count R or C; the operand's
     stages start at element ``offset`` of the shared array)."""
+    BK, threads, chunk = t.bk, t.threads, t.chunk
+    shift = chunk.bit_length() - 1
     smem, base = "Sm", f"{offset} + st * {rows * BK}"
     lines = []
     if async_:  # zero-fill (0 source bytes) outside the matrix: the mma loop needs no checks
-        for i in range(rows * BK // CHUNK // threads):
+        for i in range(rows * BK // chunk // threads):
             lines += [f"cp_async16_at({smem}, {base} + d{op}{i}, {op}, o{op}{i}, "
                       f"chunk_bytes(v{op}{i}, k0 + k{op}{i}, K))",
                       f"o{op}{i} += step_{op}"]
@@ -216,32 +229,35 @@ def _fetch_lines(op: str, trans: bool, rows: int, threads: int, bound: str, asyn
     if trans:
         lines += [f"    kr = e // {rows}", f"    rr = e % {rows}", f"    gk = k0 + kr", f"    gr = r0_{op} + rr",
                   f"    v = {op}[gk, gr] if gk < K and gr < {bound} else 0",
-                  f"    {smem}[{base} + {_swizzle_t('kr', 'rr >> 3', rows)} + (rr & 7)] = v"]
+                  f"    {smem}[{base} + {fmt.swizzle_t('kr', f'rr >> {shift}', rows)} + (rr & {chunk - 1})] = v"]
     else:
         lines += [f"    rr = e // {BK}", f"    kr = e % {BK}", f"    gr = r0_{op} + rr", f"    gk = k0 + kr",
                   f"    v = {op}[gr, gk] if gr < {bound} and gk < K else 0",
-                  f"    {smem}[{base} + {_swizzle_n('rr', 'kr >> 3', BK)} + (kr & 7)] = v"]
+                  f"    {smem}[{base} + {fmt.swizzle_n('rr', f'kr >> {shift}', BK)} + (kr & {chunk - 1})] = v"]
     return lines
 
 
-def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, accumulate: bool,
-                   atomic: bool, async_: bool) -> str:
+@dataclass(frozen=True)
+class OperandFormat:
+    """What differs between the tensor-core GEMMs that share :func:`pipeline_source`'s cp.async
+    pipeline, k loop and epilogue: the shared array's element type, the swizzles of "n" tiles
+    (``swizzle_n(row, chunk, bk)``) and "t" tiles (``swizzle_t(k, chunk, width)``: element offset of
+    a 16-byte chunk, as source text), the source lines of the per-lane fragment offsets before the
+    k loop (``lane_lines(t, a_trans, b_trans)``, indented) and of one staged slice's fragment loads
+    and mmas (``slice_lines(t, a_trans, b_trans)``: stage ``sa`` of A and ``sb`` of B, into the
+    accumulators ``c{i}_{j}_{r}`` of m16 tile i and n8 tile j)."""
+
+    dtype: str
+    swizzle_n: Callable[[str, str, int], str]
+    swizzle_t: Callable[[str, str, int], str]
+    lane_lines: Callable[[MmaTiles, bool, bool], list]
+    slice_lines: Callable[[MmaTiles, bool, bool], list]
+
+
+def _bf16_lane_lines(t: MmaTiles, a_trans: bool, b_trans: bool) -> list[str]:
     MT, NT = t.wm // 16, t.wn // 8  # m16 tiles and n8 tiles per warp
     BK = t.bk
-    BOFF = t.stages * t.bm * BK  # where B's stages start in the shared array
-    WN_WARPS = t.bn // t.wn
-    T = t.threads
-    S = t.stages
-    src = ["def kernel(a, b, acc, c, per):",
-           f"    Sm = cuda.shared.array({0 if t.dynamic else t.smem_bytes // 2}, uint16)",
-           "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5",
-           "    g = lane >> 2", "    tq = lane & 3",
-           f"    wy = warp // {WN_WARPS}", f"    wx = warp % {WN_WARPS}",
-           "    M = c.shape[0]", "    N = c.shape[1]",
-           f"    K = a.shape[{0 if a_trans else 1}]",
-           f"    r0_a = cuda.blockIdx.y * {t.bm}", f"    r0_b = cuda.blockIdx.x * {t.bn}",
-           f"    ksteps = (K + {BK - 1}) // {BK}",
-           "    kbeg = cuda.blockIdx.z * per", "    nk = min(ksteps, kbeg + per) - kbeg"]
+    src = []
     # per-lane ldmatrix offsets inside a stage at k step 0, per A tile and B tile pair; at k step
     # kk an "n" tile's offset is that one with chunk bits XORed with kk / 8 (the stage and row
     # parts of an offset have no bits there), a "t" tile's is kk rows further
@@ -258,15 +274,68 @@ def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, ac
         else:  # rows (n) wx*wn + 16p + l%8 + (l//16)*8, chunk (l//8)%2
             src.append(f"    ob_{p} = " + _swizzle_n(f"wx * {t.wn} + {p * 16} + (lane & 7) + ((lane >> 4) << 3)",
                                                   "((lane >> 3) & 1)", BK))
+    return src
+
+
+def _bf16_slice_lines(t: MmaTiles, a_trans: bool, b_trans: bool) -> list[str]:
+    MT, NT = t.wm // 16, t.wn // 8
+    BK = t.bk
+    src = []
+    lda = "ldmatrix_x4_trans" if a_trans else "ldmatrix_x4"
+    ldb = "ldmatrix_x4_trans" if b_trans else "ldmatrix_x4"
+
+    def at(base: str, off: str, trans: bool, width: int, kk: int) -> str:
+        if kk == 0:
+            return f"{base} + {off}"
+        return f"{base} + {off} + {kk * width}" if trans else f"({base} + {off}) ^ {(kk // 8) << 3}"
+
+    for kk in range(0, BK, 16):
+        for i in range(MT):
+            src.append(f"        a{i}_0, a{i}_1, a{i}_2, a{i}_3 = {lda}(Sm, {at('sa', f'oa_{i}', a_trans, t.bm, kk)})")
+        for p in range(NT // 2):
+            # registers: b0, b1 of n tile 2p, then b0, b1 of n tile 2p + 1 (both layouts' lane maps)
+            src.append(f"        b{2 * p}_0, b{2 * p}_1, b{2 * p + 1}_0, b{2 * p + 1}_1 = "
+                       f"{ldb}(Sm, {at('sb', f'ob_{p}', b_trans, t.bn, kk)})")
+        for i in range(MT):
+            for j in range(NT):
+                cs = ", ".join(f"c{i}_{j}_{r}" for r in range(4))
+                src.append(f"        {cs} = mma_bf16(a{i}_0, a{i}_1, a{i}_2, a{i}_3, b{j}_0, b{j}_1, {cs})")
+    return src
+
+
+BF16 = OperandFormat("uint16", _swizzle_n, _swizzle_t, _bf16_lane_lines, _bf16_slice_lines)
+
+
+def pipeline_source(t: MmaTiles, fmt: OperandFormat, a_trans: bool, b_trans: bool, store: str,
+                    async_: bool) -> str:
+    """Source of ``kernel(a, b, acc, c, per)``: stage k slices of A and B in shared memory by
+    cp.async (or element-wise loads), ``t.stages`` deep, run ``fmt``'s fragment loads and mmas on
+    each, and hand each lane's pairs of adjacent outputs to the device function ``store``."""
+    MT, NT = t.wm // 16, t.wn // 8  # m16 tiles and n8 tiles per warp
+    BK = t.bk
+    BOFF = t.stages * t.bm * BK  # where B's stages start in the shared array
+    WN_WARPS = t.bn // t.wn
+    S = t.stages
+    src = ["def kernel(a, b, acc, c, per):",
+           f"    Sm = cuda.shared.array({0 if t.dynamic else t.smem_bytes // t.ELEM_BYTES}, {fmt.dtype})",
+           "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5",
+           "    g = lane >> 2", "    tq = lane & 3",
+           f"    wy = warp // {WN_WARPS}", f"    wx = warp % {WN_WARPS}",
+           "    M = c.shape[0]", "    N = c.shape[1]",
+           f"    K = a.shape[{0 if a_trans else 1}]",
+           f"    r0_a = cuda.blockIdx.y * {t.bm}", f"    r0_b = cuda.blockIdx.x * {t.bn}",
+           f"    ksteps = (K + {BK - 1}) // {BK}",
+           "    kbeg = cuda.blockIdx.z * per", "    nk = min(ksteps, kbeg + per) - kbeg"]
+    src += fmt.lane_lines(t, a_trans, b_trans)
     for i in range(MT):
         for j in range(NT):
             src.append(f"    " + ", ".join(f"c{i}_{j}_{r}" for r in range(4)) + " = "
                        + ", ".join(["float32(0.0)"] * 4))
     if async_:
-        src += ["    " + line for line in _fetch_setup("a", a_trans, t.bm, T, "M", BK)
-                + _fetch_setup("b", b_trans, t.bn, T, "N", BK)]
-    fetch = (_fetch_lines("a", a_trans, t.bm, T, "M", async_, BK, 0)
-             + _fetch_lines("b", b_trans, t.bn, T, "N", async_, BK, BOFF))
+        src += ["    " + line for line in _fetch_setup(fmt, t, "a", a_trans, t.bm, "M")
+                + _fetch_setup(fmt, t, "b", b_trans, t.bn, "N")]
+    fetch = (_fetch_lines(fmt, t, "a", a_trans, t.bm, "M", async_, 0)
+             + _fetch_lines(fmt, t, "b", b_trans, t.bn, "N", async_, BOFF))
 
     def emit_fetch(indent: str):
         return [indent + line for line in fetch]
@@ -293,24 +362,7 @@ def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, ac
             "        sr += 1",
             f"        if sr == {S}:",
             "            sr = 0"]
-    lda = "ldmatrix_x4_trans" if a_trans else "ldmatrix_x4"
-    ldb = "ldmatrix_x4_trans" if b_trans else "ldmatrix_x4"
-    def at(base: str, off: str, trans: bool, width: int, kk: int) -> str:
-        if kk == 0:
-            return f"{base} + {off}"
-        return f"{base} + {off} + {kk * width}" if trans else f"({base} + {off}) ^ {(kk // 8) << 3}"
-
-    for kk in range(0, BK, 16):
-        for i in range(MT):
-            src.append(f"        a{i}_0, a{i}_1, a{i}_2, a{i}_3 = {lda}(Sm, {at('sa', f'oa_{i}', a_trans, t.bm, kk)})")
-        for p in range(NT // 2):
-            # registers: b0, b1 of n tile 2p, then b0, b1 of n tile 2p + 1 (both layouts' lane maps)
-            src.append(f"        b{2 * p}_0, b{2 * p}_1, b{2 * p + 1}_0, b{2 * p + 1}_1 = "
-                       f"{ldb}(Sm, {at('sb', f'ob_{p}', b_trans, t.bn, kk)})")
-        for i in range(MT):
-            for j in range(NT):
-                cs = ", ".join(f"c{i}_{j}_{r}" for r in range(4))
-                src.append(f"        {cs} = mma_bf16(a{i}_0, a{i}_1, a{i}_2, a{i}_3, b{j}_0, b{j}_1, {cs})")
+    src += fmt.slice_lines(t, a_trans, b_trans)
     src.append("    cp_async_wait(0)")
     # epilogue: lane owns rows g, g + 8 and columns 2tq, 2tq + 1 of each m16 x n8 tile
     src += [f"    rw = r0_a + wy * {t.wm} + g", f"    cl = r0_b + wx * {t.wn} + 2 * tq"]
@@ -318,10 +370,33 @@ def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, ac
         for j in range(NT):
             for h in range(2):
                 v0, v1 = f"c{i}_{j}_{2 * h}", f"c{i}_{j}_{2 * h + 1}"
-                store = "store_bf16" if out_bf16 else "store_add" if atomic else "store_acc" if accumulate \
-                    else "store_f32"
                 src.append(f"    {store}(c, acc, rw + {i * 16 + 8 * h}, cl + {j * 8}, M, N, {v0}, {v1})")
     return "\n".join(src) + "\n"
+
+
+def store_name(out_bf16: bool, accumulate: bool, atomic: bool) -> str:
+    """The epilogue's device function: a bf16 output, split k's atomic add, ``acc +``, or a plain store."""
+    return "store_bf16" if out_bf16 else "store_add" if atomic else "store_acc" if accumulate else "store_f32"
+
+
+def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, accumulate: bool,
+                   atomic: bool, async_: bool) -> str:
+    return pipeline_source(t, BF16, a_trans, b_trans, store_name(out_bf16, accumulate, atomic), async_)
+
+
+def compile_kernel(source: str, label: str, intrinsics: tuple[str, ...]):
+    """``cuda.jit`` of the generated ``kernel`` in ``source``, with the names it calls: the store
+    functions, ``chunk_bytes`` and the :mod:`._mma` ``intrinsics``."""
+    names = {"cuda": cuda, "uint16": uint16, "float32": float32, "min": min, "chunk_bytes": chunk_bytes,
+             "store_f32": store_f32, "store_acc": store_acc, "store_add": store_add, "store_bf16": store_bf16}
+    for name in intrinsics:
+        names[name] = getattr(_mma, name)
+    code = compile(source, label, "exec")
+    exec(code, names)  # noqa: S102 - the source is generated from the tile constants alone
+    fn = names["kernel"]
+    fn.__doc__ = source
+    opts = {} if simulating() else {"max_registers": 255}
+    return cuda.jit(**opts)(fn)
 
 
 @lru_cache(maxsize=None)
@@ -332,17 +407,9 @@ def make_gemm_bf16(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool = F
     global fetches (operands must pass :func:`aligned_b16`)."""
     t.check()
     source = _kernel_source(t, a_trans, b_trans, out_bf16, accumulate, atomic, cp_async)
-    names = {"cuda": cuda, "uint16": uint16, "float32": float32, "min": min, "chunk_bytes": chunk_bytes,
-             "store_f32": store_f32, "store_acc": store_acc, "store_add": store_add, "store_bf16": store_bf16}
-    for name in ("mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16_at", "cp_async_commit",
-                 "cp_async_wait", "pack_bf16x2"):
-        names[name] = getattr(_mma, name)
-    code = compile(source, f"<gemm_bf16 {t.label()} {'t' if a_trans else 'n'}{'t' if b_trans else 'n'}>", "exec")
-    exec(code, names)  # noqa: S102 - the source is generated above from the tile constants alone
-    fn = names["kernel"]
-    fn.__doc__ = source
-    opts = {} if simulating() else {"max_registers": 255}
-    return cuda.jit(**opts)(fn)
+    label = f"<gemm_bf16 {t.label()} {'t' if a_trans else 'n'}{'t' if b_trans else 'n'}>"
+    return compile_kernel(source, label, ("mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16_at",
+                                          "cp_async_commit", "cp_async_wait", "pack_bf16x2"))
 
 
 def kernel_source(t: MmaTiles = GPU_TILES, layout: str = "nn", out_bf16: bool = False, accumulate: bool = False,
@@ -379,11 +446,12 @@ class MmaLaunch:
 
 
 def choose(m: int, n: int, k: int, splits: int | None = None, out_bf16: bool = False,
-           sms: int | None = None) -> MmaLaunch:
-    """The launch of an (m, n, k) problem: 128 x 128 tiles (one-warp 16 x 16 under the simulator);
-    k split (fp32 output only) while a launch of whole tiles fills under one wave of ``sms`` SMs
-    (default: the device's) at about 2 blocks per SM, each split at least MIN_SPLIT_SLICES deep."""
-    t = SIM_TILES if simulating() else GPU_TILES
+           sms: int | None = None, gpu: MmaTiles = GPU_TILES, sim: MmaTiles = SIM_TILES) -> MmaLaunch:
+    """The launch of an (m, n, k) problem: ``gpu`` tiles, 128 x 128 (``sim``, one-warp 16 x 16, under
+    the simulator); k split (fp32 output only) while a launch of whole tiles fills under one wave
+    of ``sms`` SMs (default: the device's) at about 2 blocks per SM, each split at least
+    MIN_SPLIT_SLICES deep."""
+    t = sim if simulating() else gpu
     if splits is not None:
         return MmaLaunch(t, splits)
     sms = sms or sm_count()
@@ -396,7 +464,12 @@ def choose(m: int, n: int, k: int, splits: int | None = None, out_bf16: bool = F
     return MmaLaunch(t, s)
 
 
-def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits) -> None:
+def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits, build=make_gemm_bf16,
+            aligned=None, choose_fn=choose) -> None:
+    """Enqueue ``c = [acc +] A @ B`` (``layout``): ``build(tiles, a_trans, b_trans, out_bf16,
+    accumulate, atomic, cp_async)`` makes the kernel, ``aligned(x)`` says whether an operand takes
+    cp.async (default :func:`aligned_b16`), ``choose_fn`` is the launch rule."""
+    aligned = aligned or aligned_b16
     m, n = c.shape
     if m == 0 or n == 0:
         return
@@ -410,7 +483,7 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits) -> None:
             raise KernelError("K=0 with a bf16 output: nothing to multiply")
         (copy_fill(acc, c, stream) if acc is not None else zero_fill(c, stream))
         return
-    launch = choose(m, n, k, splits, out_bf16)
+    launch = choose_fn(m, n, k, splits, out_bf16)
     tiles = tiles or launch.tiles
     slices = -(-k // tiles.bk)
     s = launch.splits
@@ -419,10 +492,10 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits) -> None:
     per = -(-slices // s)
     s = -(-slices // per)  # no empty split
     a_trans, b_trans = LAYOUTS[layout]
-    async_ = aligned_b16(a) and aligned_b16(b)
+    async_ = aligned(a) and aligned(b)
     if s > 1:
         (copy_fill(acc, c, stream) if acc is not None else zero_fill(c, stream))
-    kernel = make_gemm_bf16(tiles, a_trans, b_trans, out_bf16, acc is not None and s == 1, s > 1, async_)
+    kernel = build(tiles, a_trans, b_trans, out_bf16, acc is not None and s == 1, s > 1, async_)
     grid = (-(-n // tiles.bn), -(-m // tiles.bm), s)
     args = (a, b, c if acc is None else acc, c, per)
     if tiles.dynamic:
@@ -454,16 +527,23 @@ def _allow_dynamic_smem(kernel, args, nbytes: int) -> None:
     _DYNAMIC_DONE.add(key)
 
 
-def _check(op: str, names, arrays, shapes) -> None:
+def _f32_or_b16(name: str, a) -> None:
+    if np.dtype(a.dtype) != np.dtype(np.float32):
+        _b16(name, a)
+
+
+def _check(op: str, names, arrays, shapes, operand=_b16, output=_f32_or_b16) -> None:
+    """Raise a one-line KernelError naming the first bad one of ``arrays`` (the two operands, the
+    output, ``acc`` or None): not 2-D, an operand failing ``operand(name, array)``, an output
+    failing ``output``, a non-float32 ``acc``, or a shape other than ``shapes``."""
     for name, a in zip(names, arrays):
         if a is None:
             continue
         check_ndim(name, a, 2)
     for name, a in zip(names[:2], arrays[:2]):
-        _b16(name, a)
+        operand(name, a)
     out, acc = arrays[2], arrays[3]
-    if np.dtype(out.dtype) != np.dtype(np.float32):
-        _b16(names[2], out)
+    output(names[2], out)
     if acc is not None and np.dtype(acc.dtype) != np.dtype(np.float32):
         raise KernelError(f"{op}: acc must be float32, got dtype={np.dtype(acc.dtype)}")
     for name, a, want in zip(names, arrays, shapes):
