@@ -221,3 +221,25 @@ def test_gemm_bf16_rejects_bad_input():
         GB.gemm_bf16(x, w, cuda.device_array((4, 3), np.uint16), acc=cuda.device_array((4, 3), np.float32))
     with pytest.raises(KernelError, match="splits"):
         GB.gemm_bf16(x, w, cuda.device_array((4, 3), np.uint16), splits=2)
+
+
+def test_gemm_bf16_padded_views_whose_rows_end_inside_a_chunk():
+    """cp.async operands (base and row stride 16-byte aligned) that are views of wider arrays, K
+    and the "t" widths no multiple of 8: a chunk that K ends inside reads only the bytes before
+    K (until the fix, all 16, and the padding went into the sum: NaN from the twin)."""
+    from numba import cuda
+
+    from vmstoolkit.kernels import gemm_bf16 as GB
+
+    rng = np.random.default_rng(6)
+    m, n, k = 5, 12, 12
+    big = [cuda.to_device(_bits(rng, shape)) for shape in ((m, 16), (n, 16), (m, 16))]
+    x, w, dy = big[0][:, :k], big[1][:, :k], big[2][:, :n]
+    assert GB.aligned_b16(x) and GB.aligned_b16(w) and GB.aligned_b16(dy)
+    host = [b.copy_to_host() for b in big]
+    for layout, fn, a, b, ah, bh, shape in (("nn", GB.gemm_bf16, x, w, host[0][:, :k], host[1][:, :k], (m, n)),
+                                            ("tt", GB.linear_dw_bf16, dy, x, host[2][:, :n], host[0][:, :k], (n, k))):
+        out = cuda.device_array(shape, np.float32)
+        fn(a, b, out)
+        want = GB.reference(layout, ah, bh)
+        assert np.max(np.abs(out.copy_to_host() - want)) <= 1e-5 * np.max(np.abs(want)), layout

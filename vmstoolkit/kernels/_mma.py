@@ -61,6 +61,7 @@ from . import mma_layout
 from ._util import simulating
 
 _B16 = (types.uint16, types.int16)
+_BF16_NAN = 0x7FC0
 _B32 = (types.float32, types.uint32, types.int32)
 
 
@@ -350,10 +351,18 @@ def _make_sim():
         return ld
 
     def cp_async16(smem, sindex, g, row, col, nbytes):
+        # past the end of a row of a view the GPU reads whatever its padded row stride holds:
+        # the twin reads NaN there, so that such bytes reaching a sum show (a chunk whose
+        # columns run past a "t" operand's rows only feeds outputs outside the matrix)
         size = np.dtype(g.dtype).itemsize
         n = int(nbytes) // size
         for e in range(16 // size):
-            smem[sindex + e] = g[row, col + e] if e < n else 0
+            if e >= n:
+                smem[sindex + e] = 0
+            elif col + e < g.shape[1]:
+                smem[sindex + e] = g[row, col + e]
+            else:
+                smem[sindex + e] = np.nan if size == 4 else _BF16_NAN
 
     def cp_async16_at(smem, sindex, g, offset, nbytes):
         pitch = g.strides[0] // np.dtype(g.dtype).itemsize if g.shape[0] > 1 else g.shape[1]

@@ -37,7 +37,8 @@ Global fetches by ``cp.async`` need 16-byte-aligned operands: base address a mul
 bytes, unit column stride, row stride a multiple of 8 elements (:func:`aligned_b16`). Other
 operands (a ragged row length, a view starting mid-row) take the same kernel with element-wise
 loads into the same shared layout (``cp_async=False``). Partial tiles are zero-filled (cp.async
-with 0 source bytes), so the mma loop has no bounds checks; the epilogue checks each output.
+with 0 source bytes, or fewer than 16 for a chunk that K ends inside), so the mma loop has no
+bounds checks; the epilogue checks each output.
 
 Split k (fp32 output only): ``splits`` blocks share an output tile's k slices and add their
 partial tiles atomically into C, zeroed (or set to ``acc``) first; the launch rule is
@@ -126,9 +127,29 @@ SIM_TILES = MmaTiles(bm=16, bn=16, wm=16, wn=16, stages=3)
 
 
 @cuda.jit(device=True)
-def chunk_bytes(row_ok, k, K):
-    """Source bytes of a 16-byte chunk at ``k`` of a row that is (``row_ok``) inside the matrix."""
+def row_bytes(row_ok, k, K):
+    """Source bytes of a 16-byte chunk of k row ``k`` (a "t" operand) at a column that is
+    (``row_ok``) inside the matrix: all or none."""
     return 16 if row_ok and k < K else 0
+
+
+def _make_chunk_bytes(elem_bytes: int):
+    @cuda.jit(device=True)
+    def chunk_bytes(row_ok, k, K):
+        """Source bytes of the 16-byte chunk at ``k`` of a row (of an "n" operand) that is
+        (``row_ok``) inside the matrix: those of its elements before ``K`` (cp.async zero-fills
+        the rest). A row of a view can go on past K in memory (a row stride padded to 16
+        bytes): reading those elements put them into the k sum (16 bytes whenever k < K, until
+        this was fixed)."""
+        if row_ok and k < K:
+            return min(16, (K - k) * elem_bytes)
+        return 0
+
+    return chunk_bytes
+
+
+CHUNK_BYTES = {2: _make_chunk_bytes(2), 4: _make_chunk_bytes(4)}  # by element size
+chunk_bytes = CHUNK_BYTES[2]
 
 
 # Epilogues: a lane's two adjacent outputs (row, col), (row, col + 1), each stored if inside C.
@@ -221,8 +242,9 @@ def _fetch_lines(fmt: "OperandFormat", t: MmaTiles, op: str, trans: bool, rows: 
     lines = []
     if async_:  # zero-fill (0 source bytes) outside the matrix: the mma loop needs no checks
         for i in range(rows * BK // chunk // threads):
+            # a "t" chunk is one k row's: all 16 bytes or none; an "n" one runs along k
             lines += [f"cp_async16_at({smem}, {base} + d{op}{i}, {op}, o{op}{i}, "
-                      f"chunk_bytes(v{op}{i}, k0 + k{op}{i}, K))",
+                      f"{'row_bytes' if trans else 'chunk_bytes'}(v{op}{i}, k0 + k{op}{i}, K))",
                       f"o{op}{i} += step_{op}"]
         return lines
     lines.append(f"for e in range(tid, {rows * BK}, {threads}):")
@@ -384,10 +406,11 @@ def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, ac
     return pipeline_source(t, BF16, a_trans, b_trans, store_name(out_bf16, accumulate, atomic), async_)
 
 
-def compile_kernel(source: str, label: str, intrinsics: tuple[str, ...]):
+def compile_kernel(source: str, label: str, intrinsics: tuple[str, ...], elem_bytes: int = 2):
     """``cuda.jit`` of the generated ``kernel`` in ``source``, with the names it calls: the store
-    functions, ``chunk_bytes`` and the :mod:`._mma` ``intrinsics``."""
-    names = {"cuda": cuda, "uint16": uint16, "float32": float32, "min": min, "chunk_bytes": chunk_bytes,
+    functions, ``chunk_bytes`` (for operands of ``elem_bytes``) and the :mod:`._mma` ``intrinsics``."""
+    names = {"cuda": cuda, "uint16": uint16, "float32": float32, "min": min,
+             "chunk_bytes": CHUNK_BYTES[elem_bytes], "row_bytes": row_bytes,
              "store_f32": store_f32, "store_acc": store_acc, "store_add": store_add, "store_bf16": store_bf16}
     for name in intrinsics:
         names[name] = getattr(_mma, name)
