@@ -15,7 +15,10 @@ functions whose codegen emits llvmlite ``ir.InlineAsm`` (NVVM passes inline PTX 
   tf32 a register, passed as float32 values (from ``cvt_tf32``: the tensor core reads the top 19
   bits of each), C and D fp32 (lane layouts: :mod:`.mma_layout`);
 - ``cvt_tf32(x) -> float32``: ``cvt.rna.tf32.f32``, ``x`` rounded to the nearest tf32 (ties away
-  from zero), as a float32 whose low 13 mantissa bits are zero;
+  from zero), then its low 13 bits cleared: the tf32 value as an exact float32. ptxas (13.0,
+  sm_90) makes the cvt an add of half a tf32 ulp to the bits of a finite ``x`` (FSETP + IADD) and
+  leaves the low bits as they come, which the mma ignores but arithmetic does not (3xTF32's
+  ``x - big``); ``cvt_tf32_mma(x)``: the cvt alone, for values that only feed an mma;
 - ``lds4(smem, i) -> 4 float32``: ``smem[i:i+4]`` of a 1-D float32 shared array by one
   ``ld.shared.v4.f32`` (the caller promises ``i`` a multiple of 4);
 - ``cp_async16(smem, i, g, r, c, nbytes)``: ``cp.async.cg.shared.global`` of the 16 bytes at
@@ -253,19 +256,24 @@ def _make_gpu():
 
         return sig, codegen
 
-    @intrinsic
-    def cvt_tf32(typingctx, x):
-        if not isinstance(x, types.Float):
-            return None
-        sig = types.float32(x)
+    def _cvt_tf32(exact: bool):
+        def typer(typingctx, x):
+            if not isinstance(x, types.Float):
+                return None
+            sig = types.float32(x)
 
-        def codegen(context, builder, sig, args):
-            val = context.cast(builder, args[0], sig.args[0], types.float32)
-            bits = builder.asm(ir.FunctionType(_I32, [_F32]), "cvt.rna.tf32.f32 $0, $1;", "=r,f", [val],
-                               side_effect=False)
-            return builder.bitcast(bits, _F32)
+            def codegen(context, builder, sig, args):
+                val = context.cast(builder, args[0], sig.args[0], types.float32)
+                bits = builder.asm(ir.FunctionType(_I32, [_F32]), "cvt.rna.tf32.f32 $0, $1;", "=r,f", [val],
+                                   side_effect=False)
+                if exact:
+                    bits = builder.and_(bits, ir.Constant(_I32, (0xFFFFFFFF >> 13) << 13))
+                return builder.bitcast(bits, _F32)
 
-        return sig, codegen
+            return sig, codegen
+
+        typer.__name__ = "cvt_tf32" if exact else "cvt_tf32_mma"
+        return intrinsic(typer)
 
     @intrinsic
     def lds4(typingctx, smem, index):
@@ -306,7 +314,8 @@ def _make_gpu():
     return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
             "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
             "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32, "shfl_xor_f32": shfl_xor_f32,
-            "exp2_approx": exp2_approx, "mma_tf32": mma_tf32, "cvt_tf32": cvt_tf32, "lds4": lds4}
+            "exp2_approx": exp2_approx, "mma_tf32": mma_tf32, "cvt_tf32": _cvt_tf32(True),
+            "cvt_tf32_mma": _cvt_tf32(False), "lds4": lds4}
 
 
 # ---- simulator twins ---------------------------------------------------------------------------
@@ -409,7 +418,8 @@ def _make_sim():
     return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
             "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
             "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32, "shfl_xor_f32": shfl_xor_f32,
-            "exp2_approx": exp2_approx, "mma_tf32": mma_tf32, "cvt_tf32": cvt_tf32, "lds4": lds4}
+            "exp2_approx": exp2_approx, "mma_tf32": mma_tf32, "cvt_tf32": cvt_tf32,
+            "cvt_tf32_mma": cvt_tf32, "lds4": lds4}
 
 
 _IMPL = _make_sim() if simulating() else _make_gpu()
@@ -426,4 +436,5 @@ shfl_xor_f32 = _IMPL["shfl_xor_f32"]
 exp2_approx = _IMPL["exp2_approx"]
 mma_tf32 = _IMPL["mma_tf32"]
 cvt_tf32 = _IMPL["cvt_tf32"]
+cvt_tf32_mma = _IMPL["cvt_tf32_mma"]
 lds4 = _IMPL["lds4"]
