@@ -145,7 +145,8 @@ def test_the_gpu_widening_takes_what_kernels_pass_it():
 def test_intrinsic_twins_match_the_reference():
     from vmstoolkit.kernels import mma_check
 
-    assert [r["check"] for r in mma_check.validate()] == ["mma", "ldmatrix", "cp_async", "pack"]
+    assert [r["check"] for r in mma_check.validate()] == ["mma", "ldmatrix", "cp_async", "pack", "mma_tf32",
+                                                         "cvt_tf32", "smem_f32"]
 
 
 def _bits(rng, shape):
