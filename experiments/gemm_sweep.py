@@ -418,28 +418,32 @@ def run_shape_bf16(name, kind, dims, time_it: bool, deadline: float, tiles: bool
     return rows
 
 
-def bf16_main(args, shapes, kinds, t0, deadline) -> None:
+def tensor_main(args, shapes, kinds, t0, deadline, dtype: str, run, versus: str, tables) -> None:
+    """``--dtype bf16`` / ``tf32``: ragged shapes per layout, then the timed shapes by ``run``
+    (``run_shape_bf16`` or ``run_shape_tf32``), one % table per (row key, baseline name) of
+    ``tables``, and ``gemm_{dtype}_sweep.json``."""
     res = {"env": run_env(reps=REPS, samples=SAMPLES, statistic="best of samples", set=args.set,
-                          timing="held", dtype="bf16", sm_count=GB.sm_count())}
-    say("== bf16: ragged shapes per layout (correctness against float64, and the builds)")
+                          timing="held", dtype=dtype, sm_count=GB.sm_count())}
+    say(f"== {dtype}: ragged shapes per layout (correctness against float64, and the builds)")
     res["ragged"] = []
     for kind in ([] if args.skip_ragged else kinds):
         t1 = time.time()
         for dims in (RAGGED, RAGGED_ALIGNED, (1000, 520, 1032)):
-            res["ragged"] += run_shape_bf16(f"ragged {kind} {'x'.join(map(str, dims))}", kind, dims, False, deadline)
+            res["ragged"] += run(f"ragged {kind} {'x'.join(map(str, dims))}", kind, dims, False, deadline)
         say(f"  ({time.time() - t1:.0f} s)")
-    say(f"== GEMM bf16 vs cuBLAS bf16; {REPS} launches held behind a spin, best of {SAMPLES}")
+    say(f"== GEMM {dtype} vs {versus}; {REPS} launches held behind a spin, best of {SAMPLES}")
     res["gemm"] = []
     for name, kind, dims in shapes:
-        res["gemm"] += run_shape_bf16(name, kind, dims, True, deadline, not args.rule_only)
+        res["gemm"] += run(name, kind, dims, True, deadline, not args.rule_only)
         say(f"  ({time.time() - t0:.0f} s)")
-    say("== % of cuBLAS bf16, candidate x shape (columns: the shapes above, in order)")
-    for line in pct_table(res["gemm"]):
-        say("  " + line)
+    for key, what in tables:
+        say(f"== % of {what}, candidate x shape (columns: the shapes above, in order)")
+        for line in pct_table(res["gemm"], key):
+            say("  " + line)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gemm_bf16_sweep.json").write_text(json.dumps(res, indent=1, default=str))
-    say(f"wrote {out / 'gemm_bf16_sweep.json'} ({time.time() - t0:.0f} s)")
+    (out / f"gemm_{dtype}_sweep.json").write_text(json.dumps(res, indent=1, default=str))
+    say(f"wrote {out / f'gemm_{dtype}_sweep.json'} ({time.time() - t0:.0f} s)")
 
 
 # --dtype tf32: (label, precision, tiles or None for the rule's); the rule: tf32 128x128x16/w64x64,
@@ -536,31 +540,6 @@ def run_shape_tf32(name, kind, dims, time_it: bool, deadline: float, tiles: bool
     return rows
 
 
-def tf32_main(args, shapes, kinds, t0, deadline) -> None:
-    res = {"env": run_env(reps=REPS, samples=SAMPLES, statistic="best of samples", set=args.set,
-                          timing="held", dtype="tf32", sm_count=GB.sm_count())}
-    say("== tf32: ragged shapes per layout (correctness against float64, and the builds)")
-    res["ragged"] = []
-    for kind in ([] if args.skip_ragged else kinds):
-        t1 = time.time()
-        for dims in (RAGGED, RAGGED_ALIGNED, (1000, 520, 1032)):
-            res["ragged"] += run_shape_tf32(f"ragged {kind} {'x'.join(map(str, dims))}", kind, dims, False, deadline)
-        say(f"  ({time.time() - t1:.0f} s)")
-    say(f"== GEMM tf32 / 3xtf32 vs cuBLAS TF32 and fp32; {REPS} launches held behind a spin, best of {SAMPLES}")
-    res["gemm"] = []
-    for name, kind, dims in shapes:
-        res["gemm"] += run_shape_tf32(name, kind, dims, True, deadline, not args.rule_only)
-        say(f"  ({time.time() - t0:.0f} s)")
-    for key, what in (("pct_of_cublas_tf32", "cuBLAS TF32"), ("pct_of_cublas_fp32", "cuBLAS fp32 (TF32 off)")):
-        say(f"== % of {what}, candidate x shape (columns: the shapes above, in order)")
-        for line in pct_table(res["gemm"], key):
-            say("  " + line)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gemm_tf32_sweep.json").write_text(json.dumps(res, indent=1, default=str))
-    say(f"wrote {out / 'gemm_tf32_sweep.json'} ({time.time() - t0:.0f} s)")
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-ragged", action="store_true", help="bf16, tf32: no ragged correctness shapes (their builds)")
@@ -601,10 +580,12 @@ def main():
         raise SystemExit(f"gemm_sweep: no shape of set {args.set!r} matches kinds {kinds} and --shapes {args.shapes}")
     kinds = list(dict.fromkeys(kind for _, kind, _ in shapes))
     if args.dtype == "bf16":
-        bf16_main(args, shapes, kinds, t0, deadline)
+        tensor_main(args, shapes, kinds, t0, deadline, "bf16", run_shape_bf16, "cuBLAS bf16",
+                    [("pct_of_cublas", "cuBLAS bf16")])
         return
     if args.dtype == "tf32":
-        tf32_main(args, shapes, kinds, t0, deadline)
+        tensor_main(args, shapes, kinds, t0, deadline, "tf32", run_shape_tf32, "cuBLAS TF32 and fp32",
+                    [("pct_of_cublas_tf32", "cuBLAS TF32"), ("pct_of_cublas_fp32", "cuBLAS fp32 (TF32 off)")])
         return
 
     say("== ragged shape per layout (correctness, and the builds): registers / local memory per thread")

@@ -106,6 +106,15 @@ def _emit_cp_async(context, builder, dst, src, nbytes, nbytes_ty):
     return context.get_dummy_value()
 
 
+def _emit_mma(context, builder, sig, shape: str, ins):
+    """Codegen of ``mma.sync.aligned.{shape}`` with 4 A and 2 B registers (i32), 4 fp32
+    accumulators in and out (tied): a tuple of the 4 results."""
+    fty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
+    asm = f"mma.sync.aligned.{shape} {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, {{$8, $9}}, {{$10, $11, $12, $13}};"
+    out = builder.asm(fty, asm, "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", ins, side_effect=False)
+    return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(4)])
+
+
 def widens(bits) -> bool:
     """Whether ``bf16_to_f32`` takes an argument of Numba type ``bits``: any integer, whose low 16
     bits are the bf16 value. ``packed[i] >> 16`` on a uint32 array types as int64, so a test of
@@ -127,11 +136,7 @@ def _make_gpu():
         def codegen(context, builder, sig, args):
             ins = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[:6], sig.args[:6])]
             ins += [context.cast(builder, v, t, types.float32) for v, t in zip(args[6:], sig.args[6:])]
-            fty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
-            asm = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                   "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
-            out = builder.asm(fty, asm, "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", ins, side_effect=False)
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(4)])
+            return _emit_mma(context, builder, sig, "m16n8k16.row.col.f32.bf16.bf16.f32", ins)
 
         return sig, codegen
 
@@ -248,11 +253,7 @@ def _make_gpu():
         def codegen(context, builder, sig, args):
             vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args)]
             ins = [builder.bitcast(v, _I32) for v in vals[:6]] + vals[6:]  # tf32 operands are .b32
-            fty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
-            asm = ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-                   "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
-            out = builder.asm(fty, asm, "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", ins, side_effect=False)
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(4)])
+            return _emit_mma(context, builder, sig, "m16n8k8.row.col.f32.tf32.tf32.f32", ins)
 
         return sig, codegen
 
@@ -342,14 +343,18 @@ def _warp_exchange(value):
     return list(slots), tid % mma_layout.WARP
 
 
+def _mma_twin(model, reg_type, a, b, c):
+    """One lane's mma under the simulator: the warp's operands exchanged, ``model`` (a
+    :mod:`.mma_layout` function of the 32 lanes' registers) run, this lane's 4 results."""
+    posted, lane = _warp_exchange((a, b, c))
+    d = model(np.array([p[0] for p in posted], reg_type), np.array([p[1] for p in posted], reg_type),
+              np.array([p[2] for p in posted], np.float32))[lane]
+    return np.float32(d[0]), np.float32(d[1]), np.float32(d[2]), np.float32(d[3])
+
+
 def _make_sim():
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        posted, lane = _warp_exchange(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
-        a = np.array([p[0] for p in posted], np.uint32)
-        b = np.array([p[1] for p in posted], np.uint32)
-        c = np.array([p[2] for p in posted], np.float32)
-        d = mma_layout.mma(a, b, c)[lane]
-        return np.float32(d[0]), np.float32(d[1]), np.float32(d[2]), np.float32(d[3])
+        return _mma_twin(mma_layout.mma, np.uint32, (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
 
     def _ldmatrix(trans: bool):
         def ld(smem, index):
@@ -399,12 +404,7 @@ def _make_sim():
             return np.exp2(np.float32(x))
 
     def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        posted, lane = _warp_exchange(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
-        a = np.array([p[0] for p in posted], np.float32)
-        b = np.array([p[1] for p in posted], np.float32)
-        c = np.array([p[2] for p in posted], np.float32)
-        d = mma_layout.mma_tf32(a, b, c)[lane]
-        return np.float32(d[0]), np.float32(d[1]), np.float32(d[2]), np.float32(d[3])
+        return _mma_twin(mma_layout.mma_tf32, np.float32, (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
 
     def cvt_tf32(x):
         return mma_layout.tf32_round(np.float32(x))[()]

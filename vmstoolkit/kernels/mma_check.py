@@ -22,6 +22,15 @@ from ._mma import (bf16_to_f32, cp_async16, cp_async_commit, cp_async_wait, cvt_
 LD_WORDS = 512  # the ldmatrix probe's shared array (uint16 elements)
 
 
+@cuda.jit(device=True)
+def _row4(out, row, regs):
+    """``out[row, 0:4] = regs`` (a 4-tuple)."""
+    out[row, 0] = regs[0]
+    out[row, 1] = regs[1]
+    out[row, 2] = regs[2]
+    out[row, 3] = regs[3]
+
+
 @cuda.jit
 def _mma_probe(a, b, c, d):
     """One warp: A (16, 16), B (16, 8) (k by n) bf16 bits, C (16, 8) fp32 -> D = A B + C, each
@@ -52,17 +61,9 @@ def _ldmatrix_probe(mem, rows, out, out_t):
     for i in range(lane, LD_WORDS, 32):
         smem[i] = mem[i]
     cuda.syncthreads()
-    r0, r1, r2, r3 = ldmatrix_x4(smem, rows[lane])
-    out[lane, 0] = r0
-    out[lane, 1] = r1
-    out[lane, 2] = r2
-    out[lane, 3] = r3
+    _row4(out, lane, ldmatrix_x4(smem, rows[lane]))
     cuda.syncthreads()
-    r0, r1, r2, r3 = ldmatrix_x4_trans(smem, rows[lane])
-    out_t[lane, 0] = r0
-    out_t[lane, 1] = r1
-    out_t[lane, 2] = r2
-    out_t[lane, 3] = r3
+    _row4(out_t, lane, ldmatrix_x4_trans(smem, rows[lane]))
 
 
 @cuda.jit
@@ -142,16 +143,20 @@ def _smem_f32_probe(g, out, nbytes):
     cp_async_commit()
     cp_async_wait(0)
     cuda.syncthreads()
-    v0, v1, v2, v3 = lds4(smem, (31 - lane) * 4)
-    out[lane, 0] = v0
-    out[lane, 1] = v1
-    out[lane, 2] = v2
-    out[lane, 3] = v3
+    _row4(out, lane, lds4(smem, (31 - lane) * 4))
 
 
 def _small_ints(rng, shape):
     """bf16 bits of small integers: every product and sum of an m16n8k16 is exact in fp32."""
     return L.bf16_bits(rng.integers(-8, 9, size=shape).astype(np.float32))
+
+
+def _close(what: str, got, want, tol: float) -> float:
+    """max |got - want|, raising AssertionError naming ``what`` if it is not under ``tol``."""
+    err = float(np.max(np.abs(got - want)))
+    if not err < tol:
+        raise AssertionError(f"{what}: max abs err {err:.3g}")
+    return err
 
 
 def check_mma(rng) -> dict:
@@ -170,12 +175,8 @@ def check_mma(rng) -> dict:
     b = L.bf16_bits(rng.standard_normal((16, 8)).astype(np.float32))
     c = rng.standard_normal((16, 8)).astype(np.float32)
     _mma_probe[1, 32](cuda.to_device(a), cuda.to_device(b), cuda.to_device(c), d)
-    got = d.copy_to_host()
     want = L.bf16_value(a).astype(np.float64) @ L.bf16_value(b).astype(np.float64) + c
-    err = float(np.max(np.abs(got - want)))
-    if not err < 1e-4:
-        raise AssertionError(f"mma_bf16 on normal values: max abs err {err:.3g}")
-    return {"check": "mma", "max_abs_err": err}
+    return {"check": "mma", "max_abs_err": _close("mma_bf16 on normal values", d.copy_to_host(), want, 1e-4)}
 
 
 def check_ldmatrix(rng) -> dict:
@@ -251,11 +252,8 @@ def check_mma_tf32(rng) -> dict:
     b = rng.standard_normal((8, 8)).astype(np.float32)
     c = rng.standard_normal((16, 8)).astype(np.float32)
     _mma_tf32_probe[1, 32](cuda.to_device(a), cuda.to_device(b), cuda.to_device(c), d, True)
-    got = d.copy_to_host()
     want = L.tf32_round(a).astype(np.float64) @ L.tf32_round(b).astype(np.float64) + c
-    err = float(np.max(np.abs(got - want)))
-    if not err < 1e-5:
-        raise AssertionError(f"mma_tf32 on cvt_tf32_mma-rounded normal values: max abs err {err:.3g}")
+    err = _close("mma_tf32 on cvt_tf32_mma-rounded normal values", d.copy_to_host(), want, 1e-5)
     return {"check": "mma_tf32", "max_abs_err": err}
 
 
