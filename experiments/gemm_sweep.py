@@ -34,6 +34,8 @@ skipped and listed; sweep 6 (3-4 candidates, 15 shapes) took 103 s on an H200.
     python3 experiments/gemm_sweep.py --out DIR --quick --splits 1 2 3 4  # split k against wave tails
     python3 experiments/gemm_sweep.py --out DIR --kinds dx --shapes 'k/v' --variants 5 11  # two variants, one shape
     python3 experiments/gemm_sweep.py --out DIR --dtype bf16   # the tensor-core GEMM against cuBLAS bf16
+    python3 experiments/gemm_sweep.py --out DIR --dtype bf16 --wgmma   # the wgmma kernel's tiles instead
+    python3 experiments/gemm_sweep.py --out DIR --dtype tf32   # tf32 / 3xtf32 against cuBLAS TF32 and fp32
 
 ``--dtype bf16`` (``gemm_bf16_sweep.json``): the same shapes and held timing, bf16 operands;
 cuBLAS is torch.matmul on bf16 tensors (bf16 out, fp32 accumulate); our candidates are
@@ -41,6 +43,13 @@ cuBLAS is torch.matmul on bf16 tensors (bf16 out, fp32 accumulate); our candidat
 where the rule splits), and the other tile shapes of ``BF16_TILES``. Each candidate's error is
 against a float64 product of the same bf16 operands (max |ours - ref| / max |ref|); cuBLAS's is
 printed beside it.
+
+``--dtype tf32`` (``gemm_tf32_sweep.json``): the same shapes and held timing, float32 operands;
+two cuBLAS baselines, torch.matmul with ``allow_tf32=True`` (cuBLAS TF32) and with TF32 off
+(cuBLAS fp32); our candidates are ``gemm_tf32``'s rule with precision "tf32" and "3xtf32" and the
+other tile shapes of ``TF32_TILES``. Each row has its time as a % of both baselines and its
+error against a float64 product (cuBLAS TF32's and fp32's errors printed beside); two tables, %
+of cuBLAS TF32 and % of cuBLAS fp32.
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ from common import run_env, say, tf32_off, time_best, time_held
 from vmstoolkit.kernels import gemm as G
 from vmstoolkit.kernels import gemm_bf16 as GB
 from vmstoolkit.kernels import gemm_wgmma as GW
+from vmstoolkit.kernels import gemm_tf32 as GT
 
 # (name, kind, (M, N, K)) with x (M, K), w (N, K): kind "fwd" times y = x w^T (M, N), "dx"
 # dx = dy w (M, K), "dw" dw = dy^T x (N, K); all 2 M N K flops.
@@ -299,11 +309,11 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def pct_table(rows: list[dict]) -> list[str]:
+def pct_table(rows: list[dict], key: str = "pct_of_cublas") -> list[str]:
     """One line per candidate (the rules by name, whatever they ran), one column per timed shape."""
     shapes = list(dict.fromkeys(r["shape"] for r in rows if "ms" in r))
     cands = list(dict.fromkeys(r["config"].split(" = ")[0] for r in rows if "ms" in r))
-    pct = {(r["shape"], r["config"].split(" = ")[0]): r["pct_of_cublas"] for r in rows if "ms" in r}
+    pct = {(r["shape"], r["config"].split(" = ")[0]): r[key] for r in rows if "ms" in r}
     lines = [f"{'':<34}" + "".join(f"{i + 1:>6}" for i in range(len(shapes)))]
     for c in cands:
         cells = "".join(f"{pct[(s, c)]:6.1f}" if (s, c) in pct else f"{'-':>6}" for s in shapes)
@@ -319,6 +329,10 @@ BF16_TILES = [GB.MmaTiles(bm=128, bn=128, wm=64, wn=64, stages=4, bk=32),  # 64 
               GB.MmaTiles(bm=128, bn=128, wm=64, wn=64, stages=3, bk=64),  # 96 KiB
               GB.MmaTiles(bm=128, bn=128, wm=64, wn=64, stages=2, bk=64),  # 64 KiB
               GB.MmaTiles(bm=128, bn=256, wm=64, wn=64, stages=3, bk=32)]  # 8 warps, 72 KiB
+# --wgmma: the warpgroup-MMA kernel's tile shapes (gemm_wgmma), timed beside the rule instead
+WGMMA_TILES = [GW.WgmmaTiles(128, 128, 4), GW.WgmmaTiles(128, 256, 4), GW.WgmmaTiles(128, 128, 3, blocks=2),
+               GW.WgmmaTiles(128, 128, 4, ahead=1), GW.WgmmaTiles(128, 256, 4, ahead=1),
+               GW.WgmmaTiles(128, 128, 5, ahead=1)]
 
 
 class ProblemBf16:
@@ -357,26 +371,17 @@ class ProblemBf16:
         return float((got - self.want).abs().max() / self.want.abs().max())
 
 
-# --wgmma: the warpgroup-MMA kernel's tile shapes (gemm_wgmma), timed beside the rule
-WGMMA_TILES = [GW.WgmmaTiles(128, 128, 4), GW.WgmmaTiles(128, 256, 4), GW.WgmmaTiles(128, 128, 3, blocks=2),
-               GW.WgmmaTiles(128, 128, 4, ahead=1), GW.WgmmaTiles(128, 256, 4, ahead=1),
-               GW.WgmmaTiles(128, 128, 5, ahead=1)]
-
-
-def bf16_candidates(tiles: bool = True, wgmma: bool = False):
+def bf16_candidates(tiles: bool = True):
     """The rule with both outputs, or (``tiles``) with a bf16 output beside the other tile shapes
-    (run 1: the two outputs within 1 point of each other at all 15 shapes); ``wgmma``: beside the
-    wgmma kernel's tiles instead."""
+    (run 1: the two outputs within 1 point of each other at all 15 shapes)."""
     rule = [("rule bf16-out", None, "bf16"), ("rule fp32-out", None, "fp32")]
-    others = WGMMA_TILES if wgmma else BF16_TILES
-    return rule[:1] + [(f"{t.label()} bf16-out", t, "bf16") for t in others] if tiles else rule
+    return rule[:1] + [(f"{t.label()} bf16-out", t, "bf16") for t in BF16_TILES] if tiles else rule
 
 
-def run_shape_bf16(name, kind, dims, time_it: bool, deadline: float, tiles: bool = True,
-                   wgmma: bool = False) -> list[dict]:
+def run_shape_bf16(name, kind, dims, time_it: bool, deadline: float, tiles: bool = True) -> list[dict]:
     m, n, k = dims
     row0 = {"shape": name, "kind": kind, "M": m, "N": n, "K": k}
-    cands = bf16_candidates(tiles and time_it, wgmma)  # ragged: the rule's builds alone
+    cands = bf16_candidates(tiles and time_it)  # ragged: the rule's builds alone
     if time_it and time.time() > deadline:
         return [{**row0, "config": c[0], "skipped": "time budget"} for c in cands]
     p = ProblemBf16(kind, m, n, k)
@@ -419,38 +424,138 @@ def run_shape_bf16(name, kind, dims, time_it: bool, deadline: float, tiles: bool
     return rows
 
 
-def bf16_main(args, shapes, kinds, t0, deadline) -> None:
+def tensor_main(args, shapes, kinds, t0, deadline, dtype: str, run, versus: str, tables) -> None:
+    """``--dtype bf16`` / ``tf32``: ragged shapes per layout, then the timed shapes by ``run``
+    (``run_shape_bf16`` or ``run_shape_tf32``), one % table per (row key, baseline name) of
+    ``tables``, and ``gemm_{dtype}_sweep.json``."""
     res = {"env": run_env(reps=REPS, samples=SAMPLES, statistic="best of samples", set=args.set,
-                          timing="held", dtype="bf16", sm_count=GB.sm_count())}
-    say("== bf16: ragged shapes per layout (correctness against float64, and the builds)")
+                          timing="held", dtype=dtype, sm_count=GB.sm_count())}
+    say(f"== {dtype}: ragged shapes per layout (correctness against float64, and the builds)")
     res["ragged"] = []
     for kind in ([] if args.skip_ragged else kinds):
         t1 = time.time()
         for dims in (RAGGED, RAGGED_ALIGNED, (1000, 520, 1032)):
-            res["ragged"] += run_shape_bf16(f"ragged {kind} {'x'.join(map(str, dims))}", kind, dims, False, deadline)
+            res["ragged"] += run(f"ragged {kind} {'x'.join(map(str, dims))}", kind, dims, False, deadline)
         say(f"  ({time.time() - t1:.0f} s)")
-    say(f"== GEMM bf16 vs cuBLAS bf16; {REPS} launches held behind a spin, best of {SAMPLES}")
+    say(f"== GEMM {dtype} vs {versus}; {REPS} launches held behind a spin, best of {SAMPLES}")
     res["gemm"] = []
     for name, kind, dims in shapes:
-        res["gemm"] += run_shape_bf16(name, kind, dims, True, deadline, not args.rule_only, args.wgmma)
+        res["gemm"] += run(name, kind, dims, True, deadline, not args.rule_only)
         say(f"  ({time.time() - t0:.0f} s)")
-    say("== % of cuBLAS bf16, candidate x shape (columns: the shapes above, in order)")
-    for line in pct_table(res["gemm"]):
-        say("  " + line)
+    for key, what in tables:
+        say(f"== % of {what}, candidate x shape (columns: the shapes above, in order)")
+        for line in pct_table(res["gemm"], key):
+            say("  " + line)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gemm_bf16_sweep.json").write_text(json.dumps(res, indent=1, default=str))
-    say(f"wrote {out / 'gemm_bf16_sweep.json'} ({time.time() - t0:.0f} s)")
+    (out / f"gemm_{dtype}_sweep.json").write_text(json.dumps(res, indent=1, default=str))
+    say(f"wrote {out / f'gemm_{dtype}_sweep.json'} ({time.time() - t0:.0f} s)")
+
+
+# --dtype tf32: (label, precision, tiles or None for the rule's); the rule: tf32 128x128x16/w64x64,
+# 3xtf32 the same block with w64x32 (64 x 64 spills offline: Note [tf32 GEMM tile])
+TF32_TILES = [("3xtf32 w64x64 (spills)", "3xtf32", GT.Tf32Tiles()),
+              ("tf32 w64x32", "tf32", GT.GPU_TILES_3X),
+              ("tf32 bk32 s3 (96 KiB)", "tf32", GT.Tf32Tiles(bk=32)),
+              ("tf32 s4 (64 KiB)", "tf32", GT.Tf32Tiles(stages=4))]
+
+
+class ProblemTf32:
+    """float32 operands of one shape and kind, cuBLAS TF32 and fp32, and a float64 reference."""
+
+    def __init__(self, kind: str, m: int, n: int, k: int):
+        g = torch.Generator("cuda").manual_seed(0)
+        self.kind, self.flops = kind, 2.0 * m * n * k
+        x = torch.randn(m, k, device="cuda", generator=g)
+        w = torch.randn(n, k, device="cuda", generator=g)
+        dy = torch.randn(m, n, device="cuda", generator=g)
+        a, b, self.fn = {"fwd": (x, w.T, GT.gemm_tf32), "dx": (dy, w, GT.linear_dx_tf32),
+                         "dw": (dy.T, x, GT.linear_dw_tf32)}[kind]
+        ops = {"fwd": (x, w), "dx": (dy, w), "dw": (dy, x)}[kind]
+        self.out = torch.empty(a.shape[0], b.shape[1], device="cuda")
+        self.out_cublas = torch.empty_like(self.out)
+        self.cublas = lambda: torch.matmul(a, b, out=self.out_cublas)
+        self.want = a.double() @ b.double()
+        self.dims = out_dims(kind, (m, n, k))
+        self.da, self.db = (cuda.as_cuda_array(t) for t in ops)
+        self.dout = cuda.as_cuda_array(self.out)
+
+    def ours(self, precision, tiles):
+        self.fn(self.da, self.db, self.dout, precision=precision, tiles=tiles)
+
+    def err(self, got) -> float:
+        return float((got.double() - self.want).abs().max() / self.want.abs().max())
+
+    def time_cublas(self, tf32: bool) -> tuple[dict, float]:
+        """(held timing, error) of cuBLAS with TF32 on or off (restored to off)."""
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            self.cublas()
+            torch.cuda.synchronize()
+            e = self.err(self.out_cublas)
+            return timed(self.cublas, "held", "torch"), e
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def run_shape_tf32(name, kind, dims, time_it: bool, deadline: float, tiles: bool = True) -> list[dict]:
+    m, n, k = dims
+    row0 = {"shape": name, "kind": kind, "M": m, "N": n, "K": k}
+    cands = [("rule tf32", "tf32", None), ("rule 3xtf32", "3xtf32", None)] + (TF32_TILES if tiles and time_it else [])
+    if time_it and time.time() > deadline:
+        return [{**row0, "config": c[0], "skipped": "time budget"} for c in cands]
+    p = ProblemTf32(kind, m, n, k)
+    base = {}
+    for label_, tf32 in (("cuBLAS TF32", True), ("cuBLAS fp32", False)):
+        if time_it:
+            got, e = p.time_cublas(tf32)
+            base[tf32] = (got["ms"], e)
+            say(f"  {name:<30} {label_:<34} {p.flops / got['ms'] / 1e9:7.1f} TFLOP/s  {got['ms']:8.4f} ms  err {e:.1e}")
+    rows = []
+    for lab, precision, t in cands:
+        if time_it and time.time() > deadline:
+            rows.append({**row0, "config": lab, "skipped": "time budget"})
+            continue
+        launch = GT.choose_tf32(*p.dims, precision=precision)
+        ran = (t or launch.tiles).label() + (f" split{launch.splits}" if t is None and launch.splits > 1 else "")
+        full = f"{lab} = {ran}"
+        try:
+            p.out.fill_(float("nan"))
+            p.ours(precision, t)
+            cuda.synchronize()
+            err = p.err(p.out)
+            got = timed(lambda: p.ours(precision, t), "held", "numba") if time_it else {}
+        except Exception as e:  # noqa: BLE001 - keep the sweep going, record the failure
+            say(f"  {name:<30} {full:<34} FAILED: {type(e).__name__}: {e}")
+            rows.append({**row0, "config": lab, "error": f"{type(e).__name__}: {e}"})
+            continue
+        tol = 2e-3 if precision == "tf32" else 1e-5
+        ok = "" if err <= tol else f"  <-- ERROR > {tol:g}"
+        r = {**row0, "config": lab, "ran": full, "precision": precision, "rel_err_vs_fp64": err}
+        if time_it:
+            (tf32_ms, tf32_err), (fp32_ms, fp32_err) = base[True], base[False]
+            r.update(got, tflops=p.flops / got["ms"] / 1e9, cublas_tf32_ms=tf32_ms, cublas_fp32_ms=fp32_ms,
+                     cublas_tf32_rel_err=tf32_err, cublas_fp32_rel_err=fp32_err,
+                     pct_of_cublas_tf32=100 * tf32_ms / got["ms"], pct_of_cublas_fp32=100 * fp32_ms / got["ms"])
+            say(f"  {name:<30} {full:<34} {r['tflops']:7.1f} TFLOP/s  {got['ms']:8.4f} ms  "
+                f"{r['pct_of_cublas_tf32']:5.1f}% of TF32 {r['pct_of_cublas_fp32']:6.1f}% of fp32  err {err:.1e}  "
+                f"host {got['host_ms'] * 1e3:5.1f} us{ok}")
+        else:
+            say(f"  {name:<30} {full:<34} err {err:.1e}{ok}")
+        rows.append(r)
+    return rows
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--skip-ragged", action="store_true", help="bf16: no ragged correctness shapes (their builds)")
-    ap.add_argument("--rule-only", action="store_true", help="bf16: time the rule's launches only, not BF16_TILES")
+    ap.add_argument("--skip-ragged", action="store_true", help="bf16, tf32: no ragged correctness shapes (their builds)")
+    ap.add_argument("--rule-only", action="store_true", help="bf16, tf32: time the rule's launches only, not "
+                    "BF16_TILES / TF32_TILES")
     ap.add_argument("--wgmma", action="store_true", help="bf16: time the wgmma kernel's WGMMA_TILES beside the rule "
                     "instead of BF16_TILES")
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                    help="fp32: the CUDA-core GEMM against cuBLAS fp32; bf16: the tensor-core GEMM against cuBLAS bf16")
+    ap.add_argument("--dtype", choices=("fp32", "bf16", "tf32"), default="fp32",
+                    help="fp32: the CUDA-core GEMM against cuBLAS fp32; bf16: the tensor-core GEMM against cuBLAS bf16; "
+                    "tf32: the tf32 / 3xtf32 tensor-core GEMM against cuBLAS TF32 and fp32")
     ap.add_argument("--out", default=".")
     ap.add_argument("--set", choices=sorted(SETS), default="7b", help="which model's shapes")
     ap.add_argument("--quick", action="store_true", help="forward shapes only (--kinds fwd)")
@@ -483,7 +588,14 @@ def main():
         raise SystemExit(f"gemm_sweep: no shape of set {args.set!r} matches kinds {kinds} and --shapes {args.shapes}")
     kinds = list(dict.fromkeys(kind for _, kind, _ in shapes))
     if args.dtype == "bf16":
-        bf16_main(args, shapes, kinds, t0, deadline)
+        if args.wgmma:
+            BF16_TILES[:] = WGMMA_TILES
+        tensor_main(args, shapes, kinds, t0, deadline, "bf16", run_shape_bf16, "cuBLAS bf16",
+                    [("pct_of_cublas", "cuBLAS bf16")])
+        return
+    if args.dtype == "tf32":
+        tensor_main(args, shapes, kinds, t0, deadline, "tf32", run_shape_tf32, "cuBLAS TF32 and fp32",
+                    [("pct_of_cublas_tf32", "cuBLAS TF32"), ("pct_of_cublas_fp32", "cuBLAS fp32 (TF32 off)")])
         return
 
     say("== ragged shape per layout (correctness, and the builds): registers / local memory per thread")

@@ -5,6 +5,7 @@ and the instruction mix of its loops in SASS (sm_90).
     python scripts/sass_report.py gemm --layout nt tt       # the backward layouts
     python scripts/sass_report.py gemm --tiles 128x128x16/8x16w64x64 --variant 3 --dump
     python scripts/sass_report.py flash-bf16                # the bf16 flash forward, D 64 and 128
+    python scripts/sass_report.py gemm-tf32 --layout nn nt tt  # the tf32 / 3xtf32 tensor-core GEMM
 
 Pipeline: ``numba.cuda.compile_ptx`` (NVVM) -> ``ptxas -arch=sm_90 -v`` (with the kernel's register
 cap) -> ``cuobjdump -sass``. Loops are found from backward branches; for each loop the report gives
@@ -165,7 +166,9 @@ class Report:
     def line(self) -> str:
         lp = self.main_loop()
         loop = "no loop"
-        if lp is not None:
+        if lp is not None and not lp.ops["FFMA"]:  # a tensor-core loop: the report's extra says it
+            loop = ""
+        elif lp is not None:
             lds = lp.ops["LDS"]
             loop = (f"main loop {lp.n} instr, {lp.ops['FFMA']} FFMA, {lds} LDS, {lp.ops['LDG']} LDG, "
                     f"{lp.ops['BAR']} BAR: {lp.per_ffma():.3f} instr/FFMA (static: cold edge paths count)")
@@ -368,6 +371,41 @@ def flash_bf16_reports(args) -> list[Report]:
             for d in (64, 128) for t in cands]
 
 
+def gemm_tf32_reports(args) -> list[Report]:
+    """The tf32 tensor-core GEMM (``kernels/gemm_tf32.py``), both precisions, cp.async fetches,
+    plain stores, on its default tiles (or ``--tiles`` as ``BMxBNxBK/wWMxWN/sSTAGES``). Its mma
+    loop has no FFMA: read the HMMA count (``ops``) and instructions per HMMA from ``--dump``."""
+    from numba import int64, types
+
+    from vmstoolkit.kernels import gemm_tf32 as GT
+
+    arr = types.Array(types.float32, 2, "A")
+    sig = (arr, arr, arr, arr, int64)
+    cands = [GT.GPU_TILES]
+    if args.tiles:
+        cands = []
+        for text in args.tiles:
+            m = re.fullmatch(r"(\d+)x(\d+)x(\d+)/w(\d+)x(\d+)/s(\d+)", text.strip())
+            if not m:
+                raise SystemExit(f"sass_report: tf32 tiles {text!r} is not BMxBNxBK/wWMxWN/sSTAGES")
+            bm, bn, bk, wm, wn, st = map(int, m.groups())
+            cands.append(GT.Tf32Tiles(bm=bm, bn=bn, wm=wm, wn=wn, stages=st, bk=bk))
+    out = []
+    for layout in args.layout:
+        a_trans, b_trans = GT.LAYOUTS[layout]
+        for t in cands:
+            for precision in GT.PRECISIONS:
+                k = GT.make_gemm_tf32(t, a_trans, b_trans, precision)
+                rep = _dispatcher_report(f"gemm_tf32 {precision} {t.label()} {layout}", k, sig)
+                lp = rep.main_loop()
+                if lp is not None:
+                    hmma = lp.ops["HMMA"]
+                    rep.extra = (f"main loop {lp.n} instr, {hmma} HMMA, {lp.ops['LDS']} LDS"
+                                 + (f": {lp.n / hmma:.2f} instr/HMMA" if hmma else ""))
+                out.append(rep)
+    return out
+
+
 def _device_cc_without_a_driver(cc=(9, 0)) -> None:
     """numba-cuda compiles a kernel's ``cuda.jit(device=True)`` callees for the current device's
     compute capability, which needs a driver; without one, name ``cc`` (what compile_ptx targets)."""
@@ -384,7 +422,7 @@ def _device_cc_without_a_driver(cc=(9, 0)) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["gemm", "attention", "attention-backward", "flash-bf16"])
+    ap.add_argument("what", choices=["gemm", "attention", "attention-backward", "flash-bf16", "gemm-tf32"])
     ap.add_argument("--layout", nargs="+", default=["nn"], choices=["nn", "nt", "tt"])
     ap.add_argument("--tiles", nargs="+", help="GEMM tile shapes BMxBNxBK/TMxTN[wWMxWN], or attention's "
                     "rows/heads/bkv/tr/tk/to[/blocks_per_sm], or attention-backward's "
@@ -399,7 +437,8 @@ def main(argv=None) -> int:
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
     _device_cc_without_a_driver()
     reports = {"gemm": gemm_reports, "attention": attention_reports,
-               "attention-backward": attention_backward_reports, "flash-bf16": flash_bf16_reports}[args.what](args)
+               "attention-backward": attention_backward_reports, "flash-bf16": flash_bf16_reports,
+               "gemm-tf32": gemm_tf32_reports}[args.what](args)
     for rep in reports:
         print(rep.line(), flush=True)
         if args.dump and rep.main_loop() is not None:

@@ -52,7 +52,8 @@ def run_layouts(x, w, dy, out_dtype=torch.float32, splits=None):
 def test_intrinsics_one_warp():
     from vmstoolkit.kernels import mma_check
 
-    assert [r["check"] for r in mma_check.validate()] == ["mma", "ldmatrix", "cp_async", "pack"]
+    assert [r["check"] for r in mma_check.validate()] == ["mma", "ldmatrix", "cp_async", "pack", "mma_tf32",
+                                                         "cvt_tf32", "smem_f32"]
 
 
 @pytest.mark.parametrize("m, n, k", [(1000, 520, 1032), (1001, 517, 1027), (7, 3, 5)])

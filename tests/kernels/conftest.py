@@ -2,6 +2,13 @@
 VMSTOOLKIT_REAL_GPU=1) or, with VMSTOOLKIT_REAL_GPU=1, on a real GPU."""
 
 import os
+import sys
+
+# helper modules of these tests (ptx_probe) by name: --import-mode=importlib (pyproject.toml)
+# puts no test folder on sys.path
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 # Same default as tests/conftest.py, for runs of this folder alone; without effect if numba.cuda
 # was already imported (the autouse fixture below then skips with the reason).

@@ -66,6 +66,69 @@ def test_bf16_rounding():
         L.a_fragments(np.zeros((8, 8), np.uint16))
 
 
+def test_tf32_layout_every_element_has_one_owner_and_matches_the_ptx_figure():
+    """m16n8k8 with tf32 operands: one element a register, each of A (16 x 8) and B (8 x 8) held
+    once; spot values from the PTX ISA's figure (CUTLASS's SM80_16x8x8_F32TF32TF32F32_TN)."""
+    seen = [rc for lane in range(32) for rc in L.a_coords_tf32(lane)]
+    assert sorted(seen) == [(r, c) for r in range(16) for c in range(8)]
+    seen = [kn for lane in range(32) for kn in L.b_coords_tf32(lane)]
+    assert sorted(seen) == [(k, n) for k in range(8) for n in range(8)]
+    assert L.a_coords_tf32(0) == [(0, 0), (8, 0), (0, 4), (8, 4)]
+    assert L.a_coords_tf32(6) == [(1, 2), (9, 2), (1, 6), (9, 6)]  # group 1, thread 2
+    assert L.b_coords_tf32(31) == [(3, 7), (7, 7)]
+    assert L.b_coords_tf32(5) == [(1, 1), (5, 1)]
+
+
+def test_tf32_mma_reference_is_a_matmul_of_tf32_operands():
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((16, 8)).astype(np.float32)
+    b = rng.standard_normal((8, 8)).astype(np.float32)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    assert np.array_equal(L.a_matrix_tf32(L.a_fragments_tf32(a)), a)
+    assert np.array_equal(L.b_matrix_tf32(L.b_fragments_tf32(b)), b)
+    d = L.c_matrix(L.mma_tf32(L.a_fragments_tf32(L.tf32_round(a)), L.b_fragments_tf32(L.tf32_round(b)),
+                              L.c_fragments(c)))
+    want = L.tf32_round(a).astype(np.float64) @ L.tf32_round(b).astype(np.float64) + c
+    assert np.allclose(d, want, rtol=0, atol=1e-5)
+    # the operands are read as tf32: unrounded fp32 inputs give the truncated product, not the fp32 one
+    d = L.c_matrix(L.mma_tf32(L.a_fragments_tf32(a), L.b_fragments_tf32(b), L.c_fragments(c)))
+    trunc = L.tf32_truncate(a).astype(np.float64) @ L.tf32_truncate(b).astype(np.float64) + c
+    assert np.allclose(d, trunc, rtol=0, atol=1e-5)
+    assert not np.allclose(d, a.astype(np.float64) @ b + c, rtol=0, atol=1e-4)
+    # swapping A's registers 1 and 2 (rows g+8 and columns t+4) must change the product
+    fr = L.a_fragments_tf32(L.tf32_round(a))[:, [0, 2, 1, 3]]
+    assert not np.allclose(L.c_matrix(L.mma_tf32(fr, L.b_fragments_tf32(L.tf32_round(b)), L.c_fragments(c))),
+                           want, atol=1e-3)
+    with pytest.raises(KernelError, match="shape"):
+        L.a_fragments_tf32(np.zeros((16, 16), np.float32))
+
+
+def test_tf32_rounding_is_to_nearest_ties_away():
+    one = np.float32(1.0)
+    ulp = np.float32(2.0 ** -10)  # a tf32 ulp at 1
+    x = np.array([1.0, one + ulp / 2, -(one + ulp / 2), one + ulp * 1.5, one + ulp / 2 - 2.0 ** -23,
+                  np.inf, -np.inf, np.finfo(np.float32).max, 1e-45], np.float32)
+    got = L.tf32_round(x)
+    assert list(got[:7]) == [1.0, one + ulp, -(one + ulp), one + 2 * ulp, 1.0, np.inf, -np.inf]
+    assert got[7] == np.inf  # past the largest finite tf32
+    assert got[8] == 0.0  # the smallest denormal: its bit is one of the 13 dropped, below half
+    assert np.isnan(L.tf32_round(np.array([np.nan], np.float32)))[0]
+    assert np.all(L.tf32_round(x[:5]).view(np.uint32) & 0x1FFF == 0)
+    r = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    assert np.max(np.abs(L.tf32_round(r) - r) / np.abs(r)) <= 2.0 ** -11  # half an ulp of 10 bits
+
+
+def test_the_tf32_twins_convert_load_and_multiply():
+    """Under the simulator: cvt_tf32 is tf32_round, lds4 wants 16-byte-aligned indices."""
+    from vmstoolkit.kernels import _mma
+
+    assert _mma.cvt_tf32(np.float32(1 + 2.0 ** -11)) == np.float32(1 + 2.0 ** -10)
+    smem = np.arange(8, dtype=np.float32)
+    assert _mma.lds4(smem, 4) == (4.0, 5.0, 6.0, 7.0)
+    with pytest.raises(AssertionError, match="aligned"):
+        _mma.lds4(smem, 2)
+
+
 def test_the_gpu_widening_takes_what_kernels_pass_it():
     """``bf16_to_f32`` on the GPU types its argument itself (the simulator twin takes anything):
     ``packed[i] >> 16`` on a uint32 array is an int64, which it refused on the H200 (typing error in
@@ -82,7 +145,8 @@ def test_the_gpu_widening_takes_what_kernels_pass_it():
 def test_intrinsic_twins_match_the_reference():
     from vmstoolkit.kernels import mma_check
 
-    assert [r["check"] for r in mma_check.validate()] == ["mma", "ldmatrix", "cp_async", "pack"]
+    assert [r["check"] for r in mma_check.validate()] == ["mma", "ldmatrix", "cp_async", "pack", "mma_tf32",
+                                                         "cvt_tf32", "smem_f32"]
 
 
 def _bits(rng, shape):

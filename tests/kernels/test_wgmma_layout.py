@@ -30,7 +30,7 @@ class _Pitched:
 def _fetch_offsets(trans: bool, rows: int, threads: int) -> dict:
     """Run the generated set-up of one operand's fetch for every thread: {element offset in the
     stage: (shared offset d, the chunk's first (row-or-k, col) in the tile)}."""
-    lines = GS.fetch_setup("a", trans, rows, threads, "M", WL.BK, GW._swizzle_panel)
+    lines = GS.fetch_setup(GW.STAGING, GW.WgmmaTiles(bm=threads // 2), "a", trans, rows, "M")
     code = compile("\n".join(lines), "<fetch>", "exec")
     written = {}
     for tid in range(threads):

@@ -10,9 +10,21 @@ functions whose codegen emits llvmlite ``ir.InlineAsm`` (NVVM passes inline PTX 
   [.trans].shared.b16``, four 8 x 8 b16 matrices from shared memory; lane l names, by element index
   ``i`` into the 1-D uint16 shared array ``smem``, the start of row ``l % 8`` of matrix ``l // 8``
   (16 bytes, 16-byte aligned);
+- ``mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)``:
+  ``mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32``, D = A B + C, A 16 x 8 and B 8 x 8 one
+  tf32 a register, passed as float32 values (from ``cvt_tf32``: the tensor core reads the top 19
+  bits of each), C and D fp32 (lane layouts: :mod:`.mma_layout`);
+- ``cvt_tf32(x) -> float32``: ``cvt.rna.tf32.f32``, ``x`` rounded to the nearest tf32 (ties away
+  from zero), then its low 13 bits cleared: the tf32 value as an exact float32. ptxas (13.0,
+  sm_90) makes the cvt an add of half a tf32 ulp to the bits of a finite ``x`` (FSETP + IADD) and
+  leaves the low bits as they come, which the mma ignores but arithmetic does not (3xTF32's
+  ``x - big``); ``cvt_tf32_mma(x)``: the cvt alone, for values that only feed an mma;
+- ``lds4(smem, i) -> 4 float32``: ``smem[i:i+4]`` of a 1-D float32 shared array by one
+  ``ld.shared.v4.f32`` (the caller promises ``i`` a multiple of 4);
 - ``cp_async16(smem, i, g, r, c, nbytes)``: ``cp.async.cg.shared.global`` of the 16 bytes at
-  ``g[r, c]`` (a 2-D uint16/int16 array; the caller promises 16-byte alignment) to ``smem[i:i+8]``,
-  reading only ``nbytes`` (0 or 16) and zero-filling the rest; ``cp_async16_at(smem, i, g, off,
+  ``g[r, c]`` (a 2-D uint16/int16 array, or a float32/int32/uint32 one, of the dtype size of
+  ``smem``; the caller promises 16-byte alignment) to the 16 bytes at ``smem[i]`` (8 b16 elements
+  or 4 32-bit ones), reading only ``nbytes`` (0 or 16) and zero-filling the rest; ``cp_async16_at(smem, i, g, off,
   nbytes)`` the same from element ``off`` of ``g``'s memory (``r * row_stride + c`` in elements:
   a loop can step it by one add instead of recomputing a 2-D address); ``cp_async_commit()`` and
   ``cp_async_wait(n)`` (``n`` a constant: wait until at most ``n`` committed groups are pending);
@@ -35,7 +47,9 @@ with the same signature computing the same per-lane result from the reference la
 warp-wide ones (``mma_bf16``, ``ldmatrix_*``) exchange the 32 lanes' operands through a
 per-warp table at a block barrier. They therefore need every thread of the block to call
 them together (true of the GEMM, whose warps all run the same k loop), and they cost O(warp x
-fragment) Python per lane: tiny sizes only.
+fragment) Python per lane: tiny sizes only. ``mma_tf32``'s twin reads each operand as the
+tensor core does (the low 13 bits dropped), so a kernel that skips ``cvt_tf32`` computes with
+truncated operands there too; ``lds4``'s raises on an index that is not a multiple of 4.
 """
 
 from __future__ import annotations
@@ -50,10 +64,18 @@ from . import mma_layout
 from ._util import simulating
 
 _B16 = (types.uint16, types.int16)
+_BF16_NAN = 0x7FC0
+_B32 = (types.float32, types.uint32, types.int32)
 
 
 def _is_b16_array(a, ndim: int) -> bool:
     return isinstance(a, types.Array) and a.ndim == ndim and a.dtype in _B16
+
+
+def _chunk_arrays(smem, g) -> bool:
+    """cp.async's typing: a 1-D shared and a 2-D global array of one element size, 2 or 4 bytes."""
+    return any(isinstance(smem, types.Array) and smem.ndim == 1 and smem.dtype in kind
+               and isinstance(g, types.Array) and g.ndim == 2 and g.dtype in kind for kind in (_B16, _B32))
 
 
 def _item_pointer(context, builder, aty, ary_val, idx_vals, idx_tys):
@@ -84,6 +106,15 @@ def _emit_cp_async(context, builder, dst, src, nbytes, nbytes_ty):
     return context.get_dummy_value()
 
 
+def _emit_mma(context, builder, sig, shape: str, ins):
+    """Codegen of ``mma.sync.aligned.{shape}`` with 4 A and 2 B registers (i32), 4 fp32
+    accumulators in and out (tied): a tuple of the 4 results."""
+    fty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
+    asm = f"mma.sync.aligned.{shape} {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, {{$8, $9}}, {{$10, $11, $12, $13}};"
+    out = builder.asm(fty, asm, "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", ins, side_effect=False)
+    return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(4)])
+
+
 def widens(bits) -> bool:
     """Whether ``bf16_to_f32`` takes an argument of Numba type ``bits``: any integer, whose low 16
     bits are the bf16 value. ``packed[i] >> 16`` on a uint32 array types as int64, so a test of
@@ -105,11 +136,7 @@ def _make_gpu():
         def codegen(context, builder, sig, args):
             ins = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[:6], sig.args[:6])]
             ins += [context.cast(builder, v, t, types.float32) for v, t in zip(args[6:], sig.args[6:])]
-            fty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
-            asm = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                   "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
-            out = builder.asm(fty, asm, "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", ins, side_effect=False)
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(4)])
+            return _emit_mma(context, builder, sig, "m16n8k16.row.col.f32.bf16.bf16.f32", ins)
 
         return sig, codegen
 
@@ -136,8 +163,7 @@ def _make_gpu():
 
     @intrinsic
     def cp_async16(typingctx, smem, sindex, g, row, col, nbytes):
-        if not (_is_b16_array(smem, 1) and _is_b16_array(g, 2)
-                and all(isinstance(x, types.Integer) for x in (sindex, row, col, nbytes))):
+        if not (_chunk_arrays(smem, g) and all(isinstance(x, types.Integer) for x in (sindex, row, col, nbytes))):
             return None
         sig = types.void(smem, sindex, g, row, col, nbytes)
 
@@ -150,8 +176,7 @@ def _make_gpu():
 
     @intrinsic
     def cp_async16_at(typingctx, smem, sindex, g, offset, nbytes):
-        if not (_is_b16_array(smem, 1) and _is_b16_array(g, 2)
-                and all(isinstance(x, types.Integer) for x in (sindex, offset, nbytes))):
+        if not (_chunk_arrays(smem, g) and all(isinstance(x, types.Integer) for x in (sindex, offset, nbytes))):
             return None
         sig = types.void(smem, sindex, g, offset, nbytes)
 
@@ -218,6 +243,56 @@ def _make_gpu():
 
         return sig, codegen
 
+    @intrinsic
+    def mma_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        args = (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        if not all(isinstance(x, types.Float) for x in args):
+            return None
+        sig = types.UniTuple(types.float32, 4)(*args)
+
+        def codegen(context, builder, sig, args):
+            vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args)]
+            ins = [builder.bitcast(v, _I32) for v in vals[:6]] + vals[6:]  # tf32 operands are .b32
+            return _emit_mma(context, builder, sig, "m16n8k8.row.col.f32.tf32.tf32.f32", ins)
+
+        return sig, codegen
+
+    def _cvt_tf32(exact: bool):
+        def typer(typingctx, x):
+            if not isinstance(x, types.Float):
+                return None
+            sig = types.float32(x)
+
+            def codegen(context, builder, sig, args):
+                val = context.cast(builder, args[0], sig.args[0], types.float32)
+                bits = builder.asm(ir.FunctionType(_I32, [_F32]), "cvt.rna.tf32.f32 $0, $1;", "=r,f", [val],
+                                   side_effect=False)
+                if exact:
+                    bits = builder.and_(bits, ir.Constant(_I32, (0xFFFFFFFF >> 13) << 13))
+                return builder.bitcast(bits, _F32)
+
+            return sig, codegen
+
+        typer.__name__ = "cvt_tf32" if exact else "cvt_tf32_mma"
+        return intrinsic(typer)
+
+    @intrinsic
+    def lds4(typingctx, smem, index):
+        if not (isinstance(smem, types.Array) and smem.ndim == 1 and smem.dtype == types.float32
+                and isinstance(index, types.Integer)):
+            return None
+        sig = types.UniTuple(types.float32, 4)(smem, index)
+
+        def codegen(context, builder, sig, args):
+            ptr = _item_pointer(context, builder, sig.args[0], args[0], args[1:], sig.args[1:])
+            vec = ir.VectorType(_F32, 4)
+            shared = builder.addrspacecast(ptr, ir.PointerType(_F32, 3))
+            v = builder.load(builder.bitcast(shared, ir.PointerType(vec, 3)), align=16)
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)])
+
+        return sig, codegen
+
     from numba import cuda
 
     @cuda.jit(device=True)
@@ -240,7 +315,8 @@ def _make_gpu():
     return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
             "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
             "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32, "shfl_xor_f32": shfl_xor_f32,
-            "exp2_approx": exp2_approx}
+            "exp2_approx": exp2_approx, "mma_tf32": mma_tf32, "cvt_tf32": _cvt_tf32(True),
+            "cvt_tf32_mma": _cvt_tf32(False), "lds4": lds4}
 
 
 # ---- simulator twins ---------------------------------------------------------------------------
@@ -267,14 +343,18 @@ def _warp_exchange(value):
     return list(slots), tid % mma_layout.WARP
 
 
+def _mma_twin(model, reg_type, a, b, c):
+    """One lane's mma under the simulator: the warp's operands exchanged, ``model`` (a
+    :mod:`.mma_layout` function of the 32 lanes' registers) run, this lane's 4 results."""
+    posted, lane = _warp_exchange((a, b, c))
+    d = model(np.array([p[0] for p in posted], reg_type), np.array([p[1] for p in posted], reg_type),
+              np.array([p[2] for p in posted], np.float32))[lane]
+    return np.float32(d[0]), np.float32(d[1]), np.float32(d[2]), np.float32(d[3])
+
+
 def _make_sim():
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        posted, lane = _warp_exchange(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
-        a = np.array([p[0] for p in posted], np.uint32)
-        b = np.array([p[1] for p in posted], np.uint32)
-        c = np.array([p[2] for p in posted], np.float32)
-        d = mma_layout.mma(a, b, c)[lane]
-        return np.float32(d[0]), np.float32(d[1]), np.float32(d[2]), np.float32(d[3])
+        return _mma_twin(mma_layout.mma, np.uint32, (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
 
     def _ldmatrix(trans: bool):
         def ld(smem, index):
@@ -285,12 +365,21 @@ def _make_sim():
         return ld
 
     def cp_async16(smem, sindex, g, row, col, nbytes):
-        n = int(nbytes) // 2
-        for e in range(8):
-            smem[sindex + e] = g[row, col + e] if e < n else 0
+        # past the end of a row of a view the GPU reads whatever its padded row stride holds:
+        # the twin reads NaN there, so that such bytes reaching a sum show (a chunk whose
+        # columns run past a "t" operand's rows only feeds outputs outside the matrix)
+        size = np.dtype(g.dtype).itemsize
+        n = int(nbytes) // size
+        for e in range(16 // size):
+            if e >= n:
+                smem[sindex + e] = 0
+            elif col + e < g.shape[1]:
+                smem[sindex + e] = g[row, col + e]
+            else:
+                smem[sindex + e] = np.nan if size == 4 else _BF16_NAN
 
     def cp_async16_at(smem, sindex, g, offset, nbytes):
-        pitch = g.strides[0] // 2 if g.shape[0] > 1 else g.shape[1]
+        pitch = g.strides[0] // np.dtype(g.dtype).itemsize if g.shape[0] > 1 else g.shape[1]
         cp_async16(smem, sindex, g, int(offset) // pitch, int(offset) % pitch, nbytes)
 
     def cp_async_commit():
@@ -314,10 +403,23 @@ def _make_sim():
         with np.errstate(over="ignore"):
             return np.exp2(np.float32(x))
 
+    def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _mma_twin(mma_layout.mma_tf32, np.float32, (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
+
+    def cvt_tf32(x):
+        return mma_layout.tf32_round(np.float32(x))[()]
+
+    def lds4(smem, index):
+        i = int(index)
+        if i % 4:
+            raise AssertionError(f"lds4: element index {i} is not 16-byte aligned")
+        return tuple(np.float32(smem[i + e]) for e in range(4))
+
     return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
             "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
             "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32, "shfl_xor_f32": shfl_xor_f32,
-            "exp2_approx": exp2_approx}
+            "exp2_approx": exp2_approx, "mma_tf32": mma_tf32, "cvt_tf32": cvt_tf32,
+            "cvt_tf32_mma": cvt_tf32, "lds4": lds4}
 
 
 _IMPL = _make_sim() if simulating() else _make_gpu()
@@ -332,3 +434,7 @@ pack_bf16x2 = _IMPL["pack_bf16x2"]
 bf16_to_f32 = _IMPL["bf16_to_f32"]
 shfl_xor_f32 = _IMPL["shfl_xor_f32"]
 exp2_approx = _IMPL["exp2_approx"]
+mma_tf32 = _IMPL["mma_tf32"]
+cvt_tf32 = _IMPL["cvt_tf32"]
+cvt_tf32_mma = _IMPL["cvt_tf32_mma"]
+lds4 = _IMPL["lds4"]

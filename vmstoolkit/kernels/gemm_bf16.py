@@ -37,7 +37,8 @@ Global fetches by ``cp.async`` need 16-byte-aligned operands: base address a mul
 bytes, unit column stride, row stride a multiple of 8 elements (:func:`aligned_b16`). Other
 operands (a ragged row length, a view starting mid-row) take the same kernel with element-wise
 loads into the same shared layout (``cp_async=False``). Partial tiles are zero-filled (cp.async
-with 0 source bytes), so the mma loop has no bounds checks; the epilogue checks each output.
+with 0 source bytes, or fewer than 16 for a chunk that K ends inside), so the mma loop has no
+bounds checks; the epilogue checks each output.
 
 Split k (fp32 output only): ``splits`` blocks share an output tile's k slices and add their
 partial tiles atomically into C, zeroed (or set to ``acc``) first; the launch rule is
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable, ClassVar
 
 import numpy as np
 from numba import cuda, float32, uint16
@@ -59,8 +61,11 @@ from vmstoolkit.errors import KernelError
 from . import _mma, gemm_wgmma as GW, mma_layout
 from ._util import check_ndim, simulating, sm_count
 from .gemm import LAYOUTS, copy_fill, zero_fill
-from .gemm_staging import (CHUNK, fetch_lines, fetch_setup, swizzle_n, swizzle_t, aligned_b16, chunk_bytes,
-                           chunk_bytes_t, store_acc, store_add, store_bf16, store_f32)
+from .gemm_staging import (CHUNK, CHUNK_BYTES, aligned_b16, fetch_lines, fetch_setup, row_bytes, store_acc, store_add,
+                           store_bf16, store_f32, swizzle_n, swizzle_t)
+
+__all__ = ["CHUNK", "GPU_TILES", "MmaTiles", "aligned_b16", "choose", "gemm_bf16", "linear_dw_bf16", "linear_dx_bf16",
+           "reference"]  # CHUNK and aligned_b16 live in gemm_staging; flash_bf16 and callers import them from here
 
 BK = 32  # the default k depth of a staged slice (two mma k steps)
 STATIC_SMEM = 48 * 1024  # a kernel's static shared memory at most
@@ -71,6 +76,9 @@ MAX_SMEM = 227 * 1024  # the H200's (sm_90) dynamic shared memory per block at m
 class MmaTiles:
     """``bm x bn`` outputs per block, ``wm x wn`` per warp, ``stages`` shared k slices in flight."""
 
+    ELEM_BYTES: ClassVar[int] = 2  # bytes of an operand element (bf16)
+    BKS: ClassVar[tuple[int, ...]] = (32, 64)  # the slice depths the kernel's swizzles take
+
     bm: int = 128
     bn: int = 128
     wm: int = 64
@@ -79,8 +87,13 @@ class MmaTiles:
     bk: int = 32  # k depth of a staged slice: 32 or 64
 
     @property
+    def chunk(self) -> int:
+        """Operand elements per 16-byte chunk (one cp.async)."""
+        return 16 // self.ELEM_BYTES
+
+    @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.bm + self.bn) * self.bk * 2
+        return self.stages * (self.bm + self.bn) * self.bk * self.ELEM_BYTES
 
     @property
     def dynamic(self) -> bool:
@@ -101,10 +114,11 @@ class MmaTiles:
     def check(self) -> None:
         if self.bm % self.wm or self.bn % self.wn or self.wm % 16 or self.wn % 16:
             raise KernelError(f"tiles {self}: warp tiles must divide the block tile and be multiples of 16")
-        if self.bk not in (32, 64):
-            raise KernelError(f"tiles {self}: bk must be 32 or 64")
-        if self.bm % CHUNK or self.bn % CHUNK or (self.bm * self.bk // CHUNK) % self.threads \
-                or (self.bn * self.bk // CHUNK) % self.threads:
+        if self.bk not in self.BKS:
+            raise KernelError(f"tiles {self}: bk must be {' or '.join(map(str, self.BKS))}")
+        c = self.chunk
+        if self.bm % c or self.bn % c or (self.bm * self.bk // c) % self.threads \
+                or (self.bn * self.bk // c) % self.threads:
             raise KernelError(f"tiles {self}: each thread must fetch whole 16-byte chunks of both operands")
         if self.stages < 2:
             raise KernelError(f"tiles {self}: stages must be at least 2")
@@ -116,24 +130,27 @@ GPU_TILES = MmaTiles()
 SIM_TILES = MmaTiles(bm=16, bn=16, wm=16, wn=16, stages=3)
 
 
-def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, accumulate: bool,
-                   atomic: bool, async_: bool) -> str:
+@dataclass(frozen=True)
+class OperandFormat:
+    """What differs between the tensor-core GEMMs that share :func:`pipeline_source`'s cp.async
+    pipeline, k loop and epilogue: the shared array's element type, the swizzles of "n" tiles
+    (``swizzle_n(row, chunk, bk)``) and "t" tiles (``swizzle_t(k, chunk, width)``: element offset of
+    a 16-byte chunk, as source text), the source lines of the per-lane fragment offsets before the
+    k loop (``lane_lines(t, a_trans, b_trans)``, indented) and of one staged slice's fragment loads
+    and mmas (``slice_lines(t, a_trans, b_trans)``: stage ``sa`` of A and ``sb`` of B, into the
+    accumulators ``c{i}_{j}_{r}`` of m16 tile i and n8 tile j)."""
+
+    dtype: str
+    swizzle_n: Callable[[str, str, int], str]
+    swizzle_t: Callable[[str, str, int], str]
+    lane_lines: Callable[[MmaTiles, bool, bool], list]
+    slice_lines: Callable[[MmaTiles, bool, bool], list]
+
+
+def _bf16_lane_lines(t: MmaTiles, a_trans: bool, b_trans: bool) -> list[str]:
     MT, NT = t.wm // 16, t.wn // 8  # m16 tiles and n8 tiles per warp
     BK = t.bk
-    BOFF = t.stages * t.bm * BK  # where B's stages start in the shared array
-    WN_WARPS = t.bn // t.wn
-    T = t.threads
-    S = t.stages
-    src = ["def kernel(a, b, acc, c, per):",
-           f"    Sm = cuda.shared.array({0 if t.dynamic else t.smem_bytes // 2}, uint16)",
-           "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5",
-           "    g = lane >> 2", "    tq = lane & 3",
-           f"    wy = warp // {WN_WARPS}", f"    wx = warp % {WN_WARPS}",
-           "    M = c.shape[0]", "    N = c.shape[1]",
-           f"    K = a.shape[{0 if a_trans else 1}]",
-           f"    r0_a = cuda.blockIdx.y * {t.bm}", f"    r0_b = cuda.blockIdx.x * {t.bn}",
-           f"    ksteps = (K + {BK - 1}) // {BK}",
-           "    kbeg = cuda.blockIdx.z * per", "    nk = min(ksteps, kbeg + per) - kbeg"]
+    src = []
     # per-lane ldmatrix offsets inside a stage at k step 0, per A tile and B tile pair; at k step
     # kk an "n" tile's offset is that one with chunk bits XORed with kk / 8 (the stage and row
     # parts of an offset have no bits there), a "t" tile's is kk rows further
@@ -150,15 +167,68 @@ def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, ac
         else:  # rows (n) wx*wn + 16p + l%8 + (l//16)*8, chunk (l//8)%2
             src.append(f"    ob_{p} = " + swizzle_n(f"wx * {t.wn} + {p * 16} + (lane & 7) + ((lane >> 4) << 3)",
                                                   "((lane >> 3) & 1)", BK))
+    return src
+
+
+def _bf16_slice_lines(t: MmaTiles, a_trans: bool, b_trans: bool) -> list[str]:
+    MT, NT = t.wm // 16, t.wn // 8
+    BK = t.bk
+    src = []
+    lda = "ldmatrix_x4_trans" if a_trans else "ldmatrix_x4"
+    ldb = "ldmatrix_x4_trans" if b_trans else "ldmatrix_x4"
+
+    def at(base: str, off: str, trans: bool, width: int, kk: int) -> str:
+        if kk == 0:
+            return f"{base} + {off}"
+        return f"{base} + {off} + {kk * width}" if trans else f"({base} + {off}) ^ {(kk // 8) << 3}"
+
+    for kk in range(0, BK, 16):
+        for i in range(MT):
+            src.append(f"        a{i}_0, a{i}_1, a{i}_2, a{i}_3 = {lda}(Sm, {at('sa', f'oa_{i}', a_trans, t.bm, kk)})")
+        for p in range(NT // 2):
+            # registers: b0, b1 of n tile 2p, then b0, b1 of n tile 2p + 1 (both layouts' lane maps)
+            src.append(f"        b{2 * p}_0, b{2 * p}_1, b{2 * p + 1}_0, b{2 * p + 1}_1 = "
+                       f"{ldb}(Sm, {at('sb', f'ob_{p}', b_trans, t.bn, kk)})")
+        for i in range(MT):
+            for j in range(NT):
+                cs = ", ".join(f"c{i}_{j}_{r}" for r in range(4))
+                src.append(f"        {cs} = mma_bf16(a{i}_0, a{i}_1, a{i}_2, a{i}_3, b{j}_0, b{j}_1, {cs})")
+    return src
+
+
+BF16 = OperandFormat("uint16", swizzle_n, swizzle_t, _bf16_lane_lines, _bf16_slice_lines)
+
+
+def pipeline_source(t: MmaTiles, fmt: OperandFormat, a_trans: bool, b_trans: bool, store: str,
+                    async_: bool) -> str:
+    """Source of ``kernel(a, b, acc, c, per)``: stage k slices of A and B in shared memory by
+    cp.async (or element-wise loads), ``t.stages`` deep, run ``fmt``'s fragment loads and mmas on
+    each, and hand each lane's pairs of adjacent outputs to the device function ``store``."""
+    MT, NT = t.wm // 16, t.wn // 8  # m16 tiles and n8 tiles per warp
+    BK = t.bk
+    BOFF = t.stages * t.bm * BK  # where B's stages start in the shared array
+    WN_WARPS = t.bn // t.wn
+    S = t.stages
+    src = ["def kernel(a, b, acc, c, per):",
+           f"    Sm = cuda.shared.array({0 if t.dynamic else t.smem_bytes // t.ELEM_BYTES}, {fmt.dtype})",
+           "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5",
+           "    g = lane >> 2", "    tq = lane & 3",
+           f"    wy = warp // {WN_WARPS}", f"    wx = warp % {WN_WARPS}",
+           "    M = c.shape[0]", "    N = c.shape[1]",
+           f"    K = a.shape[{0 if a_trans else 1}]",
+           f"    r0_a = cuda.blockIdx.y * {t.bm}", f"    r0_b = cuda.blockIdx.x * {t.bn}",
+           f"    ksteps = (K + {BK - 1}) // {BK}",
+           "    kbeg = cuda.blockIdx.z * per", "    nk = min(ksteps, kbeg + per) - kbeg"]
+    src += fmt.lane_lines(t, a_trans, b_trans)
     for i in range(MT):
         for j in range(NT):
             src.append(f"    " + ", ".join(f"c{i}_{j}_{r}" for r in range(4)) + " = "
                        + ", ".join(["float32(0.0)"] * 4))
     if async_:
-        src += ["    " + line for line in fetch_setup("a", a_trans, t.bm, T, "M", BK)
-                + fetch_setup("b", b_trans, t.bn, T, "N", BK)]
-    fetch = (fetch_lines("a", a_trans, t.bm, T, "M", async_, BK, 0)
-             + fetch_lines("b", b_trans, t.bn, T, "N", async_, BK, BOFF))
+        src += ["    " + line for line in fetch_setup(fmt, t, "a", a_trans, t.bm, "M")
+                + fetch_setup(fmt, t, "b", b_trans, t.bn, "N")]
+    fetch = (fetch_lines(fmt, t, "a", a_trans, t.bm, "M", async_, 0)
+             + fetch_lines(fmt, t, "b", b_trans, t.bn, "N", async_, BOFF))
 
     def emit_fetch(indent: str):
         return [indent + line for line in fetch]
@@ -185,24 +255,7 @@ def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, ac
             "        sr += 1",
             f"        if sr == {S}:",
             "            sr = 0"]
-    lda = "ldmatrix_x4_trans" if a_trans else "ldmatrix_x4"
-    ldb = "ldmatrix_x4_trans" if b_trans else "ldmatrix_x4"
-    def at(base: str, off: str, trans: bool, width: int, kk: int) -> str:
-        if kk == 0:
-            return f"{base} + {off}"
-        return f"{base} + {off} + {kk * width}" if trans else f"({base} + {off}) ^ {(kk // 8) << 3}"
-
-    for kk in range(0, BK, 16):
-        for i in range(MT):
-            src.append(f"        a{i}_0, a{i}_1, a{i}_2, a{i}_3 = {lda}(Sm, {at('sa', f'oa_{i}', a_trans, t.bm, kk)})")
-        for p in range(NT // 2):
-            # registers: b0, b1 of n tile 2p, then b0, b1 of n tile 2p + 1 (both layouts' lane maps)
-            src.append(f"        b{2 * p}_0, b{2 * p}_1, b{2 * p + 1}_0, b{2 * p + 1}_1 = "
-                       f"{ldb}(Sm, {at('sb', f'ob_{p}', b_trans, t.bn, kk)})")
-        for i in range(MT):
-            for j in range(NT):
-                cs = ", ".join(f"c{i}_{j}_{r}" for r in range(4))
-                src.append(f"        {cs} = mma_bf16(a{i}_0, a{i}_1, a{i}_2, a{i}_3, b{j}_0, b{j}_1, {cs})")
+    src += fmt.slice_lines(t, a_trans, b_trans)
     src.append("    cp_async_wait(0)")
     # epilogue: lane owns rows g, g + 8 and columns 2tq, 2tq + 1 of each m16 x n8 tile
     src += [f"    rw = r0_a + wy * {t.wm} + g", f"    cl = r0_b + wx * {t.wn} + 2 * tq"]
@@ -210,10 +263,34 @@ def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, ac
         for j in range(NT):
             for h in range(2):
                 v0, v1 = f"c{i}_{j}_{2 * h}", f"c{i}_{j}_{2 * h + 1}"
-                store = "store_bf16" if out_bf16 else "store_add" if atomic else "store_acc" if accumulate \
-                    else "store_f32"
                 src.append(f"    {store}(c, acc, rw + {i * 16 + 8 * h}, cl + {j * 8}, M, N, {v0}, {v1})")
     return "\n".join(src) + "\n"
+
+
+def store_name(out_bf16: bool, accumulate: bool, atomic: bool) -> str:
+    """The epilogue's device function: a bf16 output, split k's atomic add, ``acc +``, or a plain store."""
+    return "store_bf16" if out_bf16 else "store_add" if atomic else "store_acc" if accumulate else "store_f32"
+
+
+def _kernel_source(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, accumulate: bool,
+                   atomic: bool, async_: bool) -> str:
+    return pipeline_source(t, BF16, a_trans, b_trans, store_name(out_bf16, accumulate, atomic), async_)
+
+
+def compile_kernel(source: str, label: str, intrinsics: tuple[str, ...], elem_bytes: int = 2):
+    """``cuda.jit`` of the generated ``kernel`` in ``source``, with the names it calls: the store
+    functions, ``chunk_bytes`` (for operands of ``elem_bytes``) and the :mod:`._mma` ``intrinsics``."""
+    names = {"cuda": cuda, "uint16": uint16, "float32": float32, "min": min,
+             "chunk_bytes": CHUNK_BYTES[elem_bytes], "row_bytes": row_bytes,
+             "store_f32": store_f32, "store_acc": store_acc, "store_add": store_add, "store_bf16": store_bf16}
+    for name in intrinsics:
+        names[name] = getattr(_mma, name)
+    code = compile(source, label, "exec")
+    exec(code, names)  # noqa: S102 - the source is generated from the tile constants alone
+    fn = names["kernel"]
+    fn.__doc__ = source
+    opts = {} if simulating() else {"max_registers": 255}
+    return cuda.jit(**opts)(fn)
 
 
 @lru_cache(maxsize=None)
@@ -224,18 +301,9 @@ def make_gemm_bf16(t: MmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool = F
     global fetches (operands must pass :func:`aligned_b16`)."""
     t.check()
     source = _kernel_source(t, a_trans, b_trans, out_bf16, accumulate, atomic, cp_async)
-    names = {"cuda": cuda, "uint16": uint16, "float32": float32, "min": min, "max": max, "chunk_bytes": chunk_bytes,
-             "chunk_bytes_t": chunk_bytes_t,
-             "store_f32": store_f32, "store_acc": store_acc, "store_add": store_add, "store_bf16": store_bf16}
-    for name in ("mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16_at", "cp_async_commit",
-                 "cp_async_wait", "pack_bf16x2"):
-        names[name] = getattr(_mma, name)
-    code = compile(source, f"<gemm_bf16 {t.label()} {'t' if a_trans else 'n'}{'t' if b_trans else 'n'}>", "exec")
-    exec(code, names)  # noqa: S102 - the source is generated above from the tile constants alone
-    fn = names["kernel"]
-    fn.__doc__ = source
-    opts = {} if simulating() else {"max_registers": 255}
-    return cuda.jit(**opts)(fn)
+    label = f"<gemm_bf16 {t.label()} {'t' if a_trans else 'n'}{'t' if b_trans else 'n'}>"
+    return compile_kernel(source, label, ("mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16_at",
+                                          "cp_async_commit", "cp_async_wait", "pack_bf16x2"))
 
 
 def kernel_source(t: MmaTiles = GPU_TILES, layout: str = "nn", out_bf16: bool = False, accumulate: bool = False,
@@ -262,11 +330,12 @@ class MmaLaunch:
 
 
 def choose(m: int, n: int, k: int, splits: int | None = None, out_bf16: bool = False,
-           sms: int | None = None) -> MmaLaunch:
-    """The launch of an (m, n, k) problem: 128 x 128 tiles (one-warp 16 x 16 under the simulator);
-    k split (fp32 output only) while a launch of whole tiles fills under one wave of ``sms`` SMs
-    (default: the device's) at about 2 blocks per SM, each split at least MIN_SPLIT_SLICES deep."""
-    t = SIM_TILES if simulating() else GPU_TILES
+           sms: int | None = None, gpu: MmaTiles = GPU_TILES, sim: MmaTiles = SIM_TILES) -> MmaLaunch:
+    """The launch of an (m, n, k) problem: ``gpu`` tiles, 128 x 128 (``sim``, one-warp 16 x 16, under
+    the simulator); k split (fp32 output only) while a launch of whole tiles fills under one wave
+    of ``sms`` SMs (default: the device's) at about 2 blocks per SM, each split at least
+    MIN_SPLIT_SLICES deep."""
+    t = sim if simulating() else gpu
     if splits is not None:
         return MmaLaunch(t, splits)
     sms = sms or sm_count()
@@ -279,7 +348,12 @@ def choose(m: int, n: int, k: int, splits: int | None = None, out_bf16: bool = F
     return MmaLaunch(t, s)
 
 
-def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits) -> None:
+def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits, build=make_gemm_bf16,
+            aligned=None, choose_fn=choose) -> None:
+    """Enqueue ``c = [acc +] A @ B`` (``layout``): ``build(tiles, a_trans, b_trans, out_bf16,
+    accumulate, atomic, cp_async)`` makes the kernel, ``aligned(x)`` says whether an operand takes
+    cp.async (default :func:`aligned_b16`), ``choose_fn`` is the launch rule."""
+    aligned = aligned or aligned_b16
     m, n = c.shape
     if m == 0 or n == 0:
         return
@@ -294,12 +368,12 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits) -> None:
         (copy_fill(acc, c, stream) if acc is not None else zero_fill(c, stream))
         return
     a_trans, b_trans = LAYOUTS[layout]
-    async_ = aligned_b16(a) and aligned_b16(b)
-    wgmma = GW.usable(tiles, async_)
+    async_ = aligned(a) and aligned(b)
+    wgmma = build is make_gemm_bf16 and GW.usable(tiles, async_)
     if isinstance(tiles, GW.WgmmaTiles) and not wgmma:
-        raise KernelError(f"tiles {tiles.label()}: the wgmma GEMM needs a GPU and 16-byte aligned operands "
+        raise KernelError(f"tiles {tiles.label()}: the wgmma GEMM needs a GPU, bf16 operands and 16-byte aligned ones "
                           f"(unit column stride, row stride a multiple of 8); got a {tuple(a.shape)} and b {tuple(b.shape)}")
-    launch = choose(m, n, k, splits, out_bf16)
+    launch = choose_fn(m, n, k, splits, out_bf16)
     tiles = tiles or (GW.GPU_WGMMA if wgmma else launch.tiles)
     slices = -(-k // tiles.bk)
     s = launch.splits
@@ -312,7 +386,7 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits) -> None:
     if wgmma:
         kernel = GW.make_gemm_wgmma(tiles, a_trans, b_trans, out_bf16, acc is not None and s == 1, s > 1)
     else:
-        kernel = make_gemm_bf16(tiles, a_trans, b_trans, out_bf16, acc is not None and s == 1, s > 1, async_)
+        kernel = build(tiles, a_trans, b_trans, out_bf16, acc is not None and s == 1, s > 1, async_)
     grid = (-(-n // tiles.bn), -(-m // tiles.bm), s)
     args = (a, b, c if acc is None else acc, c, per)
     if tiles.dynamic:
@@ -344,16 +418,23 @@ def _allow_dynamic_smem(kernel, args, nbytes: int) -> None:
     _DYNAMIC_DONE.add(key)
 
 
-def _check(op: str, names, arrays, shapes) -> None:
+def _f32_or_b16(name: str, a) -> None:
+    if np.dtype(a.dtype) != np.dtype(np.float32):
+        _b16(name, a)
+
+
+def _check(op: str, names, arrays, shapes, operand=_b16, output=_f32_or_b16) -> None:
+    """Raise a one-line KernelError naming the first bad one of ``arrays`` (the two operands, the
+    output, ``acc`` or None): not 2-D, an operand failing ``operand(name, array)``, an output
+    failing ``output``, a non-float32 ``acc``, or a shape other than ``shapes``."""
     for name, a in zip(names, arrays):
         if a is None:
             continue
         check_ndim(name, a, 2)
     for name, a in zip(names[:2], arrays[:2]):
-        _b16(name, a)
+        operand(name, a)
     out, acc = arrays[2], arrays[3]
-    if np.dtype(out.dtype) != np.dtype(np.float32):
-        _b16(names[2], out)
+    output(names[2], out)
     if acc is not None and np.dtype(acc.dtype) != np.dtype(np.float32):
         raise KernelError(f"{op}: acc must be float32, got dtype={np.dtype(acc.dtype)}")
     for name, a, want in zip(names, arrays, shapes):

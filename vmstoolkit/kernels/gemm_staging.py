@@ -1,7 +1,7 @@
-"""The staging and the epilogues both bf16 GEMMs share (:mod:`.gemm_bf16` on mma.sync,
-:mod:`.gemm_wgmma` on wgmma): the cp.async fetch of an operand's k slices into XOR-swizzled shared
-tiles, as generated source lines, the bytes of each 16-byte chunk inside the matrix, and the stores
-of a thread's two adjacent outputs."""
+"""The staging and the epilogues the tensor-core GEMMs share (:mod:`.gemm_bf16` and
+:mod:`.gemm_tf32` on mma.sync, :mod:`.gemm_wgmma` on wgmma): the cp.async fetch of an operand's k
+slices into XOR-swizzled shared tiles, as generated source lines; the bytes of each 16-byte chunk
+inside the matrix; the stores of a thread's two adjacent outputs."""
 
 from __future__ import annotations
 
@@ -13,21 +13,29 @@ CHUNK = 8  # bf16 elements per 16-byte chunk (one cp.async, one ldmatrix row)
 
 
 @cuda.jit(device=True)
-def chunk_bytes(row_ok, k, K):
-    """Source bytes of the 16-byte chunk at ``k`` of a row of an "n" operand that is (``row_ok``)
-    inside the matrix: those before the row's end ``K`` (cp.async zero-fills the rest). A row
-    whose pitch is a multiple of 8 but whose length is not ends mid-chunk; reading the whole
-    chunk would add the padding after it into the sums."""
-    if row_ok and k < K:
-        return 2 * min(8, K - k)
-    return 0
+def row_bytes(row_ok, k, K):
+    """Source bytes of a 16-byte chunk of k row ``k`` (a "t" operand) at a column that is
+    (``row_ok``) inside the matrix: all or none."""
+    return 16 if row_ok and k < K else 0
 
 
-@cuda.jit(device=True)
-def chunk_bytes_t(inside, k, K):
-    """Source bytes of a chunk of k row ``k`` of a "t" operand, ``inside`` of whose 8 elements
-    are inside the matrix (0-8: fixed per chunk, since the chunk runs along the rows)."""
-    return 2 * inside if k < K else 0
+def _make_chunk_bytes(elem_bytes: int):
+    @cuda.jit(device=True)
+    def chunk_bytes(row_ok, k, K):
+        """Source bytes of the 16-byte chunk at ``k`` of a row (of an "n" operand) that is
+        (``row_ok``) inside the matrix: those of its elements before ``K`` (cp.async zero-fills
+        the rest). A row of a view can go on past K in memory (a row stride padded to 16
+        bytes): reading those elements put them into the k sum (16 bytes whenever k < K, until
+        this was fixed)."""
+        if row_ok and k < K:
+            return min(16, (K - k) * elem_bytes)
+        return 0
+
+    return chunk_bytes
+
+
+CHUNK_BYTES = {2: _make_chunk_bytes(2), 4: _make_chunk_bytes(4)}  # by element size
+chunk_bytes = CHUNK_BYTES[2]
 
 
 # Epilogues: a lane's two adjacent outputs (row, col), (row, col + 1), each stored if inside C.
@@ -84,56 +92,58 @@ def swizzle_t(k: str, chunk: str, width: int) -> str:
     return f"(({k}) * {width} + ((({chunk}) ^ (({k}) & {mask})) << 3))"
 
 
-def fetch_setup(op: str, trans: bool, rows: int, threads: int, bound: str, BK: int,
-                 swizzle_t=swizzle_t) -> list[str]:
+def fetch_setup(fmt, t, op: str, trans: bool, rows: int, bound: str) -> list[str]:
     """Source lines, before the k loop, of the cp.async fetch of operand ``op`` ('a' or 'b'): per
     chunk ``i`` this thread copies, its swizzled shared offset ``d{op}{i}`` inside a stage, its
     element offset ``o{op}{i}`` in global memory at the block's first slice (stepped by
     ``step_{op}`` per slice), whether its row (column) is inside the matrix ``v{op}{i}``, and
-    its k inside the slice ``k{op}{i}``. ``swizzle_t``: the "t" tile's offset function (the wgmma
-    GEMM's tiles are panels: :mod:`.gemm_wgmma`)."""
-    per_row = rows // CHUNK if trans else BK // CHUNK
-    lines = [f"pitch_{op} = {op}.strides[0] // 2",
+    its k inside the slice ``k{op}{i}``. ``fmt`` gives the tiles' swizzles (``swizzle_n``,
+    ``swizzle_t``: an :class:`.gemm_bf16.OperandFormat`, or the wgmma GEMM's), ``t`` the tiles
+    (``bk``, ``threads``, ``chunk``, ``ELEM_BYTES``)."""
+    BK, threads, chunk = t.bk, t.threads, t.chunk
+    per_row = rows // chunk if trans else BK // chunk
+    lines = [f"pitch_{op} = {op}.strides[0] // {t.ELEM_BYTES}",
              f"step_{op} = " + (f"{BK} * pitch_{op}" if trans else f"{BK}")]
-    for i in range(rows * BK // CHUNK // threads):
+    for i in range(rows * BK // chunk // threads):
         q = f"(tid + {i * threads})"
         if trans:  # stored (K, rows): chunk cr of k row kr
-            lines += [f"kr = {q} // {per_row}", f"cr = {q} % {per_row}", f"gr = r0_{op} + cr * {CHUNK}",
-                      f"d{op}{i} = " + swizzle_t("kr", "cr", rows), f"v{op}{i} = gr < {bound}",
-                      f"w{op}{i} = max(0, min({CHUNK}, {bound} - gr))",
+            lines += [f"kr = {q} // {per_row}", f"cr = {q} % {per_row}", f"gr = r0_{op} + cr * {chunk}",
+                      f"d{op}{i} = " + fmt.swizzle_t("kr", "cr", rows), f"v{op}{i} = gr < {bound}",
                       f"k{op}{i} = kr",
                       f"o{op}{i} = (kbeg * {BK} + kr) * pitch_{op} + (gr if v{op}{i} else 0)"]
         else:  # stored (rows, K): chunk cr of row rr
             lines += [f"rr = {q} // {per_row}", f"cr = {q} % {per_row}", f"gr = r0_{op} + rr",
-                      f"d{op}{i} = " + swizzle_n("rr", "cr", BK), f"v{op}{i} = gr < {bound}",
-                      f"k{op}{i} = cr * {CHUNK}",
-                      f"o{op}{i} = (gr if v{op}{i} else 0) * pitch_{op} + kbeg * {BK} + cr * {CHUNK}"]
+                      f"d{op}{i} = " + fmt.swizzle_n("rr", "cr", BK), f"v{op}{i} = gr < {bound}",
+                      f"k{op}{i} = cr * {chunk}",
+                      f"o{op}{i} = (gr if v{op}{i} else 0) * pitch_{op} + kbeg * {BK} + cr * {chunk}"]
     return lines
 
 
-def fetch_lines(op: str, trans: bool, rows: int, threads: int, bound: str, async_: bool, BK: int,
+def fetch_lines(fmt, t, op: str, trans: bool, rows: int, bound: str, async_: bool,
                  offset: int) -> list[str]:
     """Source lines fetching the next slice of operand ``op`` ('a' or 'b') into stage ``st``
     (``k0`` = the slice's first k; ``bound`` = the operand's row count R or C; the operand's
     stages start at element ``offset`` of the shared array)."""
+    BK, threads, chunk = t.bk, t.threads, t.chunk
+    shift = chunk.bit_length() - 1
     smem, base = "Sm", f"{offset} + st * {rows * BK}"
     lines = []
     if async_:  # zero-fill (0 source bytes) outside the matrix: the mma loop needs no checks
-        for i in range(rows * BK // CHUNK // threads):
-            nbytes = (f"chunk_bytes_t(w{op}{i}, k0 + k{op}{i}, K)" if trans
-                      else f"chunk_bytes(v{op}{i}, k0 + k{op}{i}, K)")
-            lines += [f"cp_async16_at({smem}, {base} + d{op}{i}, {op}, o{op}{i}, {nbytes})",
+        for i in range(rows * BK // chunk // threads):
+            # a "t" chunk is one k row's: all 16 bytes or none; an "n" one runs along k
+            lines += [f"cp_async16_at({smem}, {base} + d{op}{i}, {op}, o{op}{i}, "
+                      f"{'row_bytes' if trans else 'chunk_bytes'}(v{op}{i}, k0 + k{op}{i}, K))",
                       f"o{op}{i} += step_{op}"]
         return lines
     lines.append(f"for e in range(tid, {rows * BK}, {threads}):")
     if trans:
         lines += [f"    kr = e // {rows}", f"    rr = e % {rows}", f"    gk = k0 + kr", f"    gr = r0_{op} + rr",
                   f"    v = {op}[gk, gr] if gk < K and gr < {bound} else 0",
-                  f"    {smem}[{base} + {swizzle_t('kr', 'rr >> 3', rows)} + (rr & 7)] = v"]
+                  f"    {smem}[{base} + {fmt.swizzle_t('kr', f'rr >> {shift}', rows)} + (rr & {chunk - 1})] = v"]
     else:
         lines += [f"    rr = e // {BK}", f"    kr = e % {BK}", f"    gr = r0_{op} + rr", f"    gk = k0 + kr",
                   f"    v = {op}[gr, gk] if gr < {bound} and gk < K else 0",
-                  f"    {smem}[{base} + {swizzle_n('rr', 'kr >> 3', BK)} + (kr & 7)] = v"]
+                  f"    {smem}[{base} + {fmt.swizzle_n('rr', f'kr >> {shift}', BK)} + (kr & {chunk - 1})] = v"]
     return lines
 
 

@@ -38,6 +38,7 @@ Measurements: ``experiments/results/gemm-bf16-h200`` (run 3 on).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, ClassVar
 from functools import lru_cache
 
 from numba import cuda, float32, uint16
@@ -54,6 +55,9 @@ MAX_SMEM = 227 * 1024  # the H200's dynamic shared memory per block at most
 @dataclass(frozen=True)
 class WgmmaTiles:
     """``bm x bn`` outputs per block (``bm / 64`` warpgroups), ``stages`` k slices of 64 in flight."""
+
+    ELEM_BYTES: ClassVar[int] = 2  # bf16
+    chunk: ClassVar[int] = 8  # elements per 16-byte chunk (one cp.async)
 
     bm: int = 128
     bn: int = 128
@@ -123,6 +127,17 @@ def _swizzle_panel(k: str, chunk: str, width: int) -> str:
     return f"(((({chunk}) >> 3) * {BK * WL.PANEL}) + ({k}) * {WL.PANEL} + (((({chunk}) & 7) ^ (({k}) & 7)) << 3))"
 
 
+@dataclass(frozen=True)
+class _Swizzles:
+    swizzle_n: Callable[[str, str, int], str]
+    swizzle_t: Callable[[str, str, int], str]
+
+
+# K-major tiles: gemm_staging's "n" swizzle at BK 64 (chunk c of row r at c ^ (r & 7)) is the
+# 128-byte swizzle; MN-major ones are 64-element panels (wgmma_layout)
+STAGING = _Swizzles(GS.swizzle_n, _swizzle_panel)
+
+
 def _kernel_source(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, accumulate: bool,
                    atomic: bool) -> str:
     T, S, N = t.threads, t.stages, t.bn
@@ -145,10 +160,10 @@ def _kernel_source(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, 
            f"    ksteps = (K + {BK - 1}) // {BK}",
            "    kbeg = cuda.blockIdx.z * per", "    nk = min(ksteps, kbeg + per) - kbeg",
            f"    d = wgmma_zeros({regs})"]
-    src += ["    " + line for line in GS.fetch_setup("a", a_trans, t.bm, T, "M", BK, _swizzle_panel)
-            + GS.fetch_setup("b", b_trans, t.bn, T, "N", BK, _swizzle_panel)]
-    fetch = (GS.fetch_lines("a", a_trans, t.bm, T, "M", True, BK, "e0")
-             + GS.fetch_lines("b", b_trans, t.bn, T, "N", True, BK, f"e0 + {boff}"))
+    src += ["    " + line for line in GS.fetch_setup(STAGING, t, "a", a_trans, t.bm, "M")
+            + GS.fetch_setup(STAGING, t, "b", b_trans, t.bn, "N")]
+    fetch = (GS.fetch_lines(STAGING, t, "a", a_trans, t.bm, "M", True, "e0")
+             + GS.fetch_lines(STAGING, t, "b", b_trans, t.bn, "N", True, f"e0 + {boff}"))
     P = t.prefetch
     for s in range(P):
         src += [f"    if {s} < nk:", f"        st = {s}", f"        k0 = (kbeg + {s}) * {BK}"]
@@ -214,7 +229,7 @@ def _python_kernel(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, 
     t.check()
     source = _kernel_source(t, a_trans, b_trans, out_bf16, accumulate, atomic)
     names = {"cuda": cuda, "uint16": uint16, "float32": float32, "min": min, "max": max,
-             "chunk_bytes": GS.chunk_bytes, "chunk_bytes_t": GS.chunk_bytes_t, "store_f32": GS.store_f32,
+             "chunk_bytes": GS.chunk_bytes, "row_bytes": GS.row_bytes, "store_f32": GS.store_f32,
              "store_acc": GS.store_acc, "store_add": GS.store_add, "store_bf16": GS.store_bf16}
     for name in ("cp_async16_at", "cp_async_commit", "cp_async_wait"):
         names[name] = getattr(_mma, name)

@@ -15,6 +15,14 @@ element of the lower column (k) in its lower 16 bits.
   matrix j; lane ``l``'s register j holds matrix j's row ``g``, elements 2t and 2t+1; with
   ``.trans`` it holds column ``g``, elements (rows) 2t and 2t+1.
 
+``mma.sync.m16n8k8`` with tf32 operands ("Matrix Fragments for mma.m16n8k8", .tf32; CUTLASS's
+``SM80_16x8x8_F32TF32TF32F32_TN``): one 32-bit element a register, fp32 bits of which the tensor
+core reads the top 19 (sign, 8 exponent, 10 mantissa bits):
+
+- A (16 x 8, row major): ``a[0]`` = A[g, t], ``a[1]`` = A[g+8, t], ``a[2]`` = A[g, t+4], ``a[3]`` = A[g+8, t+4];
+- B (8 x 8, k by n): ``b[0]`` = B[t, g], ``b[1]`` = B[t+4, g];
+- C and D: as for m16n8k16 above.
+
 Cost: every function is O(32 x fragment) numpy work; they are for tests and simulators only.
 """
 
@@ -26,6 +34,8 @@ from vmstoolkit.errors import KernelError
 
 WARP = 32
 M, N, K = 16, 8, 16  # the mma shape
+K_TF32 = 8  # m16n8k8's k
+TF32_DROPPED = 13  # low mantissa bits of an fp32 that tf32 does not keep
 
 
 def a_coords(lane: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -161,6 +171,77 @@ def ldmatrix(memory: np.ndarray, row_index: np.ndarray, trans: bool = False) -> 
         lo = memory[row_index[8 * j + g] + 2 * t]
         hi = memory[row_index[8 * j + g] + 2 * t + 1]
     return pack(lo, hi)
+
+
+def a_coords_tf32(lane: int) -> list[tuple[int, int]]:
+    """(row, col) of each of the 4 A registers of ``lane`` in m16n8k8 with tf32 operands."""
+    g, t = lane >> 2, lane & 3
+    return [(g + 8 * (reg & 1), t + 4 * (reg >> 1)) for reg in range(4)]
+
+
+def b_coords_tf32(lane: int) -> list[tuple[int, int]]:
+    """(k, n) of each of the 2 B registers of ``lane`` in m16n8k8 with tf32 operands."""
+    g, t = lane >> 2, lane & 3
+    return [(t + 4 * reg, g) for reg in range(2)]
+
+
+def tf32_round(x) -> np.ndarray:
+    """float32 -> the nearest tf32 value, ties away from zero (``cvt.rna.tf32.f32``), as float32 with
+    the low 13 mantissa bits zero; magnitudes that round past the largest finite tf32 become inf,
+    NaN stays NaN."""
+    x = np.asarray(x, np.float32)
+    u = np.ascontiguousarray(x).view(np.uint32).astype(np.uint64)
+    half = 1 << (TF32_DROPPED - 1)
+    mask = (0xFFFFFFFF >> TF32_DROPPED) << TF32_DROPPED
+    rounded = ((u + half) & mask).astype(np.uint32).view(np.float32).reshape(x.shape)
+    return np.where(np.isnan(x) | np.isinf(x), x, rounded)
+
+
+def tf32_truncate(x) -> np.ndarray:
+    """float32 -> what an mma with .tf32 operands reads of it (our model: the low 13 bits dropped)."""
+    x = np.ascontiguousarray(x, np.float32)
+    mask = np.uint32((0xFFFFFFFF >> TF32_DROPPED) << TF32_DROPPED)
+    return (x.view(np.uint32) & mask).view(np.float32)
+
+
+_A_TF32 = np.array([a_coords_tf32(lane) for lane in range(WARP)])  # (32, 4, 2)
+_B_TF32 = np.array([b_coords_tf32(lane) for lane in range(WARP)])  # (32, 2, 2)
+
+
+def a_fragments_tf32(a: np.ndarray) -> np.ndarray:
+    """A (16 x 8 float32) -> (32, 4) float32: each lane's A registers of m16n8k8."""
+    _check(a, (M, K_TF32))
+    return np.asarray(a, np.float32)[_A_TF32[..., 0], _A_TF32[..., 1]]
+
+
+def b_fragments_tf32(b: np.ndarray) -> np.ndarray:
+    """B (8 x 8, k by n, float32) -> (32, 2) float32: each lane's B registers of m16n8k8."""
+    _check(b, (K_TF32, N))
+    return np.asarray(b, np.float32)[_B_TF32[..., 0], _B_TF32[..., 1]]
+
+
+def a_matrix_tf32(frags: np.ndarray) -> np.ndarray:
+    """(32, 4) A registers -> the 16 x 8 matrix they hold (inverse of :func:`a_fragments_tf32`)."""
+    out = np.zeros((M, K_TF32), np.float32)
+    out[_A_TF32[..., 0], _A_TF32[..., 1]] = np.asarray(frags, np.float32)
+    return out
+
+
+def b_matrix_tf32(frags: np.ndarray) -> np.ndarray:
+    """(32, 2) B registers -> the 8 x 8 matrix they hold."""
+    out = np.zeros((K_TF32, N), np.float32)
+    out[_B_TF32[..., 0], _B_TF32[..., 1]] = np.asarray(frags, np.float32)
+    return out
+
+
+def mma_tf32(a_frags: np.ndarray, b_frags: np.ndarray, c_frags: np.ndarray) -> np.ndarray:
+    """What ``mma.sync.m16n8k8.row.col.f32.tf32.tf32.f32`` returns to each lane: (32, 4) float32
+    ``D = A B + C`` from the lanes' registers, each operand read as tf32 (:func:`tf32_truncate`),
+    products exact in float64 and rounded once to float32 (the tensor core's own summation may
+    differ in the last bits)."""
+    a = tf32_truncate(a_matrix_tf32(a_frags)).astype(np.float64)
+    b = tf32_truncate(b_matrix_tf32(b_frags)).astype(np.float64)
+    return c_fragments((a @ b + c_matrix(c_frags).astype(np.float64)).astype(np.float32))
 
 
 def _check(a, shape) -> None:
