@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_bf16 import bf, err, nb  # noqa: E402 - after the importorskip
+from torch_bf16 import bf, err, nb, run_layouts  # noqa: E402 - after the importorskip
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("VMSTOOLKIT_REAL_GPU") != "1" or not torch.cuda.is_available(),
@@ -27,26 +27,6 @@ BF16_RTOL = 1.6e-2  # a bf16 rounding of each output, ours and torch's (2 ulps o
 def _fp32():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-
-
-def run_layouts(x, w, dy, out_dtype=torch.float32, splits=None):
-    """(ours, torch's) for y = x w^T, dx = dy w, dw = dy^T x."""
-    from numba import cuda
-
-    from vmstoolkit.kernels import gemm_bf16 as GB
-
-    m, k = x.shape
-    n = w.shape[0]
-    outs = [torch.full(s, float("nan"), device="cuda", dtype=out_dtype) for s in ((m, n), (m, k), (n, k))]
-    GB.gemm_bf16(nb(x), nb(w), nb(outs[0]), splits=splits)
-    GB.linear_dx_bf16(nb(dy), nb(w), nb(outs[1]), splits=splits)
-    GB.linear_dw_bf16(nb(dy), nb(x), nb(outs[2]), splits=splits)
-    cuda.synchronize()
-    if out_dtype == torch.float32:
-        want = (x.float() @ w.float().T, dy.float() @ w.float(), dy.float().T @ x.float())
-    else:
-        want = (x @ w.T, dy @ w, dy.T @ x)
-    return outs, want
 
 
 def test_intrinsics_one_warp():

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_bf16 import bf, err, nb  # noqa: E402 - after the importorskip
+from torch_bf16 import bf, err, nb, run_layouts  # noqa: E402 - after the importorskip
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("VMSTOOLKIT_REAL_GPU") != "1" or not torch.cuda.is_available()
@@ -36,32 +36,13 @@ def _tiles():
             GW.WgmmaTiles(128, 128, 5, ahead=1), GW.WgmmaTiles(64, 128, 4), GW.WgmmaTiles(128, 256, 4)]
 
 
-def run_layouts(x, w, dy, tiles, out_dtype=torch.float32, splits=None):
-    from numba import cuda
-
-    from vmstoolkit.kernels import gemm_bf16 as GB
-
-    m, k = x.shape
-    n = w.shape[0]
-    outs = [torch.full(s, float("nan"), device="cuda", dtype=out_dtype) for s in ((m, n), (m, k), (n, k))]
-    GB.gemm_bf16(nb(x), nb(w), nb(outs[0]), tiles=tiles, splits=splits)
-    GB.linear_dx_bf16(nb(dy), nb(w), nb(outs[1]), tiles=tiles, splits=splits)
-    GB.linear_dw_bf16(nb(dy), nb(x), nb(outs[2]), tiles=tiles, splits=splits)
-    cuda.synchronize()
-    if out_dtype == torch.float32:
-        want = (x.float() @ w.float().T, dy.float() @ w.float(), dy.float().T @ x.float())
-    else:
-        want = (x @ w.T, dy @ w, dy.T @ x)
-    return outs, want
-
-
 @pytest.mark.parametrize("m, n, k", [(64, 128, 64), (1000, 520, 1032), (1000, 520, 1032 + 64 * 7), (8, 8, 8)])
 def test_every_layout_and_tile_float32_out(m, n, k):
     """One slice, several slices, partial tiles in m and n (1000 = 7 x 128 + 104), and a problem
     smaller than a tile."""
     x, w, dy = bf(m, k), bf(n, k), bf(m, n)
     for tiles in _tiles():
-        ours, want = run_layouts(x, w, dy, tiles)
+        ours, want = run_layouts(x, w, dy, tiles=tiles)
         errs = {name: err(a, b) for name, a, b in zip(("y", "dx", "dw"), ours, want)}
         assert max(errs.values()) <= F32_RTOL, (tiles.label(), errs)
 
@@ -75,14 +56,14 @@ def test_bf16_out_split_k_and_acc():
     m, n, k = 1000, 520, 1032
     x, w, dy = bf(m, k), bf(n, k), bf(m, n)
     for tiles in _tiles()[:2]:
-        ours, want = run_layouts(x, w, dy, tiles, torch.bfloat16)
+        ours, want = run_layouts(x, w, dy, torch.bfloat16, tiles=tiles)
         for name, a, b in zip(("y", "dx", "dw"), ours, want):
             assert not a.isnan().any(), (tiles.label(), name)
             assert err(a, b) <= BF16_RTOL, (tiles.label(), name, err(a, b))
     m, n, k = 264, 136, 4096
     x, w, dy = bf(m, k), bf(n, k), bf(m, n)
     for splits in (2, 4):
-        ours, want = run_layouts(x, w, dy, GW.GPU_WGMMA, splits=splits)
+        ours, want = run_layouts(x, w, dy, splits=splits, tiles=GW.GPU_WGMMA)
         for name, a, b in zip(("y", "dx", "dw"), ours, want):
             assert err(a, b) <= F32_RTOL, (splits, name, err(a, b))
     acc = torch.randn(m, n, device="cuda")
@@ -113,7 +94,7 @@ def test_views_pitches_and_unaligned_operands():
     assert (wide[:, :8] == 7).all() and (wide[:, 8 + n:] == 7).all()
     # rows of 1027 and 517 elements with a pitch of 1040: aligned, ending mid-chunk
     xr, wr, dyr = bf(1000, 1040)[:, :1027], bf(517, 1040)[:, :1027], bf(1000, 1040)[:, :517]
-    ours, want = run_layouts(xr, wr, dyr, GW.GPU_WGMMA)
+    ours, want = run_layouts(xr, wr, dyr, tiles=GW.GPU_WGMMA)
     for name, a, b in zip(("y", "dx", "dw"), ours, want):
         assert err(a, b) <= F32_RTOL, (name, err(a, b))
     with pytest.raises(KernelError, match="aligned"):
@@ -129,7 +110,7 @@ def test_default_takes_wgmma_where_enabled(monkeypatch):
     assert GW.usable(None, True) is (os.environ.get("VMSTOOLKIT_WGMMA", "0") == "1")
     monkeypatch.setenv("VMSTOOLKIT_WGMMA", "1")
     assert GW.usable(None, True) and not GW.usable(None, False)
-    ours, want = run_layouts(x, w, bf(256, 384), None)
+    ours, want = run_layouts(x, w, bf(256, 384))
     assert max(err(a, b) for a, b in zip(ours, want)) <= F32_RTOL
     monkeypatch.setenv("VMSTOOLKIT_WGMMA", "0")
     assert not GW.usable(None, True)

@@ -4,10 +4,6 @@ kernel builds make the hardware read it (:mod:`vmstoolkit.kernels.wgmma_layout`'
 PTX ISA's canonical layouts), each element exactly once, and the accumulator map is a bijection.
 The GPU checks are ``tests/gpu/test_gemm_wgmma_gpu.py``."""
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -134,18 +130,7 @@ def test_no_wgmma_on_the_simulator():
         GB.gemm_bf16(x, w, y, tiles=GW.GPU_WGMMA)
 
 
-_PTX_PROBE = r"""
-import sys
-from numba import cuda, types
-from numba.cuda import dispatcher
-try:
-    cuda.compile_ptx(lambda a: None, (types.float32[:],), cc=(9, 0, "a"))
-except Exception as e:  # no NVVM / NVRTC here
-    print("NO-TOOLKIT", type(e).__name__, str(e).splitlines()[0][:200])
-    sys.exit(0)
-class _Device:  # device functions compile for the current device's cc: name one without a driver
-    compute_capability = (9, 0)
-dispatcher.get_current_device = lambda: _Device()
+_PTX_BODY = r"""
 from vmstoolkit.kernels import gemm_wgmma as GW
 A2, F2 = types.Array(types.int16, 2, "A"), types.Array(types.float32, 2, "A")
 for layout, bn, ahead in (("nn", 128, 0), ("nt", 256, 1), ("tt", 128, 1)):
@@ -160,12 +145,10 @@ def test_kernel_compiles_to_sm90a_ptx():
     """The real kernel through Numba's typing and NVVM for sm_90a (numba-cuda builds a 9.0 device's
     kernels for compute_90a): 4 MMAs a slice, the proxy fence and the waits. Needs a CUDA
     toolkit's NVVM and NVRTC (no GPU); skipped where there is none."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    r = subprocess.run([sys.executable, "-c", _PTX_PROBE], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    if "NO-TOOLKIT" in r.stdout:
-        pytest.skip(f"no CUDA toolkit to compile PTX with: {r.stdout.strip()}")
-    lines = [x.split() for x in r.stdout.splitlines() if x.startswith("PTX")]
+    import ptx_probe
+
+    out = ptx_probe.run(_PTX_BODY)
+    lines = [x.split() for x in out.splitlines() if x.startswith("PTX")]
     # wait 0 once in the loop and once after it (ahead 0); wait 1 in the loop (ahead 1)
     assert [x[1:] for x in lines] == [["nn", "128", "True", "4", "1", "2"], ["nt", "256", "True", "4", "1", "1"],
-                                      ["tt", "128", "True", "4", "1", "1"]], r.stdout
+                                      ["tt", "128", "True", "4", "1", "1"]], out

@@ -103,3 +103,14 @@ def launch_binary_elementwise(kernel, a, b, y, stream=0) -> None:
         return
     blocks, threads = elementwise_grid(fa.shape[0])
     kernel[blocks, threads, stream](fa, fb, fy)
+
+
+def generated_function(source: str, label: str, names: dict, entry: str = "kernel"):
+    """The function ``entry`` defined by generated ``source`` (the kernel generators' output),
+    compiled under ``label`` (what tracebacks name) with ``names`` as its globals; its docstring
+    is the source, for reading."""
+    code = compile(source, label, "exec")
+    exec(code, names)  # noqa: S102 - the generators build the source from tile constants alone
+    fn = names[entry]
+    fn.__doc__ = source
+    return fn

@@ -61,7 +61,7 @@ from numba import cuda, float32, uint16
 from vmstoolkit.errors import KernelError
 
 from . import _mma
-from ._util import check_float32, check_ndim, simulating
+from ._util import check_float32, check_ndim, generated_function, simulating
 from .bf16 import as_u16, check_bf16
 from .gemm_bf16 import CHUNK, MAX_SMEM, STATIC_SMEM, _allow_dynamic_smem
 
@@ -349,11 +349,7 @@ def python_kernel(d: int, tiles: FlashBf16Tiles, with_lse: bool = True, cp_async
     tiles.check(d)
     source = _kernel_source(d, tiles, with_lse, cp_async)
     names = kernel_namespace()
-    code = compile(source, f"<flash_bf16 d{d} {tiles.label()}{'' if cp_async else ' elementwise'}>", "exec")
-    exec(code, names)  # noqa: S102 - the source is generated above from the tile constants alone
-    fn = names["kernel"]
-    fn.__doc__ = source
-    return fn
+    return generated_function(source, f"<flash_bf16 d{d} {tiles.label()}{'' if cp_async else ' elementwise'}>", names)
 
 
 @lru_cache(maxsize=None)

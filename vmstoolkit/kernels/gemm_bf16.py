@@ -59,7 +59,7 @@ from numba import cuda, float32, uint16
 from vmstoolkit.errors import KernelError
 
 from . import _mma, gemm_wgmma as GW, mma_layout
-from ._util import check_ndim, simulating, sm_count
+from ._util import check_ndim, generated_function, simulating, sm_count
 from .gemm import LAYOUTS, copy_fill, zero_fill
 from .gemm_staging import (CHUNK, CHUNK_BYTES, aligned_b16, fetch_lines, fetch_setup, row_bytes, store_acc, store_add,
                            store_bf16, store_f32, swizzle_n, swizzle_t)
@@ -285,10 +285,7 @@ def compile_kernel(source: str, label: str, intrinsics: tuple[str, ...], elem_by
              "store_f32": store_f32, "store_acc": store_acc, "store_add": store_add, "store_bf16": store_bf16}
     for name in intrinsics:
         names[name] = getattr(_mma, name)
-    code = compile(source, label, "exec")
-    exec(code, names)  # noqa: S102 - the source is generated from the tile constants alone
-    fn = names["kernel"]
-    fn.__doc__ = source
+    fn = generated_function(source, label, names)
     opts = {} if simulating() else {"max_registers": 255}
     return cuda.jit(**opts)(fn)
 

@@ -46,7 +46,7 @@ from numba import cuda, float32, uint16
 from vmstoolkit.errors import KernelError
 
 from . import _mma, _wgmma, gemm_staging as GS, wgmma_layout as WL
-from ._util import simulating
+from ._util import generated_function, simulating
 
 BK = WL.BK
 MAX_SMEM = 227 * 1024  # the H200's dynamic shared memory per block at most
@@ -236,11 +236,8 @@ def _python_kernel(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, 
     for name in ("shared_addr", "wgmma_zeros", "wgmma_bf16", "wgmma_pin", "wgmma_wait", "wgmma_fence",
                  "wgmma_commit", "fence_proxy_async"):
         names[name] = getattr(_wgmma, name)
-    code = compile(source, f"<gemm_wgmma {t.label()} {'t' if a_trans else 'n'}{'t' if b_trans else 'n'}>", "exec")
-    exec(code, names)  # noqa: S102 - the source is generated above from the tile constants alone
-    fn = names["kernel"]
-    fn.__doc__ = source
-    return fn
+    return generated_function(source, f"<gemm_wgmma {t.label()} {'t' if a_trans else 'n'}{'t' if b_trans else 'n'}>",
+                              names)
 
 
 @lru_cache(maxsize=None)
