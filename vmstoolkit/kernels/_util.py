@@ -108,8 +108,11 @@ def launch_binary_elementwise(kernel, a, b, y, stream=0) -> None:
 def generated_function(source: str, label: str, names: dict, entry: str = "kernel"):
     """The function ``entry`` defined by generated ``source`` (the kernel generators' output),
     compiled under ``label`` (what tracebacks name) with ``names`` as its globals; its docstring
-    is the source, for reading."""
-    code = compile(source, label, "exec")
+    is the source, for reading. With the CUDA kernel cache on (:mod:`._cuda_cache`), the file
+    name is the source's hash instead, which is how the cache finds the kernel again."""
+    from . import _cuda_cache
+
+    code = compile(source, _cuda_cache.generated_name(source) if _cuda_cache.enabled() else label, "exec")
     exec(code, names)  # noqa: S102 - the generators build the source from tile constants alone
     fn = names[entry]
     fn.__doc__ = source

@@ -60,7 +60,7 @@ from numba import cuda, float32, uint16
 
 from vmstoolkit.errors import KernelError
 
-from . import _mma
+from . import _cuda_cache, _mma
 from ._util import check_float32, check_ndim, generated_function, simulating
 from .bf16 import as_u16, check_bf16
 from .gemm_bf16 import CHUNK, MAX_SMEM, STATIC_SMEM, _allow_dynamic_smem
@@ -359,7 +359,7 @@ def make_flash_bf16(d: int, tiles: FlashBf16Tiles, with_lse: bool = True, cp_asy
     (dynamic when over 48 KiB)."""
     fn = python_kernel(d, tiles, with_lse, cp_async)
     opts = {} if simulating() else {"max_registers": 255}
-    return cuda.jit(**opts)(fn)
+    return _cuda_cache.cached(cuda.jit(**opts)(fn))
 
 
 def kernel_source(d: int = 128, tiles: FlashBf16Tiles = GPU_TILES, with_lse: bool = True, cp_async: bool = True) -> str:
@@ -657,10 +657,7 @@ def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
 def _build(source: str, label: str):
     names = kernel_namespace()
     names.update({"masked_t": masked_t, "row_stat": row_stat})
-    exec(compile(source, label, "exec"), names)  # noqa: S102 - generated from the tile constants alone
-    fn = names["kernel"]
-    fn.__doc__ = source
-    return fn
+    return generated_function(source, label, names)
 
 
 def python_backward_kernels(d: int, tiles: FlashBf16Tiles, cp_async: bool = True):
@@ -674,7 +671,7 @@ def python_backward_kernels(d: int, tiles: FlashBf16Tiles, cp_async: bool = True
 @lru_cache(maxsize=None)
 def make_flash_bf16_backward(d: int, tiles: FlashBf16Tiles, cp_async: bool = True):
     opts = {} if simulating() else {"max_registers": 255}
-    return tuple(cuda.jit(**opts)(fn) for fn in python_backward_kernels(d, tiles, cp_async))
+    return tuple(_cuda_cache.cached(cuda.jit(**opts)(fn)) for fn in python_backward_kernels(d, tiles, cp_async))
 
 
 def backward_smem_bytes(d: int, tiles: FlashBf16Tiles) -> tuple[int, int]:

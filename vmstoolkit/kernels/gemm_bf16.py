@@ -58,7 +58,7 @@ from numba import cuda, float32, uint16
 
 from vmstoolkit.errors import KernelError
 
-from . import _mma, gemm_wgmma as GW, mma_layout
+from . import _cuda_cache, _mma, gemm_wgmma as GW, mma_layout
 from ._util import check_ndim, generated_function, simulating, sm_count
 from .gemm import LAYOUTS, copy_fill, zero_fill
 from .gemm_staging import (CHUNK, CHUNK_BYTES, aligned_b16, fetch_lines, fetch_setup, row_bytes, store_acc, store_add,
@@ -287,7 +287,7 @@ def compile_kernel(source: str, label: str, intrinsics: tuple[str, ...], elem_by
         names[name] = getattr(_mma, name)
     fn = generated_function(source, label, names)
     opts = {} if simulating() else {"max_registers": 255}
-    return cuda.jit(**opts)(fn)
+    return _cuda_cache.cached(cuda.jit(**opts)(fn))
 
 
 @lru_cache(maxsize=None)

@@ -45,7 +45,7 @@ from numba import cuda, float32, uint16
 
 from vmstoolkit.errors import KernelError
 
-from . import _mma, _wgmma, gemm_staging as GS, wgmma_layout as WL
+from . import _cuda_cache, _mma, _wgmma, gemm_staging as GS, wgmma_layout as WL
 from ._util import generated_function, simulating
 
 BK = WL.BK
@@ -247,7 +247,8 @@ def make_gemm_wgmma(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool 
     operands only)."""
     if simulating():
         raise KernelError("the wgmma GEMM runs on an sm_90 GPU only (the CUDA simulator has no warpgroup MMA)")
-    return cuda.jit(max_registers=t.max_registers)(_python_kernel(t, a_trans, b_trans, out_bf16, accumulate, atomic))
+    fn = _python_kernel(t, a_trans, b_trans, out_bf16, accumulate, atomic)
+    return _cuda_cache.cached(cuda.jit(max_registers=t.max_registers)(fn))
 
 
 def usable(tiles, aligned: bool) -> bool:
