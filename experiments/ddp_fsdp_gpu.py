@@ -327,6 +327,9 @@ def worker(args) -> int:
     names = parse_checks(args.checks)
     rows = []
     for strategy in STRATEGIES:
+        tracing = args.trace_fsdp2 and strategy == "fsdp2"
+        if tracing:
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         torch.manual_seed(0)
         with torch.device("cuda", local):  # weights made on the GPU: seconds, not a CPU init of 0.5 B parameters
             model = OPTForCausalLM(cfg)
@@ -357,6 +360,12 @@ def worker(args) -> int:
                      "world_size": dist.get_world_size(), "warmup": args.warmup, "step_times": times, "losses": losses,
                      "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated(),
                      "shim": handle.raises if handle else None, "torch": torch.__version__})
+        if tracing:
+            traces = args.out / "traces"
+            traces.mkdir(exist_ok=True)
+            safe = "".join(c if c.isalnum() else "_" for c in mode)
+            torch.cuda.memory._dump_snapshot(str(traces / f"fsdp2-{safe}-rank{rank}-repeat{args.repeat}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
         if strategy == "ddp" and names:
             rows[-1]["checks"] = checks(torch, wrapped, ids, names, handle)
         del wrapped, model, opt, loss
@@ -481,6 +490,9 @@ def main() -> int:
     ap.add_argument("--loss-tol", type=float, default=0.05, help="largest distance of a mode's losses from the first mode's")
     ap.add_argument("--summary-of", type=Path, default=None, metavar="TRAIN_JSONL",
                     help="no runs: the verdict of the rows already there (exits.jsonl beside it), for --modes, --gpus, --repeats")
+    ap.add_argument("--trace-fsdp2", action="store_true", help="record PyTorch's memory history of each FSDP2 run "
+                    "(model made, every step) and dump it to OUT/traces/fsdp2-MODE-rankR-repeatN.pickle, for a replay "
+                    "through every allocator on the CPU (vmstoolkit compare): issue 34's FSDP2 peaks")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--call", default="", help=argparse.SUPPRESS)
@@ -524,7 +536,7 @@ def main() -> int:
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
                        __file__, "--worker", "--mode", mode, "--out", str(args.out), "--steps", str(args.steps),
                        "--warmup", str(args.warmup), "--checks", ",".join(names) or "none", "--call", call,
-                       "--repeat", str(rep)]
+                       "--repeat", str(rep)] + (["--trace-fsdp2"] if args.trace_fsdp2 else [])
                 log = logs / f"{call}-repeat{rep}-{len(procs)}.log"  # a file each: no pipe to fill while another runs
                 with open(log, "w") as f:
                     procs.append((mode, log, time.perf_counter(), subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)))
