@@ -2,7 +2,8 @@
 the kernel is generated from puts every element of a staged slice where the descriptors that the
 kernel builds make the hardware read it (:mod:`vmstoolkit.kernels.wgmma_layout`'s model of the
 PTX ISA's canonical layouts), each element exactly once, and the accumulator map is a bijection.
-The GPU checks are ``tests/gpu/test_gemm_wgmma_gpu.py``."""
+The simulator then runs the whole generated kernel through the intrinsics' twins. The GPU checks
+are ``tests/gpu/test_gemm_wgmma_gpu.py``."""
 
 import numpy as np
 import pytest
@@ -117,17 +118,49 @@ def test_tiles_are_checked():
             bad.check()
 
 
-def test_no_wgmma_on_the_simulator():
-    """Under the simulator the launchers keep the mma.sync kernel, and asking for wgmma tiles
-    is an error naming why (not a silent fallback)."""
+def test_the_launchers_keep_mma_sync_by_default_on_the_simulator():
     from numba import cuda
 
     x, w = cuda.to_device(np.zeros((4, 8), np.uint16)), cuda.to_device(np.zeros((3, 8), np.uint16))
+    assert not GW.usable(None, True) and GW.usable(GW.GPU_WGMMA, True) and not GW.usable(GW.GPU_WGMMA, False)
     y = cuda.device_array((4, 3), np.float32)
     GB.gemm_bf16(x, w, y)
     assert not y.copy_to_host().any()
-    with pytest.raises(KernelError, match="wgmma"):
-        GB.gemm_bf16(x, w, y, tiles=GW.GPU_WGMMA)
+
+
+def _bits(rng, shape):
+    from vmstoolkit.kernels import mma_layout
+
+    return mma_layout.bf16_bits(rng.standard_normal(shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("tiles", [GW.WgmmaTiles(64, 64, 3), GW.WgmmaTiles(64, 64, 4, ahead=1)],
+                         ids=lambda t: t.label())
+def test_the_generated_kernel_on_the_simulator(tiles):
+    """The whole generated kernel through the intrinsics' twins (each MMA reads the block's shared
+    array by the descriptor model): every layout, m and n past one tile and ragged, k over three
+    slices and ragged, bf16 and fp32 outputs, and split k."""
+    from numba import cuda
+
+    rng = np.random.default_rng(7)
+    m, n, k = 70, 80, 136  # two row tiles (one partial), two column tiles (one partial), slices of 64, 64 and 8
+    x, w, dy = _bits(rng, (m, k)), _bits(rng, (n, k)), _bits(rng, (m, n))
+    cases = (("nn", GB.gemm_bf16, x, w, (m, n)), ("nt", GB.linear_dx_bf16, dy, w, (m, k)),
+             ("tt", GB.linear_dw_bf16, dy, x, (n, k)))
+    for layout, fn, a, b, shape in cases:
+        want = GB.reference(layout, a, b)
+        out = cuda.device_array(shape, np.float32)
+        fn(cuda.to_device(a), cuda.to_device(b), out, tiles=tiles)
+        assert np.max(np.abs(out.copy_to_host() - want)) <= 1e-5 * np.max(np.abs(want)), layout
+    out16 = cuda.device_array((m, n), np.uint16)
+    GB.gemm_bf16(cuda.to_device(x), cuda.to_device(w), out16, tiles=tiles)
+    from vmstoolkit.kernels import mma_layout
+
+    want = GB.reference("nn", x, w)
+    assert np.max(np.abs(mma_layout.bf16_value(out16.copy_to_host()) - want)) <= 2 ** -8 * np.max(np.abs(want))
+    out = cuda.device_array((m, n), np.float32)
+    GB.gemm_bf16(cuda.to_device(x), cuda.to_device(w), out, tiles=tiles, splits=2)
+    assert np.max(np.abs(out.copy_to_host() - want)) <= 1e-5 * np.max(np.abs(want))
 
 
 _PTX_BODY = r"""

@@ -25,17 +25,15 @@ GPU checks are ``tests/gpu/test_gemm_wgmma_gpu.py``.
   thread (``cp.async`` included, once waited for) become visible to the async proxy that
   ``wgmma`` reads through; a block barrier after it publishes them to the other threads.
 
-There are no simulator twins: a warpgroup MMA reads shared memory through descriptors, and its
-layouts are what the CPU tests check (:mod:`.wgmma_layout`). The kernels that use these run on
-real sm_90 devices only (:mod:`.gemm_wgmma`).
+Under the CUDA simulator each has a twin (:func:`_make_sim`): the MMA reads shared memory
+through the descriptor model of :mod:`.wgmma_layout`, so the generated kernel runs end to end on
+the CPU, at tiny sizes.
 """
 
 from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
-
-from vmstoolkit.errors import KernelError
 
 from ._mma import _item_pointer, _shared_address
 from ._util import simulating
@@ -164,13 +162,62 @@ def _make():
             "fence_proxy_async": _fixed("fence_proxy_async", "fence.proxy.async.shared::cta;")}
 
 
-def _make_sim():
-    def unavailable(*args):
-        raise KernelError("wgmma runs on an sm_90 GPU only: the CUDA simulator has no warpgroup MMA "
-                          "(its layouts are checked by vmstoolkit.kernels.wgmma_layout)")
+SIM_BASE = 0x4010  # the shared address a simulated block's array starts at: 16-byte aligned, not 1024
 
-    return {name: unavailable for name in ("shared_addr", "wgmma_zeros", "wgmma_bf16", "wgmma_pin", "wgmma_wait",
-                                           "wgmma_fence", "wgmma_commit", "fence_proxy_async")}
+
+def _make_sim():
+    """Simulator twins: ``wgmma_bf16`` reads its operands from the block's shared array through
+    :func:`.wgmma_layout.reads` (the descriptor model the CPU layout tests check) at the address
+    it is given, and returns the calling thread's fragment of D += A B by
+    :func:`.wgmma_layout.accumulator_owner`; the fences and waits do nothing (a twin's MMA is
+    complete when it returns). So the simulator runs the generated kernel's fetch, stage
+    rotation, addresses and epilogue; what it cannot check is the hardware's own reading of a
+    descriptor, and the asynchrony."""
+    import functools
+    import threading
+
+    import numpy as np
+
+    from . import mma_layout
+    from . import wgmma_layout as WL
+
+    arrays: dict = {}  # block -> its shared array (one per block: the kernel names one)
+    lock = threading.Lock()
+
+    def shared_addr(smem, index):
+        me = threading.current_thread()
+        with lock:
+            arrays[tuple(me.blockIdx)] = smem
+        return SIM_BASE + 2 * int(index)  # a Python int: the kernel's arithmetic on it is int64 on the GPU too
+
+    def wgmma_zeros(n):
+        return (np.float32(0.0),) * int(n)
+
+    @functools.lru_cache(maxsize=4096)
+    def _indices(desc, rows, mn_major):
+        return (WL.reads(desc, rows, mn_major) - SIM_BASE) // 2
+
+    _owner = functools.lru_cache(maxsize=None)(WL.accumulator_owner)
+
+    def _operand(smem, addr, hi, rows, mn_major):
+        idx = _indices(int(hi) | ((int(addr) >> 4) & 0x3FFF), rows, bool(mn_major))
+        return mma_layout.bf16_value(np.asarray(smem)[idx]).astype(np.float64)  # (rows, 16)
+
+    def wgmma_bf16(d, addr_a, addr_b, hi_a, hi_b, n, trans_a, trans_b):
+        me = threading.current_thread()
+        smem = arrays[tuple(me.blockIdx)]
+        a = _operand(smem, addr_a, hi_a, 64, trans_a)  # (64, 16)
+        b = _operand(smem, addr_b, hi_b, int(n), trans_b)  # (n, 16)
+        prod = a @ b.T  # (64, n)
+        own = _owner(int(n))[me.thread_id % WL.WARPGROUP]
+        return tuple(np.float32(np.float64(x) + prod[r, c]) for x, (r, c) in zip(d, own))
+
+    def nothing(*args):
+        pass
+
+    return {"shared_addr": shared_addr, "wgmma_zeros": wgmma_zeros, "wgmma_bf16": wgmma_bf16,
+            "wgmma_pin": lambda d: d, "wgmma_wait": nothing, "wgmma_fence": nothing, "wgmma_commit": nothing,
+            "fence_proxy_async": nothing}
 
 
 _IMPL = _make_sim() if simulating() else _make()

@@ -32,6 +32,9 @@ for a 64 x n x 16 product, and the registers hold only the accumulators.
   computes. Operands must be 16-byte aligned (:func:`.gemm_staging.aligned_b16`); other operands
   take the mma.sync kernel.
 
+Under the simulator the kernel runs (asked for with ``WgmmaTiles``) through :mod:`._wgmma`'s
+twins, at tiny sizes; the launchers' default there stays the mma.sync kernel.
+
 Measurements: ``experiments/results/gemm-bf16-h200`` (run 3 on).
 """
 
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar
 from functools import lru_cache
 
+import numpy as np
 from numba import cuda, float32, uint16
 
 from vmstoolkit.errors import KernelError
@@ -228,7 +232,9 @@ def python_kernel(t: WgmmaTiles = GPU_WGMMA, layout: str = "nn", out_bf16: bool 
 def _python_kernel(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool, accumulate: bool, atomic: bool):
     t.check()
     source = _kernel_source(t, a_trans, b_trans, out_bf16, accumulate, atomic)
-    names = {"cuda": cuda, "uint16": uint16, "float32": float32, "min": min, "max": max,
+    # the simulator's dynamic shared array takes a numpy dtype (it divides its size by .itemsize)
+    names = {"cuda": cuda, "uint16": np.dtype(np.uint16) if simulating() else uint16, "float32": float32,
+             "min": min, "max": max,
              "chunk_bytes": GS.chunk_bytes, "row_bytes": GS.row_bytes, "store_f32": GS.store_f32,
              "store_acc": GS.store_acc, "store_add": GS.store_add, "store_bf16": GS.store_bf16}
     for name in ("cp_async16_at", "cp_async_commit", "cp_async_wait"):
@@ -245,9 +251,9 @@ def make_gemm_wgmma(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool 
                     atomic: bool = False):
     """The kernel ``kernel(a, b, acc, c, per)`` (as :func:`.gemm_bf16.make_gemm_bf16`'s, cp.async
     operands only)."""
-    if simulating():
-        raise KernelError("the wgmma GEMM runs on an sm_90 GPU only (the CUDA simulator has no warpgroup MMA)")
     fn = _python_kernel(t, a_trans, b_trans, out_bf16, accumulate, atomic)
+    if simulating():  # the intrinsics' twins (_wgmma): tiny sizes only
+        return cuda.jit(fn)
     return _cuda_cache.cached(cuda.jit(max_registers=t.max_registers)(fn))
 
 
@@ -257,10 +263,12 @@ def usable(tiles, aligned: bool) -> bool:
     operands 16-byte aligned."""
     import os
 
-    if simulating() or not aligned:
+    if not aligned:
         return False
-    if isinstance(tiles, WgmmaTiles):
+    if isinstance(tiles, WgmmaTiles):  # on the simulator too, through the intrinsics' twins
         return True
+    if simulating():
+        return False
     if tiles is not None or os.environ.get("VMSTOOLKIT_WGMMA", "0") != "1":
         return False
     return tuple(cuda.get_current_device().compute_capability) == (9, 0)
