@@ -92,7 +92,7 @@ def test_the_swizzle_spreads_a_chunk_column_over_the_banks():
 def test_descriptor_fields():
     d = WL.descriptor(0x4410, 8192, 1024)
     assert d & 0x3FFF == 0x441 and (d >> 16) & 0x3FFF == 512 and (d >> 32) & 0x3FFF == 64 and d >> 62 == 1
-    with pytest.raises(ValueError, match="128-byte swizzle"):
+    with pytest.raises(KernelError, match="128-byte swizzle"):
         WL.reads(WL.descriptor(0, 16, 1024, mode=0), 64, False)
 
 

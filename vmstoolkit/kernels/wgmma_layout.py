@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from vmstoolkit.errors import KernelError
+
 BK = 64  # bf16 per 128-byte swizzle row: the k depth of one staged slice
 ROW_BYTES = 128
 ATOM_BYTES = 1024  # 8 swizzled rows; tiles start at a multiple of it
@@ -84,7 +86,7 @@ def reads(desc: int, rows: int, mn_major: bool) -> np.ndarray:
     """The byte address the hardware reads for element (r, k), r < rows, k < 16, of one operand
     of an m64nNk16 instruction given its descriptor (swizzle mode 128 B): an int array (rows, 16)."""
     if desc >> 62 != SWIZZLE_128B:
-        raise ValueError(f"only the 128-byte swizzle is modelled, got mode {desc >> 62}")
+        raise KernelError(f"wgmma_layout.reads: only the 128-byte swizzle is modelled, got swizzle mode {desc >> 62}")
     start = (desc & 0x3FFF) << 4
     lbo = ((desc >> 16) & 0x3FFF) << 4
     sbo = ((desc >> 32) & 0x3FFF) << 4
