@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from typing import Callable
-
 from vmstoolkit.pools.vmm.blocks import PrimitiveBlock, Reservation
 from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.drivers.teardown import Graveyard
@@ -14,8 +12,8 @@ from vmstoolkit.pools.drivers.txn import Transaction
 class PrimitivePool:
     """Primitive blocks, their free list (best fit by (chunks, address)) and their chunks.
 
-    ``on_used`` / ``on_freed`` are called with a block when it changes state, so the stitched
-    pool can keep its usable set exact.
+    When a block changes state, each cached stitched range that maps it counts one more (or one
+    fewer) busy part (``StitchedBlock.busy``), so the stitched pool knows which ranges are usable.
 
     With ``coalesce``, a block given back merges with a free neighbour in the same reservation
     (no driver call: the chunks are already mapped side by side), as PyTorch merges the free
@@ -40,8 +38,6 @@ class PrimitivePool:
         self.free_list: list[tuple[int, int]] = []
         self.free_chunks = 0
         self.total_chunks = 0
-        self.on_used: Callable[[PrimitiveBlock], None] = lambda b: None
-        self.on_freed: Callable[[PrimitiveBlock], None] = lambda b: None
 
     # -- creation and release -------------------------------------------------------------
     def create(self, nchunks: int) -> PrimitiveBlock:
@@ -90,40 +86,65 @@ class PrimitivePool:
         self.graveyard.run(steps)
 
     # -- state ----------------------------------------------------------------------------
+    # take and give_back run on nearly every event of a replay: they count the busy parts of the
+    # cached stitched ranges themselves (one integer per range, as the stitched pool's callbacks
+    # did: a call per state change was a twentieth of a vms replay) and touch the free list once.
     def take(self, block: PrimitiveBlock, user: object) -> None:
         """Mark a free block used by ``user`` (itself or a stitched block). Runtime complexity:
-        O(log B), plus the stitched ranges that map it."""
+        O(log B), plus the stitched ranges that map it (each counts one more busy part)."""
         remove_key(self.free_list, (block.nchunks, block.va))
         self.free_chunks -= block.nchunks
         block.user = user
-        if block.stitched:  # the stitched pool counts busy parts of its ranges only
-            self.on_used(block)
+        for s in block.stitched:  # the stitched pool counts busy parts of its ranges only
+            s.busy += 1
+
+    def take_many(self, parts: list[PrimitiveBlock], user: object) -> None:
+        """:meth:`take` of each of ``parts`` (a stitched range's), in order. Runtime complexity:
+        O(parts x log B), plus the stitched ranges that map them."""
+        fl = self.free_list
+        for block in parts:
+            key = (block.nchunks, block.va)
+            i = bisect_left(fl, key)
+            if i == len(fl) or fl[i] != key:
+                remove_key(fl, key)  # raises: the block is not free
+            del fl[i]
+            self.free_chunks -= block.nchunks
+            block.user = user
+            for s in block.stitched:
+                s.busy += 1
 
     def give_back(self, block: PrimitiveBlock) -> None:
         """Mark a used block free again; with ``coalesce``, merge it with free neighbours of its
-        range (:meth:`_merge`). No driver call. Runtime complexity: O(log B), plus the stitched
-        ranges that map it and its neighbours."""
+        range (:meth:`_mergeable`, :meth:`_join`). No driver call. Runtime complexity: O(log B),
+        plus the stitched ranges that map it and its neighbours."""
         block.user = None
-        insort(self.free_list, (block.nchunks, block.va))
-        self.free_chunks += block.nchunks
-        if block.stitched:
-            self.on_freed(block)
+        n = block.nchunks
+        self.free_chunks += n
+        for s in block.stitched:
+            s.busy -= 1
         if self.coalesce:
-            # the cheap refusals first, here (most frees have no free neighbour in the range):
-            # the call of _merge per neighbour was a tenth of vms's replay time
-            right = self.blocks.get(block.va + block.nchunks * self.g)
+            # the cheap refusals first, here (most frees have no free neighbour in the range);
+            # the merged block goes on the free list once, at the end
+            right = self.blocks.get(block.va + n * self.g)
             if right is not None and right.user is None and right.res is block.res:
-                block = self._merge(block, right) or block
+                at = self._mergeable(block, right)
+                if at is not None:
+                    remove_key(self.free_list, (right.nchunks, right.va))
+                    block = self._join(block, right, at)
             left = self._by_end.get(block.va)
             if left is not None and left.user is None and left.res is block.res:
-                self._merge(left, block)
+                at = self._mergeable(left, block)
+                if at is not None:
+                    remove_key(self.free_list, (left.nchunks, left.va))
+                    block = self._join(left, block, at)
+        insort(self.free_list, (block.nchunks, block.va))
 
-    def _merge(self, a: PrimitiveBlock, b: PrimitiveBlock) -> PrimitiveBlock | None:
-        """Merge free ``a`` and the free block ``b`` right after it, if allowed (see the class).
-        Runtime complexity: O(log n) plus the parts of the stitched ranges that map them."""
-        if not (a.user is None and b.user is None and a.res is b.res):
-            return None
-        at = {}  # stitched range -> where it maps a (then b, right after)
+    @staticmethod
+    def _mergeable(a: PrimitiveBlock, b: PrimitiveBlock) -> dict | None:
+        """Whether free ``a`` and the free block ``b`` right after it in the same range may merge
+        (see the class): ``{stitched range: where it maps a}`` (then b, right after), or None.
+        Runtime complexity: O(parts of the stitched ranges that map them)."""
+        at = {}
         if a.stitched or b.stitched:
             if a.stitched != b.stitched:
                 return None
@@ -132,15 +153,19 @@ class PrimitivePool:
                 if i + 1 >= len(s.parts) or s.parts[i + 1] is not b:
                     return None
                 at[s] = i
-        for x in (a, b):
-            remove_key(self.free_list, (x.nchunks, x.va))
-            del self.blocks[x.va]
-        del self._by_end[a.va + a.nchunks * self.g]
+        return at
+
+    def _join(self, a: PrimitiveBlock, b: PrimitiveBlock, at: dict) -> PrimitiveBlock:
+        """Merge ``a`` and ``b`` (:meth:`_mergeable` said ``at``), neither on the free list, into
+        one block, not on the free list either. Runtime complexity: O(chunks + parts of ``at``)."""
+        blocks, g = self.blocks, self.g
+        del blocks[a.va]
+        del blocks[b.va]
+        del self._by_end[a.va + a.nchunks * g]
         merged = PrimitiveBlock(a.va, a.handles + b.handles, a.res)
         a.res.refs -= 2
-        self.blocks[merged.va] = merged
-        self._by_end[merged.va + merged.nchunks * self.g] = merged
-        insort(self.free_list, (merged.nchunks, merged.va))
+        blocks[merged.va] = merged
+        self._by_end[merged.va + merged.nchunks * g] = merged
         for s, i in at.items():
             s.parts[i:i + 2] = [merged]
             merged.stitched.add(s)
@@ -154,17 +179,34 @@ class PrimitivePool:
         old block now refer to both halves. Runtime complexity: O(nchunks + log B), plus the
         stitched ranges that map it.
         """
-        assert block.free and 0 < nchunks < block.nchunks
+        head, tail = self._cut(block, nchunks)
+        insort(self.free_list, (head.nchunks, head.va))
+        insort(self.free_list, (tail.nchunks, tail.va))
+        return head, tail
+
+    def split_take(self, block: PrimitiveBlock, nchunks: int) -> PrimitiveBlock:
+        """:meth:`split`, then :meth:`take` of the head for itself, which never goes on the free
+        list meanwhile. Runtime complexity: that of :meth:`split`."""
+        head, tail = self._cut(block, nchunks)
+        insort(self.free_list, (tail.nchunks, tail.va))
+        self.free_chunks -= nchunks
+        head.user = head
+        for s in head.stitched:
+            s.busy += 1
+        return head
+
+    def _cut(self, block: PrimitiveBlock, nchunks: int) -> tuple[PrimitiveBlock, PrimitiveBlock]:
+        """:meth:`split` but for putting the halves on the free list."""
+        assert block.user is None and 0 < nchunks < block.nchunks
         remove_key(self.free_list, (block.nchunks, block.va))
+        g = self.g
         head = PrimitiveBlock(block.va, block.handles[:nchunks], block.res)
-        tail = PrimitiveBlock(block.va + nchunks * self.g, block.handles[nchunks:], block.res)
+        tail = PrimitiveBlock(block.va + nchunks * g, block.handles[nchunks:], block.res)
         block.res.refs -= 1
         self.blocks[head.va] = head
         self.blocks[tail.va] = tail
         self._by_end[tail.va] = head
-        self._by_end[tail.va + tail.nchunks * self.g] = tail
-        insort(self.free_list, (head.nchunks, head.va))
-        insort(self.free_list, (tail.nchunks, tail.va))
+        self._by_end[tail.va + tail.nchunks * g] = tail
         for s in block.stitched:
             i = s.parts.index(block)
             s.parts[i:i + 1] = [head, tail]

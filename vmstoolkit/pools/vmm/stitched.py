@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from heapq import nsmallest
+from operator import attrgetter
 
 from vmstoolkit.pools.vmm.blocks import PrimitiveBlock, StitchedBlock, StitchedPrefix
 from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.vmm.primitive import PrimitivePool, remove_key
 from vmstoolkit.pools.drivers.txn import Transaction
+
+_last_use = attrgetter("last_use")
 
 
 class StitchedPool:
@@ -15,11 +19,11 @@ class StitchedPool:
 
     ``idle`` holds ``(chunks, va)`` of every stitched block not allocated now, in best-fit
     order; a block in it is usable when its ``busy`` count (parts not free, kept by the primitive
-    pool's state callbacks with one integer update each) is zero. Lookups skip busy blocks, at
-    most ``SCAN_LIMIT`` of them. At most ``max_cached`` stitched blocks are
-    kept; past that the least recently used unallocated one is unmapped (its range costs no
-    physical memory, but every cached block costs page-table entries and bookkeeping on each
-    state change of its parts).
+    pool's ``take`` and ``give_back`` with one integer update each) is zero. Lookups skip busy
+    blocks, at most ``SCAN_LIMIT`` of them. At most ``max_cached`` stitched blocks are kept;
+    past that the least recently used unallocated one is unmapped (its range costs no physical
+    memory, but every cached block costs page-table entries and bookkeeping on each state
+    change of its parts).
     """
 
     def __init__(self, driver: VMMDriver, primitives: PrimitivePool, max_cached: int) -> None:
@@ -30,22 +34,13 @@ class StitchedPool:
         self.blocks: dict[int, StitchedBlock] = {}  # va -> every stitched block
         self.idle: list[tuple[int, int]] = []  # sorted, kept with bisect (see PrimitivePool.free_list)
         self._clock = 0
-        primitives.on_used = self._part_used
-        primitives.on_freed = self._part_freed
 
-    # -- bookkeeping from the primitive pool ----------------------------------------------
+    # -- bookkeeping by the primitive pool -------------------------------------------------
     # Keeping a sorted set of exactly the usable blocks cost two sorted-list updates per cached
-    # stitched block on every state change of a part; counting is an integer update, and the
-    # lookup skips the few busy blocks instead (replay of llama-ckpt: 1.4x faster).
+    # stitched block on every state change of a part; counting is an integer update (the
+    # primitive pool's take and give_back count ``busy`` themselves), and the lookup skips the
+    # few busy blocks instead (replay of llama-ckpt: 1.4x faster).
     SCAN_LIMIT = 64
-
-    def _part_used(self, p: PrimitiveBlock) -> None:
-        for s in p.stitched:
-            s.busy += 1
-
-    def _part_freed(self, p: PrimitiveBlock) -> None:
-        for s in p.stitched:
-            s.busy -= 1
 
     # -- stitching ------------------------------------------------------------------------
     def stitch(self, parts: list[PrimitiveBlock]) -> StitchedBlock:
@@ -94,8 +89,9 @@ class StitchedPool:
         excess = len(self.blocks) - self.max_cached
         if excess <= 0:
             return
-        idle = sorted((s for s in self.blocks.values() if not s.allocated and s is not keep), key=lambda s: s.last_use)
-        for s in idle[:excess]:
+        # nsmallest: sorted(...)[:excess] without sorting every cached range (usually one goes)
+        idle = nsmallest(excess, (s for s in self.blocks.values() if not s.allocated and s is not keep), key=_last_use)
+        for s in idle:
             self.destroy(s, defer=True)  # on the allocation path: no device sync per eviction
 
     def destroy_idle(self, only: set | None = None) -> int:
@@ -151,8 +147,7 @@ class StitchedPool:
         s.allocated = True
         self._clock += 1
         s.last_use = self._clock
-        for p in s.parts:
-            self.primitives.take(p, s)
+        self.primitives.take_many(s.parts, s)
 
     def take_prefix(self, s: StitchedBlock, nchunks: int) -> StitchedPrefix:
         """Allocate the first ``nchunks`` chunks of an unallocated block, which must be free
@@ -172,8 +167,7 @@ class StitchedPool:
             need -= p.nchunks
         prefix = StitchedPrefix(s, nchunks, taken)
         s.prefix = prefix
-        for p in taken:
-            self.primitives.take(p, prefix)
+        self.primitives.take_many(taken, prefix)
         return prefix
 
     def give_back_prefix(self, prefix: StitchedPrefix) -> None:
