@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from vmstoolkit.pools.vmm.blocks import PrimitiveBlock, Reservation
+from vmstoolkit.pools.vmm.blocks import VA_BITS, VA_MASK, PrimitiveBlock, Reservation, free_key
 from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.drivers.teardown import Graveyard
 from vmstoolkit.pools.drivers.txn import Transaction
@@ -31,11 +31,11 @@ class PrimitivePool:
         self._by_end: dict[int, PrimitiveBlock] = {}  # end va -> block (left neighbours)
         self.coalesce = coalesce
         self.merges = 0
-        # (chunks, va) of every free block, sorted: tuples compare in C, much faster than a key
-        # function; a plain list kept with bisect, not a SortedList, whose add and remove are two
-        # Python calls each over its sublists (a tenth of vms's replay time): the pool holds tens
-        # to hundreds of free blocks, a memmove of a few KB at most
-        self.free_list: list[tuple[int, int]] = []
+        # the key of every free block ((chunks, va) as one int, PrimitiveBlock.key), sorted: a
+        # plain list kept with bisect, not a SortedList, whose add and remove are two Python
+        # calls each over its sublists (a tenth of vms's replay time): the pool holds tens to
+        # hundreds of free blocks, a memmove of a few KB at most; :attr:`free_list` reads it
+        self._free: list[int] = []
         self.free_chunks = 0
         self.total_chunks = 0
 
@@ -58,10 +58,16 @@ class PrimitivePool:
         block = PrimitiveBlock(va, handles, Reservation(va, size))
         self.blocks[va] = block
         self._by_end[va + size] = block
-        insort(self.free_list, (nchunks, va))
+        insort(self._free, block.key)
         self.free_chunks += nchunks
         self.total_chunks += nchunks
         return block
+
+    @property
+    def free_list(self) -> list[tuple[int, int]]:
+        """``(chunks, va)`` of every free block, smallest first, then by address (a new list).
+        Runtime complexity: O(B)."""
+        return [(k >> VA_BITS, k & VA_MASK) for k in self._free]
 
     def release(self, block: PrimitiveBlock) -> None:
         """Unmap and release a free block's chunks; free its range with the last block in it.
@@ -72,7 +78,7 @@ class PrimitivePool:
         assert block.free and not block.stitched, f"release of {block} still in use or stitched"
         self.graveyard.flush()  # evicted ranges may still map its chunks: unmap them first
         g = self.g
-        remove_key(self.free_list, (block.nchunks, block.va))
+        remove_key(self._free, block.key)
         del self.blocks[block.va]
         del self._by_end[block.va + block.nchunks * g]
         self.free_chunks -= block.nchunks
@@ -92,7 +98,7 @@ class PrimitivePool:
     def take(self, block: PrimitiveBlock, user: object) -> None:
         """Mark a free block used by ``user`` (itself or a stitched block). Runtime complexity:
         O(log B), plus the stitched ranges that map it (each counts one more busy part)."""
-        remove_key(self.free_list, (block.nchunks, block.va))
+        remove_key(self._free, block.key)
         self.free_chunks -= block.nchunks
         block.user = user
         for s in block.stitched:  # the stitched pool counts busy parts of its ranges only
@@ -101,9 +107,9 @@ class PrimitivePool:
     def take_many(self, parts: list[PrimitiveBlock], user: object) -> None:
         """:meth:`take` of each of ``parts`` (a stitched range's), in order. Runtime complexity:
         O(parts x log B), plus the stitched ranges that map them."""
-        fl = self.free_list
+        fl = self._free
         for block in parts:
-            key = (block.nchunks, block.va)
+            key = block.key
             i = bisect_left(fl, key)
             if i == len(fl) or fl[i] != key:
                 remove_key(fl, key)  # raises: the block is not free
@@ -129,15 +135,15 @@ class PrimitivePool:
             if right is not None and right.user is None and right.res is block.res:
                 at = self._mergeable(block, right)
                 if at is not None:
-                    remove_key(self.free_list, (right.nchunks, right.va))
+                    remove_key(self._free, right.key)
                     block = self._join(block, right, at)
             left = self._by_end.get(block.va)
             if left is not None and left.user is None and left.res is block.res:
                 at = self._mergeable(left, block)
                 if at is not None:
-                    remove_key(self.free_list, (left.nchunks, left.va))
+                    remove_key(self._free, left.key)
                     block = self._join(left, block, at)
-        insort(self.free_list, (block.nchunks, block.va))
+        insort(self._free, block.key)
 
     @staticmethod
     def _mergeable(a: PrimitiveBlock, b: PrimitiveBlock) -> dict | None:
@@ -180,15 +186,15 @@ class PrimitivePool:
         stitched ranges that map it.
         """
         head, tail = self._cut(block, nchunks)
-        insort(self.free_list, (head.nchunks, head.va))
-        insort(self.free_list, (tail.nchunks, tail.va))
+        insort(self._free, head.key)
+        insort(self._free, tail.key)
         return head, tail
 
     def split_take(self, block: PrimitiveBlock, nchunks: int) -> PrimitiveBlock:
         """:meth:`split`, then :meth:`take` of the head for itself, which never goes on the free
         list meanwhile. Runtime complexity: that of :meth:`split`."""
         head, tail = self._cut(block, nchunks)
-        insort(self.free_list, (tail.nchunks, tail.va))
+        insort(self._free, tail.key)
         self.free_chunks -= nchunks
         head.user = head
         for s in head.stitched:
@@ -198,7 +204,7 @@ class PrimitivePool:
     def _cut(self, block: PrimitiveBlock, nchunks: int) -> tuple[PrimitiveBlock, PrimitiveBlock]:
         """:meth:`split` but for putting the halves on the free list."""
         assert block.user is None and 0 < nchunks < block.nchunks
-        remove_key(self.free_list, (block.nchunks, block.va))
+        remove_key(self._free, block.key)
         g = self.g
         head = PrimitiveBlock(block.va, block.handles[:nchunks], block.res)
         tail = PrimitiveBlock(block.va + nchunks * g, block.handles[nchunks:], block.res)
@@ -221,9 +227,9 @@ class PrimitivePool:
 
         Runtime complexity: O(log n).
         """
-        fl = self.free_list
-        i = bisect_left(fl, (nchunks, -1))
-        return self.blocks[fl[i][1]] if i < len(fl) else None
+        fl = self._free
+        i = bisect_left(fl, nchunks << VA_BITS)  # free_key(nchunks, 0): before every block of nchunks
+        return self.blocks[fl[i] & VA_MASK] if i < len(fl) else None
 
     def free_blocks(self, largest_first: bool = False) -> list[PrimitiveBlock]:
         """The free blocks, smallest (or largest) first (a list: safe to change the pool).
@@ -233,9 +239,9 @@ class PrimitivePool:
     def iter_free(self, largest_first: bool = False):
         """Lazily, the free blocks smallest (or largest) first; the pool must not change meanwhile.
         Runtime complexity: O(1) to start, O(1) per block taken."""
-        keys = reversed(self.free_list) if largest_first else iter(self.free_list)
+        keys = reversed(self._free) if largest_first else iter(self._free)
         blocks = self.blocks
-        return (blocks[va] for _, va in keys)
+        return (blocks[k & VA_MASK] for k in keys)
 
     def _check(self) -> set:
         """Assert the pool's invariants; returns the set of handles it owns. Runtime complexity:
@@ -244,6 +250,8 @@ class PrimitivePool:
         owned = set()
         free = 0
         by_res: dict[int, list[PrimitiveBlock]] = {}
+        listed = set(self._free)
+        assert self._free == sorted(listed), "free list not sorted, or a block listed twice"
         for va, b in self.blocks.items():
             assert b.va == va and va % g == 0, f"{b} not granule-aligned"
             assert b.res.va <= va and va + b.nchunks * g <= b.res.va + b.res.size, f"{b} outside its reservation"
@@ -253,7 +261,7 @@ class PrimitivePool:
             by_res.setdefault(b.res.va, []).append(b)
             if b.free:
                 free += b.nchunks
-                assert (b.nchunks, b.va) in self.free_list, f"free {b} missing from the free list"
+                assert b.key == free_key(b.nchunks, b.va) and b.key in listed, f"free {b} missing from the free list"
             for s in b.stitched:
                 assert b in s.parts, f"{b} lists {s} that does not map it"
         for blocks in by_res.values():
@@ -261,19 +269,20 @@ class PrimitivePool:
             assert blocks[0].res.refs == len(blocks), f"reservation {blocks[0].res.va:#x} counts {blocks[0].res.refs} blocks, has {len(blocks)}"
             for a, b in zip(blocks, blocks[1:]):
                 assert a.va + a.nchunks * g <= b.va, f"{a} overlaps {b}"
-        assert len(self.free_list) == sum(1 for b in self.blocks.values() if b.free), "free list holds used blocks"
+        assert len(self._free) == sum(1 for b in self.blocks.values() if b.free), "free list holds used blocks"
         assert self._by_end == {b.va + b.nchunks * g: b for b in self.blocks.values()}, "end index out of date"
         assert free == self.free_chunks, f"free chunks {self.free_chunks} != {free}"
         assert len(owned) == self.total_chunks, f"total chunks {self.total_chunks} != {len(owned)}"
         return owned
 
 
-def remove_key(free_list: list, key: tuple[int, int]) -> None:
+def remove_key(free_list: list, key: tuple[int, int] | int) -> None:
     """Take ``key`` off the sorted list ``free_list`` (a pool's free or idle blocks); a missing
     key is a broken invariant, raised as an ``AssertionError`` (the base class checks every free
     before a pool sees it, so no caller's input reaches this). Runtime complexity:
     O(log B) plus a memmove of the entries after it."""
     i = bisect_left(free_list, key)
     if i == len(free_list) or free_list[i] != key:
-        raise AssertionError(f"vms: free block {key} is not on the free list")
+        shown = key if isinstance(key, tuple) else (key >> VA_BITS, key & VA_MASK)  # (chunks, va)
+        raise AssertionError(f"vms: free block {shown} is not on the free list")
     del free_list[i]

@@ -8,7 +8,7 @@ from operator import attrgetter
 
 from vmstoolkit.pools.vmm.blocks import PrimitiveBlock, StitchedBlock, StitchedPrefix
 from vmstoolkit.pools.drivers.base import VMMDriver
-from vmstoolkit.pools.vmm.primitive import PrimitivePool, remove_key
+from vmstoolkit.pools.vmm.primitive import PrimitivePool
 from vmstoolkit.pools.drivers.txn import Transaction
 
 _last_use = attrgetter("last_use")
@@ -17,8 +17,8 @@ _last_use = attrgetter("last_use")
 class StitchedPool:
     """Stitched blocks over a :class:`PrimitivePool`.
 
-    ``idle`` holds ``(chunks, va)`` of every stitched block not allocated now, in best-fit
-    order; a block in it is usable when its ``busy`` count (parts not free, kept by the primitive
+    ``idle`` holds ``(chunks, va, block)`` of every stitched block not allocated now, in best-fit
+    order (by chunks, then address: two entries never tie there, so blocks are never compared); a block in it is usable when its ``busy`` count (parts not free, kept by the primitive
     pool's ``take`` and ``give_back`` with one integer update each) is zero. Lookups skip busy
     blocks, at most ``SCAN_LIMIT`` of them. At most ``max_cached`` stitched blocks are kept;
     past that the least recently used unallocated one is unmapped (its range costs no physical
@@ -32,7 +32,9 @@ class StitchedPool:
         self.primitives = primitives
         self.max_cached = max_cached
         self.blocks: dict[int, StitchedBlock] = {}  # va -> every stitched block
-        self.idle: list[tuple[int, int]] = []  # sorted, kept with bisect (see PrimitivePool.free_list)
+        # sorted, kept with bisect (as PrimitivePool._free); the block in each entry saves the
+        # lookups a dict lookup per range they scan
+        self.idle: list[tuple[int, int, StitchedBlock]] = []
         self._clock = 0
 
     # -- bookkeeping by the primitive pool -------------------------------------------------
@@ -63,7 +65,7 @@ class StitchedPool:
         for p in parts:
             p.stitched.add(s)
         self.blocks[va] = s
-        insort(self.idle, (nchunks, va))
+        insort(self.idle, (nchunks, va, s))
         self._collect(keep=s)
         return s
 
@@ -73,7 +75,7 @@ class StitchedPool:
         Runtime complexity: O(chunks + log S); driver calls: an unmap per chunk, one free_address."""
         assert not s.allocated, f"destroy of allocated {s}"
         g = self.g
-        remove_key(self.idle, (s.nchunks, s.va))
+        self._unlist(s)
         for p in s.parts:
             p.stitched.discard(s)
         del self.blocks[s.va]
@@ -107,13 +109,12 @@ class StitchedPool:
     def best_fit(self, nchunks: int, max_chunks: int) -> StitchedBlock | None:
         """The smallest usable block of ``nchunks`` to ``max_chunks`` chunks, skipping at most
         ``SCAN_LIMIT`` busy ones. Runtime complexity: O(log S + SCAN_LIMIT)."""
-        idle, blocks = self.idle, self.blocks
+        idle = self.idle
         i = bisect_left(idle, (nchunks, -1))
         for k in range(i, min(len(idle), i + self.SCAN_LIMIT + 1)):
-            n, va = idle[k]
+            n, _, s = idle[k]
             if n > max_chunks:
                 break
-            s = blocks[va]
             if s.busy == 0:
                 return s
         return None
@@ -122,11 +123,10 @@ class StitchedPool:
         """The smallest unallocated range of at least ``nchunks`` chunks whose first
         ``nchunks`` chunks are free (its later parts may be in use by others), scanning at most
         ``SCAN_LIMIT`` busy ones. Runtime complexity: O(log n) plus the parts scanned."""
-        blocks = self.blocks
         idle = self.idle
         i = bisect_left(idle, (nchunks, -1))
-        for k, (_, va) in enumerate(idle[i:i + self.SCAN_LIMIT + 1]):  # the loop stops at SCAN_LIMIT
-            s = blocks[va]
+        for k in range(i, min(len(idle), i + self.SCAN_LIMIT + 1)):
+            s = idle[k][2]
             if s.busy == 0:
                 return s
             got = 0
@@ -136,14 +136,12 @@ class StitchedPool:
                 got += p.nchunks
                 if got >= nchunks:
                     return s
-            if k >= self.SCAN_LIMIT:
-                break
         return None
 
     def take(self, s: StitchedBlock) -> None:
         """Allocate a usable block: every part becomes used by it. No driver call. Runtime
         complexity: O(log S + parts x log B) for ``B`` free primitive blocks."""
-        remove_key(self.idle, (s.nchunks, s.va))
+        self._unlist(s)
         s.allocated = True
         self._clock += 1
         s.last_use = self._clock
@@ -153,7 +151,7 @@ class StitchedPool:
         """Allocate the first ``nchunks`` chunks of an unallocated block, which must be free
         (see :meth:`best_prefix`); no driver call. Runtime complexity: O(log S + parts x log B),
         plus one split of a part."""
-        remove_key(self.idle, (s.nchunks, s.va))
+        self._unlist(s)
         s.allocated = True
         self._clock += 1
         s.last_use = self._clock
@@ -176,7 +174,7 @@ class StitchedPool:
         s = prefix.stitched
         s.allocated = False
         s.prefix = None
-        insort(self.idle, (s.nchunks, s.va))
+        insort(self.idle, (s.nchunks, s.va, s))
         for p in list(prefix.parts):  # a copy: giving back may merge parts of s.parts
             self.primitives.give_back(p)
 
@@ -184,14 +182,24 @@ class StitchedPool:
         """An allocated range is unallocated again and cached; its parts are free (and may
         merge). No driver call. Runtime complexity: O(log S + parts x log B)."""
         s.allocated = False
-        insort(self.idle, (s.nchunks, s.va))
+        insort(self.idle, (s.nchunks, s.va, s))
         for p in list(s.parts):  # a copy: giving back may merge neighbouring parts
             self.primitives.give_back(p)
+
+    def _unlist(self, s: StitchedBlock) -> None:
+        """Take ``s`` off ``idle``; a block not on it is a broken invariant (``AssertionError``)."""
+        idle = self.idle
+        i = bisect_left(idle, (s.nchunks, s.va))  # (chunks, va) sorts just before its entry
+        if i == len(idle) or idle[i][2] is not s:
+            raise AssertionError(f"vms: stitched block {(s.nchunks, s.va)} is not on the idle list")
+        del idle[i]
 
     def _check(self, primitive_blocks: dict) -> None:
         """Assert every range's invariants against ``primitive_blocks`` (va -> live primitive
         block). Runtime complexity: O(S x parts)."""
         g = self.g
+        listed = {va: (n, s) for n, va, s in self.idle}
+        assert self.idle == sorted(self.idle, key=lambda e: e[:2]), "idle list not sorted"
         for va, s in self.blocks.items():
             assert s.va == va and va % g == 0, f"{s} not granule-aligned"
             assert s.nchunks == sum(p.nchunks for p in s.parts), f"{s} parts do not add up"
@@ -206,5 +214,5 @@ class StitchedPool:
                 assert s.allocated and pre.parts == s.parts[:len(pre.parts)], f"{pre} is not a prefix of {s}"
                 assert sum(p.nchunks for p in pre.parts) == pre.nchunks < s.nchunks
                 assert all(p.user is pre for p in pre.parts), f"{pre} has parts used by others"
-            assert ((s.nchunks, va) in self.idle) == (not s.allocated), f"{s} idle-set membership wrong"
+            assert (listed.get(va) == (s.nchunks, s)) == (not s.allocated), f"{s} idle-set membership wrong"
         assert len(self.idle) == sum(1 for s in self.blocks.values() if not s.allocated)
