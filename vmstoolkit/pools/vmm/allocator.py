@@ -192,7 +192,7 @@ class VMMAllocator(Allocator):
             return
         t = type(b)
         if t is PrimitiveBlock:
-            self.primitives.give_back(b)
+            self.primitives.give_back_many((b,))  # give_back(b), one call fewer: most frees
         elif t is StitchedBlock:
             self.stitched.give_back(b)
         else:

@@ -123,27 +123,36 @@ class PrimitivePool:
         """Mark a used block free again; with ``coalesce``, merge it with free neighbours of its
         range (:meth:`_mergeable`, :meth:`_join`). No driver call. Runtime complexity: O(log B),
         plus the stitched ranges that map it and its neighbours."""
-        block.user = None
-        n = block.nchunks
-        self.free_chunks += n
-        for s in block.stitched:
-            s.busy -= 1
-        if self.coalesce:
-            # the cheap refusals first, here (most frees have no free neighbour in the range);
-            # the merged block goes on the free list once, at the end
-            right = self.blocks.get(block.va + n * self.g)
-            if right is not None and right.user is None and right.res is block.res:
-                at = self._mergeable(block, right)
-                if at is not None:
-                    remove_key(self._free, right.key)
-                    block = self._join(block, right, at)
-            left = self._by_end.get(block.va)
-            if left is not None and left.user is None and left.res is block.res:
-                at = self._mergeable(left, block)
-                if at is not None:
-                    remove_key(self._free, left.key)
-                    block = self._join(left, block, at)
-        insort(self._free, block.key)
+        self.give_back_many((block,))
+
+    def give_back_many(self, parts) -> None:
+        """:meth:`give_back` of each of ``parts`` in order (a stitched range's, in one call: not
+        a Python call per part). ``parts`` must not be a list that merging changes (pass a copy
+        of a stitched range's parts). Runtime complexity: O(parts x log B), plus the stitched
+        ranges that map them and their neighbours."""
+        fl, blocks, by_end, g, coalesce = self._free, self.blocks, self._by_end, self.g, self.coalesce
+        for block in parts:
+            block.user = None
+            n = block.nchunks
+            self.free_chunks += n
+            for s in block.stitched:
+                s.busy -= 1
+            if coalesce:
+                # the cheap refusals first, here (most frees have no free neighbour in the range);
+                # the merged block goes on the free list once, at the end
+                right = blocks.get(block.va + n * g)
+                if right is not None and right.user is None and right.res is block.res:
+                    at = self._mergeable(block, right)
+                    if at is not None:
+                        remove_key(fl, right.key)
+                        block = self._join(block, right, at)
+                left = by_end.get(block.va)
+                if left is not None and left.user is None and left.res is block.res:
+                    at = self._mergeable(left, block)
+                    if at is not None:
+                        remove_key(fl, left.key)
+                        block = self._join(left, block, at)
+            insort(fl, block.key)
 
     @staticmethod
     def _mergeable(a: PrimitiveBlock, b: PrimitiveBlock) -> dict | None:

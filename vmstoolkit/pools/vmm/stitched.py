@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from heapq import nsmallest
-from operator import attrgetter
 
 from vmstoolkit.pools.vmm.blocks import PrimitiveBlock, StitchedBlock, StitchedPrefix
 from vmstoolkit.pools.drivers.base import VMMDriver
 from vmstoolkit.pools.vmm.primitive import PrimitivePool
 from vmstoolkit.pools.drivers.txn import Transaction
-
-_last_use = attrgetter("last_use")
 
 
 class StitchedPool:
@@ -36,6 +32,11 @@ class StitchedPool:
         # lookups a dict lookup per range they scan
         self.idle: list[tuple[int, int, StitchedBlock]] = []
         self._clock = 0
+        # for _collect, the ranges in the order of a stable sort by last_use: those never taken
+        # (last_use 0; a stitch is taken at once unless a driver failure came in between), in
+        # the order they were made, then the others, least recently taken first (va -> block)
+        self._unused: dict[int, StitchedBlock] = {}
+        self._lru: dict[int, StitchedBlock] = {}
 
     # -- bookkeeping by the primitive pool -------------------------------------------------
     # Keeping a sorted set of exactly the usable blocks cost two sorted-list updates per cached
@@ -65,6 +66,7 @@ class StitchedPool:
         for p in parts:
             p.stitched.add(s)
         self.blocks[va] = s
+        self._unused[va] = s
         insort(self.idle, (nchunks, va, s))
         self._collect(keep=s)
         return s
@@ -79,6 +81,8 @@ class StitchedPool:
         for p in s.parts:
             p.stitched.discard(s)
         del self.blocks[s.va]
+        if self._unused.pop(s.va, None) is None:
+            del self._lru[s.va]
         steps = [("unmap", s.va + i * g, g) for i in range(s.nchunks)]
         steps.append(("free_address", s.va, s.nchunks * g))
         if defer:
@@ -91,9 +95,18 @@ class StitchedPool:
         excess = len(self.blocks) - self.max_cached
         if excess <= 0:
             return
-        # nsmallest: sorted(...)[:excess] without sorting every cached range (usually one goes)
-        idle = nsmallest(excess, (s for s in self.blocks.values() if not s.allocated and s is not keep), key=_last_use)
-        for s in idle:
+        # the first unallocated ones in _unused then _lru: sorted(...)[:excess] by last_use,
+        # without sorting all 256 cached ranges per new stitch (_check proves the order)
+        victims = []
+        for group in (self._unused, self._lru):
+            for s in group.values():
+                if not s.allocated and s is not keep:
+                    victims.append(s)
+                    if len(victims) == excess:
+                        break
+            if len(victims) == excess:
+                break
+        for s in victims:
             self.destroy(s, defer=True)  # on the allocation path: no device sync per eviction
 
     def destroy_idle(self, only: set | None = None) -> int:
@@ -142,9 +155,7 @@ class StitchedPool:
         """Allocate a usable block: every part becomes used by it. No driver call. Runtime
         complexity: O(log S + parts x log B) for ``B`` free primitive blocks."""
         self._unlist(s)
-        s.allocated = True
-        self._clock += 1
-        s.last_use = self._clock
+        self._used_now(s)
         self.primitives.take_many(s.parts, s)
 
     def take_prefix(self, s: StitchedBlock, nchunks: int) -> StitchedPrefix:
@@ -152,9 +163,7 @@ class StitchedPool:
         (see :meth:`best_prefix`); no driver call. Runtime complexity: O(log S + parts x log B),
         plus one split of a part."""
         self._unlist(s)
-        s.allocated = True
-        self._clock += 1
-        s.last_use = self._clock
+        self._used_now(s)
         taken, need = [], nchunks
         for p in list(s.parts):
             if need == 0:
@@ -175,16 +184,24 @@ class StitchedPool:
         s.allocated = False
         s.prefix = None
         insort(self.idle, (s.nchunks, s.va, s))
-        for p in list(prefix.parts):  # a copy: giving back may merge parts of s.parts
-            self.primitives.give_back(p)
+        self.primitives.give_back_many(list(prefix.parts))  # a copy: giving back may merge parts of s.parts
 
     def give_back(self, s: StitchedBlock) -> None:
         """An allocated range is unallocated again and cached; its parts are free (and may
         merge). No driver call. Runtime complexity: O(log S + parts x log B)."""
         s.allocated = False
         insort(self.idle, (s.nchunks, s.va, s))
-        for p in list(s.parts):  # a copy: giving back may merge neighbouring parts
-            self.primitives.give_back(p)
+        self.primitives.give_back_many(list(s.parts))  # a copy: giving back may merge neighbouring parts
+
+    def _used_now(self, s: StitchedBlock) -> None:
+        """``s`` is allocated now: its last use is now, the last in ``_lru``."""
+        s.allocated = True
+        self._clock += 1
+        s.last_use = self._clock
+        lru = self._lru
+        if self._unused.pop(s.va, None) is None:
+            del lru[s.va]
+        lru[s.va] = s
 
     def _unlist(self, s: StitchedBlock) -> None:
         """Take ``s`` off ``idle``; a block not on it is a broken invariant (``AssertionError``)."""
@@ -216,3 +233,8 @@ class StitchedPool:
                 assert all(p.user is pre for p in pre.parts), f"{pre} has parts used by others"
             assert (listed.get(va) == (s.nchunks, s)) == (not s.allocated), f"{s} idle-set membership wrong"
         assert len(self.idle) == sum(1 for s in self.blocks.values() if not s.allocated)
+        uses = [s.last_use for s in self._lru.values()]
+        assert {**self._unused, **self._lru} == self.blocks and len(self._unused) + len(self._lru) == len(self.blocks) \
+            and all(s.last_use == 0 for s in self._unused.values()) and all(a < b for a, b in zip([0] + uses, uses)), \
+            "_unused and _lru do not hold every range in the order of its last use"
+        assert list(self._unused) == [va for va, s in self.blocks.items() if s.last_use == 0], "_unused out of order"
