@@ -58,7 +58,7 @@ class PrimitiveBlock:
 
     def __init__(self, va: int, handles: list[Handle], res: Reservation) -> None:
         self.va = va
-        self.handles = handles  # never changed: a split or a merge makes new blocks
+        self.handles = handles  # replaced, never changed in place: a split cuts it, a merge extends it
         self.nchunks = len(handles)  # read on every pool operation: a slot, not a property
         self.key = self.nchunks << VA_BITS | va  # free_key(nchunks, va), inline: its place on the free list
         self.res = res

@@ -172,27 +172,31 @@ class PrimitivePool:
 
     def _join(self, a: PrimitiveBlock, b: PrimitiveBlock, at: dict) -> PrimitiveBlock:
         """Merge ``a`` and ``b`` (:meth:`_mergeable` said ``at``), neither on the free list, into
-        one block, not on the free list either. Runtime complexity: O(chunks + parts of ``at``)."""
+        ``a``, which takes ``b``'s chunks (one object fewer per merge than a new block; ``b`` is
+        gone), not on the free list either. The same updates, in the same order, as making a
+        new block would do (``blocks`` gets ``a`` back at its end). Runtime complexity:
+        O(chunks + parts of ``at``)."""
         blocks, g = self.blocks, self.g
         del blocks[a.va]
         del blocks[b.va]
         del self._by_end[a.va + a.nchunks * g]
-        merged = PrimitiveBlock(a.va, a.handles + b.handles, a.res)
-        a.res.refs -= 2
-        blocks[merged.va] = merged
-        self._by_end[merged.va + merged.nchunks * g] = merged
-        for s, i in at.items():
-            s.parts[i:i + 2] = [merged]
-            merged.stitched.add(s)
+        a.handles = a.handles + b.handles
+        a.nchunks = n = len(a.handles)
+        a.key = n << VA_BITS | a.va
+        a.res.refs -= 1
+        blocks[a.va] = a
+        self._by_end[a.va + n * g] = a
+        for s, i in at.items():  # a.stitched already lists them (it equals b.stitched)
+            s.parts[i:i + 2] = [a]
         self.merges += 1
-        return merged
+        return a
 
     def split(self, block: PrimitiveBlock, nchunks: int) -> tuple[PrimitiveBlock, PrimitiveBlock]:
         """Split a free block into its first ``nchunks`` chunks and the rest (both free).
 
-        No driver call: each chunk is already mapped on its own. Stitched blocks that map the
-        old block now refer to both halves. Runtime complexity: O(nchunks + log B), plus the
-        stitched ranges that map it.
+        No driver call: each chunk is already mapped on its own. The head is ``block`` itself,
+        cut to its first ``nchunks`` chunks; stitched blocks that map it now refer to both halves.
+        Runtime complexity: O(nchunks + log B), plus the stitched ranges that map it.
         """
         head, tail = self._cut(block, nchunks)
         insort(self._free, head.key)
@@ -211,24 +215,27 @@ class PrimitivePool:
         return head
 
     def _cut(self, block: PrimitiveBlock, nchunks: int) -> tuple[PrimitiveBlock, PrimitiveBlock]:
-        """:meth:`split` but for putting the halves on the free list."""
+        """:meth:`split` but for putting the halves on the free list: ``block`` itself becomes the
+        head (its first ``nchunks`` chunks; one object fewer per split than two new blocks), a
+        new block the tail. The same updates, in the same order, as two new blocks would make."""
         assert block.user is None and 0 < nchunks < block.nchunks
         remove_key(self._free, block.key)
         g = self.g
-        head = PrimitiveBlock(block.va, block.handles[:nchunks], block.res)
-        tail = PrimitiveBlock(block.va + nchunks * g, block.handles[nchunks:], block.res)
-        block.res.refs -= 1
-        self.blocks[head.va] = head
+        handles = block.handles
+        tail = PrimitiveBlock(block.va + nchunks * g, handles[nchunks:], block.res)
+        block.handles = handles[:nchunks]
+        block.nchunks = nchunks
+        block.key = nchunks << VA_BITS | block.va
         self.blocks[tail.va] = tail
-        self._by_end[tail.va] = head
+        self._by_end[tail.va] = block
         self._by_end[tail.va + tail.nchunks * g] = tail
-        for s in block.stitched:
-            i = s.parts.index(block)
-            s.parts[i:i + 1] = [head, tail]
-            head.stitched.add(s)
-            tail.stitched.add(s)
-        block.stitched = set()
-        return head, tail
+        st = block.stitched
+        if st:
+            for s in st:
+                i = s.parts.index(block)
+                s.parts.insert(i + 1, tail)
+            tail.stitched = set(st)
+        return block, tail
 
     # -- search ---------------------------------------------------------------------------
     def best_fit(self, nchunks: int) -> PrimitiveBlock | None:
