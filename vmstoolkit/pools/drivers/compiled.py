@@ -318,25 +318,20 @@ def _create_mapped(S, H, R, M, va, size, count, out):
     """``count`` creates, each followed by its map (the tables have room for them). Returns
     ``(code, made, mapped)``: the first failure's code (0: none) and how many handles were made
     and mapped before it; ``out[:made]`` holds the handles."""
-    if _run_fits(S, R, M, va, size, count):  # every map passes (a new handle is mapped whole)
-        row = _mbisect_right(S, M, va)
-        for i in range(count):
-            code = _create(S, H, size)
-            if code:
-                return code, i, i
-            h = S[S_E0]
-            out[i] = h
-            _insert_mapping(S, H, M, row + i, va + i * size, size, h, 0)
-        return OK, count, count
+    fits = _run_fits(S, R, M, va, size, count)  # then every map passes (a new handle is mapped whole)
+    row = _mbisect_right(S, M, va) if fits else 0
     for i in range(count):
         code = _create(S, H, size)
         if code:
             return code, i, i
         h = S[S_E0]
         out[i] = h
-        code = _map(S, H, R, M, va + i * size, size, h, 0)
-        if code:
-            return code, i + 1, i
+        if fits:
+            _insert_mapping(S, H, M, row + i, va + i * size, size, h, 0)
+        else:
+            code = _map(S, H, R, M, va + i * size, size, h, 0)
+            if code:
+                return code, i + 1, i
     return OK, count, count
 
 
