@@ -42,6 +42,7 @@ from vmstoolkit._jit import njit
 from vmstoolkit.errors import DriverError, DriverOutOfMemoryError
 from vmstoolkit.pools.drivers.base import Handle
 from vmstoolkit.pools.drivers.sim import GRANULARITY, VA_BASE, SimulatedDriver
+from vmstoolkit.pools.drivers.txn import StepRun
 
 # scalars
 S_CAP, S_GRAN, S_NEXT_VA, S_NEXT_H, S_LIVE_HB, S_ALLOC_B, S_NR, S_NM, S_NA, S_E0, S_E1, S_E2, S_GAP, S_NS = range(14)
@@ -225,6 +226,24 @@ def _map(S, H, R, M, va, size, h, offset):
     g = S[S_GRAN]
     if va % g or size % g or offset % g or size <= 0:
         return E_ALIGN
+    code = _handle_fits(S, H, h, size, offset)
+    if code:
+        return code
+    r = _bisect_right(R, S[S_NR], va) - 1
+    if r < 0 or not (R[r, 0] <= va and va + size <= R[r, 0] + R[r, 1]):
+        return E_RANGE
+    first, last = _overlapping(S, M, va, size)
+    if last > first:
+        return E_OVERLAP
+    if S[S_NM] >= M.shape[0]:
+        return GROW
+    _insert_mapping(S, H, M, _mbisect_right(S, M, va), va, size, h, offset)
+    return OK
+
+
+@njit(cache=True)
+def _handle_fits(S, H, h, size, offset):
+    """The checks of :func:`_map` on the handle: live, and mapped whole (0, or its error code)."""
     if h < 1 or h >= H.shape[0] or H[h, H_STATE] != 1:
         return E_HANDLE
     if offset + size > H[h, H_SIZE]:
@@ -233,16 +252,12 @@ def _map(S, H, R, M, va, size, h, offset):
     if offset or size != H[h, H_SIZE]:  # a handle is mapped only whole (Note [whole handles])
         S[S_E0] = H[h, H_SIZE]
         return E_PARTIAL
-    r = _bisect_right(R, S[S_NR], va) - 1
-    if r < 0 or not (R[r, 0] <= va and va + size <= R[r, 0] + R[r, 1]):
-        return E_RANGE
-    nm = S[S_NM]
-    first, last = _overlapping(S, M, va, size)
-    if last > first:
-        return E_OVERLAP
-    if nm >= M.shape[0]:
-        return GROW
-    i = _mbisect_right(S, M, va)
+    return OK
+
+
+@njit(cache=True)
+def _insert_mapping(S, H, M, i, va, size, h, offset):
+    """The new mapping at logical row ``i`` (where it sorts; the table has room)."""
     _move_gap(S, M, i)  # the new row takes the gap's first
     S[S_GAP] = i + 1
     M[i, M_START] = va
@@ -250,9 +265,24 @@ def _map(S, H, R, M, va, size, h, offset):
     M[i, M_HANDLE] = h
     M[i, M_OFFSET] = offset
     M[i, M_ACCESS] = 0
-    S[S_NM] = nm + 1
+    S[S_NM] += 1
     H[h, H_NMAPS] += 1
-    return OK
+
+
+@njit(cache=True)
+def _run_fits(S, R, M, va, size, count):
+    """Whether ``count`` maps of ``size`` bytes from ``va`` on pass :func:`_map`'s checks on
+    the addresses: aligned, inside one reservation, overlapping no mapping (nor each other).
+    Then the ``i``-th one's row is the ``i``-th after where ``va`` sorts."""
+    g = S[S_GRAN]
+    if va % g or size % g or size <= 0:
+        return False
+    end = va + count * size
+    r = _bisect_right(R, S[S_NR], va) - 1
+    if r < 0 or not (R[r, 0] <= va and end <= R[r, 0] + R[r, 1]):
+        return False
+    first, last = _overlapping(S, M, va, end - va)
+    return last <= first
 
 
 @njit(cache=True)
@@ -288,21 +318,34 @@ def _create_mapped(S, H, R, M, va, size, count, out):
     """``count`` creates, each followed by its map (the tables have room for them). Returns
     ``(code, made, mapped)``: the first failure's code (0: none) and how many handles were made
     and mapped before it; ``out[:made]`` holds the handles."""
+    fits = _run_fits(S, R, M, va, size, count)  # then every map passes (a new handle is mapped whole)
+    row = _mbisect_right(S, M, va) if fits else 0
     for i in range(count):
         code = _create(S, H, size)
         if code:
             return code, i, i
         h = S[S_E0]
         out[i] = h
-        code = _map(S, H, R, M, va + i * size, size, h, 0)
-        if code:
-            return code, i + 1, i
+        if fits:
+            _insert_mapping(S, H, M, row + i, va + i * size, size, h, 0)
+        else:
+            code = _map(S, H, R, M, va + i * size, size, h, 0)
+            if code:
+                return code, i + 1, i
     return OK, count, count
 
 
 @njit(cache=True)
 def _map_many(S, H, R, M, va, size, hs):
     """Map ``hs[i]`` at ``va + i * size`` in order (the table has room). Returns ``(code, mapped)``."""
+    if _run_fits(S, R, M, va, size, hs.shape[0]):  # only the handles are left to check, one by one
+        row = _mbisect_right(S, M, va)
+        for i in range(hs.shape[0]):
+            code = _handle_fits(S, H, hs[i], size, 0)
+            if code:
+                return code, i
+            _insert_mapping(S, H, M, row + i, va + i * size, size, hs[i], 0)
+        return OK, hs.shape[0]
     for i in range(hs.shape[0]):
         code = _map(S, H, R, M, va + i * size, size, hs[i], 0)
         if code:
@@ -492,7 +535,7 @@ class CompiledSimulatedDriver(SimulatedDriver):
         in one compiled loop, with the same counts, accounting, undos and errors; the reference
         loop where an injected fault falls inside it or a value is out of the tables' range.
         Runtime complexity: O(count * log(m) + the gap's move) in live mappings m, ``2 * count``
-        counted driver calls in one Python call (O(count) Python work for the undos)."""
+        counted driver calls in one Python call (the undos registered as one :class:`~vmstoolkit.pools.drivers.txn.StepRun`)."""
         if (count <= 0 or size <= 0 or size % self._granularity or not 0 <= va <= _INT64_MAX - count * size
                 or self._faults_within("create", count) or self._faults_within("map", count)):
             return super().create_mapped(va, size, count, tx)
@@ -505,16 +548,10 @@ class CompiledSimulatedDriver(SimulatedDriver):
         if mapped or failed_map:
             calls["map"] += mapped + failed_map
         handles = out[:made].tolist()
-        sizes = self._handle_sizes
-        steps = []
-        for i, h in enumerate(handles):
-            sizes[h] = size
-            steps.append(("release", h, size))
-            if i < mapped:
-                steps.append(("unmap", va + i * size, size))
+        self._handle_sizes.update(dict.fromkeys(handles, size))
         if made:
             self._grow(made * size)
-        tx.undo_steps(steps)
+        tx.undo_steps(StepRun(va, size, handles, mapped))  # a release, then an unmap, per chunk
         if code:
             if failed_map:
                 self._raise(code, "map", va=va + mapped * size, size=size, handle=handles[-1], offset=0)
@@ -537,7 +574,7 @@ class CompiledSimulatedDriver(SimulatedDriver):
         self._room(0, count)
         code, mapped = _map_many(self._S, self._H, self._R, self._M, va, size, hs)
         self.calls["map"] += mapped + (1 if code else 0)
-        tx.undo_steps([("unmap", va + i * size, size) for i in range(mapped)])
+        tx.undo_steps(StepRun(va, size, None, mapped))  # an unmap per chunk mapped
         if code:
             self._raise(code, "map", va=va + mapped * size, size=size, handle=handles[mapped], offset=0)
 

@@ -44,13 +44,17 @@ class Transaction:
             raise ConfigError(f"teardown-step undo {op!r} needs a transaction made with a graveyard")
         self._undo.append((op, a, b))
 
-    def undo_steps(self, steps: list) -> None:
+    def undo_steps(self, steps) -> None:
         """Register teardown steps ``(op, a, b)`` at once, in order, as :meth:`undo` each would
         (the driver's batched calls: :meth:`~vmstoolkit.pools.drivers.base.VMMDriver.create_mapped`).
-        Cost: O(len(steps)); no driver call."""
+        A :class:`StepRun` is kept as it is, its steps made only if the transaction rolls back.
+        Cost: O(len(steps)), O(1) for a :class:`StepRun`; no driver call."""
         if self._graveyard is None:
             raise ConfigError("teardown-step undos need a transaction made with a graveyard")
-        self._undo.extend(steps)
+        if type(steps) is StepRun:
+            self._undo.append(steps)
+        else:
+            self._undo.extend(steps)
 
     def commit(self) -> None:
         """Every step succeeded: forget the undos (nothing is rolled back on leaving). O(1)."""
@@ -63,6 +67,8 @@ class Transaction:
         undos; one driver call per teardown step, and one synchronize per run of consecutive
         teardown steps that unmaps (:meth:`Graveyard.run <vmstoolkit.pools.drivers.teardown.Graveyard.run>`)."""
         errors = []
+        if any(type(u) is StepRun for u in self._undo):
+            self._undo = [x for u in self._undo for x in (u if type(u) is StepRun else (u,))]
         while self._undo:
             undo = self._undo.pop()
             if isinstance(undo, tuple):
@@ -90,6 +96,33 @@ class Transaction:
         elif not self._committed:
             self.commit()
         return False
+
+
+class StepRun:
+    """The undo steps of a batch of chunks ``size`` bytes each from ``va``, as a sequence made
+    when read: with ``handles``, ``("release", h, size)`` for each handle, each followed by
+    ``("unmap", va + i * size, size)`` while ``i < mapped``; without, only the ``mapped`` unmaps.
+    What the compiled driver's batched calls register (a tuple per chunk, made and dropped at
+    commit, was most of their Python work). Cost: O(1) to make, O(steps) to read."""
+
+    __slots__ = ("va", "size", "handles", "mapped")
+
+    def __init__(self, va: int, size: int, handles: list | None, mapped: int) -> None:
+        self.va, self.size, self.handles, self.mapped = va, size, handles, mapped
+
+    def __iter__(self):
+        va, size, mapped = self.va, self.size, self.mapped
+        if self.handles is None:
+            for i in range(mapped):
+                yield ("unmap", va + i * size, size)
+            return
+        for i, h in enumerate(self.handles):
+            yield ("release", h, size)
+            if i < mapped:
+                yield ("unmap", va + i * size, size)
+
+    def __len__(self) -> int:
+        return self.mapped + (0 if self.handles is None else len(self.handles))
 
 
 def map_new_range(driver, size: int, graveyard) -> tuple[int, int]:

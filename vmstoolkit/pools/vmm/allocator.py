@@ -79,24 +79,30 @@ class VMMAllocator(Allocator):
                 raise self._oom(size, e) from None
 
     def _allocate_large(self, n: int, size: int, last_resort: bool = False) -> int:
-        prim, st, policy = self.primitives, self.stitched, self.policy
+        prim, st, policy, counts = self.primitives, self.stitched, self.policy, self.counts
         p = prim.best_fit(n)
-        if p is not None and p.nchunks == n:
-            return self._use_primitive(p, "exact")
+        if p is not None and p.nchunks == n:  # _use_primitive(p, "exact"), inline: most requests
+            prim.take(p, p)
+            self._blocks[p.va] = p
+            counts["exact"] += 1
+            return p.va
         s = st.best_fit(n, n)
         if s is not None:
             return self._use_stitched(s, "exact")
         if p is not None:
-            head, _ = prim.split(p, n)
-            return self._use_primitive(head, "split")
+            head = prim.split_take(p, n)
+            self._blocks[head.va] = head
+            counts["split"] += 1
+            return head.va
         if policy.stitched_prefix:
             s = st.best_prefix(n)
             if s is not None:
                 prefix = st.take_prefix(s, n)
                 self._blocks[prefix.va] = prefix
-                self.counts["prefix"] += 1
+                counts["prefix"] += 1
                 return prefix.va
-        s = st.best_fit(n, int(n * policy.reuse_max_ratio))
+        reuse_max = int(n * policy.reuse_max_ratio)
+        s = st.best_fit(n, reuse_max) if reuse_max > n else None  # up to n: the lookup above, again
         if s is not None:
             return self._use_stitched(s, "reuse_stitched")
         may_stitch = last_resort or size >= policy.stitch_min_bytes
@@ -186,7 +192,7 @@ class VMMAllocator(Allocator):
             return
         t = type(b)
         if t is PrimitiveBlock:
-            self.primitives.give_back(b)
+            self.primitives.give_back_many((b,))  # give_back(b), one call fewer: most frees
         elif t is StitchedBlock:
             self.stitched.give_back(b)
         else:

@@ -20,6 +20,21 @@ from dataclasses import dataclass
 from vmstoolkit.pools.drivers.base import Handle
 
 
+VA_BITS = 64
+"""Bits of a device address (``CUdeviceptr`` is 64-bit)."""
+
+
+def free_key(nchunks: int, va: int) -> int:
+    """``(nchunks, va)`` as one int that sorts the same way: ``nchunks << 64 | va``. The primitive
+    pool's free list holds these (ints compare in one C call, a tuple in up to three, and a
+    block's key is made once, not per lookup); ``key >> VA_BITS`` and ``key & VA_MASK`` give
+    the two back. Runtime complexity: O(1)."""
+    return nchunks << VA_BITS | va
+
+
+VA_MASK = (1 << VA_BITS) - 1
+
+
 class Reservation:
     """A virtual range from ``reserve``; freed when no primitive block lives in it."""
 
@@ -39,12 +54,13 @@ class PrimitiveBlock:
     blocks whose ranges map its chunks.
     """
 
-    __slots__ = ("va", "handles", "nchunks", "res", "user", "stitched")
+    __slots__ = ("va", "handles", "nchunks", "key", "res", "user", "stitched")
 
     def __init__(self, va: int, handles: list[Handle], res: Reservation) -> None:
         self.va = va
-        self.handles = handles  # never changed: a split or a merge makes new blocks
+        self.handles = handles  # replaced, never changed in place: a split cuts it, a merge extends it
         self.nchunks = len(handles)  # read on every pool operation: a slot, not a property
+        self.key = self.nchunks << VA_BITS | va  # free_key(nchunks, va), inline: its place on the free list
         self.res = res
         self.user: object | None = None
         self.stitched: set[StitchedBlock] = set()
@@ -68,7 +84,7 @@ class StitchedBlock:
         self.va = va
         self.nchunks = nchunks
         self.parts = parts
-        self.busy = sum(1 for p in parts if not p.free)
+        self.busy = sum(1 for p in parts if p.user is not None)  # parts not free
         self.allocated = False  # held whole, or through a prefix (then ``prefix`` is set)
         self.last_use = 0
         self.prefix: StitchedPrefix | None = None

@@ -8,7 +8,7 @@ Wholly free segments are given back by :meth:`SmallPool.release_empty`.
 
 from __future__ import annotations
 
-from sortedcontainers import SortedKeyList
+from bisect import bisect_left, insort
 
 from vmstoolkit.pools.constants import SMALL_SIZE  # noqa: F401 - requests up to this size are small
 from vmstoolkit.pools.drivers.base import VMMDriver
@@ -41,8 +41,19 @@ class _Segment:
         self.used = 0  # bytes of allocated blocks
 
 
-def _key(b: _Block) -> tuple[int, int]:
-    return (b.size, b.addr)
+def _add(free_blocks: list, b: _Block) -> None:
+    """Put ``b`` on the free list: ``(size, addr, block)`` entries sorted by size then address
+    (an entry's first two fields never tie: two free blocks never share an address, so the
+    blocks themselves are never compared). Runtime complexity: O(log s) plus a memmove."""
+    insort(free_blocks, (b.size, b.addr, b))
+
+
+def _remove(free_blocks: list, b: _Block) -> None:
+    """Take ``b`` off the free list; a block not on it is a broken invariant (``AssertionError``)."""
+    i = bisect_left(free_blocks, (b.size, b.addr))  # (size, addr) sorts just before its entry
+    if i == len(free_blocks) or free_blocks[i][2] is not b:
+        raise AssertionError(f"small block {b.addr:#x} is not on the free list")
+    del free_blocks[i]
 
 
 class SmallPool:
@@ -53,7 +64,10 @@ class SmallPool:
         self.graveyard = graveyard
         self.segment_size = driver.granularity
         self.segments: dict[int, _Segment] = {}
-        self.free_blocks = SortedKeyList(key=_key)
+        # (size, addr, block) of the free blocks, sorted: a plain list kept with bisect, like the
+        # primitive pool's free list (a SortedKeyList's add and remove are Python calls over its
+        # sublists, with a key function call per entry made; the pool holds tens of free blocks)
+        self.free_blocks: list[tuple[int, int, _Block]] = []
         self.used: dict[int, _Block] = {}
 
     @staticmethod
@@ -63,15 +77,16 @@ class SmallPool:
 
     def allocate(self, size: int) -> int:
         """Address of a block of ``round_up(size, 512)`` bytes; may create one segment.
-        Runtime complexity: O(log s) for ``s`` free blocks; driver calls only for a new segment
+        Runtime complexity: O(log s) for ``s`` free blocks (and a memmove of the free list); driver calls only for a new segment
         (reserve, create, map, set_access)."""
         need = self.rounded(size)
-        i = self.free_blocks.bisect_key_left((need, -1))
-        if i < len(self.free_blocks):
-            block = self.free_blocks.pop(i)
+        fl = self.free_blocks
+        i = bisect_left(fl, (need, -1))
+        if i < len(fl):
+            block = fl.pop(i)[2]
         else:
             block = self._new_segment()
-            self.free_blocks.remove(block)
+            _remove(fl, block)
         rest = block.size - need
         if rest >= MIN_BLOCK:
             tail = _Block(block.addr + need, rest, block.seg)
@@ -80,7 +95,7 @@ class SmallPool:
                 block.next.prev = tail
             block.next = tail
             block.size = need
-            self.free_blocks.add(tail)
+            _add(fl, tail)
         block.free = False
         block.seg.used += block.size
         self.used[block.addr] = block
@@ -92,7 +107,7 @@ class SmallPool:
         seg = _Segment(va, size, h)
         self.segments[va] = seg
         block = _Block(va, size, seg)
-        self.free_blocks.add(block)
+        _add(self.free_blocks, block)
         return block
 
     def owns(self, addr: int) -> bool:
@@ -107,7 +122,7 @@ class SmallPool:
         block.seg.used -= block.size
         for nb in (block.prev, block.next):
             if nb is not None and nb.free:
-                self.free_blocks.remove(nb)
+                _remove(self.free_blocks, nb)
                 if nb is block.prev:
                     nb.size += block.size
                     nb.next = block.next
@@ -119,7 +134,7 @@ class SmallPool:
                     block.next = nb.next
                     if nb.next is not None:
                         nb.next.prev = block
-        self.free_blocks.add(block)
+        _add(self.free_blocks, block)
 
     def release_empty(self) -> int:
         """Give back every segment with no allocated block; returns the bytes released. Runtime
@@ -127,7 +142,7 @@ class SmallPool:
         free_address per segment released."""
         released = 0
         for seg in [s for s in self.segments.values() if s.used == 0]:
-            self.free_blocks.remove(_find_whole(self.free_blocks, seg))
+            _remove(self.free_blocks, _find_whole(self.free_blocks, seg))
             del self.segments[seg.va]
             released += seg.size
             self.graveyard.run(unmap_range_steps(seg.va, seg.size, seg.handle))
@@ -144,7 +159,7 @@ class SmallPool:
         handles = set()
         free_seen = 0
         heads = {}
-        for b in list(self.free_blocks) + list(self.used.values()):
+        for b in [e[2] for e in self.free_blocks] + list(self.used.values()):
             if b.prev is None:
                 heads[b.seg.va] = b
         assert set(heads) == set(self.segments), "a segment has no first block"
@@ -168,8 +183,8 @@ class SmallPool:
         return handles
 
 
-def _find_whole(free_blocks: SortedKeyList, seg: _Segment) -> _Block:
+def _find_whole(free_blocks: list, seg: _Segment) -> _Block:
     """The single free block that spans all of an empty segment."""
-    b = free_blocks[free_blocks.bisect_key_left((seg.size, seg.va))]
+    b = free_blocks[bisect_left(free_blocks, (seg.size, seg.va))][2]
     assert b.addr == seg.va and b.size == seg.size
     return b

@@ -6,20 +6,20 @@ from bisect import bisect_left, insort
 
 from vmstoolkit.pools.vmm.blocks import PrimitiveBlock, StitchedBlock, StitchedPrefix
 from vmstoolkit.pools.drivers.base import VMMDriver
-from vmstoolkit.pools.vmm.primitive import PrimitivePool, remove_key
+from vmstoolkit.pools.vmm.primitive import PrimitivePool
 from vmstoolkit.pools.drivers.txn import Transaction
 
 
 class StitchedPool:
     """Stitched blocks over a :class:`PrimitivePool`.
 
-    ``idle`` holds ``(chunks, va)`` of every stitched block not allocated now, in best-fit
-    order; a block in it is usable when its ``busy`` count (parts not free, kept by the primitive
-    pool's state callbacks with one integer update each) is zero. Lookups skip busy blocks, at
-    most ``SCAN_LIMIT`` of them. At most ``max_cached`` stitched blocks are
-    kept; past that the least recently used unallocated one is unmapped (its range costs no
-    physical memory, but every cached block costs page-table entries and bookkeeping on each
-    state change of its parts).
+    ``idle`` holds ``(chunks, va, block)`` of every stitched block not allocated now, in best-fit
+    order (by chunks, then address: two entries never tie there, so blocks are never compared); a block in it is usable when its ``busy`` count (parts not free, kept by the primitive
+    pool's ``take`` and ``give_back`` with one integer update each) is zero. Lookups skip busy
+    blocks, at most ``SCAN_LIMIT`` of them. At most ``max_cached`` stitched blocks are kept;
+    past that the least recently used unallocated one is unmapped (its range costs no physical
+    memory, but every cached block costs page-table entries and bookkeeping on each state
+    change of its parts).
     """
 
     def __init__(self, driver: VMMDriver, primitives: PrimitivePool, max_cached: int) -> None:
@@ -28,24 +28,22 @@ class StitchedPool:
         self.primitives = primitives
         self.max_cached = max_cached
         self.blocks: dict[int, StitchedBlock] = {}  # va -> every stitched block
-        self.idle: list[tuple[int, int]] = []  # sorted, kept with bisect (see PrimitivePool.free_list)
+        # sorted, kept with bisect (as PrimitivePool._free); the block in each entry saves the
+        # lookups a dict lookup per range they scan
+        self.idle: list[tuple[int, int, StitchedBlock]] = []
         self._clock = 0
-        primitives.on_used = self._part_used
-        primitives.on_freed = self._part_freed
+        # for _collect, the ranges in the order of a stable sort by last_use: those never taken
+        # (last_use 0; a stitch is taken at once unless a driver failure came in between), in
+        # the order they were made, then the others, least recently taken first (va -> block)
+        self._unused: dict[int, StitchedBlock] = {}
+        self._lru: dict[int, StitchedBlock] = {}
 
-    # -- bookkeeping from the primitive pool ----------------------------------------------
+    # -- bookkeeping by the primitive pool -------------------------------------------------
     # Keeping a sorted set of exactly the usable blocks cost two sorted-list updates per cached
-    # stitched block on every state change of a part; counting is an integer update, and the
-    # lookup skips the few busy blocks instead (replay of llama-ckpt: 1.4x faster).
+    # stitched block on every state change of a part; counting is an integer update (the
+    # primitive pool's take and give_back count ``busy`` themselves), and the lookup skips the
+    # few busy blocks instead (replay of llama-ckpt: 1.4x faster).
     SCAN_LIMIT = 64
-
-    def _part_used(self, p: PrimitiveBlock) -> None:
-        for s in p.stitched:
-            s.busy += 1
-
-    def _part_freed(self, p: PrimitiveBlock) -> None:
-        for s in p.stitched:
-            s.busy -= 1
 
     # -- stitching ------------------------------------------------------------------------
     def stitch(self, parts: list[PrimitiveBlock]) -> StitchedBlock:
@@ -68,7 +66,8 @@ class StitchedPool:
         for p in parts:
             p.stitched.add(s)
         self.blocks[va] = s
-        insort(self.idle, (nchunks, va))
+        self._unused[va] = s
+        insort(self.idle, (nchunks, va, s))
         self._collect(keep=s)
         return s
 
@@ -78,10 +77,12 @@ class StitchedPool:
         Runtime complexity: O(chunks + log S); driver calls: an unmap per chunk, one free_address."""
         assert not s.allocated, f"destroy of allocated {s}"
         g = self.g
-        remove_key(self.idle, (s.nchunks, s.va))
+        self._unlist(s)
         for p in s.parts:
             p.stitched.discard(s)
         del self.blocks[s.va]
+        if self._unused.pop(s.va, None) is None:
+            del self._lru[s.va]
         steps = [("unmap", s.va + i * g, g) for i in range(s.nchunks)]
         steps.append(("free_address", s.va, s.nchunks * g))
         if defer:
@@ -94,8 +95,18 @@ class StitchedPool:
         excess = len(self.blocks) - self.max_cached
         if excess <= 0:
             return
-        idle = sorted((s for s in self.blocks.values() if not s.allocated and s is not keep), key=lambda s: s.last_use)
-        for s in idle[:excess]:
+        # the first unallocated ones in _unused then _lru: sorted(...)[:excess] by last_use,
+        # without sorting all 256 cached ranges per new stitch (_check proves the order)
+        victims = []
+        for group in (self._unused, self._lru):
+            for s in group.values():
+                if not s.allocated and s is not keep:
+                    victims.append(s)
+                    if len(victims) == excess:
+                        break
+            if len(victims) == excess:
+                break
+        for s in victims:
             self.destroy(s, defer=True)  # on the allocation path: no device sync per eviction
 
     def destroy_idle(self, only: set | None = None) -> int:
@@ -111,13 +122,12 @@ class StitchedPool:
     def best_fit(self, nchunks: int, max_chunks: int) -> StitchedBlock | None:
         """The smallest usable block of ``nchunks`` to ``max_chunks`` chunks, skipping at most
         ``SCAN_LIMIT`` busy ones. Runtime complexity: O(log S + SCAN_LIMIT)."""
-        idle, blocks = self.idle, self.blocks
+        idle = self.idle
         i = bisect_left(idle, (nchunks, -1))
         for k in range(i, min(len(idle), i + self.SCAN_LIMIT + 1)):
-            n, va = idle[k]
+            n, _, s = idle[k]
             if n > max_chunks:
                 break
-            s = blocks[va]
             if s.busy == 0:
                 return s
         return None
@@ -126,11 +136,10 @@ class StitchedPool:
         """The smallest unallocated range of at least ``nchunks`` chunks whose first
         ``nchunks`` chunks are free (its later parts may be in use by others), scanning at most
         ``SCAN_LIMIT`` busy ones. Runtime complexity: O(log n) plus the parts scanned."""
-        blocks = self.blocks
         idle = self.idle
         i = bisect_left(idle, (nchunks, -1))
-        for k, (_, va) in enumerate(idle[i:i + self.SCAN_LIMIT + 1]):  # the loop stops at SCAN_LIMIT
-            s = blocks[va]
+        for k in range(i, min(len(idle), i + self.SCAN_LIMIT + 1)):
+            s = idle[k][2]
             if s.busy == 0:
                 return s
             got = 0
@@ -140,28 +149,21 @@ class StitchedPool:
                 got += p.nchunks
                 if got >= nchunks:
                     return s
-            if k >= self.SCAN_LIMIT:
-                break
         return None
 
     def take(self, s: StitchedBlock) -> None:
         """Allocate a usable block: every part becomes used by it. No driver call. Runtime
         complexity: O(log S + parts x log B) for ``B`` free primitive blocks."""
-        remove_key(self.idle, (s.nchunks, s.va))
-        s.allocated = True
-        self._clock += 1
-        s.last_use = self._clock
-        for p in s.parts:
-            self.primitives.take(p, s)
+        self._unlist(s)
+        self._used_now(s)
+        self.primitives.take_many(s.parts, s)
 
     def take_prefix(self, s: StitchedBlock, nchunks: int) -> StitchedPrefix:
         """Allocate the first ``nchunks`` chunks of an unallocated block, which must be free
         (see :meth:`best_prefix`); no driver call. Runtime complexity: O(log S + parts x log B),
         plus one split of a part."""
-        remove_key(self.idle, (s.nchunks, s.va))
-        s.allocated = True
-        self._clock += 1
-        s.last_use = self._clock
+        self._unlist(s)
+        self._used_now(s)
         taken, need = [], nchunks
         for p in list(s.parts):
             if need == 0:
@@ -172,8 +174,7 @@ class StitchedPool:
             need -= p.nchunks
         prefix = StitchedPrefix(s, nchunks, taken)
         s.prefix = prefix
-        for p in taken:
-            self.primitives.take(p, prefix)
+        self.primitives.take_many(taken, prefix)
         return prefix
 
     def give_back_prefix(self, prefix: StitchedPrefix) -> None:
@@ -182,22 +183,40 @@ class StitchedPool:
         s = prefix.stitched
         s.allocated = False
         s.prefix = None
-        insort(self.idle, (s.nchunks, s.va))
-        for p in list(prefix.parts):  # a copy: giving back may merge parts of s.parts
-            self.primitives.give_back(p)
+        insort(self.idle, (s.nchunks, s.va, s))
+        self.primitives.give_back_many(list(prefix.parts))  # a copy: giving back may merge parts of s.parts
 
     def give_back(self, s: StitchedBlock) -> None:
         """An allocated range is unallocated again and cached; its parts are free (and may
         merge). No driver call. Runtime complexity: O(log S + parts x log B)."""
         s.allocated = False
-        insort(self.idle, (s.nchunks, s.va))
-        for p in list(s.parts):  # a copy: giving back may merge neighbouring parts
-            self.primitives.give_back(p)
+        insort(self.idle, (s.nchunks, s.va, s))
+        self.primitives.give_back_many(list(s.parts))  # a copy: giving back may merge neighbouring parts
+
+    def _used_now(self, s: StitchedBlock) -> None:
+        """``s`` is allocated now: its last use is now, the last in ``_lru``."""
+        s.allocated = True
+        self._clock += 1
+        s.last_use = self._clock
+        lru = self._lru
+        if self._unused.pop(s.va, None) is None:
+            del lru[s.va]
+        lru[s.va] = s
+
+    def _unlist(self, s: StitchedBlock) -> None:
+        """Take ``s`` off ``idle``; a block not on it is a broken invariant (``AssertionError``)."""
+        idle = self.idle
+        i = bisect_left(idle, (s.nchunks, s.va))  # (chunks, va) sorts just before its entry
+        if i == len(idle) or idle[i][2] is not s:
+            raise AssertionError(f"vms: stitched block {(s.nchunks, s.va)} is not on the idle list")
+        del idle[i]
 
     def _check(self, primitive_blocks: dict) -> None:
         """Assert every range's invariants against ``primitive_blocks`` (va -> live primitive
         block). Runtime complexity: O(S x parts)."""
         g = self.g
+        listed = {va: (n, s) for n, va, s in self.idle}
+        assert self.idle == sorted(self.idle, key=lambda e: e[:2]), "idle list not sorted"
         for va, s in self.blocks.items():
             assert s.va == va and va % g == 0, f"{s} not granule-aligned"
             assert s.nchunks == sum(p.nchunks for p in s.parts), f"{s} parts do not add up"
@@ -212,5 +231,10 @@ class StitchedPool:
                 assert s.allocated and pre.parts == s.parts[:len(pre.parts)], f"{pre} is not a prefix of {s}"
                 assert sum(p.nchunks for p in pre.parts) == pre.nchunks < s.nchunks
                 assert all(p.user is pre for p in pre.parts), f"{pre} has parts used by others"
-            assert ((s.nchunks, va) in self.idle) == (not s.allocated), f"{s} idle-set membership wrong"
+            assert (listed.get(va) == (s.nchunks, s)) == (not s.allocated), f"{s} idle-set membership wrong"
         assert len(self.idle) == sum(1 for s in self.blocks.values() if not s.allocated)
+        uses = [s.last_use for s in self._lru.values()]
+        assert {**self._unused, **self._lru} == self.blocks and len(self._unused) + len(self._lru) == len(self.blocks) \
+            and all(s.last_use == 0 for s in self._unused.values()) and all(a < b for a, b in zip([0] + uses, uses)), \
+            "_unused and _lru do not hold every range in the order of its last use"
+        assert list(self._unused) == [va for va, s in self.blocks.items() if s.last_use == 0], "_unused out of order"
