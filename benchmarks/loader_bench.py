@@ -190,6 +190,11 @@ def main() -> None:
     allocators = [a for a in args.allocators.split(",") if a]
     if BASE not in allocators:
         allocators.append(BASE)
+    if args.dir is not None:
+        try:
+            Path(args.dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--dir {args.dir}: cannot make it: {e.strerror}")
     print(f"machine: {machine()}")
     print(f"command: python benchmarks/loader_bench.py {' '.join(sys.argv[1:])}".rstrip())
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
