@@ -159,10 +159,9 @@ def test_gemm_bf16_layouts(m, n, k):
 
     from vmstoolkit.kernels import gemm_bf16 as GB
 
-    rng = np.random.default_rng(m)
-    x, w, dy = _bits(rng, (m, k)), _bits(rng, (n, k)), _bits(rng, (m, n))
-    cases = (("nn", GB.gemm_bf16, x, w, (m, n)), ("nt", GB.linear_dx_bf16, dy, w, (m, k)),
-             ("tt", GB.linear_dw_bf16, dy, x, (n, k)))
+    from mma_cases import layout_cases
+
+    x, w, dy, cases = layout_cases(np.random.default_rng(m), m, n, k)
     for layout, fn, a, b, shape in cases:
         want = GB.reference(layout, a, b)
         out = cuda.device_array(shape, np.float32)

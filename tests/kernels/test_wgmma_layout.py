@@ -128,12 +128,6 @@ def test_the_launchers_keep_mma_sync_by_default_on_the_simulator():
     assert not y.copy_to_host().any()
 
 
-def _bits(rng, shape):
-    from vmstoolkit.kernels import mma_layout
-
-    return mma_layout.bf16_bits(rng.standard_normal(shape).astype(np.float32))
-
-
 @pytest.mark.parametrize("tiles", [GW.WgmmaTiles(64, 64, 3), GW.WgmmaTiles(64, 64, 4, ahead=1)],
                          ids=lambda t: t.label())
 def test_the_generated_kernel_on_the_simulator(tiles):
@@ -142,11 +136,10 @@ def test_the_generated_kernel_on_the_simulator(tiles):
     slices and ragged, bf16 and fp32 outputs, and split k."""
     from numba import cuda
 
-    rng = np.random.default_rng(7)
+    from mma_cases import layout_cases
+
     m, n, k = 70, 80, 136  # two row tiles (one partial), two column tiles (one partial), slices of 64, 64 and 8
-    x, w, dy = _bits(rng, (m, k)), _bits(rng, (n, k)), _bits(rng, (m, n))
-    cases = (("nn", GB.gemm_bf16, x, w, (m, n)), ("nt", GB.linear_dx_bf16, dy, w, (m, k)),
-             ("tt", GB.linear_dw_bf16, dy, x, (n, k)))
+    x, w, dy, cases = layout_cases(np.random.default_rng(7), m, n, k)
     for layout, fn, a, b, shape in cases:
         want = GB.reference(layout, a, b)
         out = cuda.device_array(shape, np.float32)
