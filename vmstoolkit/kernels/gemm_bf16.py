@@ -61,11 +61,12 @@ from vmstoolkit.errors import KernelError
 from . import _cuda_cache, _mma, gemm_wgmma as GW, mma_layout
 from ._util import check_ndim, generated_function, simulating, sm_count
 from .gemm import LAYOUTS, copy_fill, zero_fill
-from .gemm_staging import (CHUNK, CHUNK_BYTES, aligned_b16, fetch_lines, fetch_setup, row_bytes, store_acc, store_add,
-                           store_bf16, store_f32, swizzle_n, swizzle_t)
+from .gemm_staging import (CHUNK, CHUNK_BYTES, aligned_b16, chunk_bytes, fetch_lines, fetch_setup, row_bytes, store_acc,
+                           store_add, store_bf16, store_f32, swizzle_n, swizzle_t)
 
-__all__ = ["CHUNK", "GPU_TILES", "MmaTiles", "aligned_b16", "choose", "gemm_bf16", "linear_dw_bf16", "linear_dx_bf16",
-           "reference"]  # CHUNK and aligned_b16 live in gemm_staging; flash_bf16 and callers import them from here
+# CHUNK, aligned_b16 and chunk_bytes live in gemm_staging; callers (flash_bf16, the tests) import them from here
+__all__ = ["CHUNK", "GPU_TILES", "MmaTiles", "aligned_b16", "choose", "chunk_bytes", "gemm_bf16", "linear_dw_bf16",
+           "linear_dx_bf16", "reference"]
 
 BK = 32  # the default k depth of a staged slice (two mma k steps)
 STATIC_SMEM = 48 * 1024  # a kernel's static shared memory at most

@@ -40,6 +40,7 @@ Measurements: ``experiments/results/gemm-bf16-h200`` (run 3 on).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 from functools import lru_cache
@@ -261,8 +262,6 @@ def usable(tiles, aligned: bool) -> bool:
     """Whether a launch takes this kernel: wgmma tiles asked for (or none, on an sm_90 device,
     where ``VMSTOOLKIT_WGMMA=1``: not the default until the H200 has checked it), and both
     operands 16-byte aligned."""
-    import os
-
     if not aligned:
         return False
     if isinstance(tiles, WgmmaTiles):  # on the simulator too, through the intrinsics' twins
