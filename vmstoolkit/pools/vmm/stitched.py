@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from heapq import heapify, heappop, heappush
 
 from vmstoolkit.pools.vmm.blocks import PrimitiveBlock, StitchedBlock, StitchedPrefix
 from vmstoolkit.pools.drivers.base import VMMDriver
@@ -32,11 +33,15 @@ class StitchedPool:
         # lookups a dict lookup per range they scan
         self.idle: list[tuple[int, int, StitchedBlock]] = []
         self._clock = 0
-        # for _collect, the ranges in the order of a stable sort by last_use: those never taken
-        # (last_use 0; a stitch is taken at once unless a driver failure came in between), in
-        # the order they were made, then the others, least recently taken first (va -> block)
+        # For _collect, the unallocated ranges in the order of a stable sort by last_use: first
+        # those never taken (last_use 0; a stitch is taken at once unless a driver failure came
+        # in between), in the order they were made (va -> block), then the others, least
+        # recently taken first: a heap of (last_use, va), pushed when a range is given back and
+        # never updated, whose entry is stale once that range is taken again or destroyed
+        # (:meth:`_live`). Only unallocated ranges are on either: the allocated ones, which
+        # grow with the live set, are never scanned (Note [LRU of the idle ranges]).
         self._unused: dict[int, StitchedBlock] = {}
-        self._lru: dict[int, StitchedBlock] = {}
+        self._lru: list[tuple[int, int]] = []
 
     # -- bookkeeping by the primitive pool -------------------------------------------------
     # Keeping a sorted set of exactly the usable blocks cost two sorted-list updates per cached
@@ -81,8 +86,7 @@ class StitchedPool:
         for p in s.parts:
             p.stitched.discard(s)
         del self.blocks[s.va]
-        if self._unused.pop(s.va, None) is None:
-            del self._lru[s.va]
+        self._unused.pop(s.va, None)  # its _lru entry, if any, is stale now
         steps = [("unmap", s.va + i * g, g) for i in range(s.nchunks)]
         steps.append(("free_address", s.va, s.nchunks * g))
         if defer:
@@ -91,23 +95,48 @@ class StitchedPool:
             self.primitives.graveyard.run(steps)
 
     def _collect(self, keep: StitchedBlock) -> None:
-        """Destroy least recently used unallocated blocks (never ``keep``) beyond ``max_cached``."""
+        """Destroy least recently used unallocated blocks (never ``keep``) beyond ``max_cached``.
+        Runtime complexity: O(excess log H) for ``H`` heap entries, amortized."""
         excess = len(self.blocks) - self.max_cached
         if excess <= 0:
+            self._compact()
             return
-        # the first unallocated ones in _unused then _lru: sorted(...)[:excess] by last_use,
-        # without sorting all 256 cached ranges per new stitch (_check proves the order)
+        # Note [LRU of the idle ranges]
+        # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        # The victims are the first ``excess`` unallocated ranges in the order of their last use
+        # (sorted(...)[:excess], never taken ones first), as a scan of every cached range in
+        # that order would pick them. Such a scan skipped the allocated ranges one by one, and
+        # once more ranges are allocated than max_cached (a live set of many stitched tensors),
+        # every new stitch scanned all of them: 350 us a stitch on a 2M-event replay. Here only
+        # unallocated ranges are visited: _unused holds only those (a range leaves it when
+        # first taken), and the heap's stale entries (a range taken again, or destroyed) are
+        # dropped as they come up. _check proves the order against the ranges' last_use.
         victims = []
-        for group in (self._unused, self._lru):
-            for s in group.values():
-                if not s.allocated and s is not keep:
-                    victims.append(s)
-                    if len(victims) == excess:
-                        break
+        for s in self._unused.values():
             if len(victims) == excess:
                 break
+            if s is not keep:
+                victims.append(s)
+        heap, blocks = self._lru, self.blocks
+        while len(victims) < excess and heap:
+            last_use, va = heappop(heap)
+            s = blocks.get(va)
+            if s is not None and not s.allocated and s.last_use == last_use and s is not keep:
+                victims.append(s)
         for s in victims:
             self.destroy(s, defer=True)  # on the allocation path: no device sync per eviction
+
+    def _compact(self) -> None:
+        """Drop the heap's stale entries once they outnumber the ranges (amortized O(1) a push)."""
+        heap = self._lru
+        if len(heap) > 2 * len(self.blocks) + 64:
+            heap[:] = [e for e in heap if self._live(e)]
+            heapify(heap)
+
+    def _live(self, entry: tuple[int, int]) -> bool:
+        """Whether a heap entry still stands for an unallocated range with that last use."""
+        s = self.blocks.get(entry[1])
+        return s is not None and not s.allocated and s.last_use == entry[0]
 
     def destroy_idle(self, only: set | None = None) -> int:
         """Destroy every unallocated stitched block (or those mapping a block in ``only``); returns
@@ -184,6 +213,7 @@ class StitchedPool:
         s.allocated = False
         s.prefix = None
         insort(self.idle, (s.nchunks, s.va, s))
+        heappush(self._lru, (s.last_use, s.va))
         self.primitives.give_back_many(list(prefix.parts))  # a copy: giving back may merge parts of s.parts
 
     def give_back(self, s: StitchedBlock) -> None:
@@ -191,17 +221,15 @@ class StitchedPool:
         merge). No driver call. Runtime complexity: O(log S + parts x log B)."""
         s.allocated = False
         insort(self.idle, (s.nchunks, s.va, s))
+        heappush(self._lru, (s.last_use, s.va))
         self.primitives.give_back_many(list(s.parts))  # a copy: giving back may merge neighbouring parts
 
     def _used_now(self, s: StitchedBlock) -> None:
         """``s`` is allocated now: its last use is now, the last in ``_lru``."""
         s.allocated = True
         self._clock += 1
-        s.last_use = self._clock
-        lru = self._lru
-        if self._unused.pop(s.va, None) is None:
-            del lru[s.va]
-        lru[s.va] = s
+        s.last_use = self._clock  # its _lru entry, if any, is stale now
+        self._unused.pop(s.va, None)
 
     def _unlist(self, s: StitchedBlock) -> None:
         """Take ``s`` off ``idle``; a block not on it is a broken invariant (``AssertionError``)."""
@@ -233,8 +261,11 @@ class StitchedPool:
                 assert all(p.user is pre for p in pre.parts), f"{pre} has parts used by others"
             assert (listed.get(va) == (s.nchunks, s)) == (not s.allocated), f"{s} idle-set membership wrong"
         assert len(self.idle) == sum(1 for s in self.blocks.values() if not s.allocated)
-        uses = [s.last_use for s in self._lru.values()]
-        assert {**self._unused, **self._lru} == self.blocks and len(self._unused) + len(self._lru) == len(self.blocks) \
-            and all(s.last_use == 0 for s in self._unused.values()) and all(a < b for a, b in zip([0] + uses, uses)), \
-            "_unused and _lru do not hold every range in the order of its last use"
+        idle = {va: s for va, s in self.blocks.items() if not s.allocated}
+        live = sorted(e for e in self._lru if self._live(e))
+        assert len(set(live)) == len(live), "a range twice on the LRU heap"
+        by_heap = [va for _, va in live]
+        assert all(self.blocks[va].last_use == 0 for va in self._unused) and set(self._unused) | set(by_heap) == set(idle) \
+            and len(self._unused) + len(by_heap) == len(idle), "_unused and _lru do not hold exactly the unallocated ranges"
+        assert all(s.last_use > 0 for va, s in idle.items() if va not in self._unused), "a taken range on _unused"
         assert list(self._unused) == [va for va, s in self.blocks.items() if s.last_use == 0], "_unused out of order"
