@@ -70,6 +70,20 @@ less where it is issue-bound, and "3xtf32" at a third of that (40-70), against c
 GEMM (CUDA cores, about 50 TFLOP/s at these shapes) and cuBLAS TF32 (wgmma, 300-400):
 ``experiments/gemm_sweep.py --dtype tf32`` measures it.
 
+Note [3xtf32 small products]
+----------------------------
+The tensor core's fp32 accumulation is not an IEEE add: the addends are aligned to the largest
+and the bits below are cut, so a product about 2^-11 of the running sum (a big x small term)
+loses most of its bits when it is added into that sum. Accumulating all three products into one
+accumulator gave 3xtf32 an error that grows with K, about 10x cuBLAS's fp32 GEMM at K = 4096
+(3.3e-5 against 3.6e-6, H100, the sweep above; 1.6e-5 with split k halving K per block): an
+fp32 path no more accurate than that is no fp32 path. So, per m16n8k8 step and tile, the two
+small products go into a zero accumulator (two mma, its sum about 2^-11 of each operand's
+scale, where the cut bits are that much smaller), the big product into the running sum, and
+the small sum is added to it by four FADDs (round to nearest). This is the fix that Triton's
+3xTF32 took for the same loss (triton-lang/triton#4603). Cost: four FADDs and four registers a
+tile and step beside three HMMA.
+
 Under the simulator the kernel runs the intrinsics' twins (:mod:`._mma`) on one-warp 16 x 16
 tiles; ``mma_tf32``'s twin reads its operands as tf32 by truncation, as the tensor core does.
 """
@@ -179,10 +193,15 @@ def _slice_lines(t: MmaTiles, a_trans: bool, b_trans: bool, precision: str) -> l
             for i in range(MT):
                 for j in range(NT):
                     cs = ", ".join(f"c{i}_{j}_{r}" for r in range(4))
-                    terms = [("B", "S"), ("S", "B"), ("B", "B")] if precision == "3xtf32" else [("B", "B")]
-                    for pa, pb in terms:  # the small products first
-                        a = ", ".join(f"a{pa}{i}_{r}" for r in range(4))
-                        src.append(f"        {cs} = mma_tf32({a}, b{pb}{j}_0, b{pb}{j}_1, {cs})")
+                    big = ", ".join(f"aB{i}_{r}" for r in range(4))
+                    if precision == "3xtf32":  # Note [3xtf32 small products]
+                        small = ", ".join(f"aS{i}_{r}" for r in range(4))
+                        src.append(f"        s0, s1, s2, s3 = mma_tf32({big}, bS{j}_0, bS{j}_1, "
+                                   "float32(0.0), float32(0.0), float32(0.0), float32(0.0))")
+                        src.append(f"        s0, s1, s2, s3 = mma_tf32({small}, bB{j}_0, bB{j}_1, s0, s1, s2, s3)")
+                    src.append(f"        {cs} = mma_tf32({big}, bB{j}_0, bB{j}_1, {cs})")
+                    if precision == "3xtf32":
+                        src += [f"        c{i}_{j}_{r} += s{r}" for r in range(4)]
     return src
 
 
