@@ -1,7 +1,7 @@
 """Replay speed: events per second of every allocator on the bundled traces, side by side.
 
     python benchmarks/replay_speed.py [--repeat 3] [--allocator vms ...] [--mode caching --mode expandable]
-                                      [--synthetic full:200] [--json]
+                                      [--synthetic full:200] [--trace PATH ...] [--json]
                                       [--generated 100000,500000,2000000 [--generated-allocators paged,vms]]
 
 One run measures, on each bundled trace (both recording modes by default) and on long synthetic
@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allocator", action="append", default=None)
     ap.add_argument("--mode", action="append", default=None, help="bundled recording mode (caching, expandable)")
     ap.add_argument("--synthetic", action="append", default=None, help="KIND:STEPS of a synthetic trace")
+    ap.add_argument("--trace", action="append", default=None, metavar="PATH",
+                    help="a snapshot of your own (repeatable); with --trace, only --mode/--synthetic given "
+                         "explicitly add the bundled and synthetic traces")
     ap.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     ap.add_argument("--reference-driver", action="append", default=None, metavar="NAME",
                     help="also replay NAME on the Python reference driver (default: vms; 'none': no such rows)")
@@ -97,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     names = args.allocator or allocator_names()
     if BASE not in names:
         names = [BASE, *names]
-    traces = [load_trace(p) for m in (args.mode or ["caching", "expandable"]) for p in bundled_trace_paths(m)]
-    for spec in args.synthetic if args.synthetic is not None else ["full:100", "lora:100"]:
+    own = [load_trace(p) for p in args.trace or []]
+    modes = args.mode if args.mode is not None or own else ["caching", "expandable"]
+    traces = [load_trace(p) for m in modes or [] for p in bundled_trace_paths(m)] + own
+    for spec in args.synthetic if args.synthetic is not None else [] if own else ["full:100", "lora:100"]:
         kind, steps = spec.split(":")
         traces.append(synthetic_trace(kind, seed=0, steps=int(steps)))
     warm = make_allocator("paged")  # compile (or load from Numba's cache) before timing
