@@ -82,7 +82,9 @@ small products go into a zero accumulator (two mma, its sum about 2^-11 of each 
 scale, where the cut bits are that much smaller), the big product into the running sum, and
 the small sum is added to it by four FADDs (round to nearest). This is the fix that Triton's
 3xTF32 took for the same loss (triton-lang/triton#4603). Cost: four FADDs and four registers a
-tile and step beside three HMMA.
+tile and step beside three HMMA. Not yet measured on a GPU: the simulator's mma rounds exactly, so
+only the GPU test (``tests/gpu/test_gemm_tf32_gpu.py::test_split_k_and_acc``, K = 4096, which
+failed before the change) and the sweep can show the error and the rate after it.
 
 Under the simulator the kernel runs the intrinsics' twins (:mod:`._mma`) on one-warp 16 x 16
 tiles; ``mma_tf32``'s twin reads its operands as tf32 by truncation, as the tensor core does.
