@@ -112,5 +112,9 @@ def test_default_takes_wgmma_where_enabled(monkeypatch):
     assert GW.usable(None, True) and not GW.usable(None, False)
     ours, want = run_layouts(x, w, bf(256, 384))
     assert max(err(a, b) for a, b in zip(ours, want)) <= F32_RTOL
+    x, w = bf(2048, 256), bf(2048, 256)  # 128 blocks of 128 x 256: the wide tiles by default
+    assert GW.choose_tiles(2048, 2048, 132) is GW.WIDE
+    ours, want = run_layouts(x, w, bf(2048, 2048))
+    assert max(err(a, b) for a, b in zip(ours, want)) <= F32_RTOL
     monkeypatch.setenv("VMSTOOLKIT_WGMMA", "0")
     assert not GW.usable(None, True)

@@ -178,3 +178,21 @@ def test_kernel_compiles_to_sm90a_ptx():
     # wait 0 once in the loop and once after it (ahead 0); wait 1 in the loop (ahead 1)
     assert [x[1:] for x in lines] == [["nn", "128", "True", "4", "1", "2"], ["nt", "256", "True", "4", "1", "1"],
                                       ["tt", "128", "True", "4", "1", "1"]], out
+
+
+# (output rows, output columns, what the H100 sweep found best of the two) for the 7B block's 15
+# GEMMs: forward y (tokens x out features), dx (tokens x in), dw (out x in), 2048 tokens
+SHAPES_7B = [(4096, 4096, "wide"), (2048, 4096, "wide"), (2048, 1024, "narrow"), (2048, 11008, "wide"),
+             (2048, 4096, "wide"), (4096, 4096, "wide"), (4096, 4096, "wide"), (2048, 4096, "wide"),
+             (4096, 4096, "wide"), (2048, 4096, "wide"), (1024, 4096, "wide"), (2048, 4096, "wide"),
+             (11008, 4096, "wide"), (2048, 11008, "wide"), (4096, 11008, "wide")]
+
+
+def test_the_default_wgmma_tiles_follow_the_sweep():
+    """Note [wgmma tiles by shape]: wide tiles where their blocks fill a wave of 132 SMs (dw of
+    k/v: 128 blocks, 90% of one), narrow ones where they would leave half the SMs idle."""
+    got = ["wide" if GW.choose_tiles(m, n, 132) is GW.WIDE else "narrow" for m, n, _ in SHAPES_7B]
+    assert got == [want for _, _, want in SHAPES_7B]
+    assert GW.choose_tiles(64, 256, 132) is GW.NARROW and GW.choose_tiles(8192, 8192, 132) is GW.WIDE
+    GW.WIDE.check()
+    GW.NARROW.check()

@@ -371,8 +371,12 @@ def _launch(layout: str, a, b, acc, c, k: int, stream, tiles, splits, build=make
     if isinstance(tiles, GW.WgmmaTiles) and not wgmma:
         raise KernelError(f"tiles {tiles.label()}: the wgmma GEMM needs a GPU, bf16 operands and 16-byte aligned ones "
                           f"(unit column stride, row stride a multiple of 8); got a {tuple(a.shape)} and b {tuple(b.shape)}")
-    launch = choose_fn(m, n, k, splits, out_bf16)
-    tiles = tiles or (GW.GPU_WGMMA if wgmma else launch.tiles)
+    if wgmma and tiles is None:  # Note [wgmma tiles by shape]; split k decided on those tiles
+        tiles = GW.choose_tiles(m, n)
+        launch = choose(m, n, k, splits, out_bf16, gpu=tiles)
+    else:
+        launch = choose_fn(m, n, k, splits, out_bf16)
+    tiles = tiles or launch.tiles
     slices = -(-k // tiles.bk)
     s = launch.splits
     if not 1 <= s <= slices:

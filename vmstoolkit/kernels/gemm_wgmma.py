@@ -36,6 +36,22 @@ Under the simulator the kernel runs (asked for with ``WgmmaTiles``) through :mod
 twins, at tiny sizes; the launchers' default there stays the mma.sync kernel.
 
 Measurements: ``experiments/results/gemm-bf16-h200`` (run 3 on).
+
+Note [wgmma tiles by shape]
+---------------------------
+Rationale. The first GPU sweep (H100, ``gemm-bf16-h200/run3-wgmma-h100``, % of cuBLAS bf16 at
+the 7B block's 15 shapes, bf16 output) put the plain 128 x 128 tile that a launch took when it
+asked for none (:data:`GPU_WGMMA`) at 33.6-50.9%, below two of its variants at every shape:
+128 x 256 with one MMA group in flight across the barrier (``ahead = 1``) at 55-70% wherever
+its blocks fill the SMs, 36.5% where they do not (k/v with 8 KV heads, a 2048 x 1024 output:
+64 blocks on 132 SMs); 128 x 128 with ``ahead = 1`` at 51.3% there.
+
+Approach. :func:`choose_tiles`: 128 x 256 / a1 (:data:`WIDE`) when its blocks fill 90% of the SMs
+at least, else 128 x 128 / a1 (:data:`NARROW`). Against that sweep it takes the better of the two
+at all 15 shapes (the 90%: dw of k/v, 128 blocks, is 56.7% wide and 52.2% narrow), 41.5-70.1%
+in all, against 32.8-46.9% for the mma.sync rule. A rule read off the shapes it is scored on:
+the untuned shapes and the H200 must still check it. Split k is decided on the chosen tiles
+(:func:`.gemm_bf16.choose`).
 """
 
 from __future__ import annotations
@@ -51,7 +67,7 @@ from numba import cuda, float32, uint16
 from vmstoolkit.errors import KernelError
 
 from . import _cuda_cache, _mma, _wgmma, gemm_staging as GS, wgmma_layout as WL
-from ._util import generated_function, simulating
+from ._util import generated_function, simulating, sm_count
 
 BK = WL.BK
 MAX_SMEM = 227 * 1024  # the H200's dynamic shared memory per block at most
@@ -124,6 +140,18 @@ class WgmmaTiles:
 
 
 GPU_WGMMA = WgmmaTiles()
+WIDE = WgmmaTiles(128, 256, 4, ahead=1)  # Note [wgmma tiles by shape]
+NARROW = WgmmaTiles(128, 128, 4, ahead=1)
+FULL_WAVE = 0.9  # WIDE when its blocks fill this share of the SMs at least
+
+
+def choose_tiles(m: int, n: int, sms: int | None = None) -> WgmmaTiles:
+    """The tiles of a launch that asked for none (Note [wgmma tiles by shape]): :data:`WIDE`
+    when its blocks of the (m, n) output fill about one wave of ``sms`` SMs (default: the
+    device's), else :data:`NARROW`, twice the blocks."""
+    sms = sms or sm_count()
+    blocks = -(-m // WIDE.bm) * -(-n // WIDE.bn)
+    return WIDE if blocks >= FULL_WAVE * sms else NARROW
 
 
 def _swizzle_panel(k: str, chunk: str, width: int) -> str:
