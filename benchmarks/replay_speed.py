@@ -100,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     names = args.allocator or allocator_names()
     if BASE not in names:
         names = [BASE, *names]
-    own = [load_trace(p) for p in args.trace or []]
-    modes = args.mode if args.mode is not None or own else ["caching", "expandable"]
-    traces = [load_trace(p) for m in modes or [] for p in bundled_trace_paths(m)] + own
-    for spec in args.synthetic if args.synthetic is not None else [] if own else ["full:100", "lora:100"]:
+    defaults = not args.trace  # with your own traces, the bundled and synthetic ones only when asked for
+    modes = args.mode if args.mode is not None else ["caching", "expandable"] if defaults else []
+    traces = [load_trace(p) for m in modes for p in bundled_trace_paths(m)] + [load_trace(p) for p in args.trace or []]
+    for spec in args.synthetic if args.synthetic is not None else ["full:100", "lora:100"] if defaults else []:
         kind, steps = spec.split(":")
         traces.append(synthetic_trace(kind, seed=0, steps=int(steps)))
     warm = make_allocator("paged")  # compile (or load from Numba's cache) before timing
