@@ -101,14 +101,13 @@ def test_views_pitches_and_unaligned_operands():
         GB.gemm_bf16(nb(big_x[:, 3:3 + k]), nb(w), nb(torch.empty(2 * m, n, device="cuda")), tiles=GW.GPU_WGMMA)
 
 
-def test_default_takes_wgmma_where_enabled(monkeypatch):
-    """``VMSTOOLKIT_WGMMA=1``: the launchers' default on an sm_90 device is the wgmma kernel (and
-    its results are right); without it, mma.sync."""
+def test_default_takes_wgmma_on_sm90(monkeypatch):
+    """The launchers' default on an sm_90 device is the wgmma kernel (and its results are right);
+    with ``VMSTOOLKIT_WGMMA=0``, mma.sync."""
     from vmstoolkit.kernels import gemm_wgmma as GW
 
     x, w = bf(256, 512), bf(384, 512)
-    assert GW.usable(None, True) is (os.environ.get("VMSTOOLKIT_WGMMA", "0") == "1")
-    monkeypatch.setenv("VMSTOOLKIT_WGMMA", "1")
+    monkeypatch.delenv("VMSTOOLKIT_WGMMA", raising=False)
     assert GW.usable(None, True) and not GW.usable(None, False)
     ours, want = run_layouts(x, w, bf(256, 384))
     assert max(err(a, b) for a, b in zip(ours, want)) <= F32_RTOL

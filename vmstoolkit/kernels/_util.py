@@ -32,11 +32,38 @@ def simulating() -> bool:
 SM_COUNT_SIM = 132  # the H200's: what sm_count() says where no device can be asked (the simulator)
 
 
+_DEVICE_PROPS: dict[int, tuple[int, tuple[int, int]]] = {}  # device ordinal -> (SMs, compute capability)
+
+
+def _device_props() -> tuple[int, tuple[int, int]]:
+    """(SM count, compute capability) of the current context's device, asked of the driver once
+    per device. The launchers ask for every launch: ``cuda.get_current_device()`` costs 15-30 us
+    of host time a call (H100, ``experiments/launch_cost_gpu.py``), ``cuCtxGetDevice`` about 1."""
+    from cuda.bindings import driver
+
+    err, dev = driver.cuCtxGetDevice()
+    ordinal = int(dev) if err == driver.CUresult.CUDA_SUCCESS else None
+    props = _DEVICE_PROPS.get(ordinal) if ordinal is not None else None
+    if props is None:
+        d = cuda.get_current_device()
+        props = (int(d.MULTIPROCESSOR_COUNT), tuple(int(v) for v in d.compute_capability))
+        if ordinal is not None:
+            _DEVICE_PROPS[ordinal] = props
+    return props
+
+
 def sm_count() -> int:
     """Streaming multiprocessors of the current device (under the simulator: the H200's 132)."""
     if simulating():
         return SM_COUNT_SIM
-    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    return _device_props()[0]
+
+
+def compute_capability() -> tuple[int, int]:
+    """The current device's (major, minor); under the simulator (9, 0), the H200's."""
+    if simulating():
+        return (9, 0)
+    return _device_props()[1]
 
 
 def check_float32(name: str, a) -> None:

@@ -77,14 +77,25 @@ and the bits below are cut, so a product about 2^-11 of the running sum (a big x
 loses most of its bits when it is added into that sum. Accumulating all three products into one
 accumulator gave 3xtf32 an error that grows with K, about 10x cuBLAS's fp32 GEMM at K = 4096
 (3.3e-5 against 3.6e-6, H100, the sweep above; 1.6e-5 with split k halving K per block): an
-fp32 path no more accurate than that is no fp32 path. So, per m16n8k8 step and tile, the two
-small products go into a zero accumulator (two mma, its sum about 2^-11 of each operand's
-scale, where the cut bits are that much smaller), the big product into the running sum, and
-the small sum is added to it by four FADDs (round to nearest). This is the fix that Triton's
-3xTF32 took for the same loss (triton-lang/triton#4603). Cost: four FADDs and four registers a
-tile and step beside three HMMA. Not yet measured on a GPU: the simulator's mma rounds exactly, so
-only the GPU test (``tests/gpu/test_gemm_tf32_gpu.py::test_split_k_and_acc``, K = 4096, which
-failed before the change) and the sweep can show the error and the rate after it.
+fp32 path no more accurate than that is no fp32 path.
+
+A first fix put the two small products into a zero accumulator and added that by FADD, the big
+product still going into the running sum (the fix Triton's 3xTF32 took for the same loss,
+triton-lang/triton#4603). On the GPU it cut the error about 6.5x but not enough: 5.0e-6 against
+cuBLAS fp32's 3.4e-7 at K = 2048 a block (split 2, H100, 2026-12-07, the GPU test below), four
+times over its bound. The big products lose bits too: every m16n8k8 step adds eight of them into
+a running sum far larger than they are, and the cut is one-signed (towards zero), so it adds up
+linearly with K instead of as a random walk.
+
+So now all three products of a step go into the zero accumulator (the small ones first, then
+the big one), and that step's sum, about eight products, is added to the running sum by four
+FADDs, rounded to nearest like the CUDA cores' FMA chain. The cut is then taken against a sum of
+eight products, not of all K so far, and the rounding that grows with K is the FADD's, unbiased.
+This is CUTLASS's "promotion" of an FP8 accumulator into a fp32 one, at every step. Cost: the
+same as the first fix (four FADDs and four registers a tile and step beside three HMMA). The
+simulator's mma rounds exactly, so only the GPU test
+(``tests/gpu/test_gemm_tf32_gpu.py::test_split_k_and_acc``, K = 4096) and the sweep can show
+the error and the rate after it.
 
 Under the simulator the kernel runs the intrinsics' twins (:mod:`._mma`) on one-warp 16 x 16
 tiles; ``mma_tf32``'s twin reads its operands as tf32 by truncation, as the tensor core does.
@@ -201,9 +212,11 @@ def _slice_lines(t: MmaTiles, a_trans: bool, b_trans: bool, precision: str) -> l
                         src.append(f"        s0, s1, s2, s3 = mma_tf32({big}, bS{j}_0, bS{j}_1, "
                                    "float32(0.0), float32(0.0), float32(0.0), float32(0.0))")
                         src.append(f"        s0, s1, s2, s3 = mma_tf32({small}, bB{j}_0, bB{j}_1, s0, s1, s2, s3)")
-                    src.append(f"        {cs} = mma_tf32({big}, bB{j}_0, bB{j}_1, {cs})")
                     if precision == "3xtf32":
+                        src.append(f"        s0, s1, s2, s3 = mma_tf32({big}, bB{j}_0, bB{j}_1, s0, s1, s2, s3)")
                         src += [f"        c{i}_{j}_{r} += s{r}" for r in range(4)]
+                    else:
+                        src.append(f"        {cs} = mma_tf32({big}, bB{j}_0, bB{j}_1, {cs})")
     return src
 
 

@@ -52,6 +52,23 @@ at all 15 shapes (the 90%: dw of k/v, 128 blocks, is 56.7% wide and 52.2% narrow
 in all, against 32.8-46.9% for the mma.sync rule. A rule read off the shapes it is scored on:
 the untuned shapes and the H200 must still check it. Split k is decided on the chosen tiles
 (:func:`.gemm_bf16.choose`).
+
+Checked on 13 shapes it was not read off (the 1B set of ``experiments/gemm_sweep.py --set 1b``,
+H100, 2026-12-07, ``gemm-bf16-h200/run4-wgmma-1b-h100``): 128 x 128 / a1 ran at 27.7-52.2% of
+cuBLAS bf16, 128 x 256 / a1 at 18.6-59.3%, the mma.sync rule at 18.6-42.4%. The rule takes the
+wide tiles at 4096^3 (59.3%, the best of the seven timed) and at gate/up 1024 x 5632 (176
+blocks: 37.4% against the narrow 40.0%, its one wrong pick), the narrow ones elsewhere.
+
+Note [wgmma as the default]
+---------------------------
+Since 2026-12-07 a launch that asks for no tiles takes this kernel on an sm_90 device when both
+operands are 16-byte aligned (``VMSTOOLKIT_WGMMA=0`` keeps mma.sync). The evidence, all H100:
+its GPU tests (layouts, tiles, views, split k, the default path) and, with it on, the bf16
+block's GPU tests (``tests/gpu/test_block_bf16_gpu.py``, passed, ``kernels-h200/run12-h100``;
+the tiny checkpoints run the fp32 kernels and do not reach it); and it is
+faster than mma.sync at every one of the 28 shapes timed (the two sweeps above). The H200 has
+not run it: no H200 has been lent since it was written. On other devices, under the simulator,
+and for unaligned operands the launchers take mma.sync as before.
 """
 
 from __future__ import annotations
@@ -67,7 +84,7 @@ from numba import cuda, float32, uint16
 from vmstoolkit.errors import KernelError
 
 from . import _cuda_cache, _mma, _wgmma, gemm_staging as GS, wgmma_layout as WL
-from ._util import generated_function, simulating, sm_count
+from ._util import compute_capability, generated_function, simulating, sm_count
 
 BK = WL.BK
 MAX_SMEM = 227 * 1024  # the H200's dynamic shared memory per block at most
@@ -287,15 +304,15 @@ def make_gemm_wgmma(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool 
 
 
 def usable(tiles, aligned: bool) -> bool:
-    """Whether a launch takes this kernel: wgmma tiles asked for (or none, on an sm_90 device,
-    where ``VMSTOOLKIT_WGMMA=1``: not the default until the H200 has checked it), and both
-    operands 16-byte aligned."""
+    """Whether a launch takes this kernel: wgmma tiles asked for, or none on an sm_90 device
+    (the default there since 2026-12-07, Note [wgmma as the default]; ``VMSTOOLKIT_WGMMA=0``
+    keeps mma.sync), and both operands 16-byte aligned."""
     if not aligned:
         return False
     if isinstance(tiles, WgmmaTiles):  # on the simulator too, through the intrinsics' twins
         return True
     if simulating():
         return False
-    if tiles is not None or os.environ.get("VMSTOOLKIT_WGMMA", "0") != "1":
+    if tiles is not None or os.environ.get("VMSTOOLKIT_WGMMA", "1").strip() == "0":
         return False
-    return tuple(cuda.get_current_device().compute_capability) == (9, 0)
+    return compute_capability() == (9, 0)
