@@ -18,13 +18,13 @@ from numba import cuda, float32
 
 from vmstoolkit.errors import KernelError
 
-from . import reference
+from . import _launch as fastlaunch, reference
 from ._util import check_float32, elementwise_grid, flat
 
 
 @lru_cache(maxsize=None)
 def make_adamw_kernel():
-    @cuda.jit
+    @fastlaunch.jit
     def adamw_kernel(w, g, m, v, w_out, m_out, v_out, step_size, inv_bc2_sqrt, beta1, beta2, eps, decay):
         n = w.shape[0]
         for e in range(cuda.grid(1), n, cuda.gridsize(1)):

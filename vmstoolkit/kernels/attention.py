@@ -79,7 +79,7 @@ from numba import cuda, float32, int64, uint64
 
 from vmstoolkit.errors import KernelError
 
-from . import reference
+from . import _launch as fastlaunch, reference
 from ._util import check_float32, check_ndim, simulating, sm_count
 
 STATIC_SHARED_LIMIT = 48 * 1024
@@ -138,7 +138,7 @@ def make_attention_kernel(hd: int, tiles: AttentionTiles, with_lse: bool = False
     Q_LOADS = -(-BQ * HD // NT)
     KV_LOADS = -(-BKV * HD // NT)
 
-    @cuda.jit
+    @fastlaunch.jit
     def attention_kernel(q, k, v, o, scale, lse):
         t_ = q.shape[1]
         group = q.shape[2] // k.shape[2]
@@ -519,7 +519,7 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
             key = key0 + uint64((l // nd) * kw)
             KV[d * uint64(sd) + key * uint64(sk)] = pf[l]
 
-    @cuda.jit(**opts)
+    @fastlaunch.jit(**opts)
     def flash_kernel(q, k, v, o, scale, lse, ws_o, ws_lse, n_splits):
         T = uint64(q.shape[1])
         group = q.shape[2] // k.shape[2]
@@ -684,7 +684,7 @@ def make_flash_kernel(hd: int, tiles: FlashTiles, heads: int, with_lse: bool = F
     return flash_kernel
 
 
-@cuda.jit
+@fastlaunch.jit
 def _combine_splits(o, ws_o, ws_lse, lse, n_splits, with_lse):
     """o <- the splits' partial outputs merged by their log-sum-exps (split 0 is in o already);
     one thread per output element, grid-stride."""

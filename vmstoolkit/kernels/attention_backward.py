@@ -69,7 +69,7 @@ from numba import cuda, float32, uint64
 
 from vmstoolkit.errors import KernelError
 
-from . import reference
+from . import _launch as fastlaunch, reference
 from ._util import check_float32, check_ndim, simulating
 from .attention import STATIC_SHARED_LIMIT, check_args
 
@@ -105,7 +105,7 @@ def make_backward_kernels(hd: int, tiles: BackwardTiles):
     HD, BQ, BKV = hd, tiles.bq, tiles.bkv
     BQ_DKV = tiles.bq_dkv  # queries staged per dkv step
 
-    @cuda.jit
+    @fastlaunch.jit
     def attention_dq_kernel(q, k, v, o, lse, do, dq, scale):
         t_ = q.shape[1]
         group = q.shape[2] // k.shape[2]
@@ -161,7 +161,7 @@ def make_backward_kernels(hd: int, tiles: BackwardTiles):
             for d in range(HD):
                 dq[b, row, h, d] = acc[d] * scale
 
-    @cuda.jit
+    @fastlaunch.jit
     def attention_dkv_kernel(q, k, v, o, lse, do, dk, dv, scale):
         t_ = q.shape[1]
         group = q.shape[2] // k.shape[2]
@@ -520,7 +520,7 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
                         acc += DOs[r * U(HDP) + d] * o[b, pos, h, d]
             Dp[e] = acc
 
-    @cuda.jit
+    @fastlaunch.jit
     def flash_dq_kernel(q, k, v, o, lse, do, dq, scale):
         # unsigned block scalars and indices: no negative-index wrap-around code
         T = U(q.shape[1])
@@ -604,7 +604,7 @@ def make_flash_backward_kernels(hd: int, tiles: FlashBackwardTiles, heads: int):
                     if EXACT or col < U(HD):
                         dq[b, pos, h, col] = acc[i, c] * scale
 
-    @cuda.jit
+    @fastlaunch.jit
     def flash_dkv_kernel(q, k, v, o, lse, do, dk, dv, scale):
         T = U(q.shape[1])
         group = U(q.shape[2] // k.shape[2])

@@ -60,7 +60,7 @@ from numba import cuda, float32, float64, uint16
 
 from vmstoolkit.errors import KernelError
 
-from . import reference
+from . import _launch as fastlaunch, reference
 from ._mma import bf16_to_f32, pack_bf16x2
 from ._util import check_float32, check_ndim, check_shape, elementwise_grid, flat, simulating
 from .adamw import step_scalars
@@ -127,7 +127,7 @@ def round_value(v):
 def make_rmsnorm_bf16_kernel(threads: int):
     block_sum = make_block_sum(threads)
 
-    @cuda.jit
+    @fastlaunch.jit
     def rmsnorm_bf16_kernel(x, w, y, eps):
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -159,7 +159,7 @@ def rmsnorm_bf16(x, w, y, eps: float = 1e-6, stream=0, threads: int | None = Non
     make_rmsnorm_bf16_kernel(threads)[r, threads, stream](as_u16(x), as_u16(w), as_u16(y), np.float32(eps))
 
 
-@cuda.jit
+@fastlaunch.jit
 def _rope_bf16_kernel(x, y, theta, offset):
     b_, t_, nh, hd = x.shape
     half = hd // 2
@@ -198,26 +198,26 @@ def rope_bf16(x, y, theta: float = 10000.0, offset: int = 0, stream=0):
     _rope_bf16_kernel[blocks, threads, stream](as_u16(x), as_u16(y), np.float64(theta), np.int64(offset))
 
 
-@cuda.jit
+@fastlaunch.jit
 def _swiglu_bf16_kernel(gate, up, y):
     for e in range(cuda.grid(1), gate.shape[0], cuda.gridsize(1)):
         g = bf16_to_f32(gate[e])
         y[e] = round_bits(round_value(g / (float32(1.0) + math.exp(-g))) * bf16_to_f32(up[e]))
 
 
-@cuda.jit
+@fastlaunch.jit
 def _residual_bf16_kernel(a, b, y):
     for e in range(cuda.grid(1), a.shape[0], cuda.gridsize(1)):
         y[e] = round_bits(bf16_to_f32(a[e]) + bf16_to_f32(b[e]))
 
 
-@cuda.jit
+@fastlaunch.jit
 def _widen_kernel(x, y):
     for e in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
         y[e] = bf16_to_f32(x[e])
 
 
-@cuda.jit
+@fastlaunch.jit
 def _narrow_kernel(x, y):
     for e in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
         y[e] = round_bits(x[e])
@@ -284,7 +284,7 @@ def _grad_f32(g, e):
 def _make_adamw_mixed(bf16_grad: bool):
     load = _grad_bf16 if bf16_grad else _grad_f32
 
-    @cuda.jit
+    @fastlaunch.jit
     def adamw_mixed_kernel(w, g, m, v, w_out, m_out, v_out, w_bf16, step_size, inv_bc2_sqrt, beta1, beta2,
                            eps, decay):
         for e in range(cuda.grid(1), w.shape[0], cuda.gridsize(1)):

@@ -30,6 +30,7 @@ from numba import cuda, float32, int32
 
 from vmstoolkit.errors import KernelError
 
+from . import _launch as fastlaunch
 from ._util import check_float32, simulating
 
 _WIDTH_GPU, _WIDTH_SIM = 256, 32  # threads per block (a power of two: the reductions halve it)
@@ -57,7 +58,7 @@ def cross_entropy_ref(logits: np.ndarray, labels: np.ndarray) -> tuple[np.ndarra
 
 @lru_cache(maxsize=None)
 def _kernel():
-    @cuda.jit
+    @fastlaunch.jit
     def cross_entropy_kernel(x, labels, loss, dx):  # one block per row of x (M, V)
         shf = cuda.shared.array(_WIDTH_GPU, float32)
         shi = cuda.shared.array(_WIDTH_GPU, int32)

@@ -60,7 +60,7 @@ from numba import cuda, float32, uint16
 
 from vmstoolkit.errors import KernelError
 
-from . import _cuda_cache, _mma
+from . import _cuda_cache, _launch as fastlaunch, _mma
 from ._util import check_float32, check_ndim, generated_function, simulating
 from .bf16 import as_u16, check_bf16
 from .gemm_bf16 import CHUNK, MAX_SMEM, STATIC_SMEM, _allow_dynamic_smem
@@ -359,7 +359,7 @@ def make_flash_bf16(d: int, tiles: FlashBf16Tiles, with_lse: bool = True, cp_asy
     (dynamic when over 48 KiB)."""
     fn = python_kernel(d, tiles, with_lse, cp_async)
     opts = {} if simulating() else {"max_registers": 255}
-    return _cuda_cache.cached(cuda.jit(**opts)(fn))
+    return fastlaunch.fast(_cuda_cache.cached(cuda.jit(**opts)(fn)))
 
 
 def kernel_source(d: int = 128, tiles: FlashBf16Tiles = GPU_TILES, with_lse: bool = True, cp_async: bool = True) -> str:
@@ -474,7 +474,7 @@ def row_stat(a, b, h, row, t):
     return a[b, h, row] if row < t else float32(0.0)
 
 
-@cuda.jit
+@fastlaunch.jit
 def _dsum_kernel(o, do, dsum):
     """dsum[b, h, t] = sum_d o[b, t, h, d] * do[b, t, h, d] (bf16 values, fp32 sum); one thread a row."""
     b_, t_, nh, d = o.shape
@@ -671,7 +671,7 @@ def python_backward_kernels(d: int, tiles: FlashBf16Tiles, cp_async: bool = True
 @lru_cache(maxsize=None)
 def make_flash_bf16_backward(d: int, tiles: FlashBf16Tiles, cp_async: bool = True):
     opts = {} if simulating() else {"max_registers": 255}
-    return tuple(_cuda_cache.cached(cuda.jit(**opts)(fn)) for fn in python_backward_kernels(d, tiles, cp_async))
+    return tuple(fastlaunch.fast(_cuda_cache.cached(cuda.jit(**opts)(fn))) for fn in python_backward_kernels(d, tiles, cp_async))
 
 
 def backward_smem_bytes(d: int, tiles: FlashBf16Tiles) -> tuple[int, int]:

@@ -86,7 +86,7 @@ from numba import cuda, float32, uint64
 
 from vmstoolkit.errors import KernelError
 
-from . import reference
+from . import _launch as fastlaunch, reference
 from ._util import check_float32, check_ndim, simulating
 from ._vector import aligned16, load4, store4
 from .gemm_rules import (  # noqa: F401 - the rules' names, also as gemm's (callers use both)
@@ -356,7 +356,7 @@ def make_gemm(t: GemmTiles, a_trans: bool = False, b_trans: bool = False, accumu
         stash_one(As, buf, AT, AV, AG, ASTR, fa, ka, a_pf)
         stash_one(Bs, buf, BT, BV, BG, BSTR, fb, kb, b_pf)
 
-    @cuda.jit(**opts)
+    @fastlaunch.jit(**opts)
     def gemm_kernel(a, b, acc_in, c, split_steps):
         M = uint64(c.shape[0])  # unsigned throughout: a signed / unsigned mix would be
         N = uint64(c.shape[1])  # compared in float64
@@ -637,14 +637,14 @@ def linear_dw(dy, x, dw, stream=0, acc=None, tiles: GemmTiles | None = None, var
     _backward("linear_dw", ("dy", "x", "dw"), "tt", 0, dy, x, dw, acc, stream, tiles, variant, splits)
 
 
-@cuda.jit
+@fastlaunch.jit
 def _zero2d(y):
     i, j = cuda.grid(2)
     if i < y.shape[0] and j < y.shape[1]:
         y[i, j] = float32(0.0)
 
 
-@cuda.jit
+@fastlaunch.jit
 def _copy2d(src, dst):
     i, j = cuda.grid(2)
     if i < dst.shape[0] and j < dst.shape[1]:

@@ -59,6 +59,7 @@ from numba import cuda, float32, uint16
 from vmstoolkit.errors import KernelError
 
 from . import _cuda_cache, _mma, gemm_wgmma as GW, mma_layout
+from ._launch import fast as fast_launch
 from ._util import check_ndim, generated_function, simulating, sm_count
 from .gemm import LAYOUTS, copy_fill, zero_fill
 from .gemm_staging import (CHUNK, CHUNK_BYTES, aligned_b16, chunk_bytes, fetch_lines, fetch_setup, row_bytes, store_acc,
@@ -288,7 +289,7 @@ def compile_kernel(source: str, label: str, intrinsics: tuple[str, ...], elem_by
         names[name] = getattr(_mma, name)
     fn = generated_function(source, label, names)
     opts = {} if simulating() else {"max_registers": 255}
-    return _cuda_cache.cached(cuda.jit(**opts)(fn))
+    return fast_launch(_cuda_cache.cached(cuda.jit(**opts)(fn)))
 
 
 @lru_cache(maxsize=None)

@@ -83,7 +83,7 @@ from numba import cuda, float32, uint16
 
 from vmstoolkit.errors import KernelError
 
-from . import _cuda_cache, _mma, _wgmma, gemm_staging as GS, wgmma_layout as WL
+from . import _cuda_cache, _launch as fastlaunch, _mma, _wgmma, gemm_staging as GS, wgmma_layout as WL
 from ._util import compute_capability, generated_function, simulating, sm_count
 
 BK = WL.BK
@@ -300,7 +300,7 @@ def make_gemm_wgmma(t: WgmmaTiles, a_trans: bool, b_trans: bool, out_bf16: bool 
     fn = _python_kernel(t, a_trans, b_trans, out_bf16, accumulate, atomic)
     if simulating():  # the intrinsics' twins (_wgmma): tiny sizes only
         return cuda.jit(fn)
-    return _cuda_cache.cached(cuda.jit(max_registers=t.max_registers)(fn))
+    return fastlaunch.fast(_cuda_cache.cached(cuda.jit(max_registers=t.max_registers)(fn)))
 
 
 def usable(tiles, aligned: bool) -> bool:

@@ -25,6 +25,7 @@ from numba import cuda, float32, int32
 
 from vmstoolkit.errors import KernelError
 
+from . import _launch as fastlaunch
 from ._util import check_float32, elementwise_grid, flat, simulating
 
 MAX_HEAD_DIM = 256
@@ -81,30 +82,30 @@ def argmax_ref(x: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=None)
 def _kernels():
-    @cuda.jit
+    @fastlaunch.jit
     def embedding_kernel(ids, table, y):  # y (T*H,), table (V, H)
         h = table.shape[1]
         for e in range(cuda.grid(1), y.shape[0], cuda.gridsize(1)):
             y[e] = table[ids[e // h], e % h]
 
-    @cuda.jit
+    @fastlaunch.jit
     def bias_add_kernel(x, b, y):  # x, y flat (M*N,), b (N,)
         n = b.shape[0]
         for e in range(cuda.grid(1), y.shape[0], cuda.gridsize(1)):
             y[e] = x[e] + b[e % n]
 
-    @cuda.jit
+    @fastlaunch.jit
     def copy_from_kernel(x, start, y):  # y[e] = x[start + e]
         for e in range(cuda.grid(1), y.shape[0], cuda.gridsize(1)):
             y[e] = x[start + e]
 
-    @cuda.jit
+    @fastlaunch.jit
     def append_kernel(cache, new, y):  # y = cache ++ new, flat
         n = cache.shape[0]
         for e in range(cuda.grid(1), y.shape[0], cuda.gridsize(1)):
             y[e] = cache[e] if e < n else new[e - n]
 
-    @cuda.jit
+    @fastlaunch.jit
     def argmax_kernel(x, out):  # one block per row
         vals = cuda.shared.array(_WIDTH_GPU, float32)
         idxs = cuda.shared.array(_WIDTH_GPU, int32)
@@ -133,7 +134,7 @@ def _kernels():
         if tid == 0:
             out[r] = idxs[0]
 
-    @cuda.jit
+    @fastlaunch.jit
     def attention_cached_kernel(q, k, v, o):
         sh_p = cuda.shared.array(_WIDTH_GPU, float32)
         acc = cuda.shared.array(MAX_HEAD_DIM, float32)

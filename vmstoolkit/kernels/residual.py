@@ -11,13 +11,13 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from . import reference
+from . import _launch as fastlaunch, reference
 from ._util import check_binary_elementwise, launch_binary_elementwise
 
 
 @lru_cache(maxsize=None)
 def make_residual_kernel():
-    @cuda.jit
+    @fastlaunch.jit
     def residual_add_kernel(a, b, y):
         n = a.shape[0]
         for e in range(cuda.grid(1), n, cuda.gridsize(1)):

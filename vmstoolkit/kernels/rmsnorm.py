@@ -18,7 +18,7 @@ from numba import cuda, float32, uint64
 
 from vmstoolkit.errors import KernelError
 
-from . import reference
+from . import _launch as fastlaunch, reference
 from ._util import check_float32, check_ndim, check_shape, simulating
 
 # Threads per row: 256 on a GPU (8 per element of a 2048-wide row), 8 under the simulator.
@@ -54,7 +54,7 @@ def make_block_sum(threads: int):
 def make_rmsnorm_kernel(threads: int):
     block_sum = make_block_sum(threads)
 
-    @cuda.jit
+    @fastlaunch.jit
     def rmsnorm_kernel(x, w, y, eps):
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -175,7 +175,7 @@ DW_TILES_SIM = DwTiles(col_lanes=4, row_lanes=2, cols=2, rows=4, unroll=2)
 def make_rmsnorm_dx_kernel(threads: int):
     block_sum = make_block_sum(threads)
 
-    @cuda.jit
+    @fastlaunch.jit
     def rmsnorm_dx_kernel(x, w, dy, dx, eps):
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -242,7 +242,7 @@ def make_rmsnorm_dw_kernel(t: DwTiles):
             inv[tid] = f
         cuda.syncthreads()
 
-    @cuda.jit(**opts)
+    @fastlaunch.jit(**opts)
     def rmsnorm_dw_kernel(x, dy, acc, dw, eps, accumulate):
         cl = cuda.threadIdx.x
         rl = cuda.threadIdx.y

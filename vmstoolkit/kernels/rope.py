@@ -18,7 +18,7 @@ from numba import cuda, float32, float64
 
 from vmstoolkit.errors import KernelError
 
-from . import reference
+from . import _launch as fastlaunch, reference
 from ._util import check_float32, check_ndim, elementwise_grid
 
 
@@ -28,7 +28,7 @@ def make_rope_kernel(inverse: bool = False):
     (the transpose of a rotation), so ``dx = rope_inverse(dy)``."""
     SIGN = -1.0 if inverse else 1.0
 
-    @cuda.jit
+    @fastlaunch.jit
     def rope_kernel(x, y, theta, offset):
         b_, t_, nh, hd = x.shape
         half = hd // 2

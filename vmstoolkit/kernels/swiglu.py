@@ -12,13 +12,13 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32
 
-from . import reference
+from . import _launch as fastlaunch, reference
 from ._util import check_binary_elementwise, elementwise_grid, flat, launch_binary_elementwise
 
 
 @lru_cache(maxsize=None)
 def make_swiglu_kernel():
-    @cuda.jit
+    @fastlaunch.jit
     def swiglu_kernel(gate, up, y):
         n = gate.shape[0]
         for e in range(cuda.grid(1), n, cuda.gridsize(1)):
@@ -60,7 +60,7 @@ def validate(shapes=((7,), (3, 33), (2, 5, 9)), rtol: float = 1e-5, seed: int = 
 
 @lru_cache(maxsize=None)
 def make_swiglu_backward_kernel():
-    @cuda.jit
+    @fastlaunch.jit
     def swiglu_backward_kernel(gate, up, ds, dgate, dup):
         n = gate.shape[0]
         for e in range(cuda.grid(1), n, cuda.gridsize(1)):

@@ -1,0 +1,87 @@
+"""The fast launch path (``vmstoolkit/kernels/_launch.py``) against Numba's launches, in one
+process on a real GPU (issue 32: decode is host-bound).
+
+Greedy generation of a checkpoint through the CUDA backend, with the wrapped kernels routed
+through their plans (``on``) or through Numba (``off``, ``_launch.set_active(False)``), in
+rounds that alternate the order (off, on / on, off / ...), after one warm run that compiles
+every kernel. Each row: the mode, the budget, prefill and decode seconds, the plan's vertices,
+and the tokens (which must be the same in both modes). The summary gives, per budget, the median
+decode seconds of each mode, their ratio (off / on) and decode host time per vertex.
+
+    python3 experiments/fast_launch_gpu.py --out DIR [--model DIR] [--new-tokens 64] [--rounds 4]
+
+The default model is the project's tiny LLaMA checkpoint (two blocks: every vertex is a few
+microseconds of GPU work, so decode time is host time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", type=Path, default=ROOT / "tests" / "data" / "checkpoints" / "llama-sharded")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--budgets", nargs="+", default=["1.0", "0.25"])
+    args = ap.parse_args()
+
+    from vmstoolkit.exec.model.generate import run_generate
+    from vmstoolkit.kernels import _launch as L
+
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def once(mode: str, warmup: bool) -> list[dict]:
+        prev = L.set_active(mode == "on")
+        n0 = L.fast_launch_count()
+        t0 = time.perf_counter()
+        try:
+            rows = list(run_generate(args.model, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                     budgets=tuple(args.budgets), backend="cuda", warmup=warmup))
+        finally:
+            L.set_active(prev)
+        wall = time.perf_counter() - t0
+        planned = L.fast_launch_count() - n0
+        return [{"mode": mode, "budget": r["budget_spec"], "prefill_s": r["prefill_s"], "decode_s": r["decode_s"],
+                 "vertices": r["vertices"], "tokens": r["tokens"], "planned_launches": planned, "wall_s": wall}
+                for r in rows]
+
+    once("on", warmup=True)  # compiles every kernel, plans every signature
+    rows = []
+    for i in range(args.rounds):
+        for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            got = once(mode, warmup=False)
+            rows += got
+            for r in got:
+                print(f"round {i} {mode:3s} budget {r['budget']:>5s}  prefill {r['prefill_s']:.4f} s  "
+                      f"decode {r['decode_s']:.4f} s  planned launches {r['planned_launches']}", flush=True)
+    with open(args.out / "fast_launch.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+    summary = {}
+    for b in args.budgets:
+        by = {m: [r for r in rows if r["budget"] == b and r["mode"] == m] for m in ("off", "on")}
+        tokens = {json.dumps(r["tokens"]) for m in by for r in by[m]}
+        med = {m: statistics.median(r["decode_s"] for r in by[m]) for m in by}
+        verts = by["on"][0]["vertices"]
+        summary[b] = {"decode_s_off": med["off"], "decode_s_on": med["on"], "off_over_on": med["off"] / med["on"],
+                      "same_tokens": len(tokens) == 1, "vertices": verts,
+                      "rounds": args.rounds, "new_tokens": args.new_tokens}
+        print(f"budget {b}: decode {med['off']:.4f} s (numba) / {med['on']:.4f} s (fast) = "
+              f"{med['off'] / med['on']:.2f}x; same tokens: {len(tokens) == 1}")
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return 0 if all(s["same_tokens"] for s in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
