@@ -55,9 +55,9 @@ the untuned shapes and the H200 must still check it. Split k is decided on the c
 
 Checked on 13 shapes it was not read off (the 1B set of ``experiments/gemm_sweep.py --set 1b``,
 H100, 2026-12-07, ``gemm-bf16-h200/run4-wgmma-1b-h100``): 128 x 128 / a1 ran at 27.7-52.2% of
-cuBLAS bf16, 128 x 256 / a1 at 18.6-59.3%, the mma.sync rule at 18.6-42.4%. The rule takes the
-wide tiles at 4096^3 (59.3%, the best of the seven timed) and at gate/up 1024 x 5632 (176
-blocks: 37.4% against the narrow 40.0%, its one wrong pick), the narrow ones elsewhere.
+cuBLAS bf16, 128 x 256 / a1 at 18.6-59.3%, the mma.sync rule at 18.6-42.4%. The rule picks the
+better of the two at 11 of the 13 (wrong at gate/up 1024 x 5632, 37.4 against 40.0, and dx of
+down, 43.0 against 43.9), 27.7-59.3% in all.
 
 Note [wgmma as the default]
 ---------------------------
