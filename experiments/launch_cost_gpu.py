@@ -7,8 +7,10 @@ of host time a vertex, 88 ms a token where reading the weights takes about 3 ms
 stream (the GPU is never waited for inside the timed loop), so that the cost can be cut where
 it is:
 
-- ``gemm_bf16``: the whole call the runtime makes (argument checks, launch rule, Numba dispatch);
+- ``gemm_bf16``: the whole call the runtime makes (argument checks, launch rule, the launch);
 - ``dispatch``: ``kernel[grid, block, stream](*args)`` with the kernel and launch already chosen;
+- both through ``kernels/_launch.py``'s plans (one ``cuLaunchKernel``) and, as ``*_numba``,
+  through Numba's dispatcher (``_launch.set_active(False)``);
 - ``overload``: the compiled kernel's ``launch(args, ...)``, past the dispatcher's type lookup;
 - ``typeof``: the dispatcher's typing of the arguments alone;
 - ``view``: a ``DeviceNDArray`` over a raw pointer, as the runtime's backend makes per buffer
@@ -57,6 +59,7 @@ def main() -> int:
     from numba.cuda.cudadrv import driver
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
+    from vmstoolkit.kernels import _launch as L
     from vmstoolkit.kernels import gemm_bf16 as GB
     from vmstoolkit.kernels import rmsnorm as RN
     from vmstoolkit.kernels import swiglu as SW
@@ -90,6 +93,12 @@ def main() -> int:
         row = {"M": m, "N": n, "K": k, "tiles": t.label(), "splits": launch.splits, "n": args.n}
         row["gemm_bf16_us"] = per_call_us(lambda: GB.gemm_bf16(dx, dw, dy, stream=stream), args.n)
         row["dispatch_us"] = per_call_us(lambda: kernel[grid, t.threads, stream](*kargs), args.n)
+        prev = L.set_active(False)  # the same two through Numba's dispatcher, as before kernels/_launch.py
+        try:
+            row["gemm_bf16_numba_us"] = per_call_us(lambda: GB.gemm_bf16(dx, dw, dy, stream=stream), args.n)
+            row["dispatch_numba_us"] = per_call_us(lambda: kernel[grid, t.threads, stream](*kargs), args.n)
+        finally:
+            L.set_active(prev)
         row["overload_us"] = per_call_us(lambda: overload.launch(kargs, grid, (t.threads, 1, 1), stream, 0), args.n)
         row["typeof_us"] = per_call_us(lambda: tuple(kernel.typeof_pyval(a) for a in kargs), args.n)
         row["as_cuda_array_us"] = per_call_us(lambda: nb(h), args.n)
