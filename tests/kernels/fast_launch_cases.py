@@ -75,9 +75,18 @@ arrays = st.builds(
     st.sampled_from(["float32", "uint16", "int32", "float64"]))
 
 
+def contiguous_strides(shape, itemsize: int, order: str) -> tuple:
+    """The byte strides of a contiguous array of ``shape`` in ``order`` "C" or "F"."""
+    out, acc = [0] * len(shape), itemsize
+    for d in (range(len(shape) - 1, -1, -1) if order == "C" else range(len(shape))):
+        out[d] = acc
+        acc *= shape[d]
+    return tuple(out)
+
+
 def _strided(shape, order, step, dtype):
     item = np.dtype(dtype).itemsize
-    strides = list(L.contiguous_strides(tuple(shape), item, order))
+    strides = list(contiguous_strides(tuple(shape), item, order))
     strides[-1 if order == "C" else 0] *= step  # every step-th element of the innermost dimension
     if step > 1:  # the outer strides grow with it
         inner = -1 if order == "C" else 0

@@ -98,16 +98,6 @@ def layout_of(shape, strides, c_contig: bool, f_contig: bool, size: int) -> str:
     return "A"
 
 
-def contiguous_strides(shape, itemsize: int, order: str) -> tuple:
-    """The byte strides of a contiguous array of ``shape`` in ``order`` "C" or "F"."""
-    out, acc = [0] * len(shape), itemsize
-    dims = range(len(shape) - 1, -1, -1) if order == "C" else range(len(shape))
-    for d in dims:
-        out[d] = acc
-        acc *= shape[d]
-    return tuple(out)
-
-
 def _device_array_class():
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
