@@ -213,3 +213,15 @@ def test_off_under_the_simulator_and_by_the_variable(monkeypatch):
     assert L.fast(sentinel) is sentinel
     monkeypatch.setenv(L.ENV, "1")
     assert isinstance(L.fast(_FakeDispatcher()), L.FastKernel)
+
+
+def test_flat_views_are_made_once_per_array():
+    """The elementwise launchers flatten their operands every launch; a DeviceNDArray keeps its
+    view (kernels/_util.flat), so the runtime's cached views cost no reshape after the first."""
+    from vmstoolkit.kernels._util import flat
+
+    a = device_array((3, 4), (16, 4), "float32", address=0x7F0000002000)
+    v = flat(a)
+    assert v.shape == (12,) and v.strides == (4,) and v.device_ctypes_pointer.value == 0x7F0000002000
+    assert flat(a) is v and flat(v) is v
+    assert ours([v]) == numba_values([a.reshape(12)])
