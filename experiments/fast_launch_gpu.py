@@ -8,7 +8,7 @@ every kernel. Each row: the mode, the budget, prefill and decode seconds, the pl
 and the tokens (which must be the same in both modes). The summary gives, per budget, the median
 decode seconds of each mode, their ratio (off / on) and decode host time per vertex.
 
-    python3 experiments/fast_launch_gpu.py --out DIR [--model DIR] [--new-tokens 64] [--rounds 4]
+    python3 experiments/fast_launch_gpu.py --out DIR [--model DIR] [--new-tokens 64] [--rounds 4] [--profile]
 
 The default model is the project's tiny LLaMA checkpoint (two blocks: every vertex is a few
 microseconds of GPU work, so decode time is host time).
@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--budgets", nargs="+", default=["1.0", "0.25"])
+    ap.add_argument("--profile", action="store_true", help="then one more run (plans on) under cProfile: "
+                    "DIR/profile.txt, the top functions by own and by cumulative time")
     args = ap.parse_args()
 
     from vmstoolkit.exec.model.generate import run_generate
@@ -80,6 +82,20 @@ def main() -> int:
         print(f"budget {b}: decode {med['off']:.4f} s (numba) / {med['on']:.4f} s (fast) = "
               f"{med['off'] / med['on']:.2f}x; same tokens: {len(tokens) == 1}")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if args.profile:  # where the host time of a decode vertex goes, once the launch is cheap
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        once("on", warmup=False)
+        prof.disable()
+        buf = io.StringIO()
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(40)
+        (args.out / "profile.txt").write_text(buf.getvalue())
+        print(buf.getvalue()[:6000])
     return 0 if all(s["same_tokens"] for s in summary.values()) else 1
 
 
