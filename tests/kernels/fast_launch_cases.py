@@ -166,7 +166,7 @@ def test_a_wrapped_kernel_goes_through_numba_until_planned_then_one_driver_call(
                          int(fn)))
         return (driver.CUresult.CUDA_SUCCESS,)
 
-    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "current_device_ordinal", lambda: 0)
     monkeypatch.setattr(driver, "cuLaunchKernel", fake_launch)
     d = _FakeDispatcher()
     k = L.FastKernel(d)
@@ -195,7 +195,7 @@ def test_a_failed_driver_launch_is_one_line(monkeypatch):
 
     from vmstoolkit.errors import KernelError
 
-    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "current_device_ordinal", lambda: 0)
     monkeypatch.setattr(driver, "cuLaunchKernel", lambda *a: (driver.CUresult.CUDA_ERROR_INVALID_VALUE,))
     k = L.FastKernel(_FakeDispatcher())
     a = device_array((8, 4), (16, 4), "float32")
@@ -225,3 +225,11 @@ def test_flat_views_are_made_once_per_array():
     assert v.shape == (12,) and v.strides == (4,) and v.device_ctypes_pointer.value == 0x7F0000002000
     assert flat(a) is v and flat(v) is v
     assert ours([v]) == numba_values([a.reshape(12)])
+
+
+def test_without_a_driver_there_is_no_device_and_no_plan():
+    """Without a driver library (this machine) or without a current context, the ordinal is None,
+    not an exception: a launch then goes to Numba, whose own error says what is missing."""
+    from vmstoolkit.kernels._util import current_device_ordinal
+
+    assert current_device_ordinal() is None

@@ -40,7 +40,7 @@ import threading
 
 from vmstoolkit.errors import KernelError
 
-from ._util import simulating
+from ._util import current_device_ordinal, simulating
 
 ENV = "VMSTOOLKIT_FAST_LAUNCH"
 _F32, _I32 = struct.Struct("<f"), struct.Struct("<i")
@@ -207,13 +207,6 @@ def _stream_handle(stream):
     return (h.value or 0) if isinstance(h, ctypes.c_void_p) else h
 
 
-def _current_device() -> int | None:
-    from cuda.bindings import driver
-
-    err, dev = driver.cuCtxGetDevice()
-    return int(dev) if err == driver.CUresult.CUDA_SUCCESS else None
-
-
 class FastKernel:
     """A Numba CUDA dispatcher with the fast launch path (module docstring). Indexing and
     calling work as on the dispatcher; every other attribute is the dispatcher's."""
@@ -239,7 +232,7 @@ class FastKernel:
 
     def launch(self, grid, block, stream, shmem, args) -> None:
         if self._plannable and _Switch.active:
-            dev = _current_device()
+            dev = current_device_ordinal()
             da = self._device_array or _device_array_class()
             self._device_array = da
             keys = tuple(arg_key(a, da) for a in args)

@@ -32,6 +32,18 @@ def simulating() -> bool:
 SM_COUNT_SIM = 132  # the H200's: what sm_count() says where no device can be asked (the simulator)
 
 
+def current_device_ordinal() -> int | None:
+    """The current context's device ordinal, from the driver (about 1 us); None without a
+    context, or without a driver library (Numba's own calls then say what is missing)."""
+    try:
+        from cuda.bindings import driver
+
+        err, dev = driver.cuCtxGetDevice()
+    except Exception:  # noqa: BLE001 - no driver library: not ours to report here
+        return None
+    return int(dev) if err == driver.CUresult.CUDA_SUCCESS else None
+
+
 _DEVICE_PROPS: dict[int, tuple[int, tuple[int, int]]] = {}  # device ordinal -> (SMs, compute capability)
 
 
@@ -39,10 +51,7 @@ def _device_props() -> tuple[int, tuple[int, int]]:
     """(SM count, compute capability) of the current context's device, asked of the driver once
     per device. The launchers ask for every launch: ``cuda.get_current_device()`` costs 15-30 us
     of host time a call (H100, ``experiments/launch_cost_gpu.py``), ``cuCtxGetDevice`` about 1."""
-    from cuda.bindings import driver
-
-    err, dev = driver.cuCtxGetDevice()
-    ordinal = int(dev) if err == driver.CUresult.CUDA_SUCCESS else None
+    ordinal = current_device_ordinal()
     props = _DEVICE_PROPS.get(ordinal) if ordinal is not None else None
     if props is None:
         d = cuda.get_current_device()
