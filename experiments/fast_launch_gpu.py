@@ -2,13 +2,14 @@
 process on a real GPU (issue 32: decode is host-bound).
 
 Greedy generation of a checkpoint through the CUDA backend, with the wrapped kernels routed
-through their plans (``on``) or through Numba (``off``, ``_launch.set_active(False)``), in
-rounds that alternate the order (off, on / on, off / ...), after one warm run that compiles
-every kernel. Each row: the mode, the budget, prefill and decode seconds, the plan's vertices,
+through their plans (``on``) or through Numba (``off``, ``_launch.set_active(False)``), and with
+``--driver-events`` a third mode, ``on+events`` (the plans, and the backend's events and copies
+through the driver: ``VMSTOOLKIT_DRIVER_EVENTS=1``), in rounds that rotate the order, after one
+warm run that compiles every kernel. Each row: the mode, the budget, prefill and decode seconds, the plan's vertices,
 and the tokens (which must be the same in both modes). The summary gives, per budget, the median
 decode seconds of each mode, their ratio (off / on) and decode host time per vertex.
 
-    python3 experiments/fast_launch_gpu.py --out DIR [--model DIR] [--new-tokens 64] [--rounds 4] [--profile]
+    python3 experiments/fast_launch_gpu.py --out DIR [--model DIR] [--new-tokens 64] [--rounds 4] [--driver-events] [--profile]
 
 The default model is the project's tiny LLaMA checkpoint (two blocks: every vertex is a few
 microseconds of GPU work, so decode time is host time).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +35,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--budgets", nargs="+", default=["1.0", "0.25"])
+    ap.add_argument("--driver-events", action="store_true", help="a third mode: the fast launches with the "
+                    "backend's events and copies through the driver (VMSTOOLKIT_DRIVER_EVENTS=1)")
     ap.add_argument("--profile", action="store_true", help="then one more run (plans on) under cProfile: "
                     "DIR/profile.txt, the top functions by own and by cumulative time")
     args = ap.parse_args()
@@ -42,8 +46,11 @@ def main() -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
 
+    modes = ("off", "on", "on+events") if args.driver_events else ("off", "on")
+
     def once(mode: str, warmup: bool) -> list[dict]:
-        prev = L.set_active(mode == "on")
+        os.environ["VMSTOOLKIT_DRIVER_EVENTS"] = "1" if mode == "on+events" else "0"  # read by each backend made
+        prev = L.set_active(mode != "off")
         n0 = L.fast_launch_count()
         t0 = time.perf_counter()
         try:
@@ -60,7 +67,7 @@ def main() -> int:
     once("on", warmup=True)  # compiles every kernel, plans every signature
     rows = []
     for i in range(args.rounds):
-        for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
+        for mode in (modes[i % len(modes):] + modes[:i % len(modes)]):  # each round starts one mode later
             got = once(mode, warmup=False)
             rows += got
             for r in got:
@@ -72,15 +79,17 @@ def main() -> int:
 
     summary = {}
     for b in args.budgets:
-        by = {m: [r for r in rows if r["budget"] == b and r["mode"] == m] for m in ("off", "on")}
+        by = {m: [r for r in rows if r["budget"] == b and r["mode"] == m] for m in modes}
         tokens = {json.dumps(r["tokens"]) for m in by for r in by[m]}
         med = {m: statistics.median(r["decode_s"] for r in by[m]) for m in by}
         verts = by["on"][0]["vertices"]
-        summary[b] = {"decode_s_off": med["off"], "decode_s_on": med["on"], "off_over_on": med["off"] / med["on"],
+        summary[b] = {**{f"decode_s_{m}": med[m] for m in modes}, "off_over_on": med["off"] / med["on"],
                       "same_tokens": len(tokens) == 1, "vertices": verts,
                       "rounds": args.rounds, "new_tokens": args.new_tokens}
-        print(f"budget {b}: decode {med['off']:.4f} s (numba) / {med['on']:.4f} s (fast) = "
-              f"{med['off'] / med['on']:.2f}x; same tokens: {len(tokens) == 1}")
+        if "on+events" in med:
+            summary[b]["on_over_on_events"] = med["on"] / med["on+events"]
+        print(f"budget {b}: decode median " + ", ".join(f"{m} {med[m]:.4f} s" for m in modes)
+              + f"; numba / fast launches {med['off'] / med['on']:.2f}x; same tokens: {len(tokens) == 1}")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     if args.profile:  # where the host time of a decode vertex goes, once the launch is cheap
         import cProfile
@@ -89,7 +98,7 @@ def main() -> int:
 
         prof = cProfile.Profile()
         prof.enable()
-        once("on", warmup=False)
+        once(modes[-1], warmup=False)
         prof.disable()
         buf = io.StringIO()
         for key in ("tottime", "cumulative"):

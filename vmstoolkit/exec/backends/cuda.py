@@ -33,6 +33,8 @@ import weakref
 import numpy as np
 
 from vmstoolkit.exec.backends.base import select_outputs
+from vmstoolkit.exec.backends.driver_events import DriverEvents, copy_async
+from vmstoolkit.exec.backends.driver_events import enabled as driver_events_enabled
 from vmstoolkit.exec.backends.host_callbacks import HostCallbacks, raw_stream
 from vmstoolkit.exec.backends.host_memory import PIN_MODES, CudaHostMemory, PinnedPool
 from vmstoolkit.exec.backends.numba_exit import guard_library_unload
@@ -145,7 +147,8 @@ class CudaBackend:
 
     def __init__(self, values: dict[int, np.ndarray], *, notify: str = "poll", host: dict | None = None,
                  pin: str = "copy", pool: PinnedPool | None = None, allocator: str = "vms",
-                 allocator_options: dict | None = None, timeline: bool = False):
+                 allocator_options: dict | None = None, timeline: bool = False,
+                 driver_events: bool | None = None):
         """``values``: the host value of every weight and input, by tensor id.
 
         ``notify``: ``"poll"`` (default: 7-13% shorter makespans than ``"callback"`` on the
@@ -177,7 +180,11 @@ class CudaBackend:
         stream; after the run :attr:`spans` holds ``(vertex, gpu, stream, start_s, end_s)`` like
         the sim backend's, measured from the first vertex's start on each GPU: the schedule the
         GPU really ran, to set beside the simulated one (:func:`vmstoolkit.exec.plots.plot_schedule`).
-        Costs two event records per vertex (a few microseconds of host time each)."""
+        Costs two event records per vertex (a few microseconds of host time each).
+
+        ``driver_events``: the vertices' end events and the copies straight through the driver
+        (:mod:`~vmstoolkit.exec.backends.driver_events`) instead of through Numba; default
+        ``VMSTOOLKIT_DRIVER_EVENTS=1``, off otherwise (not yet checked on a GPU)."""
         from vmstoolkit.pools.registry import check_allocator
 
         if notify not in ("callback", "poll"):
@@ -201,6 +208,8 @@ class CudaBackend:
         self.allocator_options = check_allocator(allocator, dict(allocator_options or {}))
         self._release: list = []
         self.timeline = timeline
+        self.driver_events = driver_events_enabled() if driver_events is None else bool(driver_events)
+        self._events = DriverEvents() if self.driver_events else None
         self._marks: list = []  # (vertex, gpu, stream, start event, end event) with timeline
         self._spans: list | None = None
 
@@ -259,12 +268,21 @@ class CudaBackend:
             cm.__enter__()
         try:
             s = self.streams[v.gpu][v.stream]
+            events = self._events
+            rs = raw_stream(s) if events is not None else None
             for u in after:  # the executor arms only on predecessors of v's own GPU
-                self._ends[u].wait(s)
+                self._ends[u].wait(rs if events is not None else s)
             if self.timeline:
                 start = cuda.event(timing=True)
                 start.record(s)
-            if v.kind == "reload":
+            if events is not None and v.kind in ("reload", "offload", "move"):
+                if v.kind == "reload":
+                    copy_async("h2d", self.view(v.writes[0]), self._host[v.tensor], rs)
+                elif v.kind == "offload":
+                    copy_async("d2h", self.view(v.reads[0]), self._host[v.tensor], rs)
+                else:
+                    copy_async("d2d", self.view(v.writes[0]), self.view(v.reads[0]), rs)
+            elif v.kind == "reload":
                 self.view(v.writes[0]).copy_to_device(self._host[v.tensor], stream=s)
             elif v.kind == "offload":
                 self.view(v.reads[0]).copy_to_host(self._host[v.tensor], stream=s)
@@ -280,8 +298,12 @@ class CudaBackend:
                 end = cuda.event(timing=True)
                 end.record(s)
                 self._marks.append((v.id, v.gpu, v.stream, start, end))
-            ev = cuda.event(timing=False)
-            ev.record(s)
+            if events is not None:
+                ev = events.new(v.gpu)
+                ev.record(rs)
+            else:
+                ev = cuda.event(timing=False)
+                ev.record(s)
             self._ends[v.id] = ev
             if self.notify == "callback":
                 if self._callbacks is None:
@@ -366,8 +388,11 @@ class CudaBackend:
         for gpu, rel in enumerate(self._release):
             with cuda.gpus[gpu]:
                 cuda.synchronize()
+                if self._events is not None:  # after the synchronize: no stream still waits on one
+                    self._events.close(gpu)
                 rel()
         self._release = []
+        self._ends = {}
         lent, self._lent, self._host = self._lent, [], {}
         self.pool.give_back(lent)
         if self._own_pool:
