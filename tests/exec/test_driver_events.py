@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vmstoolkit.exec.backends import driver_events as DE
-from vmstoolkit.exec.errors import CudaCallError
+from vmstoolkit.exec.errors import CudaCallError, InvalidOptionError, InvalidShapeError
 
 driver = pytest.importorskip("cuda.bindings.driver")
 R = driver.CUresult
@@ -107,11 +107,11 @@ def test_copies_go_the_right_way_with_the_right_sizes(fake):
 
 
 def test_a_copy_that_does_not_fit_is_refused_before_the_driver(fake):
-    with pytest.raises(ValueError, match="1024 bytes on the device, 2048"):
+    with pytest.raises(InvalidShapeError, match="1024 bytes on the device, 2048"):
         DE.copy_async("h2d", View(0xA000, 1024), np.zeros(512, np.float32), 0)
-    with pytest.raises(ValueError, match="not contiguous"):
+    with pytest.raises(InvalidShapeError, match="not contiguous"):
         DE.copy_async("d2h", View(0xA000, 512), np.zeros((16, 16), np.float32)[:, ::2], 0)
-    with pytest.raises(ValueError, match="copy kind"):
+    with pytest.raises(InvalidOptionError, match="copy kind"):
         DE.copy_async("sideways", View(0xA000, 16), np.zeros(4, np.float32), 0)
     assert fake.calls == []
     fake.fail = "HtoD"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from vmstoolkit.exec.errors import CudaCallError
+from vmstoolkit.exec.errors import CudaCallError, InvalidOptionError, InvalidShapeError
 
 ENV = "VMSTOOLKIT_DRIVER_EVENTS"
 
@@ -95,14 +95,14 @@ def copy_async(kind: str, device_view, other, stream: int) -> None:
     """``kind`` "h2d" (the pinned host array ``other`` into ``device_view``), "d2h"
     (``device_view`` into ``other``) or "d2d" (the device view ``other`` into ``device_view``),
     ``device_view.nbytes`` bytes on ``stream``. Sizes that differ, or a host array that is not
-    contiguous, are a ValueError before any copy (Numba's copies check the same)."""
+    contiguous, are an InvalidShapeError before any copy (Numba's copies check the same)."""
     d = _driver()
     dev = device_view.device_ctypes_pointer.value
     n = device_view.nbytes
     if other.nbytes != n:
-        raise ValueError(f"copy {kind}: {n} bytes on the device, {other.nbytes} on the other side")
+        raise InvalidShapeError(f"copy {kind}: {n} bytes on the device, {other.nbytes} on the other side")
     if kind in ("h2d", "d2h") and not other.flags["C_CONTIGUOUS"]:
-        raise ValueError(f"copy {kind}: the host array of shape {other.shape} is not contiguous")
+        raise InvalidShapeError(f"copy {kind}: the host array of shape {other.shape} is not contiguous")
     if kind == "h2d":
         (err,) = d.cuMemcpyHtoDAsync(dev, other.ctypes.data, n, stream)
     elif kind == "d2h":
@@ -110,5 +110,5 @@ def copy_async(kind: str, device_view, other, stream: int) -> None:
     elif kind == "d2d":
         (err,) = d.cuMemcpyDtoDAsync(dev, other.device_ctypes_pointer.value, n, stream)
     else:
-        raise ValueError(f"copy kind must be 'h2d', 'd2h' or 'd2d', not {kind!r}")
+        raise InvalidOptionError(f"copy kind must be 'h2d', 'd2h' or 'd2d', not {kind!r}")
     _check(err, f"cuMemcpy {kind} of {n} bytes")
