@@ -2,6 +2,7 @@
 ``results/untuned-shapes/RULE.md``, derived here from its table, then measured.
 
     python experiments/untuned_shapes.py --out experiments/results/untuned-shapes          # sim (CPU)
+    python experiments/untuned_shapes.py --gemm-launch-us 25 --launch-us 15 --out OUT      # sim, what-if host costs
     python experiments/untuned_shapes.py --backend cuda --budgets 0.5 --out OUT            # the H200
 
 Sim: each shape's LoRA step at each budget, event-driven (as it runs now, and "before": without
@@ -68,7 +69,22 @@ def config(s) -> LlamaConfig:
     return LlamaConfig(n_blocks=int(n), seq=SEQ, hidden=h, heads=nh, kv_heads=kv, ffn=f)
 
 
-def sim_rows(s, budgets) -> list[dict]:
+def h200_costs(gemm_launch_us: float | None = None, launch_us: float | None = None):
+    """``CostModel.h200()``, or with its host launch costs replaced (a what-if: a GEMM launch
+    ``gemm_launch_us``, every other vertex ``launch_us``, copies at most that)."""
+    from vmstoolkit.exec.backends.sim import CostModel
+
+    if gemm_launch_us is None and launch_us is None:
+        return CostModel.h200()
+    base = CostModel.h200()
+    gemm = (gemm_launch_us if gemm_launch_us is not None else 150.0) * 1e-6
+    other = launch_us * 1e-6 if launch_us is not None else base.launch_s
+    copy = min(30e-6, other)
+    return CostModel.h200(launch_s=other, launch_s_by_op=(("linear", gemm), ("linear_dx", gemm), ("linear_dw", gemm),
+                                                          ("reload", copy), ("offload", copy), ("move", copy)))
+
+
+def sim_rows(s, budgets, h200=None) -> list[dict]:
     from vmstoolkit.exec.backends.sim import CostModel, SimBackend
     from vmstoolkit.exec.compiler import compile_memory_graph, working_set
     from vmstoolkit.exec.executor import execute
@@ -82,7 +98,7 @@ def sim_rows(s, budgets) -> list[dict]:
         mg = compile_memory_graph(g, int(ws * frac))
         compile_s = time.perf_counter() - t0
         old = compile_memory_graph(g, int(ws * frac), prefetch=False)
-        for costs, cost in (("h200", CostModel.h200()), ("default", CostModel())):
+        for costs, cost in (("h200", h200 or CostModel.h200()), ("default", CostModel())):
             for label, (ex, kw) in RUNS.items():
                 mg_ = old if label == "event-driven (before)" else mg
                 lb = cost.lower_bound(mg_)
@@ -174,12 +190,17 @@ def main() -> None:
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--skip-issue", action="store_true", help="leave out the issue's own (tuning) shape")
+    ap.add_argument("--gemm-launch-us", type=float, help="sim, what-if: a GEMM launch's host time in the 'h200' "
+                    "costs (CostModel.h200 says 150)")
+    ap.add_argument("--launch-us", type=float, help="sim, what-if: every other launch's host time there (40; "
+                    "copies take at most this, 30)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     todo = ([] if a.skip_issue else [ISSUE]) + shapes()
+    h200 = h200_costs(a.gemm_launch_us, a.launch_us)
     rows = []
     for s in todo:
-        rows += sim_rows(s, a.budgets) if a.backend == "sim" else cuda_rows(s, a.budgets, a.steps)
+        rows += sim_rows(s, a.budgets, h200) if a.backend == "sim" else cuda_rows(s, a.budgets, a.steps)
     a.out.mkdir(parents=True, exist_ok=True)
     with open(a.out / f"untuned_{a.backend}.jsonl", "w") as f:
         for r in rows:
