@@ -84,7 +84,9 @@ def _concat_kernel():
     if _CONCAT is None:
         from numba import cuda
 
-        @cuda.jit
+        from vmstoolkit.kernels import _launch
+
+        @_launch.jit  # past Numba's dispatcher once planned, as every kernel of vmstoolkit.kernels
         def concat_cols(dst, src, col0):  # dst[:, col0:col0+w] = src
             i, j = cuda.grid(2)
             if i < src.shape[0] and j < src.shape[1]:

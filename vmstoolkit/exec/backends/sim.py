@@ -69,7 +69,10 @@ class CostModel:
         estimates (Numba's dispatch plus the CUDA backend's views, event and future): 40 and
         30 us (a ``move``, compaction's device-to-device copy, is a copy too), a completion seen
         30 us after it. The GEMM rate is cuBLAS's 46 TFLOP/s at 90%
-        (our variant 13 reaches 86-94%, ``gemm-h200/run8``)."""
+        (our variant 13 reaches 86-94%, ``gemm-h200/run8``). The launch costs are from before
+        :mod:`vmstoolkit.kernels._launch` (one driver call a launch once planned), whose cost
+        the GPU has not measured yet; ``experiments/untuned_shapes.py --gemm-launch-us``
+        shows what lower ones would change."""
         gemm = 150e-6
         base = cls(flops_per_s=41e12, h2d_bytes_per_s=54e9, d2h_bytes_per_s=54e9, launch_s=40e-6, notify_s=30e-6,
                    launch_s_by_op=(("linear", gemm), ("linear_dx", gemm), ("linear_dw", gemm),
