@@ -6,10 +6,12 @@ through their plans (``on``) or through Numba (``off``, ``_launch.set_active(Fal
 ``--driver-events`` a third mode, ``on+events`` (the plans, and the backend's events and copies
 through the driver: ``VMSTOOLKIT_DRIVER_EVENTS=1``), in rounds that rotate the order, after one
 warm run that compiles every kernel. Each row: the mode, the budget, prefill and decode seconds, the plan's vertices,
-and the tokens (which must be the same in both modes). The summary gives, per budget, the median
-decode seconds of each mode, their ratio (off / on) and decode host time per vertex.
+and the tokens (which must be the same in every mode). The summary gives, per budget, the median
+decode seconds of each mode, and each mode's decode time over the one before it (on / off,
+on+events / on) with a 95% interval from resampling the runs (``vmstoolkit.analysis.pooling``).
 
     python3 experiments/fast_launch_gpu.py --out DIR [--model DIR] [--new-tokens 64] [--rounds 4] [--driver-events] [--profile]
+    python3 experiments/fast_launch_gpu.py --out DIR --from-jsonl RUN/fast_launch.jsonl     # summarize again, no GPU
 
 The default model is the project's tiny LLaMA checkpoint (two blocks: every vertex is a few
 microseconds of GPU work, so decode time is host time).
@@ -27,6 +29,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def summarize(rows: list[dict], modes: tuple, budgets) -> dict:
+    """Per budget: each mode's median decode seconds, whether every run made the same tokens, and
+    each mode's decode time over the one before it with a 95% interval (module docstring)."""
+    from vmstoolkit.analysis.pooling import pooled
+
+    summary = {}
+    for b in budgets:
+        by = {m: [r for r in rows if r["budget"] == b and r["mode"] == m] for m in modes}
+        tokens = {json.dumps(r["tokens"]) for m in by for r in by[m]}
+        med = {m: statistics.median(r["decode_s"] for r in by[m]) for m in by}
+        verts = by["on"][0]["vertices"]
+        summary[b] = {**{f"decode_s_{m}": med[m] for m in modes}, "off_over_on": med["off"] / med["on"],
+                      "same_tokens": len(tokens) == 1, "vertices": verts,
+                      "runs_per_mode": len(by["on"])}
+        if "on+events" in med:
+            summary[b]["on_over_on_events"] = med["on"] / med["on+events"]
+        # decode time of each mode over its base, with a 95% interval from resampling runs
+        # (one process: the unit that varies here is a run, the GPU's and host's noise)
+        runs = {m: [[r["decode_s"]] for r in by[m]] for m in modes}
+        for base, mode in (("off", "on"), ("on", "on+events")):
+            if mode in runs and len(runs[base]) > 1:
+                pr = pooled([runs], base, mode)
+                summary[b][f"{mode}_over_{base}"] = {"ratio": pr["ratio"], "interval_95": pr["interval_95"]}
+                print(f"  decode {mode} / {base}: {pr['ratio']:.3f}, 95% interval "
+                      f"{pr['interval_95'][0]:.3f}-{pr['interval_95'][1]:.3f} over {len(runs[base])} runs each")
+        print(f"budget {b}: decode median " + ", ".join(f"{m} {med[m]:.4f} s" for m in modes)
+              + f"; numba / fast launches {med['off'] / med['on']:.2f}x; same tokens: {len(tokens) == 1}")
+    return summary
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -39,12 +71,19 @@ def main() -> int:
                     "backend's events and copies through the driver (VMSTOOLKIT_DRIVER_EVENTS=1)")
     ap.add_argument("--profile", action="store_true", help="then one more run (plans on) under cProfile: "
                     "DIR/profile.txt, the top functions by own and by cumulative time")
+    ap.add_argument("--from-jsonl", type=Path, help="no GPU run: summarize the rows of an earlier run "
+                    "(its fast_launch.jsonl) into DIR/summary.json")
     args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.from_jsonl:
+        rows = [json.loads(line) for line in args.from_jsonl.read_text().splitlines() if line.strip()]
+        modes = tuple(dict.fromkeys(r["mode"] for r in rows))
+        summary = summarize(rows, modes, list(dict.fromkeys(r["budget"] for r in rows)))
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return 0 if all(v["same_tokens"] for v in summary.values()) else 1
 
     from vmstoolkit.exec.model.generate import run_generate
     from vmstoolkit.kernels import _launch as L
-
-    args.out.mkdir(parents=True, exist_ok=True)
 
     modes = ("off", "on", "on+events") if args.driver_events else ("off", "on")
 
@@ -77,19 +116,7 @@ def main() -> int:
         for r in rows:
             f.write(json.dumps(r) + "\n")
 
-    summary = {}
-    for b in args.budgets:
-        by = {m: [r for r in rows if r["budget"] == b and r["mode"] == m] for m in modes}
-        tokens = {json.dumps(r["tokens"]) for m in by for r in by[m]}
-        med = {m: statistics.median(r["decode_s"] for r in by[m]) for m in by}
-        verts = by["on"][0]["vertices"]
-        summary[b] = {**{f"decode_s_{m}": med[m] for m in modes}, "off_over_on": med["off"] / med["on"],
-                      "same_tokens": len(tokens) == 1, "vertices": verts,
-                      "rounds": args.rounds, "new_tokens": args.new_tokens}
-        if "on+events" in med:
-            summary[b]["on_over_on_events"] = med["on"] / med["on+events"]
-        print(f"budget {b}: decode median " + ", ".join(f"{m} {med[m]:.4f} s" for m in modes)
-              + f"; numba / fast launches {med['off'] / med['on']:.2f}x; same tokens: {len(tokens) == 1}")
+    summary = summarize(rows, modes, args.budgets)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     if args.profile:  # where the host time of a decode vertex goes, once the launch is cheap
         import cProfile
