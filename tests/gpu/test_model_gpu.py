@@ -4,7 +4,8 @@
 
 Greedy tokens equal transformers' (the fixtures, made on the CPU) and prefill logits equal its
 logits, at the working set and at a quarter of it (weights and the KV cache moving), on one GPU
-and, where the machine has two, on two; the training step's gradients equal torch.autograd's.
+and, where the machine has two, on two, and with the backend's events and copies through the
+driver (``VMSTOOLKIT_DRIVER_EVENTS=1``); the training step's gradients equal torch.autograd's.
 """
 
 import numpy as np
@@ -16,8 +17,7 @@ from tests.gpu.test_real_gpu import _gpu
 pytestmark = pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU and VMSTOOLKIT_REAL_GPU=1")
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_generation_on_the_gpu_equals_transformers(name):
+def _generation_equals_transformers(name):
     from vmstoolkit.exec.model.generate import run_generate
 
     fx = fixture(name)
@@ -28,6 +28,20 @@ def test_generation_on_the_gpu_equals_transformers(name):
         np.testing.assert_allclose(r["prefill_logits"], fx["prefill_logits"], atol=1e-4)
         assert r["prefill_s"] > 0 and r["decode_s"] > 0
     assert rows[1]["reloaded_bytes"] > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_generation_on_the_gpu_equals_transformers(name):
+    _generation_equals_transformers(name)
+
+
+@pytest.mark.parametrize("name", ["llama-sharded", "qwen2"])
+def test_generation_with_driver_events_equals_transformers(name, monkeypatch):
+    """The backend's events and copies through the driver (``VMSTOOLKIT_DRIVER_EVENTS=1``,
+    exec/backends/driver_events.py): the same tokens and logits, at a quarter of the working set
+    too, where weights and the KV cache move by those copies."""
+    monkeypatch.setenv("VMSTOOLKIT_DRIVER_EVENTS", "1")
+    _generation_equals_transformers(name)
 
 
 def test_generation_on_two_gpus():
