@@ -12,7 +12,8 @@ and is destroyed by :meth:`DriverEvents.close`; :func:`copy_async` is
 ``cuMemcpy{HtoD,DtoH,DtoD}Async`` on a device view and a pinned host array.
 
 **Opt-in** (``CudaBackend(driver_events=True)`` or ``VMSTOOLKIT_DRIVER_EVENTS=1``) until a GPU run
-has checked it: the CPU tests run it against a recording stand-in of the driver only.
+has checked it: the CPU tests run it against a recording stand-in of the driver only; the GPU
+test is ``tests/gpu/test_model_gpu.py::test_generation_with_driver_events_equals_transformers``.
 """
 
 from __future__ import annotations
