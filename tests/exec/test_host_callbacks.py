@@ -64,3 +64,4 @@ class _CUstreamLike:  # cuda-bindings' CUstream: int() works, no .value
 def test_raw_stream_reads_both_bindings():
     assert raw_stream(_Stream(ctypes.c_void_p(0x5678))) == 0x5678
     assert raw_stream(_Stream(_CUstreamLike())) == 0x1234
+    assert raw_stream(0) == 0 and raw_stream(None) == 0  # the default stream, as launchers pass it

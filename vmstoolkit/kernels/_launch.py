@@ -39,6 +39,7 @@ import os
 import struct
 import threading
 
+from vmstoolkit._cuda_handles import raw_stream
 from vmstoolkit.errors import KernelError
 
 from ._util import current_device_ordinal, simulating
@@ -201,13 +202,6 @@ def _dims(d) -> tuple:
     return d + (1,) * (3 - len(d))
 
 
-def _stream_handle(stream):
-    if not stream:
-        return 0
-    h = stream.handle
-    return (h.value or 0) if isinstance(h, ctypes.c_void_p) else h
-
-
 class FastKernel:
     """A Numba CUDA dispatcher with the fast launch path (module docstring). Indexing and
     calling work as on the dispatcher; every other attribute is the dispatcher's."""
@@ -218,7 +212,7 @@ class FastKernel:
         self.fast_launches = 0
         opts = getattr(dispatcher, "targetoptions", {}) or {}
         self._plannable = not opts.get("debug") and not opts.get("extensions")
-        self._device_array = None
+        self._device_array = _device_array_class()
 
     def __getattr__(self, name):
         return getattr(self.dispatcher, name)
@@ -234,13 +228,11 @@ class FastKernel:
     def launch(self, grid, block, stream, shmem, args) -> None:
         if self._plannable and _Switch.active:
             dev = current_device_ordinal()
-            da = self._device_array or _device_array_class()
-            self._device_array = da
-            keys = tuple(arg_key(a, da) for a in args)
+            keys = tuple(arg_key(a, self._device_array) for a in args)
             key = (dev, shmem, keys)
             plan = self.plans.get(key)
             if plan is not None and plan is not _UNPLANNED:
-                plan.launch(_dims(grid), _dims(block), shmem, _stream_handle(stream), args,
+                plan.launch(_dims(grid), _dims(block), shmem, raw_stream(stream), args,
                             getattr(self.dispatcher, "__name__", "kernel"))
                 self.fast_launches += 1
                 _Switch.count += 1

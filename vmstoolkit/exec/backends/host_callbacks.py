@@ -19,17 +19,11 @@ import ctypes
 import itertools
 import threading
 
+from vmstoolkit._cuda_handles import raw_stream  # noqa: F401 - also this module's name for it
 from vmstoolkit._thread_states import ThreadStatePins
 from vmstoolkit.exec.errors import CudaCallError
 
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # void CUDA_CB fn(void* userData)
-
-
-def raw_stream(stream) -> int:
-    """The CUstream address of a numba stream, whichever binding numba runs on (ctypes
-    ``c_void_p`` or cuda-bindings ``CUstream``, which has no ``.value``)."""
-    h = stream.handle
-    return (h.value or 0) if isinstance(h, ctypes.c_void_p) else int(h)  # c_void_p(0).value is None
 
 
 class HostCallbacks:
