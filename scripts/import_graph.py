@@ -23,7 +23,7 @@ PACKAGE = "vmstoolkit"
 # driver seam sits below the allocators (``pools.drivers`` never imports an allocator).
 LAYERS: list[tuple[str, ...]] = [
     ("vmstoolkit.units", "vmstoolkit.errors", "vmstoolkit._thread_states", "vmstoolkit._version", "vmstoolkit.data",
-     "vmstoolkit._jit"),
+     "vmstoolkit._jit", "vmstoolkit._cuda_handles"),
     ("vmstoolkit.pools.drivers",),
     ("vmstoolkit.pools", "vmstoolkit.kernels"),
     ("vmstoolkit.trace", "vmstoolkit.exec"),
