@@ -167,12 +167,13 @@ def test_kernel_compiles_to_ptx_for_sm90():
     assert lines[0].split()[2] == str(64 // 16 * 8 * 2) and lines[1].split()[2] == str(128 // 16 * 8 * 2), lines
 
 
-@pytest.mark.parametrize("t, nh, nkv, d, warps", [(21, 2, 1, 16, 1), (24, 2, 1, 32, 2)])
-def test_backward_equals_the_reference(rng, t, nh, nkv, d, warps):
+@pytest.mark.parametrize("t, nh, nkv, d, warps, dkv_warps", [(21, 2, 1, 16, 1, 1), (24, 2, 1, 32, 2, 2), (37, 2, 1, 32, 1, 2)])
+def test_backward_equals_the_reference(rng, t, nh, nkv, d, warps, dkv_warps):
     """dq, dk, dv (the dq kernel and the dk/dv kernel, GQA groups summed in registers) against
     ``reference.attention_backward`` in float64 on the same bf16 values, the forward's o and lse:
     within 2 bf16 ulps of the scale (P and dS are rounded to bf16 for the mma, each gradient once).
-    Two warps: the dk/dv kernel's 32 keys walk query tiles of 16 that cross them."""
+    Two warps: the dk/dv kernel's 32 keys walk query tiles of 16 that cross them; the last case gives
+    the dk/dv kernel tiles of its own (``dkv_tiles``)."""
     from numba import cuda
 
     tiles = FB.FlashBf16Tiles(warps=warps, bkv=16)
@@ -183,7 +184,8 @@ def test_backward_equals_the_reference(rng, t, nh, nkv, d, warps):
     lse = cuda.to_device(np.zeros((1, nh, t), np.float32))
     FB.flash_attention_bf16(dev[0], dev[1], dev[2], o, lse, tiles=tiles)
     grads = [cuda.to_device(np.full(x.shape, 0x7FC0, np.uint16)) for x in (q, k, v)]  # NaN: all must be written
-    FB.flash_attention_bf16_backward(dev[0], dev[1], dev[2], o, lse, dev[3], *grads, tiles=tiles)
+    FB.flash_attention_bf16_backward(dev[0], dev[1], dev[2], o, lse, dev[3], *grads, tiles=tiles,
+                                     dkv_tiles=FB.FlashBf16Tiles(warps=dkv_warps, bkv=16))
     f64 = lambda x: B.values(x).astype(np.float64)  # noqa: E731
     want = reference.attention_backward(f64(q), f64(k), f64(v), f64(o.copy_to_host()),
                                         lse.copy_to_host().astype(np.float64), f64(do))

@@ -682,11 +682,22 @@ def backward_smem_bytes(d: int, tiles: FlashBf16Tiles) -> tuple[int, int]:
 
 
 def flash_attention_bf16_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf16Tiles | None = None,
-                                  cp_async: bool | None = None, dsum=None) -> None:
+                                  cp_async: bool | None = None, dsum=None, dkv_tiles: FlashBf16Tiles | None = None) -> None:
     """Enqueue the gradients of :func:`flash_attention_bf16`: q, o, do, dq (B, T, nh, D) and k, v,
     dk, dv (B, T, nkv, D) bf16 bits, ``lse`` (B, nh, T) float32 from the forward. ``dsum``: a
     (B, nh, T) float32 scratch for ``rowsum(do * o)`` (allocated when not given). dk and dv sum
-    the query heads of each GQA group in registers; every output is written once."""
+    the query heads of each GQA group in registers; every output is written once. ``tiles`` is the
+    dQ kernel's (``warps`` x 16 query rows a block, ``bkv`` keys streamed), ``dkv_tiles`` the dK/dV
+    kernel's (``warps`` x 16 keys a block, ``bkv`` queries streamed; ``tiles`` when not given)."""
+    for _name, launch in backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream, tiles, cp_async, dsum, dkv_tiles):
+        launch()
+
+
+def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf16Tiles | None = None,
+                      cp_async: bool | None = None, dsum=None, dkv_tiles: FlashBf16Tiles | None = None) -> list:
+    """The backward's launches, checked and ready, as ``[(name, launch), ...]`` in the order they must
+    run ("dsum", "dq", "dkv"; none when the inputs are empty): :func:`flash_attention_bf16_backward`
+    runs them all; a benchmark can time each."""
     b, t, nh, nkv, d = check_args(q, k, v, o, lse)
     if lse is None:
         raise KernelError("flash_attention_bf16_backward: lse (B, nh, T) from the forward is required")
@@ -695,13 +706,16 @@ def flash_attention_bf16_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, til
         if tuple(a.shape) != tuple(want):
             raise KernelError(f"flash_attention_bf16_backward: {name} has shape {tuple(a.shape)}, expected {tuple(want)}")
     tiles = tiles or default_tiles()
-    tiles.check(d)
-    bq, bkv = backward_smem_bytes(d, tiles)
-    if max(bq, bkv) > MAX_SMEM:
-        raise KernelError(f"flash tiles {tiles} with head_dim={d}: the backward needs {max(bq, bkv)} bytes of shared "
-                          f"memory (limit {MAX_SMEM})")
+    dkv_tiles = dkv_tiles or tiles
+    for tl in (tiles, dkv_tiles):
+        tl.check(d)
+    need = {"dq": backward_smem_bytes(d, tiles)[0], "dkv": backward_smem_bytes(d, dkv_tiles)[1]}
+    for part, (tl, nbytes) in zip(need, ((tiles, need["dq"]), (dkv_tiles, need["dkv"]))):
+        if nbytes > MAX_SMEM:
+            raise KernelError(f"flash tiles {tl} with head_dim={d}: the backward's {part} kernel needs {nbytes} bytes "
+                              f"of shared memory (limit {MAX_SMEM})")
     if b * t * nh == 0:
-        return
+        return []
     if dsum is None:
         dsum = cuda.device_array((b, nh, t), np.float32, stream=stream)
     check_float32("flash_attention_bf16_backward: dsum", dsum)
@@ -715,14 +729,22 @@ def flash_attention_bf16_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, til
     async_ = fits if cp_async is None else cp_async
     n = b * t * nh
     threads = 32 if simulating() else 256
-    _dsum_kernel[max(1, min(-(-n // threads), 2 if simulating() else 132 * 16)), threads, stream](o, do, dsum)
-    k_dq, k_dkv = make_flash_bf16_backward(d, tiles, async_)
+    dsum_grid = max(1, min(-(-n // threads), 2 if simulating() else 132 * 16))
+    k_dq = make_flash_bf16_backward(d, tiles, async_)[0]
+    k_dkv = make_flash_bf16_backward(d, dkv_tiles, async_)[1]
     scale2, scale, group = np.float32(LOG2E / math.sqrt(d)), np.float32(1.0 / math.sqrt(d)), np.int64(nh // nkv)
-    for kernel, args, grid, nbytes in (
-            (k_dq, (q, k, v, do, lse, dsum, dq, scale2, scale, group), (-(-t // tiles.bq), nh, b), bq),
-            (k_dkv, (q, k, v, do, lse, dsum, dk, dv, scale2, scale, group), (-(-t // tiles.bq), nkv, b), bkv)):
-        if nbytes > STATIC_SMEM:
-            _allow_dynamic_smem(kernel, args, nbytes)
-            kernel[grid, tiles.threads, stream, nbytes](*args)
-        else:
-            kernel[grid, tiles.threads, stream](*args)
+
+    def launcher(kernel, args, grid, tl, nbytes):
+        def launch():
+            if nbytes > STATIC_SMEM:
+                _allow_dynamic_smem(kernel, args, nbytes)
+                kernel[grid, tl.threads, stream, nbytes](*args)
+            else:
+                kernel[grid, tl.threads, stream](*args)
+        return launch
+
+    return [("dsum", lambda: _dsum_kernel[dsum_grid, threads, stream](o, do, dsum)),
+            ("dq", launcher(k_dq, (q, k, v, do, lse, dsum, dq, scale2, scale, group), (-(-t // tiles.bq), nh, b),
+                            tiles, need["dq"])),
+            ("dkv", launcher(k_dkv, (q, k, v, do, lse, dsum, dk, dv, scale2, scale, group), (-(-t // dkv_tiles.bq), nkv, b),
+                             dkv_tiles, need["dkv"]))]
