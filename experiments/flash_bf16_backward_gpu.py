@@ -7,7 +7,9 @@ For causal GQA at batch 1, 32 query heads and 8 key/value heads (the shape of ``
 every candidate tile of the dQ kernel and of the dK/dV kernel. A tile's launch that fails to build
 or launch is recorded and skipped. ``best`` = dsum + the fastest dQ + the fastest dK/dV at that
 shape; ``default`` = the three launches with the default tiles; both over SDPA flash's time (goal
-at most 1.30). The best pair is checked against SDPA's gradients (largest difference over the
+at most 1.30). Then the fused backward (one kernel for dK, dV and dQ, ``fused=True``) on each of
+its candidate tiles, with its two small launches (dsum and the accumulator's zeroing, dQ's
+conversion). The best pair is checked against SDPA's gradients (largest difference over the
 largest value). One JSON line per shape goes to ``<out>/flash_bwd.jsonl`` as it is measured, so a
 run cut short keeps its rows.
 
@@ -24,8 +26,9 @@ import numpy as np
 import torch
 from common import run_env, say, time_held
 
-DQ_TILES = ("w4/kv64", "w4/kv32", "w8/kv64", "w2/kv64")
-DKV_TILES = ("w4/kv64", "w4/kv32", "w8/kv32", "w2/kv64")
+DQ_TILES = ("w4/kv64", "w8/kv64", "w4/kv32")
+DKV_TILES = ("w4/kv64", "w4/kv32", "w8/kv32")
+FUSED_TILES = ("w4/kv64", "w8/kv64", "w4/kv32", "w8/kv32")
 SHAPE = (1, 32, 8)  # (B, nh, nkv)
 
 
@@ -49,7 +52,7 @@ def sdpa_backward_ms(q, k, v, do, reps) -> tuple[float, list]:
     return ms, want
 
 
-def bench(hd: int, t: int, dq_tiles, dkv_tiles) -> dict:
+def bench(hd: int, t: int, dq_tiles, dkv_tiles, fused_tiles) -> dict:
     from numba import cuda
 
     from vmstoolkit.kernels import flash_bf16 as FB
@@ -69,7 +72,8 @@ def bench(hd: int, t: int, dq_tiles, dkv_tiles) -> dict:
     FB.flash_attention_bf16(nb(q), nb(k), nb(v), nb(o), lse=nb(lse))
     dsum = cuda.device_array((b, nh, t), np.float32)
     args = [nb(x) for x in (q, k, v, o, lse, do, *grads)]
-    rec = {"hd": hd, "T": t, "B": b, "nh": nh, "nkv": nkv, "sdpa_flash_ms": sdpa_ms, "dq": {}, "dkv": {}}
+    rec = {"hd": hd, "T": t, "B": b, "nh": nh, "nkv": nkv, "sdpa_flash_ms": sdpa_ms, "dq": {}, "dkv": {}, "fused": {}}
+    dqa = cuda.device_array((b, t, nh, hd), np.float32)
     say(f"hd{hd} T{t}: SDPA flash backward {sdpa_ms:.3f} ms ({flops / sdpa_ms / 1e9:.0f} TFLOP/s)")
     for part, cands in (("dq", dq_tiles), ("dkv", dkv_tiles)):
         for label in cands:
@@ -88,6 +92,34 @@ def bench(hd: int, t: int, dq_tiles, dkv_tiles) -> dict:
                 say(f"  {part} {label}: FAILED {type(e).__name__}: {str(e)[:200]}")
                 continue
             say(f"  {part} {label:>8}: {rec[part][label]:.3f} ms")
+    for label in fused_tiles:
+        try:
+            launches = dict(FB.backward_launches(*args, dsum=dsum, dkv_tiles=parse_tiles(label), fused=True, dq_accum=dqa))
+            for name in ("dsum", "dkvq", "dq"):
+                launches[name]()
+            cuda.synchronize()
+            rec["fused"][label] = time_held(launches["dkvq"], reps)["best_ms"]
+            if "fused_extra_ms" not in rec:  # dsum with the accumulator's zeroing, and dQ's conversion
+                rec["fused_extra_ms"] = sum(time_held(launches[n], reps)["best_ms"] for n in ("dsum", "dq"))
+            total = rec["fused_extra_ms"] + rec["fused"][label]
+            for name in ("dsum", "dkvq", "dq"):  # once more in order: the timed repeats add into dqa again
+                launches[name]()
+            cuda.synchronize()
+            errs = {n: float((a.float() - w.float()).abs().max() / w.float().abs().max())
+                    for n, a, w in zip(("dq", "dk", "dv"), grads, want)}
+            rec.setdefault("fused_err", {})[label] = errs
+        except Exception as e:  # noqa: BLE001 - a tile that does not build or launch: record it, go on
+            rec["fused"][label] = None
+            rec.setdefault("errors", {})[f"fused {label}"] = f"{type(e).__name__}: {e}"[:400]
+            say(f"  fused {label}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            continue
+        say(f"  fused {label:>8}: {rec['fused'][label]:.3f} ms, whole backward {total:.3f} ms = x{total / sdpa_ms:.2f} "
+            "SDPA flash; err " + " ".join(f"{n} {x:.1e}" for n, x in errs.items()))
+    fused_ok = {lab: ms for lab, ms in rec["fused"].items() if ms is not None}
+    if fused_ok:
+        lab = min(fused_ok, key=fused_ok.get)
+        rec.update(fused_best_tiles=lab, fused_best_ms=rec["fused_extra_ms"] + fused_ok[lab])
+        rec["fused_best_ratio"] = rec["fused_best_ms"] / sdpa_ms
     timed = {p: {lab: ms for lab, ms in rec[p].items() if ms is not None} for p in ("dq", "dkv")}
     if timed["dq"] and timed["dkv"]:
         best = {p: min(timed[p], key=timed[p].get) for p in ("dq", "dkv")}
@@ -115,6 +147,7 @@ def main() -> None:
     ap.add_argument("--t", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--dq-tiles", nargs="+", default=list(DQ_TILES))
     ap.add_argument("--dkv-tiles", nargs="+", default=list(DKV_TILES))
+    ap.add_argument("--fused-tiles", nargs="+", default=list(FUSED_TILES))
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "env.json").write_text(json.dumps(run_env(), indent=1))
@@ -122,15 +155,17 @@ def main() -> None:
     with open(a.out / "flash_bwd.jsonl", "a") as f:
         for hd in a.hd:
             for t in a.t:
-                rows.append(bench(hd, t, a.dq_tiles, a.dkv_tiles))
+                rows.append(bench(hd, t, a.dq_tiles, a.dkv_tiles, a.fused_tiles))
                 f.write(json.dumps(rows[-1]) + "\n")
                 f.flush()
                 torch.cuda.empty_cache()
-    say("hd     T  SDPA ms  default  best  (dq, dkv tiles)")
+    say("time / SDPA flash backward's (goal <= 1.30)")
+    say("hd     T  SDPA ms  default  best two  (dq, dkv tiles)     best fused (tiles)")
+    nan = float("nan")
     for r in rows:
-        if "best_ms" in r:
-            say(f"{r['hd']:>3} {r['T']:>5} {r['sdpa_flash_ms']:8.3f} {r.get('default_ratio', float('nan')):7.2f} "
-                f"{r['best_ratio']:5.2f}  ({r['best_tiles']['dq']}, {r['best_tiles']['dkv']})")
+        two = f"{r['best_ratio']:8.2f}  ({r['best_tiles']['dq']}, {r['best_tiles']['dkv']})" if "best_ms" in r else " " * 28
+        say(f"{r['hd']:>3} {r['T']:>5} {r['sdpa_flash_ms']:8.3f} {r.get('default_ratio', nan):7.2f} {two:<30} "
+            f"{r.get('fused_best_ratio', nan):6.2f} ({r.get('fused_best_tiles', '-')})")
 
 
 if __name__ == "__main__":

@@ -143,14 +143,16 @@ def test_against_the_numpy_reference():
     assert float(np.max(np.abs(got - want)) / np.max(np.abs(want))) <= 2 * U
 
 
-def _grads(q, k, v, do, **kw):
+def _grads(q, k, v, do, bw=None, **kw):
+    """Our gradients; ``kw`` go to the forward and the backward, ``bw`` to the backward alone."""
     from numba import cuda
 
     from vmstoolkit.kernels import flash_bf16 as FB
 
     o, lse = run(q, k, v, **kw)
     dq, dk, dv = (torch.full(x.shape, float("nan"), device="cuda", dtype=torch.bfloat16) for x in (q, k, v))
-    FB.flash_attention_bf16_backward(nb(q), nb(k), nb(v), nb(o), nb(lse), nb(do), nb(dq), nb(dk), nb(dv), **kw)
+    FB.flash_attention_bf16_backward(nb(q), nb(k), nb(v), nb(o), nb(lse), nb(do), nb(dq), nb(dk), nb(dv), **kw,
+                                     **(bw or {}))
     cuda.synchronize()
     return dq, dk, dv
 
@@ -169,11 +171,20 @@ def _autograd(q, k, v, do):
     (1, 1031, 16, 2, 128),  # group 8
     (3, 5, 4, 1, 128),      # T below one tile
 ])
-def test_backward_against_sdpa(b, t, nh, nkv, d):
+@pytest.mark.parametrize("bw", ["two kernels", "fused w4/kv64", "fused w8/kv64", "fused w4/kv32"])
+def test_backward_against_sdpa(b, t, nh, nkv, d, bw):
     """dq, dk, dv against the fp32 truth as close as SDPA's bf16 backward is (Note [bf16 noise]'s
-    rule: err(ours, truth) <= 2 err(sdpa_bf16, truth) + 2u)."""
+    rule: err(ours, truth) <= 2 err(sdpa_bf16, truth) + 2u): the two-kernel backward and the fused
+    one (dQ added atomically) on the tiles where each warp has a row group of dQ, where two warps
+    share one (w8/kv64) and where four do (w4/kv32)."""
+    from vmstoolkit.kernels import flash_bf16 as FB
+
+    kw = {}
+    if bw.startswith("fused"):
+        w, kv = bw.split()[1].split("/")
+        kw = {"fused": True, "dkv_tiles": FB.FlashBf16Tiles(int(w[1:]), int(kv[2:]))}
     q, k, v, do = bf(b, t, nh, d), bf(b, t, nkv, d), bf(b, t, nkv, d), bf(b, t, nh, d)
-    ours = _grads(q, k, v, do)
+    ours = _grads(q, k, v, do, bw=kw)
     truth = _autograd(q.float(), k.float(), v.float(), do.float())
     theirs = _autograd(q, k, v, do)
     for name, a, w, th in zip(("dq", "dk", "dv"), ours, truth, theirs):

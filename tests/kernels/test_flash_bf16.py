@@ -196,6 +196,48 @@ def test_backward_equals_the_reference(rng, t, nh, nkv, d, warps, dkv_warps):
         assert rel <= 2 * B.UNIT_ROUNDOFF, (name, rel)
 
 
+@pytest.mark.parametrize("t, nh, nkv, d, warps, bkv", [(21, 2, 1, 16, 1, 16), (37, 4, 2, 32, 2, 16), (29, 2, 1, 32, 1, 32)])
+def test_fused_backward_equals_the_reference(rng, t, nh, nkv, d, warps, bkv):
+    """The fused backward (dK, dV and dQ in one kernel, dQ's partials added atomically in fp32):
+    the same bound against the float64 reference. The cases: one warp per 16-query tile; two warps
+    sharing one row group's dQ columns (GQA groups of 2); one warp taking two row groups."""
+    from numba import cuda
+
+    tiles = FB.FlashBf16Tiles(warps=warps, bkv=bkv)
+    q, k, v = _inputs(rng, 1, t, nh, nkv, d)
+    do = B.to_bits(rng.standard_normal(q.shape))
+    dev = [cuda.to_device(x) for x in (q, k, v, do)]
+    o = cuda.to_device(np.zeros(q.shape, np.uint16))
+    lse = cuda.to_device(np.zeros((1, nh, t), np.float32))
+    FB.flash_attention_bf16(dev[0], dev[1], dev[2], o, lse, tiles=FB.SIM_TILES)
+    grads = [cuda.to_device(np.full(x.shape, 0x7FC0, np.uint16)) for x in (q, k, v)]
+    acc = cuda.to_device(np.full(q.shape, np.nan, np.float32))  # must be zeroed by the launch itself
+    FB.flash_attention_bf16_backward(dev[0], dev[1], dev[2], o, lse, dev[3], *grads, dkv_tiles=tiles, fused=True,
+                                     dq_accum=acc)
+    f64 = lambda x: B.values(x).astype(np.float64)  # noqa: E731
+    want = reference.attention_backward(f64(q), f64(k), f64(v), f64(o.copy_to_host()),
+                                        lse.copy_to_host().astype(np.float64), f64(do))
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        got = B.values(g.copy_to_host())
+        assert not np.isnan(got).any(), name
+        rel = float(np.max(np.abs(got - w)) / np.max(np.abs(w)))
+        assert rel <= 2 * B.UNIT_ROUNDOFF, (name, rel)
+
+
+def test_fused_backward_refuses_tiles_that_cannot_share_dq():
+    from numba import cuda
+
+    z = lambda *s: cuda.to_device(np.zeros(s, np.uint16))  # noqa: E731
+    q, k = z(1, 8, 2, 32), z(1, 8, 1, 32)
+    lse = cuda.to_device(np.zeros((1, 2, 8), np.float32))
+    with pytest.raises(KernelError, match="fused backward needs the warps"):  # 2 warps, 3 row groups of 16 queries
+        FB.flash_attention_bf16_backward(q, k, k, q, lse, q, q, k, k, fused=True,
+                                         dkv_tiles=FB.FlashBf16Tiles(warps=2, bkv=48))
+    with pytest.raises(KernelError, match="dq_accum has shape"):
+        FB.flash_attention_bf16_backward(q, k, k, q, lse, q, q, k, k, fused=True, dkv_tiles=FB.SIM_TILES,
+                                         dq_accum=cuda.to_device(np.zeros((1, 8, 2, 16), np.float32)))
+
+
 def test_backward_rejects_bad_input():
     from numba import cuda
 

@@ -656,9 +656,115 @@ def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
     return "\n".join(src) + "\n"
 
 
+def _dq_split(d: int, t: FlashBf16Tiles) -> tuple[int, int, int]:
+    """How the fused kernel's warps share a tile's dQ (``bkv`` queries x d): (row groups of 16 a warp,
+    column parts a row group is cut into, n8-pair columns a part); refused unless the warps and the
+    row groups divide one another and a part is whole n8 pairs."""
+    rows, w = t.bkv // ROWS, t.warps
+    if rows >= w and rows % w == 0:
+        return rows // w, 1, d // 16
+    if w % rows == 0 and (d // 16) % (w // rows) == 0:
+        return 1, w // rows, d // 16 // (w // rows)
+    raise KernelError(f"flash tiles {t} with head_dim={d}: the fused backward needs the warps ({w}) and the dQ tile's "
+                      f"{rows} row groups of 16 to divide one another, and whole n8 pairs of the {d} columns a warp")
+
+
+def _dkvq_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
+    """The dK/dV kernel with dQ fused in (FlashAttention-2's backward): after dK += dS^T Q, each warp
+    stores its dS^T rows (bf16) in shared memory, and the block computes this query tile's dQ
+    partial, dS K, from there (A by ldmatrix.trans of dS^T, B by ldmatrix.trans of K, already in
+    shared memory), added atomically into the fp32 ``dqa`` (B, T, nh, D) unscaled; the convert
+    kernel scales and rounds it. Two of the two-kernel backward's seven products (the dQ kernel's
+    S and dP) are not computed again."""
+    BK, BQI, TH = t.bq, t.bkv, t.threads
+    W = t.warps
+    per_warp, parts, npc = _dq_split(d, t)
+    rows = BQI // ROWS
+    DSOFF = 2 * BK * d + 4 * BQI * d
+    elems = DSOFF + BK * BQI
+    mq = min(7, BQI // 8 - 1)  # dS^T's rows are BQI elements: chunk c of row r is stored at c ^ (r & mq)
+    src = _dkv_source(d, t, async_).splitlines()
+    src[0] = "def kernel(q, k, v, do, lse, dsum, dk, dv, dqa, scale2, scale, group):"
+    dyn = 2 * elems > STATIC_SMEM
+    src[1] = f"    Sm = cuda.shared.array({0 if dyn else elems}, uint16{'' if simulating() else ', alignment=16'})"
+    setup = ["swq = lane & " + str(mq),
+             "dsa = " + str(DSOFF) + f" + rk * {BQI}"]  # dS^T rows of a key step (rk: ldmatrix's row per lane)
+    if parts > 1:
+        setup += [f"dqr = warp % {rows}", f"cpart = warp // {rows}"]
+    else:
+        setup += ["dqr = warp", "cpart = 0"]
+    setup += [f"kb_{c} = rv * {d} + ((2 * (cpart * {npc} + {c}) + (lane >> 4)) ^ sw) * 8" for c in range(npc)]
+    loop = src.index("    for it in range(total):")
+    src[loop:loop] = _indent(setup, 4)
+    loop += len(setup)
+    end = next(i for i in range(loop + 1, len(src)) if src[i].startswith("    cp_async_wait(0)"))
+    assert src[end - 1].strip() == "cuda.syncthreads()", src[end - 1]
+    body = []
+    for j in range(BQI // 8):  # dS^T (rows: this warp's keys; columns: the tile's queries) as bf16
+        for half, r in ((0, "key0 - k0"), (1, "key1 - k0")):
+            body += [f"pk = pack_bf16x2(s{j}_{2 * half}, s{j}_{2 * half + 1})",
+                     f"o_ = {DSOFF} + ({r}) * {BQI} + (({j} ^ (g & {mq})) << 3) + 2 * tq",
+                     "Sm[o_] = uint16(pk & 0xFFFF)", "Sm[o_ + 1] = uint16(pk >> 16)"]
+    body += ["cuda.syncthreads()"]
+    for u in range(per_warp):
+        qr = f"dqr + {u * W}" if u else "dqr"
+        body += [f"dch = ((2 * ({qr}) + ((lane >> 3) & 1)) ^ swq) << 3",
+                 f"qrow0 = qs + ({qr}) * 16 + g", "qrow1 = qrow0 + 8"]
+        for ks in range(BK // 16):
+            body += [f"da{ks}_0, da{ks}_1, da{ks}_2, da{ks}_3 = ldmatrix_x4_trans(Sm, dsa + {16 * ks * BQI} + dch)"]
+        for c in range(npc):
+            body += ["x0, x1, x2, x3 = " + ", ".join(["float32(0.0)"] * 4),
+                     "y0, y1, y2, y3 = " + ", ".join(["float32(0.0)"] * 4)]
+            for ks in range(BK // 16):
+                a = f"da{ks}_0, da{ks}_1, da{ks}_2, da{ks}_3"
+                body += [f"v0, v1, v2, v3 = ldmatrix_x4_trans(Sm, kb_{c} + {16 * ks * d})",
+                         f"x0, x1, x2, x3 = mma_bf16({a}, v0, v1, x0, x1, x2, x3)",
+                         f"y0, y1, y2, y3 = mma_bf16({a}, v2, v3, y0, y1, y2, y3)"]
+            body += [f"cl = (cpart * {npc} + {c}) * 16 + 2 * tq",
+                     "add_pair(dqa, b, qrow0, hq, cl, T, x0, x1)", "add_pair(dqa, b, qrow1, hq, cl, T, x2, x3)",
+                     "add_pair(dqa, b, qrow0, hq, cl + 8, T, y0, y1)", "add_pair(dqa, b, qrow1, hq, cl + 8, T, y2, y3)"]
+    src[end - 1:end - 1] = _indent(body, 8)
+    return "\n".join(src) + "\n"
+
+
+@cuda.jit(device=True)
+def add_pair(a, b, row, h, col, t, v0, v1):
+    """``a[b, row, h, col:col+2] += (v0, v1)`` atomically, if the row is inside T."""
+    if row < t:
+        cuda.atomic.add(a, (b, row, h, col), v0)
+        cuda.atomic.add(a, (b, row, h, col + 1), v1)
+
+
+@fastlaunch.jit
+def _dsum_zero_kernel(o, do, dsum, dqa):
+    """:func:`_dsum_kernel`, and ``dqa[b, t, h, :] = 0`` (the fused backward's dQ accumulator) on the way."""
+    b_, t_, nh, d = o.shape
+    for e in range(cuda.grid(1), b_ * t_ * nh, cuda.gridsize(1)):
+        h = e % nh
+        t = (e // nh) % t_
+        b = e // (nh * t_)
+        s = float32(0.0)
+        for i in range(d):
+            s += _mma.bf16_to_f32(o[b, t, h, i]) * _mma.bf16_to_f32(do[b, t, h, i])
+            dqa[b, t, h, i] = float32(0.0)
+        dsum[b, h, t] = s
+
+
+@fastlaunch.jit
+def _dq_convert_kernel(dqa, dq, scale):
+    """dq = bf16(dqa * scale), element by element (dqa: the fused backward's fp32 sums)."""
+    b_, t_, nh, d = dqa.shape
+    for e in range(cuda.grid(1), b_ * t_ * nh * d, cuda.gridsize(1)):
+        i = e % d
+        h = (e // d) % nh
+        t = (e // (d * nh)) % t_
+        b = e // (d * nh * t_)
+        dq[b, t, h, i] = uint16(_mma.pack_bf16x2(dqa[b, t, h, i] * scale, float32(0.0)) & 0xFFFF)
+
+
 def _build(source: str, label: str):
     names = kernel_namespace()
-    names.update({"masked_t": masked_t, "row_stat": row_stat})
+    names.update({"masked_t": masked_t, "row_stat": row_stat, "add_pair": add_pair})
     return generated_function(source, label, names)
 
 
@@ -676,28 +782,52 @@ def make_flash_bf16_backward(d: int, tiles: FlashBf16Tiles, cp_async: bool = Tru
     return tuple(fastlaunch.fast(_cuda_cache.cached(cuda.jit(**opts)(fn))) for fn in python_backward_kernels(d, tiles, cp_async))
 
 
+@lru_cache(maxsize=None)
+def make_flash_bf16_fused_backward(d: int, tiles: FlashBf16Tiles, cp_async: bool = True):
+    """The fused dK/dV/dQ kernel (:func:`_dkvq_source`) for head_dim ``d``."""
+    tiles.check(d)
+    _dq_split(d, tiles)
+    tag = f"d{d} {tiles.label()}{'' if cp_async else ' elementwise'}"
+    fn = _build(_dkvq_source(d, tiles, cp_async), f"<flash_bf16 dkvq {tag}>")
+    opts = {} if simulating() else {"max_registers": 255}
+    return fastlaunch.fast(_cuda_cache.cached(cuda.jit(**opts)(fn)))
+
+
 def backward_smem_bytes(d: int, tiles: FlashBf16Tiles) -> tuple[int, int]:
     """Shared bytes of the dq kernel and of the dk/dv kernel."""
     return 2 * (4 * tiles.bkv * d + 2 * tiles.bq * d), 2 * (2 * tiles.bq * d + 4 * tiles.bkv * d)
 
 
+def fused_smem_bytes(d: int, tiles: FlashBf16Tiles) -> int:
+    """Shared bytes of the fused dK/dV/dQ kernel: the dK/dV kernel's and a tile of dS^T."""
+    return backward_smem_bytes(d, tiles)[1] + 2 * tiles.bq * tiles.bkv
+
+
 def flash_attention_bf16_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf16Tiles | None = None,
-                                  cp_async: bool | None = None, dsum=None, dkv_tiles: FlashBf16Tiles | None = None) -> None:
+                                  cp_async: bool | None = None, dsum=None, dkv_tiles: FlashBf16Tiles | None = None,
+                                  fused: bool = False, dq_accum=None) -> None:
     """Enqueue the gradients of :func:`flash_attention_bf16`: q, o, do, dq (B, T, nh, D) and k, v,
     dk, dv (B, T, nkv, D) bf16 bits, ``lse`` (B, nh, T) float32 from the forward. ``dsum``: a
     (B, nh, T) float32 scratch for ``rowsum(do * o)`` (allocated when not given). dk and dv sum
     the query heads of each GQA group in registers; every output is written once. ``tiles`` is the
     dQ kernel's (``warps`` x 16 query rows a block, ``bkv`` keys streamed), ``dkv_tiles`` the dK/dV
-    kernel's (``warps`` x 16 keys a block, ``bkv`` queries streamed; ``tiles`` when not given)."""
-    for _name, launch in backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream, tiles, cp_async, dsum, dkv_tiles):
+    kernel's (``warps`` x 16 keys a block, ``bkv`` queries streamed; ``tiles`` when not given).
+
+    ``fused=True``: one kernel computes dK, dV and dQ (dQ added atomically into ``dq_accum``, a
+    (B, T, nh, D) float32 scratch allocated when not given, then scaled and rounded into ``dq``), on
+    ``dkv_tiles`` (or ``tiles``); ``tiles`` is then not used for a dQ kernel. Its sums' order
+    varies from run to run (the atomics), by fp32 noise before dQ's bf16 rounding."""
+    for _name, launch in backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream, tiles, cp_async, dsum, dkv_tiles,
+                                           fused, dq_accum):
         launch()
 
 
 def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf16Tiles | None = None,
-                      cp_async: bool | None = None, dsum=None, dkv_tiles: FlashBf16Tiles | None = None) -> list:
+                      cp_async: bool | None = None, dsum=None, dkv_tiles: FlashBf16Tiles | None = None,
+                      fused: bool = False, dq_accum=None) -> list:
     """The backward's launches, checked and ready, as ``[(name, launch), ...]`` in the order they must
-    run ("dsum", "dq", "dkv"; none when the inputs are empty): :func:`flash_attention_bf16_backward`
-    runs them all; a benchmark can time each."""
+    run ("dsum", "dq", "dkv"; fused: "dsum" (which zeroes ``dq_accum``), "dkvq", "dq"; none when the
+    inputs are empty): :func:`flash_attention_bf16_backward` runs them all; a benchmark can time each."""
     b, t, nh, nkv, d = check_args(q, k, v, o, lse)
     if lse is None:
         raise KernelError("flash_attention_bf16_backward: lse (B, nh, T) from the forward is required")
@@ -709,8 +839,14 @@ def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf1
     dkv_tiles = dkv_tiles or tiles
     for tl in (tiles, dkv_tiles):
         tl.check(d)
-    need = {"dq": backward_smem_bytes(d, tiles)[0], "dkv": backward_smem_bytes(d, dkv_tiles)[1]}
-    for part, (tl, nbytes) in zip(need, ((tiles, need["dq"]), (dkv_tiles, need["dkv"]))):
+    if fused:
+        _dq_split(d, dkv_tiles)
+        need = {"dkvq": fused_smem_bytes(d, dkv_tiles)}
+        parts = ((dkv_tiles, need["dkvq"]),)
+    else:
+        need = {"dq": backward_smem_bytes(d, tiles)[0], "dkv": backward_smem_bytes(d, dkv_tiles)[1]}
+        parts = ((tiles, need["dq"]), (dkv_tiles, need["dkv"]))
+    for part, (tl, nbytes) in zip(need, parts):
         if nbytes > MAX_SMEM:
             raise KernelError(f"flash tiles {tl} with head_dim={d}: the backward's {part} kernel needs {nbytes} bytes "
                               f"of shared memory (limit {MAX_SMEM})")
@@ -730,9 +866,31 @@ def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf1
     n = b * t * nh
     threads = 32 if simulating() else 256
     dsum_grid = max(1, min(-(-n // threads), 2 if simulating() else 132 * 16))
+    scale2, scale, group = np.float32(LOG2E / math.sqrt(d)), np.float32(1.0 / math.sqrt(d)), np.int64(nh // nkv)
+    if fused:
+        if dq_accum is None:
+            dq_accum = cuda.device_array((b, t, nh, d), np.float32, stream=stream)
+        check_float32("flash_attention_bf16_backward: dq_accum", dq_accum)
+        if tuple(dq_accum.shape) != (b, t, nh, d):
+            raise KernelError(f"flash_attention_bf16_backward: dq_accum has shape {tuple(dq_accum.shape)}, "
+                              f"expected {(b, t, nh, d)}")
+        k_f = make_flash_bf16_fused_backward(d, dkv_tiles, async_)
+        nbytes, tl = need["dkvq"], dkv_tiles
+        args = (q, k, v, do, lse, dsum, dk, dv, dq_accum, scale2, scale, group)
+        grid = (-(-t // tl.bq), nkv, b)
+
+        def fused_launch():
+            if nbytes > STATIC_SMEM:
+                _allow_dynamic_smem(k_f, args, nbytes)
+                k_f[grid, tl.threads, stream, nbytes](*args)
+            else:
+                k_f[grid, tl.threads, stream](*args)
+        conv_grid = max(1, min(-(-n * d // threads), 2 if simulating() else 132 * 16))
+        return [("dsum", lambda: _dsum_zero_kernel[dsum_grid, threads, stream](o, do, dsum, dq_accum)),
+                ("dkvq", fused_launch),
+                ("dq", lambda: _dq_convert_kernel[conv_grid, threads, stream](dq_accum, dq, scale))]
     k_dq = make_flash_bf16_backward(d, tiles, async_)[0]
     k_dkv = make_flash_bf16_backward(d, dkv_tiles, async_)[1]
-    scale2, scale, group = np.float32(LOG2E / math.sqrt(d)), np.float32(1.0 / math.sqrt(d)), np.int64(nh // nkv)
 
     def launcher(kernel, args, grid, tl, nbytes):
         def launch():
