@@ -36,7 +36,10 @@ functions whose codegen emits llvmlite ``ir.InlineAsm`` (NVVM passes inline PTX 
 - ``shfl_xor_f32(v, mask) -> float32``: lane ``l`` gets lane ``l ^ mask``'s ``v``
   (``shfl.sync.bfly`` over the full warp; the simulator has no warp shuffles, hence a twin);
 - ``exp2_approx(x) -> float32``: ``ex2.approx.ftz.f32`` (MUFU.EX2 alone: 2 ulp, denormals flushed,
-  ``exp2(-inf) = 0``), the flash-attention softmax's exponential.
+  ``exp2(-inf) = 0``), the flash-attention softmax's exponential;
+- ``red_add_f32x2(a, i0, i1, i2, i3, v0, v1)``: ``a[i0, i1, i2, i3:i3+2] += (v0, v1)`` atomically by
+  one ``red.global.add.v2.f32`` (sm_90; a 4-D float32 array in global memory, the caller promises
+  the pair 8-byte aligned: unit last stride and an even ``i3`` on an 8-byte-aligned base).
 
 bf16 data are uint16 arrays of bf16 bit patterns (a torch bf16 tensor viewed as int16 works too:
 both are accepted); pairs travel in uint32 registers. ``ldmatrix`` and ``cp.async`` are emitted
@@ -312,17 +315,37 @@ def _make_gpu():
 
         return sig, codegen
 
+    @intrinsic
+    def red_add_f32x2(typingctx, a, i0, i1, i2, i3, v0, v1):
+        if not (isinstance(a, types.Array) and a.ndim == 4 and a.dtype == types.float32
+                and all(isinstance(x, types.Integer) for x in (i0, i1, i2, i3))
+                and all(isinstance(x, types.Float) for x in (v0, v1))):
+            return None
+        sig = types.void(a, i0, i1, i2, i3, v0, v1)
+
+        def codegen(context, builder, sig, args):
+            ptr = _item_pointer(context, builder, sig.args[0], args[0], args[1:5], sig.args[1:5])
+            ptr = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 1))
+            vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args[5:], sig.args[5:])]
+            fty = ir.FunctionType(ir.VoidType(), [ptr.type, _F32, _F32])
+            builder.asm(fty, "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", [ptr, *vals],
+                        side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
     return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
             "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
             "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32, "shfl_xor_f32": shfl_xor_f32,
             "exp2_approx": exp2_approx, "mma_tf32": mma_tf32, "cvt_tf32": _cvt_tf32(True),
-            "cvt_tf32_mma": _cvt_tf32(False), "lds4": lds4}
+            "cvt_tf32_mma": _cvt_tf32(False), "lds4": lds4, "red_add_f32x2": red_add_f32x2}
 
 
 # ---- simulator twins ---------------------------------------------------------------------------
 
 _EXCHANGE: dict = {}
 _EXCHANGE_LOCK = threading.Lock()
+_RED_LOCK = threading.Lock()
 
 
 def _warp_exchange(value):
@@ -415,11 +438,18 @@ def _make_sim():
             raise AssertionError(f"lds4: element index {i} is not 16-byte aligned")
         return tuple(np.float32(smem[i + e]) for e in range(4))
 
+    def red_add_f32x2(a, i0, i1, i2, i3, v0, v1):
+        if int(i3) % 2:
+            raise AssertionError(f"red_add_f32x2: column {int(i3)} is not 8-byte aligned")
+        with _RED_LOCK:
+            a[i0, i1, i2, i3] += np.float32(v0)
+            a[i0, i1, i2, i3 + 1] += np.float32(v1)
+
     return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
             "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
             "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32, "shfl_xor_f32": shfl_xor_f32,
             "exp2_approx": exp2_approx, "mma_tf32": mma_tf32, "cvt_tf32": cvt_tf32,
-            "cvt_tf32_mma": cvt_tf32, "lds4": lds4}
+            "cvt_tf32_mma": cvt_tf32, "lds4": lds4, "red_add_f32x2": red_add_f32x2}
 
 
 _IMPL = _make_sim() if simulating() else _make_gpu()
@@ -438,3 +468,4 @@ mma_tf32 = _IMPL["mma_tf32"]
 cvt_tf32 = _IMPL["cvt_tf32"]
 cvt_tf32_mma = _IMPL["cvt_tf32_mma"]
 lds4 = _IMPL["lds4"]
+red_add_f32x2 = _IMPL["red_add_f32x2"]

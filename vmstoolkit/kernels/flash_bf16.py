@@ -729,10 +729,9 @@ def _dkvq_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
 
 @cuda.jit(device=True)
 def add_pair(a, b, row, h, col, t, v0, v1):
-    """``a[b, row, h, col:col+2] += (v0, v1)`` atomically, if the row is inside T."""
+    """``a[b, row, h, col:col+2] += (v0, v1)`` atomically (one vector ``red``), if the row is inside T."""
     if row < t:
-        cuda.atomic.add(a, (b, row, h, col), v0)
-        cuda.atomic.add(a, (b, row, h, col + 1), v1)
+        _mma.red_add_f32x2(a, b, row, h, col, v0, v1)
 
 
 @fastlaunch.jit
@@ -871,6 +870,9 @@ def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf1
         if dq_accum is None:
             dq_accum = cuda.device_array((b, t, nh, d), np.float32, stream=stream)
         check_float32("flash_attention_bf16_backward: dq_accum", dq_accum)
+        if not dq_accum.is_c_contiguous():
+            raise KernelError("flash_attention_bf16_backward: dq_accum must be C-contiguous (its pairs are added "
+                              f"8 bytes at a time), got strides {dq_accum.strides}")
         if tuple(dq_accum.shape) != (b, t, nh, d):
             raise KernelError(f"flash_attention_bf16_backward: dq_accum has shape {tuple(dq_accum.shape)}, "
                               f"expected {(b, t, nh, d)}")
