@@ -8,8 +8,8 @@ every candidate tile of the dQ kernel and of the dK/dV kernel. A tile's launch t
 or launch is recorded and skipped. ``best`` = dsum + the fastest dQ + the fastest dK/dV at that
 shape; ``default`` = the three launches with the default tiles; both over SDPA flash's time (goal
 at most 1.30). Then the fused backward (one kernel for dK, dV and dQ, ``fused=True``) on each of
-its candidate tiles, with its two small launches (dsum and the accumulator's zeroing, dQ's
-conversion). The best pair is checked against SDPA's gradients (largest difference over the
+its candidate tiles (``+split``: a block per query head, ``split_heads=True``), with its small
+launches (dsum and the accumulators' zeroing, the conversions), each timed alone and summed. The best pair is checked against SDPA's gradients (largest difference over the
 largest value). One JSON line per shape goes to ``<out>/flash_bwd.jsonl`` as it is measured, so a
 run cut short keeps its rows.
 
@@ -28,7 +28,7 @@ from common import run_env, say, time_held
 
 DQ_TILES = ("w4/kv64", "w8/kv64", "w4/kv32")
 DKV_TILES = ("w4/kv64", "w4/kv32", "w8/kv32")
-FUSED_TILES = ("w4/kv64", "w8/kv64", "w4/kv32", "w8/kv32")
+FUSED_TILES = ("w4/kv64", "w8/kv64", "w4/kv32", "w8/kv32", "w4/kv64+split", "w8/kv64+split")
 SHAPE = (1, 32, 8)  # (B, nh, nkv)
 
 
@@ -93,17 +93,20 @@ def bench(hd: int, t: int, dq_tiles, dkv_tiles, fused_tiles) -> dict:
                 continue
             say(f"  {part} {label:>8}: {rec[part][label]:.3f} ms")
     for label in fused_tiles:
+        tl, split = label.split("+")[0], label.endswith("+split")
         try:
-            launches = dict(FB.backward_launches(*args, dsum=dsum, dkv_tiles=parse_tiles(label), fused=True, dq_accum=dqa))
-            for name in ("dsum", "dkvq", "dq"):
-                launches[name]()
+            launches = FB.backward_launches(*args, dsum=dsum, dkv_tiles=parse_tiles(tl), fused=True, dq_accum=dqa,
+                                            split_heads=split)
+            for _, fn in launches:
+                fn()
             cuda.synchronize()
-            rec["fused"][label] = time_held(launches["dkvq"], reps)["best_ms"]
-            if "fused_extra_ms" not in rec:  # dsum with the accumulator's zeroing, and dQ's conversion
-                rec["fused_extra_ms"] = sum(time_held(launches[n], reps)["best_ms"] for n in ("dsum", "dq"))
-            total = rec["fused_extra_ms"] + rec["fused"][label]
-            for name in ("dsum", "dkvq", "dq"):  # once more in order: the timed repeats add into dqa again
-                launches[name]()
+            each = {name: time_held(fn, reps)["best_ms"] for name, fn in launches}
+            rec["fused"][label] = each["dkvq"]
+            total = sum(each.values())
+            rec.setdefault("fused_total_ms", {})[label] = total
+            rec.setdefault("fused_launch_ms", {})[label] = each
+            for _, fn in launches:  # once more in order: the timed repeats add into the accumulators again
+                fn()
             cuda.synchronize()
             errs = {n: float((a.float() - w.float()).abs().max() / w.float().abs().max())
                     for n, a, w in zip(("dq", "dk", "dv"), grads, want)}
@@ -113,12 +116,12 @@ def bench(hd: int, t: int, dq_tiles, dkv_tiles, fused_tiles) -> dict:
             rec.setdefault("errors", {})[f"fused {label}"] = f"{type(e).__name__}: {e}"[:400]
             say(f"  fused {label}: FAILED {type(e).__name__}: {str(e)[:200]}")
             continue
-        say(f"  fused {label:>8}: {rec['fused'][label]:.3f} ms, whole backward {total:.3f} ms = x{total / sdpa_ms:.2f} "
+        say(f"  fused {label:>14}: kernel {each['dkvq']:.3f} ms, whole backward {total:.3f} ms = x{total / sdpa_ms:.2f} "
             "SDPA flash; err " + " ".join(f"{n} {x:.1e}" for n, x in errs.items()))
-    fused_ok = {lab: ms for lab, ms in rec["fused"].items() if ms is not None}
+    fused_ok = rec.get("fused_total_ms", {})
     if fused_ok:
         lab = min(fused_ok, key=fused_ok.get)
-        rec.update(fused_best_tiles=lab, fused_best_ms=rec["fused_extra_ms"] + fused_ok[lab])
+        rec.update(fused_best_tiles=lab, fused_best_ms=fused_ok[lab])
         rec["fused_best_ratio"] = rec["fused_best_ms"] / sdpa_ms
     timed = {p: {lab: ms for lab, ms in rec[p].items() if ms is not None} for p in ("dq", "dkv")}
     if timed["dq"] and timed["dkv"]:

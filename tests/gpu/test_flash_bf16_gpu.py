@@ -171,18 +171,18 @@ def _autograd(q, k, v, do):
     (1, 1031, 16, 2, 128),  # group 8
     (3, 5, 4, 1, 128),      # T below one tile
 ])
-@pytest.mark.parametrize("bw", ["two kernels", "fused w4/kv64", "fused w8/kv64", "fused w4/kv32"])
+@pytest.mark.parametrize("bw", ["two kernels", "fused w4/kv64", "fused w8/kv64", "fused w4/kv32", "fused w4/kv64 split"])
 def test_backward_against_sdpa(b, t, nh, nkv, d, bw):
     """dq, dk, dv against the fp32 truth as close as SDPA's bf16 backward is (Note [bf16 noise]'s
     rule: err(ours, truth) <= 2 err(sdpa_bf16, truth) + 2u): the two-kernel backward and the fused
     one (dQ added atomically) on the tiles where each warp has a row group of dQ, where two warps
-    share one (w8/kv64) and where four do (w4/kv32)."""
+    share one (w8/kv64) and where four do (w4/kv32), and with a block per query head (split)."""
     from vmstoolkit.kernels import flash_bf16 as FB
 
     kw = {}
     if bw.startswith("fused"):
         w, kv = bw.split()[1].split("/")
-        kw = {"fused": True, "dkv_tiles": FB.FlashBf16Tiles(int(w[1:]), int(kv[2:]))}
+        kw = {"fused": True, "dkv_tiles": FB.FlashBf16Tiles(int(w[1:]), int(kv[2:])), "split_heads": bw.endswith("split")}
     q, k, v, do = bf(b, t, nh, d), bf(b, t, nkv, d), bf(b, t, nkv, d), bf(b, t, nh, d)
     ours = _grads(q, k, v, do, bw=kw)
     truth = _autograd(q.float(), k.float(), v.float(), do.float())

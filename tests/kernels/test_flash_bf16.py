@@ -196,11 +196,14 @@ def test_backward_equals_the_reference(rng, t, nh, nkv, d, warps, dkv_warps):
         assert rel <= 2 * B.UNIT_ROUNDOFF, (name, rel)
 
 
-@pytest.mark.parametrize("t, nh, nkv, d, warps, bkv", [(21, 2, 1, 16, 1, 16), (37, 4, 2, 32, 2, 16), (29, 2, 1, 32, 1, 32)])
-def test_fused_backward_equals_the_reference(rng, t, nh, nkv, d, warps, bkv):
+@pytest.mark.parametrize("t, nh, nkv, d, warps, bkv, split", [(21, 2, 1, 16, 1, 16, False), (37, 4, 2, 32, 2, 16, False),
+                                                              (29, 2, 1, 32, 1, 32, False), (37, 4, 2, 32, 2, 16, True),
+                                                              (21, 2, 1, 16, 1, 16, True)])
+def test_fused_backward_equals_the_reference(rng, t, nh, nkv, d, warps, bkv, split):
     """The fused backward (dK, dV and dQ in one kernel, dQ's partials added atomically in fp32):
     the same bound against the float64 reference. The cases: one warp per 16-query tile; two warps
-    sharing one row group's dQ columns (GQA groups of 2); one warp taking two row groups."""
+    sharing one row group's dQ columns (GQA groups of 2); one warp taking two row groups; and a
+    block per query head (``split_heads``, dK and dV added atomically too)."""
     from numba import cuda
 
     tiles = FB.FlashBf16Tiles(warps=warps, bkv=bkv)
@@ -213,7 +216,7 @@ def test_fused_backward_equals_the_reference(rng, t, nh, nkv, d, warps, bkv):
     grads = [cuda.to_device(np.full(x.shape, 0x7FC0, np.uint16)) for x in (q, k, v)]
     acc = cuda.to_device(np.full(q.shape, np.nan, np.float32))  # must be zeroed by the launch itself
     FB.flash_attention_bf16_backward(dev[0], dev[1], dev[2], o, lse, dev[3], *grads, dkv_tiles=tiles, fused=True,
-                                     dq_accum=acc)
+                                     dq_accum=acc, split_heads=split)
     f64 = lambda x: B.values(x).astype(np.float64)  # noqa: E731
     want = reference.attention_backward(f64(q), f64(k), f64(v), f64(o.copy_to_host()),
                                         lse.copy_to_host().astype(np.float64), f64(do))
@@ -233,6 +236,8 @@ def test_fused_backward_refuses_tiles_that_cannot_share_dq():
     with pytest.raises(KernelError, match="fused backward needs the warps"):  # 2 warps, 3 row groups of 16 queries
         FB.flash_attention_bf16_backward(q, k, k, q, lse, q, q, k, k, fused=True,
                                          dkv_tiles=FB.FlashBf16Tiles(warps=2, bkv=48))
+    with pytest.raises(KernelError, match="split_heads=True needs fused=True"):
+        FB.flash_attention_bf16_backward(q, k, k, q, lse, q, q, k, k, split_heads=True)
     with pytest.raises(KernelError, match="dq_accum has shape"):
         FB.flash_attention_bf16_backward(q, k, k, q, lse, q, q, k, k, fused=True, dkv_tiles=FB.SIM_TILES,
                                          dq_accum=cuda.to_device(np.zeros((1, 8, 2, 16), np.float32)))

@@ -608,27 +608,27 @@ def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
            f"    Sm = cuda.shared.array({0 if dyn else elems}, uint16{'' if simulating() else ', alignment=16'})",
            "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5", "    g = lane >> 2",
            "    tq = lane & 3", "    T = q.shape[1]",
-           "    hk = cuda.blockIdx.y", "    b = cuda.blockIdx.z",
+           "    hk = cuda.blockIdx.y", "    b = cuda.blockIdx.z", "    hq0 = hk * group", "    gq = group",
            f"    k0 = cuda.blockIdx.x * {BK}",  # the first key tiles have the most queries: they start first
            "    kg = k[b, :, hk, :]", "    vg = v[b, :, hk, :]", "    dkg = dk[b, :, hk, :]", "    dvg = dv[b, :, hk, :]",
            "    key0 = k0 + warp * 16 + g", "    key1 = key0 + 8",
-           f"    qi0 = k0 // {BQI}", f"    nit = (T + {BQI - 1}) // {BQI} - qi0", "    total = group * nit"]
+           f"    qi0 = k0 // {BQI}", f"    nit = (T + {BQI - 1}) // {BQI} - qi0", "    total = gq * nit"]
     src += _indent(_fetch_setup("k", BK, TH, d) + _fetch_setup("q", BQI, TH, d) + _offsets(d), 4)
     src += _indent(_fetch("k", "k0", "kg", "0", BK, TH, d, async_) + _fetch("k", "k0", "vg", str(VOFF), BK, TH, d, async_)
                    + ["cp_async_commit()"]
-                   + ["qgn = q[b, :, hk * group, :]", "dgn = do[b, :, hk * group, :]", f"q0r = qi0 * {BQI}"]
+                   + ["qgn = q[b, :, hq0, :]", "dgn = do[b, :, hq0, :]", f"q0r = qi0 * {BQI}"]
                    + _fetch("q", "q0r", "qgn", str(SOFF), BQI, TH, d, async_)
                    + _fetch("q", "q0r", "dgn", str(SOFF + BQI * d), BQI, TH, d, async_)
                    + ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()"]
 
                    + [f"{a}{n}_0, {a}{n}_1, {a}{n}_2, {a}{n}_3 = " + ", ".join(["float32(0.0)"] * 4)
                       for a in ("dk", "dv") for n in range(d // 8)], 4)
-    body = ["if it + 1 < total:", "    hn = hk * group + (it + 1) // nit", f"    q0r = (qi0 + (it + 1) % nit) * {BQI}",
+    body = ["if it + 1 < total:", "    hn = hq0 + (it + 1) // nit", f"    q0r = (qi0 + (it + 1) % nit) * {BQI}",
             "    qgn = q[b, :, hn, :]", "    dgn = do[b, :, hn, :]", f"    sn = {SOFF} + ((it + 1) & 1) * {STAGE}"]
     body += _indent(_fetch("q", "q0r", "qgn", "sn", BQI, TH, d, async_)
                     + _fetch("q", "q0r", "dgn", f"sn + {BQI * d}", BQI, TH, d, async_), 4)
     body += ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()",
-             "hq = hk * group + it // nit", f"qs = (qi0 + it % nit) * {BQI}", f"sb = {SOFF} + (it & 1) * {STAGE}",
+             "hq = hq0 + it // nit", f"qs = (qi0 + it % nit) * {BQI}", f"sb = {SOFF} + (it & 1) * {STAGE}",
              "qc = qs + 2 * tq"]
     body += _a_frags("ka", "0", d)  # re-read each tile, as V's below
     body += _mma_nt("s", "ka", "sb", NS, d)  # S^T: rows keys, columns queries
@@ -669,13 +669,15 @@ def _dq_split(d: int, t: FlashBf16Tiles) -> tuple[int, int, int]:
                       f"{rows} row groups of 16 to divide one another, and whole n8 pairs of the {d} columns a warp")
 
 
-def _dkvq_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
+def _dkvq_source(d: int, t: FlashBf16Tiles, async_: bool, split: bool = False) -> str:
     """The dK/dV kernel with dQ fused in (FlashAttention-2's backward): after dK += dS^T Q, each warp
     stores its dS^T rows (bf16) in shared memory, and the block computes this query tile's dQ
     partial, dS K, from there (A by ldmatrix.trans of dS^T, B by ldmatrix.trans of K, already in
     shared memory), added atomically into the fp32 ``dqa`` (B, T, nh, D) unscaled; the convert
     kernel scales and rounds it. Two of the two-kernel backward's seven products (the dQ kernel's
-    S and dP) are not computed again."""
+    S and dP) are not computed again. ``split``: a block per query head instead of per GQA group
+    (``group`` times the blocks), each block's dK and dV partials added atomically, once at its
+    end, into the fp32 ``dka`` and ``dva`` (B, T, nkv, D), scaled and rounded after."""
     BK, BQI, TH = t.bq, t.bkv, t.threads
     W = t.warps
     per_warp, parts, npc = _dq_split(d, t)
@@ -684,7 +686,18 @@ def _dkvq_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
     elems = DSOFF + BK * BQI
     mq = min(7, BQI // 8 - 1)  # dS^T's rows are BQI elements: chunk c of row r is stored at c ^ (r & mq)
     src = _dkv_source(d, t, async_).splitlines()
-    src[0] = "def kernel(q, k, v, do, lse, dsum, dk, dv, dqa, scale2, scale, group):"
+    src[0] = "def kernel(q, k, v, do, lse, dsum, dk, dv, dqa, dka, dva, scale2, scale, group):"
+    if split:
+        swap = {"    hk = cuda.blockIdx.y": "    hk = cuda.blockIdx.y // group", "    hq0 = hk * group": "    hq0 = cuda.blockIdx.y",
+                "    gq = group": "    gq = 1"}
+        src = [swap.get(x, x) for x in src]
+        tail = src.index("    cp_async_wait(0)")
+        src[tail + 1:] = []
+        for acc, out in (("dk", "dka"), ("dv", "dva")):
+            src += ["    cl = 2 * tq"]
+            for n in range(d // 8):
+                src += [f"    add_pair({out}, b, key0, hk, cl + {8 * n}, T, {acc}{n}_0, {acc}{n}_1)",
+                        f"    add_pair({out}, b, key1, hk, cl + {8 * n}, T, {acc}{n}_2, {acc}{n}_3)"]
     dyn = 2 * elems > STATIC_SMEM
     src[1] = f"    Sm = cuda.shared.array({0 if dyn else elems}, uint16{'' if simulating() else ', alignment=16'})"
     setup = ["swq = lane & " + str(mq),
@@ -750,6 +763,12 @@ def _dsum_zero_kernel(o, do, dsum, dqa):
 
 
 @fastlaunch.jit
+def _zero_kernel(a):
+    for e in range(cuda.grid(1), a.size, cuda.gridsize(1)):
+        a[e] = float32(0.0)
+
+
+@fastlaunch.jit
 def _dq_convert_kernel(dqa, dq, scale):
     """dq = bf16(dqa * scale), element by element (dqa: the fused backward's fp32 sums)."""
     b_, t_, nh, d = dqa.shape
@@ -782,12 +801,12 @@ def make_flash_bf16_backward(d: int, tiles: FlashBf16Tiles, cp_async: bool = Tru
 
 
 @lru_cache(maxsize=None)
-def make_flash_bf16_fused_backward(d: int, tiles: FlashBf16Tiles, cp_async: bool = True):
+def make_flash_bf16_fused_backward(d: int, tiles: FlashBf16Tiles, cp_async: bool = True, split: bool = False):
     """The fused dK/dV/dQ kernel (:func:`_dkvq_source`) for head_dim ``d``."""
     tiles.check(d)
     _dq_split(d, tiles)
-    tag = f"d{d} {tiles.label()}{'' if cp_async else ' elementwise'}"
-    fn = _build(_dkvq_source(d, tiles, cp_async), f"<flash_bf16 dkvq {tag}>")
+    tag = f"d{d} {tiles.label()}{'' if cp_async else ' elementwise'}{' split' if split else ''}"
+    fn = _build(_dkvq_source(d, tiles, cp_async, split), f"<flash_bf16 dkvq {tag}>")
     opts = {} if simulating() else {"max_registers": 255}
     return fastlaunch.fast(_cuda_cache.cached(cuda.jit(**opts)(fn)))
 
@@ -804,7 +823,8 @@ def fused_smem_bytes(d: int, tiles: FlashBf16Tiles) -> int:
 
 def flash_attention_bf16_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf16Tiles | None = None,
                                   cp_async: bool | None = None, dsum=None, dkv_tiles: FlashBf16Tiles | None = None,
-                                  fused: bool = False, dq_accum=None) -> None:
+                                  fused: bool = False, dq_accum=None,
+                                   split_heads: bool = False) -> None:
     """Enqueue the gradients of :func:`flash_attention_bf16`: q, o, do, dq (B, T, nh, D) and k, v,
     dk, dv (B, T, nkv, D) bf16 bits, ``lse`` (B, nh, T) float32 from the forward. ``dsum``: a
     (B, nh, T) float32 scratch for ``rowsum(do * o)`` (allocated when not given). dk and dv sum
@@ -815,17 +835,22 @@ def flash_attention_bf16_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, til
     ``fused=True``: one kernel computes dK, dV and dQ (dQ added atomically into ``dq_accum``, a
     (B, T, nh, D) float32 scratch allocated when not given, then scaled and rounded into ``dq``), on
     ``dkv_tiles`` (or ``tiles``); ``tiles`` is then not used for a dQ kernel. Its sums' order
-    varies from run to run (the atomics), by fp32 noise before dQ's bf16 rounding."""
+    varies from run to run (the atomics), by fp32 noise before dQ's bf16 rounding.
+    ``split_heads=True`` (fused only): a block per query head rather than per GQA group, dK and dV
+    added atomically into fp32 scratch too (for GQA at short T, where a block per group leaves
+    SMs idle)."""
     for _name, launch in backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream, tiles, cp_async, dsum, dkv_tiles,
-                                           fused, dq_accum):
+                                           fused, dq_accum, split_heads):
         launch()
 
 
 def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf16Tiles | None = None,
                       cp_async: bool | None = None, dsum=None, dkv_tiles: FlashBf16Tiles | None = None,
-                      fused: bool = False, dq_accum=None) -> list:
+                      fused: bool = False, dq_accum=None,
+                      split_heads: bool = False) -> list:
     """The backward's launches, checked and ready, as ``[(name, launch), ...]`` in the order they must
-    run ("dsum", "dq", "dkv"; fused: "dsum" (which zeroes ``dq_accum``), "dkvq", "dq"; none when the
+    run ("dsum", "dq", "dkv"; fused: "dsum" (which zeroes ``dq_accum``), "dkvq", "dq", and with
+    ``split_heads`` "zero" before "dkvq" and "dk", "dv" after it; none when the
     inputs are empty): :func:`flash_attention_bf16_backward` runs them all; a benchmark can time each."""
     b, t, nh, nkv, d = check_args(q, k, v, o, lse)
     if lse is None:
@@ -838,6 +863,8 @@ def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf1
     dkv_tiles = dkv_tiles or tiles
     for tl in (tiles, dkv_tiles):
         tl.check(d)
+    if split_heads and not fused:
+        raise KernelError("flash_attention_bf16_backward: split_heads=True needs fused=True")
     if fused:
         _dq_split(d, dkv_tiles)
         need = {"dkvq": fused_smem_bytes(d, dkv_tiles)}
@@ -876,10 +903,12 @@ def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf1
         if tuple(dq_accum.shape) != (b, t, nh, d):
             raise KernelError(f"flash_attention_bf16_backward: dq_accum has shape {tuple(dq_accum.shape)}, "
                               f"expected {(b, t, nh, d)}")
-        k_f = make_flash_bf16_fused_backward(d, dkv_tiles, async_)
+        k_f = make_flash_bf16_fused_backward(d, dkv_tiles, async_, split_heads)
         nbytes, tl = need["dkvq"], dkv_tiles
-        args = (q, k, v, do, lse, dsum, dk, dv, dq_accum, scale2, scale, group)
-        grid = (-(-t // tl.bq), nkv, b)
+        dkva = cuda.device_array((2, b, t, nkv, d), np.float32, stream=stream) if split_heads else None
+        dka, dva = (dkva[0], dkva[1]) if split_heads else (dq_accum, dq_accum)  # unused unless split
+        args = (q, k, v, do, lse, dsum, dk, dv, dq_accum, dka, dva, scale2, scale, group)
+        grid = (-(-t // tl.bq), nh if split_heads else nkv, b)
 
         def fused_launch():
             if nbytes > STATIC_SMEM:
@@ -888,9 +917,15 @@ def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf1
             else:
                 k_f[grid, tl.threads, stream](*args)
         conv_grid = max(1, min(-(-n * d // threads), 2 if simulating() else 132 * 16))
-        return [("dsum", lambda: _dsum_zero_kernel[dsum_grid, threads, stream](o, do, dsum, dq_accum)),
-                ("dkvq", fused_launch),
-                ("dq", lambda: _dq_convert_kernel[conv_grid, threads, stream](dq_accum, dq, scale))]
+        launches = [("dsum", lambda: _dsum_zero_kernel[dsum_grid, threads, stream](o, do, dsum, dq_accum))]
+        if split_heads:
+            flat = dkva.reshape(dkva.size)
+            launches += [("zero", lambda: _zero_kernel[conv_grid, threads, stream](flat))]
+        launches += [("dkvq", fused_launch), ("dq", lambda: _dq_convert_kernel[conv_grid, threads, stream](dq_accum, dq, scale))]
+        if split_heads:
+            launches += [("dk", lambda: _dq_convert_kernel[conv_grid, threads, stream](dka, dk, scale)),
+                         ("dv", lambda: _dq_convert_kernel[conv_grid, threads, stream](dva, dv, np.float32(1.0)))]
+        return launches
     k_dq = make_flash_bf16_backward(d, tiles, async_)[0]
     k_dkv = make_flash_bf16_backward(d, dkv_tiles, async_)[1]
 
