@@ -203,7 +203,7 @@ def test_fused_backward_equals_the_reference(rng, t, nh, nkv, d, warps, bkv, spl
     """The fused backward (dK, dV and dQ in one kernel, dQ's partials added atomically in fp32):
     the same bound against the float64 reference. The cases: one warp per 16-query tile; two warps
     sharing one row group's dQ columns (GQA groups of 2); one warp taking two row groups; and a
-    block per query head (``split_heads``, dK and dV added atomically too)."""
+    block per query head (``split_heads``, dK and dV added atomically too, into views)."""
     from numba import cuda
 
     tiles = FB.FlashBf16Tiles(warps=warps, bkv=bkv)
@@ -213,7 +213,9 @@ def test_fused_backward_equals_the_reference(rng, t, nh, nkv, d, warps, bkv, spl
     o = cuda.to_device(np.zeros(q.shape, np.uint16))
     lse = cuda.to_device(np.zeros((1, nh, t), np.float32))
     FB.flash_attention_bf16(dev[0], dev[1], dev[2], o, lse, tiles=FB.SIM_TILES)
-    grads = [cuda.to_device(np.full(x.shape, 0x7FC0, np.uint16)) for x in (q, k, v)]
+    # split: the gradients are views of wider arrays (the conversions' 4-D path)
+    wide = [cuda.to_device(np.full((*x.shape[:-1], d + 16 * split), 0x7FC0, np.uint16)) for x in (q, k, v)]
+    grads = [w[..., :d] for w in wide]
     acc = cuda.to_device(np.full(q.shape, np.nan, np.float32))  # must be zeroed by the launch itself
     FB.flash_attention_bf16_backward(dev[0], dev[1], dev[2], o, lse, dev[3], *grads, dkv_tiles=tiles, fused=True,
                                      dq_accum=acc, split_heads=split)

@@ -431,7 +431,7 @@ def flash_attention_bf16(q, k, v, o, lse=None, stream=0, tiles: FlashBf16Tiles |
                           "other strides multiples of 8 elements and 16-byte-aligned bases")
     async_ = fits if cp_async is None else cp_async
     kernel = make_flash_bf16(d, tiles, lse is not None, async_)
-    lse_arg = lse if lse is not None else cuda.device_array((1, 1, 1), np.float32) if simulating() else _dummy_lse()
+    lse_arg = lse if lse is not None else _dummy_lse()
     args = (q, k, v, o, lse_arg, np.float32(LOG2E / math.sqrt(d)), np.int64(nh // nkv))
     grid = (-(-t // tiles.bq), nh, b)
     if tiles.dynamic(d):
@@ -444,14 +444,17 @@ def flash_attention_bf16(q, k, v, o, lse=None, stream=0, tiles: FlashBf16Tiles |
 _DUMMY: dict = {}
 
 
-def _dummy_lse():
-    """A (1, 1, 1) float32 device array standing in for ``lse`` when none is asked (never written)."""
-    dev = None if simulating() else current_device_ordinal()  # not get_current_device(): 15-30 us a call
+def _dummy_lse(ndim: int = 3):
+    """A (1,) * ndim float32 device array standing in for ``lse`` (or another float32 argument) when
+    none is asked (never written)."""
+    if simulating():
+        return cuda.device_array((1,) * ndim, np.float32)
+    dev = current_device_ordinal()  # not get_current_device(): 15-30 us a call
     if dev is None:
         dev = cuda.get_current_device().id
-    if dev not in _DUMMY:
-        _DUMMY[dev] = cuda.device_array((1, 1, 1), np.float32)
-    return _DUMMY[dev]
+    if (dev, ndim) not in _DUMMY:
+        _DUMMY[dev, ndim] = cuda.device_array((1,) * ndim, np.float32)
+    return _DUMMY[dev, ndim]
 
 
 # ---- backward (FlashAttention-2's algorithm, two kernels, no atomics) -------------------------------
@@ -477,17 +480,32 @@ def row_stat(a, b, h, row, t):
 
 
 @fastlaunch.jit
-def _dsum_kernel(o, do, dsum):
-    """dsum[b, h, t] = sum_d o[b, t, h, d] * do[b, t, h, d] (bf16 values, fp32 sum); one thread a row."""
+def _dsum_kernel(o, do, dsum, dqa, zero):
+    """dsum[b, h, t] = sum_d o[b, t, h, d] * do[b, t, h, d] (bf16 values, fp32 sum), and with ``zero``
+    also ``dqa[b, t, h, :] = 0`` (the fused backward's dQ accumulator). Eight threads a row, thread
+    ``p`` taking elements p, p + 8, ... (each step reads 16 adjacent bytes a row and writes 32), the
+    eight partial sums added by shuffles. Every thread of a block runs the same iterations (the
+    shuffles need the whole warp)."""
     b_, t_, nh, d = o.shape
-    for e in range(cuda.grid(1), b_ * t_ * nh, cuda.gridsize(1)):
-        h = e % nh
-        t = (e // nh) % t_
-        b = e // (nh * t_)
+    n = b_ * t_ * nh
+    for base in range(cuda.blockIdx.x * cuda.blockDim.x, n * 8, cuda.gridsize(1)):
+        e = base + cuda.threadIdx.x
+        r = e >> 3
+        p = e & 7
         s = float32(0.0)
-        for i in range(d):
-            s += _mma.bf16_to_f32(o[b, t, h, i]) * _mma.bf16_to_f32(do[b, t, h, i])
-        dsum[b, h, t] = s
+        if r < n:
+            h = r % nh
+            t = (r // nh) % t_
+            b = r // (nh * t_)
+            for i in range(p, d, 8):
+                s += _mma.bf16_to_f32(o[b, t, h, i]) * _mma.bf16_to_f32(do[b, t, h, i])
+                if zero:
+                    dqa[b, t, h, i] = float32(0.0)
+        s += _mma.shfl_xor_f32(s, 1)
+        s += _mma.shfl_xor_f32(s, 2)
+        s += _mma.shfl_xor_f32(s, 4)
+        if r < n and p == 0:
+            dsum[b, h, t] = s
 
 
 def _offsets(d: int) -> list[str]:
@@ -604,8 +622,14 @@ def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
     STAGE = 2 * BQI * d  # Q then dO
     elems = SOFF + 2 * STAGE
     dyn = 2 * elems > STATIC_SMEM
+    # the streamed query tile's row statistics (lse in base 2, then rowsum(dO o O)), two stages of
+    # 2 x BQI float32 in a static array beside Sm: loaded once a tile, not per n8 column and lane
+    stats = lambda st, h, q0: [f"for i_ in range(tid, {BQI}, {TH}):",  # noqa: E731
+                               f"    St[{st} + i_] = row_stat(lse, b, {h}, {q0} + i_, T) * float32({LOG2E})",
+                               f"    St[{st} + {BQI} + i_] = row_stat(dsum, b, {h}, {q0} + i_, T)"]
     src = ["def kernel(q, k, v, do, lse, dsum, dk, dv, scale2, scale, group):",
            f"    Sm = cuda.shared.array({0 if dyn else elems}, uint16{'' if simulating() else ', alignment=16'})",
+           f"    St = cuda.shared.array({4 * BQI}, float32)",
            "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5", "    g = lane >> 2",
            "    tq = lane & 3", "    T = q.shape[1]",
            "    hk = cuda.blockIdx.y", "    b = cuda.blockIdx.z", "    hq0 = hk * group", "    gq = group",
@@ -619,26 +643,26 @@ def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
                    + ["qgn = q[b, :, hq0, :]", "dgn = do[b, :, hq0, :]", f"q0r = qi0 * {BQI}"]
                    + _fetch("q", "q0r", "qgn", str(SOFF), BQI, TH, d, async_)
                    + _fetch("q", "q0r", "dgn", str(SOFF + BQI * d), BQI, TH, d, async_)
-                   + ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()"]
+                   + ["cp_async_commit()"] + stats("0", "hq0", "q0r") + ["cp_async_wait(1)", "cuda.syncthreads()"]
 
                    + [f"{a}{n}_0, {a}{n}_1, {a}{n}_2, {a}{n}_3 = " + ", ".join(["float32(0.0)"] * 4)
                       for a in ("dk", "dv") for n in range(d // 8)], 4)
     body = ["if it + 1 < total:", "    hn = hq0 + (it + 1) // nit", f"    q0r = (qi0 + (it + 1) % nit) * {BQI}",
             "    qgn = q[b, :, hn, :]", "    dgn = do[b, :, hn, :]", f"    sn = {SOFF} + ((it + 1) & 1) * {STAGE}"]
     body += _indent(_fetch("q", "q0r", "qgn", "sn", BQI, TH, d, async_)
-                    + _fetch("q", "q0r", "dgn", f"sn + {BQI * d}", BQI, TH, d, async_), 4)
+                    + _fetch("q", "q0r", "dgn", f"sn + {BQI * d}", BQI, TH, d, async_)
+                    + stats(f"((it + 1) & 1) * {2 * BQI}", "hn", "q0r"), 4)
     body += ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()",
              "hq = hq0 + it // nit", f"qs = (qi0 + it % nit) * {BQI}", f"sb = {SOFF} + (it & 1) * {STAGE}",
-             "qc = qs + 2 * tq"]
+             "qc = qs + 2 * tq", f"ss = (it & 1) * {2 * BQI} + 2 * tq"]
     body += _a_frags("ka", "0", d)  # re-read each tile, as V's below
     body += _mma_nt("s", "ka", "sb", NS, d)  # S^T: rows keys, columns queries
     body += [f"s{j}_{r} *= scale2" for j in range(NS) for r in range(4)]
     body += [f"if qs < k0 + {BK - 1} or qs + {BQI} > T:"]
     body += [f"    s{j}_{r} = masked_t(s{j}_{r}, key{r >> 1}, qc + {8 * j + (r & 1)}, T)" for j in range(NS) for r in range(4)]
-    # the columns' statistics, each loaded where it is used (fewer registers live at once)
+    # the columns' statistics, from the tile's copy in St
     for j in range(NS):
-        body += [f"l0 = row_stat(lse, b, hq, qc + {8 * j}, T) * float32({LOG2E})",
-                 f"l1 = row_stat(lse, b, hq, qc + {8 * j + 1}, T) * float32({LOG2E})"]
+        body += [f"l0 = St[ss + {8 * j}]", f"l1 = St[ss + {8 * j + 1}]"]
         body += [f"s{j}_{r} = exp2_approx(s{j}_{r} - l{r & 1})" for r in range(4)]
     body += _mma_nn("dv", "s", f"sb + {BQI * d}", NS, d)  # dV += P^T dO
     # K's and V's fragments re-read from shared memory each tile (D/16 ldmatrix each): held in
@@ -646,7 +670,7 @@ def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
     body += _a_frags("va", str(VOFF), d)
     body += _mma_nt("t", "va", f"sb + {BQI * d}", NS, d)  # dP^T = V dO^T
     for j in range(NS):
-        body += [f"D0 = row_stat(dsum, b, hq, qc + {8 * j}, T)", f"D1 = row_stat(dsum, b, hq, qc + {8 * j + 1}, T)"]
+        body += [f"D0 = St[ss + {BQI + 8 * j}]", f"D1 = St[ss + {BQI + 8 * j + 1}]"]
         body += [f"s{j}_{r} = s{j}_{r} * (t{j}_{r} - D{r & 1})" for r in range(4)]
     body += _mma_nn("dk", "s", "sb", NS, d)  # dK += dS^T Q
     body += ["cuda.syncthreads()"]
@@ -748,36 +772,40 @@ def add_pair(a, b, row, h, col, t, v0, v1):
 
 
 @fastlaunch.jit
-def _dsum_zero_kernel(o, do, dsum, dqa):
-    """:func:`_dsum_kernel`, and ``dqa[b, t, h, :] = 0`` (the fused backward's dQ accumulator) on the way."""
-    b_, t_, nh, d = o.shape
-    for e in range(cuda.grid(1), b_ * t_ * nh, cuda.gridsize(1)):
-        h = e % nh
-        t = (e // nh) % t_
-        b = e // (nh * t_)
-        s = float32(0.0)
-        for i in range(d):
-            s += _mma.bf16_to_f32(o[b, t, h, i]) * _mma.bf16_to_f32(do[b, t, h, i])
-            dqa[b, t, h, i] = float32(0.0)
-        dsum[b, h, t] = s
-
-
-@fastlaunch.jit
 def _zero_kernel(a):
     for e in range(cuda.grid(1), a.size, cuda.gridsize(1)):
         a[e] = float32(0.0)
 
 
 @fastlaunch.jit
-def _dq_convert_kernel(dqa, dq, scale):
-    """dq = bf16(dqa * scale), element by element (dqa: the fused backward's fp32 sums)."""
-    b_, t_, nh, d = dqa.shape
+def _convert_kernel(src, dst, scale):
+    """dst = bf16(src * scale), element by element (src: a fused backward's fp32 sums; 4-D arrays)."""
+    b_, t_, nh, d = src.shape
     for e in range(cuda.grid(1), b_ * t_ * nh * d, cuda.gridsize(1)):
         i = e % d
         h = (e // d) % nh
         t = (e // (d * nh)) % t_
         b = e // (d * nh * t_)
-        dq[b, t, h, i] = uint16(_mma.pack_bf16x2(dqa[b, t, h, i] * scale, float32(0.0)) & 0xFFFF)
+        dst[b, t, h, i] = uint16(_mma.pack_bf16x2(src[b, t, h, i] * scale, float32(0.0)) & 0xFFFF)
+
+
+@fastlaunch.jit
+def _convert_flat_kernel(src, dst, scale):
+    """:func:`_convert_kernel` on 1-D views of C-contiguous arrays, two elements a thread."""
+    for e in range(cuda.grid(1), dst.size // 2, cuda.gridsize(1)):
+        pk = _mma.pack_bf16x2(src[2 * e] * scale, src[2 * e + 1] * scale)
+        dst[2 * e] = uint16(pk & 0xFFFF)
+        dst[2 * e + 1] = uint16(pk >> 16)
+    if cuda.grid(1) == 0 and dst.size % 2:
+        dst[dst.size - 1] = uint16(_mma.pack_bf16x2(src[dst.size - 1] * scale, float32(0.0)) & 0xFFFF)
+
+
+def _converter(src, dst, scale, grid: int, threads: int, stream):
+    """A launch of dst = bf16(src * scale): flat when both are C-contiguous."""
+    if src.is_c_contiguous() and dst.is_c_contiguous():
+        fs, fd = src.reshape(src.size), dst.reshape(dst.size)
+        return lambda: _convert_flat_kernel[grid, threads, stream](fs, fd, scale)
+    return lambda: _convert_kernel[grid, threads, stream](src, dst, scale)
 
 
 def _build(source: str, label: str):
@@ -891,7 +919,7 @@ def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf1
     async_ = fits if cp_async is None else cp_async
     n = b * t * nh
     threads = 32 if simulating() else 256
-    dsum_grid = max(1, min(-(-n // threads), 2 if simulating() else 132 * 16))
+    dsum_grid = max(1, min(-(-8 * n // threads), 2 if simulating() else 132 * 16))
     scale2, scale, group = np.float32(LOG2E / math.sqrt(d)), np.float32(1.0 / math.sqrt(d)), np.int64(nh // nkv)
     if fused:
         if dq_accum is None:
@@ -917,14 +945,14 @@ def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf1
             else:
                 k_f[grid, tl.threads, stream](*args)
         conv_grid = max(1, min(-(-n * d // threads), 2 if simulating() else 132 * 16))
-        launches = [("dsum", lambda: _dsum_zero_kernel[dsum_grid, threads, stream](o, do, dsum, dq_accum))]
+        launches = [("dsum", lambda: _dsum_kernel[dsum_grid, threads, stream](o, do, dsum, dq_accum, True))]
         if split_heads:
             flat = dkva.reshape(dkva.size)
             launches += [("zero", lambda: _zero_kernel[conv_grid, threads, stream](flat))]
-        launches += [("dkvq", fused_launch), ("dq", lambda: _dq_convert_kernel[conv_grid, threads, stream](dq_accum, dq, scale))]
+        launches += [("dkvq", fused_launch), ("dq", _converter(dq_accum, dq, scale, conv_grid, threads, stream))]
         if split_heads:
-            launches += [("dk", lambda: _dq_convert_kernel[conv_grid, threads, stream](dka, dk, scale)),
-                         ("dv", lambda: _dq_convert_kernel[conv_grid, threads, stream](dva, dv, np.float32(1.0)))]
+            launches += [("dk", _converter(dka, dk, scale, conv_grid, threads, stream)),
+                         ("dv", _converter(dva, dv, np.float32(1.0), conv_grid, threads, stream))]
         return launches
     k_dq = make_flash_bf16_backward(d, tiles, async_)[0]
     k_dkv = make_flash_bf16_backward(d, dkv_tiles, async_)[1]
@@ -938,7 +966,7 @@ def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf1
                 kernel[grid, tl.threads, stream](*args)
         return launch
 
-    return [("dsum", lambda: _dsum_kernel[dsum_grid, threads, stream](o, do, dsum)),
+    return [("dsum", lambda: _dsum_kernel[dsum_grid, threads, stream](o, do, dsum, _dummy_lse(4), False)),
             ("dq", launcher(k_dq, (q, k, v, do, lse, dsum, dq, scale2, scale, group), (-(-t // tiles.bq), nh, b),
                             tiles, need["dq"])),
             ("dkv", launcher(k_dkv, (q, k, v, do, lse, dsum, dk, dv, scale2, scale, group), (-(-t // dkv_tiles.bq), nkv, b),
