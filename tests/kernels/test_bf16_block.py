@@ -149,6 +149,25 @@ def test_block_bf16_rounds_where_the_reference_does(rng):
     assert np.mean(B.rn(fp32) != want) > 0.25
 
 
+def test_block_bf16_attention_is_the_flash_kernel_where_head_dim_allows(rng):
+    """Head dim 16: the block's attention is the bf16 flash kernel, which rounds P to bf16 for the
+    tensor cores: within the same bounds of ``reference_block(round_p=True)`` (P rounded), and
+    closer to it than to the reference that keeps P exact."""
+    c = LlamaBlockConfig(hidden_size=32, n_heads=2, n_kv_heads=1, ffn_size=24, rms_eps=1e-5, rope_theta=500.0,
+                         dtype="bfloat16")
+    w = weights(c, rng)
+    x = B.rn(rng.standard_normal((1, 19, 32)))  # (B, T, H): T 19 crosses a 16-key tile
+    block = LlamaBlock(w, c, 1, 19)
+    assert block.flash
+    out = llama_block_forward(x, w, c)
+    want = B.reference_block(x, w, c.n_heads, c.n_kv_heads, c.rms_eps, c.rope_theta, round_p=True)
+    exact_p = B.reference_block(x, w, c.n_heads, c.n_kv_heads, c.rms_eps, c.rope_theta)
+    rel = float(np.max(np.abs(out - want)) / np.max(np.abs(want)))
+    assert rel <= 2 * B.UNIT_ROUNDOFF, rel
+    assert np.mean(out != want) <= 0.05
+    assert np.mean(out != want) < np.mean(out != exact_p)
+
+
 def test_reference_block_takes_another_summation(rng):
     """``matmul`` replaces only the GEMMs' sums: the exact product gives the default's bits, a
     float32 product (another order, same rounding points) moves few outputs, and the caller sees

@@ -27,6 +27,7 @@ from vmstoolkit.errors import KernelError
 from . import bf16 as B
 from ._util import check_float32, is_device_array, to_device
 from .attention import attention, workspace_for
+from .flash_bf16 import flash_attention_bf16
 from .gemm import gemm
 from .gemm_bf16 import gemm_bf16
 from .residual import residual_add
@@ -267,9 +268,10 @@ class LlamaBlock:
 
     Activation memory: 5 (M, H) + 2 (M, nkv*hd) + 2 (M, F) buffers of ``config.dtype``, M =
     batch * seq, and the attention's split-KV workspace when it splits at this shape (few
-    blocks: small M). In bf16 also the attention's float32 operands, (M, 2 nh*hd + 2 nkv*hd):
-    its q, k, v are widened (exactly) into them and its output rounded back, until the bf16
-    flash kernel takes their place.
+    blocks: small M). In bf16 the attention is the bf16 flash kernel (:mod:`.flash_bf16`: P rounded
+    to bf16 for the tensor cores, as SDPA's flash backend does) where the head dim is a multiple
+    of 16; other head dims keep the fp32 kernel on float32 copies of q, k, v, (M, 2 nh*hd +
+    2 nkv*hd), widened exactly, the output rounded back.
     """
 
     def __init__(self, weights: dict, config: LlamaBlockConfig, batch: int, seq: int, stream=0):
@@ -294,11 +296,12 @@ class LlamaBlock:
         self.x2 = buf(m, h)  # (M, H) residual stream after attention
         self.g = buf(m, f)  # (M, F) gate, then silu(gate) * up
         self.u = buf(m, f)  # (M, F) up
-        if self.bf16:  # the attention's float32 operands (class docstring)
+        self.flash = self.bf16 and hd % 16 == 0  # the bf16 flash kernel (class docstring)
+        if self.bf16 and not self.flash:  # the attention's float32 operands (class docstring)
             self.q32, self.a32 = buf(m, nq, dtype=np.float32), buf(m, nq, dtype=np.float32)
             self.k32, self.v32 = buf(m, nkv, dtype=np.float32), buf(m, nkv, dtype=np.float32)
         # split-KV partial outputs, when the attention launch splits at this shape
-        self.att_ws = workspace_for(batch, seq, c.n_heads, c.n_kv_heads, hd, stream) if m else None
+        self.att_ws = workspace_for(batch, seq, c.n_heads, c.n_kv_heads, hd, stream) if m and not self.flash else None
 
     def forward_device(self, x, out, stream=0) -> None:
         """Enqueue the block on ``stream``: x and out are (B, T, H) device arrays of the config's
@@ -360,9 +363,12 @@ class LlamaBlock:
         add(self.x2, self.t, out2d, stream)  # (M, H)
 
     def _attention_bf16(self, stream) -> None:
-        """a = attention(q, k, v), bf16 in and out: widened exactly to fp32, the fp32 kernel, one
-        rounding of the output."""
+        """a = attention(q, k, v), bf16 in and out: the bf16 flash kernel, or (a head dim it does
+        not take) widened exactly to fp32, the fp32 kernel, one rounding of the output."""
         c, b, t, hd = self.config, self.batch, self.seq, self.config.head_dim
+        if self.flash:
+            flash_attention_bf16(*self._views(), stream=stream)
+            return
         for src, dst in ((self.q, self.q32), (self.k, self.k32), (self.v, self.v32)):
             B.widen(src, dst, stream)
         attention(self.q32.reshape(b, t, c.n_heads, hd), self.k32.reshape(b, t, c.n_kv_heads, hd),
