@@ -116,6 +116,7 @@ def test_block_bf16_matches_the_reference_rounding_points():
     from vmstoolkit.kernels import LlamaBlockConfig, llama_block_forward
     from vmstoolkit.kernels import bf16 as B
     from vmstoolkit.kernels import reference as R
+    from vmstoolkit.kernels.block import LlamaBlock
 
     c = LlamaBlockConfig(hidden_size=256, n_heads=4, n_kv_heads=2, ffn_size=688, rms_eps=1e-5, dtype="bfloat16")
     rng = np.random.default_rng(0)
@@ -124,7 +125,10 @@ def test_block_bf16_matches_the_reference_rounding_points():
     x = B.rn(rng.standard_normal((2, 37, 256)))
     out = llama_block_forward(x, w, c)
     args = (x, w, c.n_heads, c.n_kv_heads, c.rms_eps, c.rope_theta)
-    want = B.reference_block(*args)
+    # head dim 64: the block's attention is the bf16 flash kernel, which rounds P to bf16
+    rp = {"round_p": LlamaBlock(w, c, 2, 37).flash}
+    assert rp["round_p"]
+    want = B.reference_block(*args, **rp)
 
     def cublas(a, wt):  # bf16 x bf16 -> bf16 on cuBLAS: fp32 accumulation, one rounding
         t = (torch.from_numpy(np.ascontiguousarray(m, np.float32)).cuda().to(torch.bfloat16) for m in (a, wt))
@@ -133,7 +137,7 @@ def test_block_bf16_matches_the_reference_rounding_points():
     reduced = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     try:
-        vendor = B.reference_block(*args, matmul=cublas)
+        vendor = B.reference_block(*args, matmul=cublas, **rp)
     finally:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
 

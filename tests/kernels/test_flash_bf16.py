@@ -148,17 +148,22 @@ k_dq, k_dkv = FB.python_backward_kernels(128, FB.GPU_TILES)
 for name, fn, sig in (("dq", k_dq, (u4,) * 4 + (f3, f3, u4) + sc), ("dkv", k_dkv, (u4,) * 4 + (f3, f3, u4, u4) + sc)):
     ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
     print("BWD", name, "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx)
+f4 = types.Array(types.float32, 4, "C")
+fused = FB._build(FB._dkvq_source(128, FB.GPU_TILES, True, True), "<fused>")
+ptx, _ = cuda.compile_ptx(fused, (u4,) * 4 + (f3, f3, u4, u4, f4, f4, f4) + sc, cc=(9, 0))
+print("BWD fused", "red.global.add.v2.f32" in ptx and "mma.sync.aligned.m16n8k16" in ptx)
 """
 
 
 def test_kernel_compiles_to_ptx_for_sm90():
-    """The real (not simulated) forward at D 64 and 128 and backward at D 128 through Numba's typing and NVVM for sm_90:
+    """The real (not simulated) forward at D 64 and 128 and backward at D 128 (both kernels, and the fused
+    one with a block per query head) through Numba's typing and NVVM for sm_90:
     catches typing errors before a GPU run. Needs a CUDA toolkit's NVVM and NVRTC (no GPU);
     skipped without them. ~30 s of CPU where it runs."""
     import ptx_probe
 
     stdout = ptx_probe.run(_PTX_PROBE)
-    assert [x for x in stdout.splitlines() if x.startswith("BWD")] == ["BWD dq True", "BWD dkv True"], stdout
+    assert [x for x in stdout.splitlines() if x.startswith("BWD")] == ["BWD dq True", "BWD dkv True", "BWD fused True"], stdout
     lines = [x for x in stdout.splitlines() if x.startswith("PTX")]
     assert len(lines) == 2, stdout
     for line in lines:
