@@ -172,6 +172,19 @@ def test_kernel_compiles_to_ptx_for_sm90():
     assert lines[0].split()[2] == str(64 // 16 * 8 * 2) and lines[1].split()[2] == str(128 // 16 * 8 * 2), lines
 
 
+def _check_gradients(q, k, v, do, o, lse, grads):
+    """dq, dk, dv (device bf16 bits) against ``reference.attention_backward`` in float64 on the same
+    bf16 values and the forward's o and lse: every element written, within 2 bf16 ulps of the scale."""
+    f64 = lambda x: B.values(x).astype(np.float64)  # noqa: E731
+    want = reference.attention_backward(f64(q), f64(k), f64(v), f64(o.copy_to_host()),
+                                        lse.copy_to_host().astype(np.float64), f64(do))
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        got = B.values(g.copy_to_host())
+        assert not np.isnan(got).any(), name
+        rel = float(np.max(np.abs(got - w)) / np.max(np.abs(w)))
+        assert rel <= 2 * B.UNIT_ROUNDOFF, (name, rel)
+
+
 @pytest.mark.parametrize("t, nh, nkv, d, warps, dkv_warps", [(21, 2, 1, 16, 1, 1), (24, 2, 1, 32, 2, 2), (37, 2, 1, 32, 1, 2)])
 def test_backward_equals_the_reference(rng, t, nh, nkv, d, warps, dkv_warps):
     """dq, dk, dv (the dq kernel and the dk/dv kernel, GQA groups summed in registers) against
@@ -191,14 +204,7 @@ def test_backward_equals_the_reference(rng, t, nh, nkv, d, warps, dkv_warps):
     grads = [cuda.to_device(np.full(x.shape, 0x7FC0, np.uint16)) for x in (q, k, v)]  # NaN: all must be written
     FB.flash_attention_bf16_backward(dev[0], dev[1], dev[2], o, lse, dev[3], *grads, tiles=tiles,
                                      dkv_tiles=FB.FlashBf16Tiles(warps=dkv_warps, bkv=16))
-    f64 = lambda x: B.values(x).astype(np.float64)  # noqa: E731
-    want = reference.attention_backward(f64(q), f64(k), f64(v), f64(o.copy_to_host()),
-                                        lse.copy_to_host().astype(np.float64), f64(do))
-    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
-        got = B.values(g.copy_to_host())
-        assert not np.isnan(got).any(), name
-        rel = float(np.max(np.abs(got - w)) / np.max(np.abs(w)))
-        assert rel <= 2 * B.UNIT_ROUNDOFF, (name, rel)
+    _check_gradients(q, k, v, do, o, lse, grads)
 
 
 @pytest.mark.parametrize("t, nh, nkv, d, warps, bkv, split", [(21, 2, 1, 16, 1, 16, False), (37, 4, 2, 32, 2, 16, False),
@@ -224,14 +230,7 @@ def test_fused_backward_equals_the_reference(rng, t, nh, nkv, d, warps, bkv, spl
     acc = cuda.to_device(np.full(q.shape, np.nan, np.float32))  # must be zeroed by the launch itself
     FB.flash_attention_bf16_backward(dev[0], dev[1], dev[2], o, lse, dev[3], *grads, dkv_tiles=tiles, fused=True,
                                      dq_accum=acc, split_heads=split)
-    f64 = lambda x: B.values(x).astype(np.float64)  # noqa: E731
-    want = reference.attention_backward(f64(q), f64(k), f64(v), f64(o.copy_to_host()),
-                                        lse.copy_to_host().astype(np.float64), f64(do))
-    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
-        got = B.values(g.copy_to_host())
-        assert not np.isnan(got).any(), name
-        rel = float(np.max(np.abs(got - w)) / np.max(np.abs(w)))
-        assert rel <= 2 * B.UNIT_ROUNDOFF, (name, rel)
+    _check_gradients(q, k, v, do, o, lse, grads)
 
 
 def test_fused_backward_refuses_tiles_that_cannot_share_dq():

@@ -849,6 +849,17 @@ def fused_smem_bytes(d: int, tiles: FlashBf16Tiles) -> int:
     return backward_smem_bytes(d, tiles)[1] + 2 * tiles.bq * tiles.bkv
 
 
+def _launcher(kernel, args, grid, threads: int, nbytes: int, stream):
+    """A launch of ``kernel`` with ``nbytes`` of shared memory (dynamic when over the static limit)."""
+    def launch():
+        if nbytes > STATIC_SMEM:
+            _allow_dynamic_smem(kernel, args, nbytes)
+            kernel[grid, threads, stream, nbytes](*args)
+        else:
+            kernel[grid, threads, stream](*args)
+    return launch
+
+
 def flash_attention_bf16_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf16Tiles | None = None,
                                   cp_async: bool | None = None, dsum=None, dkv_tiles: FlashBf16Tiles | None = None,
                                   fused: bool = False, dq_accum=None,
@@ -932,18 +943,11 @@ def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf1
             raise KernelError(f"flash_attention_bf16_backward: dq_accum has shape {tuple(dq_accum.shape)}, "
                               f"expected {(b, t, nh, d)}")
         k_f = make_flash_bf16_fused_backward(d, dkv_tiles, async_, split_heads)
-        nbytes, tl = need["dkvq"], dkv_tiles
         dkva = cuda.device_array((2, b, t, nkv, d), np.float32, stream=stream) if split_heads else None
         dka, dva = (dkva[0], dkva[1]) if split_heads else (dq_accum, dq_accum)  # unused unless split
         args = (q, k, v, do, lse, dsum, dk, dv, dq_accum, dka, dva, scale2, scale, group)
-        grid = (-(-t // tl.bq), nh if split_heads else nkv, b)
-
-        def fused_launch():
-            if nbytes > STATIC_SMEM:
-                _allow_dynamic_smem(k_f, args, nbytes)
-                k_f[grid, tl.threads, stream, nbytes](*args)
-            else:
-                k_f[grid, tl.threads, stream](*args)
+        grid = (-(-t // dkv_tiles.bq), nh if split_heads else nkv, b)
+        fused_launch = _launcher(k_f, args, grid, dkv_tiles.threads, need["dkvq"], stream)
         conv_grid = max(1, min(-(-n * d // threads), 2 if simulating() else 132 * 16))
         launches = [("dsum", lambda: _dsum_kernel[dsum_grid, threads, stream](o, do, dsum, dq_accum, True))]
         if split_heads:
@@ -956,18 +960,8 @@ def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf1
         return launches
     k_dq = make_flash_bf16_backward(d, tiles, async_)[0]
     k_dkv = make_flash_bf16_backward(d, dkv_tiles, async_)[1]
-
-    def launcher(kernel, args, grid, tl, nbytes):
-        def launch():
-            if nbytes > STATIC_SMEM:
-                _allow_dynamic_smem(kernel, args, nbytes)
-                kernel[grid, tl.threads, stream, nbytes](*args)
-            else:
-                kernel[grid, tl.threads, stream](*args)
-        return launch
-
     return [("dsum", lambda: _dsum_kernel[dsum_grid, threads, stream](o, do, dsum, _dummy_lse(4), False)),
-            ("dq", launcher(k_dq, (q, k, v, do, lse, dsum, dq, scale2, scale, group), (-(-t // tiles.bq), nh, b),
-                            tiles, need["dq"])),
-            ("dkv", launcher(k_dkv, (q, k, v, do, lse, dsum, dk, dv, scale2, scale, group), (-(-t // dkv_tiles.bq), nkv, b),
-                             dkv_tiles, need["dkv"]))]
+            ("dq", _launcher(k_dq, (q, k, v, do, lse, dsum, dq, scale2, scale, group), (-(-t // tiles.bq), nh, b),
+                             tiles.threads, need["dq"], stream)),
+            ("dkv", _launcher(k_dkv, (q, k, v, do, lse, dsum, dk, dv, scale2, scale, group),
+                              (-(-t // dkv_tiles.bq), nkv, b), dkv_tiles.threads, need["dkv"], stream))]
