@@ -212,3 +212,15 @@ def test_backward_views_and_tiles():
     truth = _autograd(q.float(), k.float(), v.float(), do.float())
     for a, w in zip(_grads(q, k, v, do, tiles=FB.FlashBf16Tiles(4, 32)), truth):
         assert err(a, w) <= 3 * U
+
+
+def test_fused_backward_refuses_a_misaligned_accumulator():
+    """The fused backward adds dQ's pairs 8 bytes at a time: an accumulator that starts 4 bytes off
+    is refused in one line, not a misaligned-address fault."""
+    from vmstoolkit.errors import KernelError
+    from vmstoolkit.kernels import flash_bf16 as FB
+
+    q, k, v, do = bf(1, 64, 2, 64), bf(1, 64, 1, 64), bf(1, 64, 1, 64), bf(1, 64, 2, 64)
+    acc = torch.zeros(1 * 64 * 2 * 64 + 1, device="cuda")[1:].view(1, 64, 2, 64)
+    with pytest.raises(KernelError, match="dq_accum must start on 8 bytes"):
+        _grads(q, k, v, do, bw={"fused": True, "dq_accum": nb(acc)})

@@ -862,8 +862,7 @@ def _launcher(kernel, args, grid, threads: int, nbytes: int, stream):
 
 def flash_attention_bf16_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf16Tiles | None = None,
                                   cp_async: bool | None = None, dsum=None, dkv_tiles: FlashBf16Tiles | None = None,
-                                  fused: bool = False, dq_accum=None,
-                                   split_heads: bool = False) -> None:
+                                  fused: bool = False, dq_accum=None, split_heads: bool = False) -> None:
     """Enqueue the gradients of :func:`flash_attention_bf16`: q, o, do, dq (B, T, nh, D) and k, v,
     dk, dv (B, T, nkv, D) bf16 bits, ``lse`` (B, nh, T) float32 from the forward. ``dsum``: a
     (B, nh, T) float32 scratch for ``rowsum(do * o)`` (allocated when not given). dk and dv sum
@@ -885,8 +884,7 @@ def flash_attention_bf16_backward(q, k, v, o, lse, do, dq, dk, dv, stream=0, til
 
 def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf16Tiles | None = None,
                       cp_async: bool | None = None, dsum=None, dkv_tiles: FlashBf16Tiles | None = None,
-                      fused: bool = False, dq_accum=None,
-                      split_heads: bool = False) -> list:
+                      fused: bool = False, dq_accum=None, split_heads: bool = False) -> list:
     """The backward's launches, checked and ready, as ``[(name, launch), ...]`` in the order they must
     run ("dsum", "dq", "dkv"; fused: "dsum" (which zeroes ``dq_accum``), "dkvq", "dq", and with
     ``split_heads`` "zero" before "dkvq" and "dk", "dv" after it; none when the
@@ -939,6 +937,10 @@ def backward_launches(q, k, v, o, lse, do, dq, dk, dv, stream=0, tiles: FlashBf1
         if not dq_accum.is_c_contiguous():
             raise KernelError("flash_attention_bf16_backward: dq_accum must be C-contiguous (its pairs are added "
                               f"8 bytes at a time), got strides {dq_accum.strides}")
+        base = 0 if simulating() else dq_accum.__cuda_array_interface__["data"][0]
+        if base % 8:
+            raise KernelError(f"flash_attention_bf16_backward: dq_accum must start on 8 bytes (its pairs are added "
+                              f"8 bytes at a time), got address {base:#x}")
         if tuple(dq_accum.shape) != (b, t, nh, d):
             raise KernelError(f"flash_attention_bf16_backward: dq_accum has shape {tuple(dq_accum.shape)}, "
                               f"expected {(b, t, nh, d)}")
