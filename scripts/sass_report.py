@@ -5,6 +5,7 @@ and the instruction mix of its loops in SASS (sm_90).
     python scripts/sass_report.py gemm --layout nt tt       # the backward layouts
     python scripts/sass_report.py gemm --tiles 128x128x16/8x16w64x64 --variant 3 --dump
     python scripts/sass_report.py flash-bf16                # the bf16 flash forward, D 64 and 128
+    python scripts/sass_report.py flash-bf16-backward       # its backward's kernels, fused ones too
     python scripts/sass_report.py gemm-tf32 --layout nn nt tt  # the tf32 / 3xtf32 tensor-core GEMM
 
 Pipeline: ``numba.cuda.compile_ptx`` (NVVM) -> ``ptxas -arch=sm_90 -v`` (with the kernel's register
@@ -230,7 +231,7 @@ def compile_report(name: str, py_func, sig, max_registers: int | None = None, cc
             cmd.insert(1, f"-maxrregcount={max_registers}")
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
-            raise SystemExit(f"sass_report: ptxas failed for {name}: {r.stderr.strip()[:500]}")
+            raise SystemExit(f"sass_report: ptxas failed for {name}: {r.stderr.strip()[-500:]}")
         env = dict(os.environ)
         env["PATH"] = os.path.dirname(_tool("nvdisasm")) + os.pathsep + env.get("PATH", "")
         sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, env=env).stdout
@@ -371,6 +372,39 @@ def flash_bf16_reports(args) -> list[Report]:
             for d in (64, 128) for t in cands]
 
 
+def flash_bf16_backward_reports(args) -> list[Report]:
+    """The bf16 flash backward's kernels (``kernels/flash_bf16.py``) at head dims 64 and 128: the dQ
+    and dK/dV kernels, and the fused one with a block per GQA group and per query head, on the
+    default tiles (or ``--tiles`` as ``warps/bkv``). ``extra``: the main loop's HMMA, LDS, LDG (a
+    global load inside the walk is a stall the loop waits on) and atomics."""
+    from numba import float32, int64, types
+
+    from vmstoolkit.kernels import flash_bf16 as FB
+
+    u4, f3, f4 = (types.Array(types.uint16, 4, "A"), types.Array(types.float32, 3, "A"),
+                  types.Array(types.float32, 4, "C"))
+    sc = (float32, float32, int64)
+    cands = [FB.FlashBf16Tiles(*map(int, t.split("/"))) for t in args.tiles] if args.tiles else [FB.GPU_TILES]
+    out = []
+    for d in (64, 128):
+        for t in cands:
+            k_dq, k_dkv = FB.python_backward_kernels(d, t)
+            kernels = [(f"dq d{d} {t.label()}", k_dq, (u4,) * 4 + (f3, f3, u4) + sc),
+                       (f"dkv d{d} {t.label()}", k_dkv, (u4,) * 4 + (f3, f3, u4, u4) + sc)]
+            for split in (False, True):
+                fn = FB._build(FB._dkvq_source(d, t, True, split), "<fused>")
+                kernels.append((f"fused{' split' if split else ''} d{d} {t.label()}", fn,
+                                (u4,) * 4 + (f3, f3, u4, u4, f4, f4, f4) + sc))
+            for label, fn, sig in kernels:
+                rep = compile_report(f"flash_bf16 bwd {label}", fn, sig, 255)
+                lp = rep.main_loop()
+                if lp is not None:
+                    rep.extra = (f"main loop {lp.n} instr, {lp.ops['HMMA']} HMMA, {lp.ops['LDS'] + lp.ops['LDSM']} "
+                                 f"LDS/LDSM, {lp.ops['LDG']} LDG, {lp.ops['RED']} RED")
+                out.append(rep)
+    return out
+
+
 def gemm_tf32_reports(args) -> list[Report]:
     """The tf32 tensor-core GEMM (``kernels/gemm_tf32.py``), both precisions, cp.async fetches,
     plain stores, on its default tiles (or ``--tiles`` as ``BMxBNxBK/wWMxWN/sSTAGES``). Its mma
@@ -422,7 +456,8 @@ def _device_cc_without_a_driver(cc=(9, 0)) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["gemm", "attention", "attention-backward", "flash-bf16", "gemm-tf32"])
+    ap.add_argument("what", choices=["gemm", "attention", "attention-backward", "flash-bf16", "flash-bf16-backward",
+                                     "gemm-tf32"])
     ap.add_argument("--layout", nargs="+", default=["nn"], choices=["nn", "nt", "tt"])
     ap.add_argument("--tiles", nargs="+", help="GEMM tile shapes BMxBNxBK/TMxTN[wWMxWN], or attention's "
                     "rows/heads/bkv/tr/tk/to[/blocks_per_sm], or attention-backward's "
@@ -438,7 +473,7 @@ def main(argv=None) -> int:
     _device_cc_without_a_driver()
     reports = {"gemm": gemm_reports, "attention": attention_reports,
                "attention-backward": attention_backward_reports, "flash-bf16": flash_bf16_reports,
-               "gemm-tf32": gemm_tf32_reports}[args.what](args)
+               "flash-bf16-backward": flash_bf16_backward_reports, "gemm-tf32": gemm_tf32_reports}[args.what](args)
     for rep in reports:
         print(rep.line(), flush=True)
         if args.dump and rep.main_loop() is not None:

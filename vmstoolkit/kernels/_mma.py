@@ -26,7 +26,9 @@ functions whose codegen emits llvmlite ``ir.InlineAsm`` (NVVM passes inline PTX 
   ``smem``; the caller promises 16-byte alignment) to the 16 bytes at ``smem[i]`` (8 b16 elements
   or 4 32-bit ones), reading only ``nbytes`` (0 or 16) and zero-filling the rest; ``cp_async16_at(smem, i, g, off,
   nbytes)`` the same from element ``off`` of ``g``'s memory (``r * row_stride + c`` in elements:
-  a loop can step it by one add instead of recomputing a 2-D address); ``cp_async_commit()`` and
+  a loop can step it by one add instead of recomputing a 2-D address); ``cp_async4(smem, i, g, r,
+  c, nbytes)`` the same for one float32 (``cp.async.ca``, 4 bytes; ``nbytes`` 0 or 4) from a 2-D
+  float32 ``g`` into a 1-D float32 ``smem``; ``cp_async_commit()`` and
   ``cp_async_wait(n)`` (``n`` a constant: wait until at most ``n`` committed groups are pending);
 - ``pack_bf16x2(lo, hi) -> uint32``: two fp32 rounded to bf16 (``cvt.rn.bf16x2.f32``), ``lo`` in
   the low half;
@@ -99,12 +101,13 @@ _I32 = ir.IntType(32)
 _F32 = ir.FloatType()
 
 
-def _emit_cp_async(context, builder, dst, src, nbytes, nbytes_ty):
-    """Codegen of ``cp.async.cg.shared.global [dst], [src], 16, nbytes`` (generic pointers)."""
+def _emit_cp_async(context, builder, dst, src, nbytes, nbytes_ty, size: int = 16):
+    """Codegen of ``cp.async.cg.shared.global [dst], [src], 16, nbytes`` (generic pointers), or for
+    ``size`` 4 ``cp.async.ca`` (``.cg`` copies 16 bytes only)."""
     src = builder.addrspacecast(src, ir.PointerType(src.type.pointee, 1))
     n = context.cast(builder, nbytes, nbytes_ty, types.uint32)
     fty = ir.FunctionType(ir.VoidType(), [_I32, src.type, _I32])
-    builder.asm(fty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+    builder.asm(fty, f"cp.async.{'cg' if size == 16 else 'ca'}.shared.global [$0], [$1], {size}, $2;", "r,l,r,~{memory}",
                 [_shared_address(builder, dst), src, n], side_effect=True)
     return context.get_dummy_value()
 
@@ -174,6 +177,21 @@ def _make_gpu():
             dst = _item_pointer(context, builder, sig.args[0], args[0], args[1:2], sig.args[1:2])
             src = _item_pointer(context, builder, sig.args[2], args[2], args[3:5], sig.args[3:5])
             return _emit_cp_async(context, builder, dst, src, args[5], sig.args[5])
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async4(typingctx, smem, sindex, g, row, col, nbytes):
+        if not (isinstance(smem, types.Array) and smem.ndim == 1 and smem.dtype == types.float32
+                and isinstance(g, types.Array) and g.ndim == 2 and g.dtype == types.float32
+                and all(isinstance(x, types.Integer) for x in (sindex, row, col, nbytes))):
+            return None
+        sig = types.void(smem, sindex, g, row, col, nbytes)
+
+        def codegen(context, builder, sig, args):
+            dst = _item_pointer(context, builder, sig.args[0], args[0], args[1:2], sig.args[1:2])
+            src = _item_pointer(context, builder, sig.args[2], args[2], args[3:5], sig.args[3:5])
+            return _emit_cp_async(context, builder, dst, src, args[5], sig.args[5], size=4)
 
         return sig, codegen
 
@@ -336,6 +354,7 @@ def _make_gpu():
 
     return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
             "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
+            "cp_async4": cp_async4,
             "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32, "shfl_xor_f32": shfl_xor_f32,
             "exp2_approx": exp2_approx, "mma_tf32": mma_tf32, "cvt_tf32": _cvt_tf32(True),
             "cvt_tf32_mma": _cvt_tf32(False), "lds4": lds4, "red_add_f32x2": red_add_f32x2}
@@ -401,6 +420,9 @@ def _make_sim():
             else:
                 smem[sindex + e] = np.nan if size == 4 else _BF16_NAN
 
+    def cp_async4(smem, sindex, g, row, col, nbytes):
+        smem[sindex] = g[row, col] if int(nbytes) else np.float32(0.0)
+
     def cp_async16_at(smem, sindex, g, offset, nbytes):
         pitch = g.strides[0] // np.dtype(g.dtype).itemsize if g.shape[0] > 1 else g.shape[1]
         cp_async16(smem, sindex, g, int(offset) // pitch, int(offset) % pitch, nbytes)
@@ -447,6 +469,7 @@ def _make_sim():
 
     return {"mma_bf16": mma_bf16, "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
             "cp_async16": cp_async16, "cp_async16_at": cp_async16_at, "cp_async_commit": cp_async_commit, "cp_async_wait": cp_async_wait,
+            "cp_async4": cp_async4,
             "pack_bf16x2": pack_bf16x2, "bf16_to_f32": bf16_to_f32, "shfl_xor_f32": shfl_xor_f32,
             "exp2_approx": exp2_approx, "mma_tf32": mma_tf32, "cvt_tf32": cvt_tf32,
             "cvt_tf32_mma": cvt_tf32, "lds4": lds4, "red_add_f32x2": red_add_f32x2}
@@ -458,6 +481,7 @@ ldmatrix_x4 = _IMPL["ldmatrix_x4"]
 ldmatrix_x4_trans = _IMPL["ldmatrix_x4_trans"]
 cp_async16 = _IMPL["cp_async16"]
 cp_async16_at = _IMPL["cp_async16_at"]
+cp_async4 = _IMPL["cp_async4"]
 cp_async_commit = _IMPL["cp_async_commit"]
 cp_async_wait = _IMPL["cp_async_wait"]
 pack_bf16x2 = _IMPL["pack_bf16x2"]

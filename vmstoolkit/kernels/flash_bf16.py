@@ -331,7 +331,7 @@ def _kernel_source(d: int, t: FlashBf16Tiles, with_lse: bool, async_: bool) -> s
     return "\n".join(src) + "\n"
 
 
-_NAMES = ("mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16", "cp_async_commit", "cp_async_wait",
+_NAMES = ("mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait",
           "pack_bf16x2", "shfl_xor_f32", "exp2_approx")
 
 
@@ -614,27 +614,36 @@ def _dq_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
     return "\n".join(src) + "\n"
 
 
-def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
+def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool, extra: int = 0) -> str:
+    """The dK/dV kernel; ``extra``: b16 elements of shared memory after its own (the fused kernel's dS^T)."""
     BK, BQI, TH = t.bq, t.bkv, t.threads  # keys per block (16 per warp), queries per streamed tile
     NS = BQI // 8
     VOFF = BK * d
     SOFF = 2 * BK * d
     STAGE = 2 * BQI * d  # Q then dO
-    elems = SOFF + 2 * STAGE
-    dyn = 2 * elems > STATIC_SMEM
-    # the streamed query tile's row statistics (lse in base 2, then rowsum(dO o O)), two stages of
-    # 2 x BQI float32 in a static array beside Sm: loaded once a tile, not per n8 column and lane
+    elems = SOFF + 2 * STAGE + extra
+    # the streamed query tile's row statistics (lse, then rowsum(dO o O)), two stages of
+    # 2 x BQI float32 after Sm: loaded once a tile, not per n8 column and lane. Static beside Sm
+    # while both fit the 48 KiB of static shared memory, else in the dynamic allocation after Sm
+    # (the kernel's dynamic arrays alias one another): :func:`backward_smem_bytes` counts them
+    dyn = 2 * elems + 16 * BQI > STATIC_SMEM
+    sto = elems // 2 if dyn else 0  # St's first float
+    # by 4-byte cp.async in the same commit group as the tile's Q and dO (a plain load here made
+    # the loading warps wait for it before the barrier, every tile), zero past T
     stats = lambda st, h, q0: [f"for i_ in range(tid, {BQI}, {TH}):",  # noqa: E731
-                               f"    St[{st} + i_] = row_stat(lse, b, {h}, {q0} + i_, T) * float32({LOG2E})",
-                               f"    St[{st} + {BQI} + i_] = row_stat(dsum, b, {h}, {q0} + i_, T)"]
+                               f"    gq_ = {q0} + i_", "    okq = gq_ < T", "    gq_ = gq_ if okq else 0",
+                               "    nq_ = 4 if okq else 0",
+                               f"    cp_async4(St, {sto} + {st} + i_, lsb, {h}, gq_, nq_)",
+                               f"    cp_async4(St, {sto} + {st} + {BQI} + i_, dsb, {h}, gq_, nq_)"]
     src = ["def kernel(q, k, v, do, lse, dsum, dk, dv, scale2, scale, group):",
            f"    Sm = cuda.shared.array({0 if dyn else elems}, uint16{'' if simulating() else ', alignment=16'})",
-           f"    St = cuda.shared.array({4 * BQI}, float32)",
+           f"    St = cuda.shared.array({0 if dyn else 4 * BQI}, float32)",
            "    tid = cuda.threadIdx.x", "    lane = tid & 31", "    warp = tid >> 5", "    g = lane >> 2",
            "    tq = lane & 3", "    T = q.shape[1]",
            "    hk = cuda.blockIdx.y", "    b = cuda.blockIdx.z", "    hq0 = hk * group", "    gq = group",
            f"    k0 = cuda.blockIdx.x * {BK}",  # the first key tiles have the most queries: they start first
            "    kg = k[b, :, hk, :]", "    vg = v[b, :, hk, :]", "    dkg = dk[b, :, hk, :]", "    dvg = dv[b, :, hk, :]",
+           "    lsb = lse[b]", "    dsb = dsum[b]",
            "    key0 = k0 + warp * 16 + g", "    key1 = key0 + 8",
            f"    qi0 = k0 // {BQI}", f"    nit = (T + {BQI - 1}) // {BQI} - qi0", "    total = gq * nit"]
     src += _indent(_fetch_setup("k", BK, TH, d) + _fetch_setup("q", BQI, TH, d) + _offsets(d), 4)
@@ -643,18 +652,23 @@ def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
                    + ["qgn = q[b, :, hq0, :]", "dgn = do[b, :, hq0, :]", f"q0r = qi0 * {BQI}"]
                    + _fetch("q", "q0r", "qgn", str(SOFF), BQI, TH, d, async_)
                    + _fetch("q", "q0r", "dgn", str(SOFF + BQI * d), BQI, TH, d, async_)
-                   + ["cp_async_commit()"] + stats("0", "hq0", "q0r") + ["cp_async_wait(1)", "cuda.syncthreads()"]
+                   + stats("0", "hq0", "q0r") + ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()"]
+                   + ["ch = hq0", "cq = q0r"]
 
                    + [f"{a}{n}_0, {a}{n}_1, {a}{n}_2, {a}{n}_3 = " + ", ".join(["float32(0.0)"] * 4)
                       for a in ("dk", "dv") for n in range(d // 8)], 4)
-    body = ["if it + 1 < total:", "    hn = hq0 + (it + 1) // nit", f"    q0r = (qi0 + (it + 1) % nit) * {BQI}",
-            "    qgn = q[b, :, hn, :]", "    dgn = do[b, :, hn, :]", f"    sn = {SOFF} + ((it + 1) & 1) * {STAGE}"]
+    # (head, query tile) of this step (ch, cq) and the next (hn, q0r), stepped by adds: the walk is
+    # every query tile from qi0 of head hq0, then of the next head (an int64 // and % by nit, four
+    # a step, were most of the loop's integer instructions: scripts/sass_report.py flash-bf16-backward)
+    body = [f"q0r = cq + {BQI}", "hn = ch", "if q0r >= T:", f"    q0r = qi0 * {BQI}", "    hn = ch + 1",
+            "if it + 1 < total:", "    qgn = q[b, :, hn, :]", "    dgn = do[b, :, hn, :]",
+            f"    sn = {SOFF} + ((it + 1) & 1) * {STAGE}"]
     body += _indent(_fetch("q", "q0r", "qgn", "sn", BQI, TH, d, async_)
                     + _fetch("q", "q0r", "dgn", f"sn + {BQI * d}", BQI, TH, d, async_)
                     + stats(f"((it + 1) & 1) * {2 * BQI}", "hn", "q0r"), 4)
     body += ["cp_async_commit()", "cp_async_wait(1)", "cuda.syncthreads()",
-             "hq = hq0 + it // nit", f"qs = (qi0 + it % nit) * {BQI}", f"sb = {SOFF} + (it & 1) * {STAGE}",
-             "qc = qs + 2 * tq", f"ss = (it & 1) * {2 * BQI} + 2 * tq"]
+             "hq = ch", "qs = cq", "ch = hn", "cq = q0r", f"sb = {SOFF} + (it & 1) * {STAGE}",
+             "qc = qs + 2 * tq", f"ss = {sto} + (it & 1) * {2 * BQI} + 2 * tq"]
     body += _a_frags("ka", "0", d)  # re-read each tile, as V's below
     body += _mma_nt("s", "ka", "sb", NS, d)  # S^T: rows keys, columns queries
     body += [f"s{j}_{r} *= scale2" for j in range(NS) for r in range(4)]
@@ -662,7 +676,7 @@ def _dkv_source(d: int, t: FlashBf16Tiles, async_: bool) -> str:
     body += [f"    s{j}_{r} = masked_t(s{j}_{r}, key{r >> 1}, qc + {8 * j + (r & 1)}, T)" for j in range(NS) for r in range(4)]
     # the columns' statistics, from the tile's copy in St
     for j in range(NS):
-        body += [f"l0 = St[ss + {8 * j}]", f"l1 = St[ss + {8 * j + 1}]"]
+        body += [f"l0 = St[ss + {8 * j}] * float32({LOG2E})", f"l1 = St[ss + {8 * j + 1}] * float32({LOG2E})"]
         body += [f"s{j}_{r} = exp2_approx(s{j}_{r} - l{r & 1})" for r in range(4)]
     body += _mma_nn("dv", "s", f"sb + {BQI * d}", NS, d)  # dV += P^T dO
     # K's and V's fragments re-read from shared memory each tile (D/16 ldmatrix each): held in
@@ -707,9 +721,8 @@ def _dkvq_source(d: int, t: FlashBf16Tiles, async_: bool, split: bool = False) -
     per_warp, parts, npc = _dq_split(d, t)
     rows = BQI // ROWS
     DSOFF = 2 * BK * d + 4 * BQI * d
-    elems = DSOFF + BK * BQI
     mq = min(7, BQI // 8 - 1)  # dS^T's rows are BQI elements: chunk c of row r is stored at c ^ (r & mq)
-    src = _dkv_source(d, t, async_).splitlines()
+    src = _dkv_source(d, t, async_, extra=BK * BQI).splitlines()
     src[0] = "def kernel(q, k, v, do, lse, dsum, dk, dv, dqa, dka, dva, scale2, scale, group):"
     if split:
         swap = {"    hk = cuda.blockIdx.y": "    hk = cuda.blockIdx.y // group", "    hq0 = hk * group": "    hq0 = cuda.blockIdx.y",
@@ -722,8 +735,6 @@ def _dkvq_source(d: int, t: FlashBf16Tiles, async_: bool, split: bool = False) -
             for n in range(d // 8):
                 src += [f"    add_pair({out}, b, key0, hk, cl + {8 * n}, T, {acc}{n}_0, {acc}{n}_1)",
                         f"    add_pair({out}, b, key1, hk, cl + {8 * n}, T, {acc}{n}_2, {acc}{n}_3)"]
-    dyn = 2 * elems > STATIC_SMEM
-    src[1] = f"    Sm = cuda.shared.array({0 if dyn else elems}, uint16{'' if simulating() else ', alignment=16'})"
     setup = ["swq = lane & " + str(mq),
              "dsa = " + str(DSOFF) + f" + rk * {BQI}"]  # dS^T rows of a key step (rk: ldmatrix's row per lane)
     if parts > 1:
@@ -840,8 +851,9 @@ def make_flash_bf16_fused_backward(d: int, tiles: FlashBf16Tiles, cp_async: bool
 
 
 def backward_smem_bytes(d: int, tiles: FlashBf16Tiles) -> tuple[int, int]:
-    """Shared bytes of the dq kernel and of the dk/dv kernel."""
-    return 2 * (4 * tiles.bkv * d + 2 * tiles.bq * d), 2 * (2 * tiles.bq * d + 4 * tiles.bkv * d)
+    """Shared bytes of the dq kernel and of the dk/dv kernel (its operands, then two stages of the
+    query tile's statistics: 16 bytes a query)."""
+    return 2 * (4 * tiles.bkv * d + 2 * tiles.bq * d), 2 * (2 * tiles.bq * d + 4 * tiles.bkv * d) + 16 * tiles.bkv
 
 
 def fused_smem_bytes(d: int, tiles: FlashBf16Tiles) -> int:
