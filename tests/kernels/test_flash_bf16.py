@@ -261,3 +261,28 @@ def test_backward_rejects_bad_input():
         FB.flash_attention_bf16_backward(q, k, k, q, lse, q, q, q, k)
     with pytest.raises(KernelError, match="dsum"):
         FB.flash_attention_bf16_backward(q, k, k, q, lse, q, q, k, k, dsum=cuda.to_device(np.zeros((1, 2, 5), np.float32)))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("tiles", ["4/64", "8/64", "4/32"])
+def test_backward_static_shared_memory_fits_and_matches_the_launch(d, tiles):
+    """Each backward kernel's static shared arrays fit the 48 KiB a kernel may declare statically,
+    and a kernel whose arrays are dynamic is launched with dynamic bytes (the count the launcher
+    uses says so): the dK/dV kernel's statistics once took the D 64 kernel to 50,176 static bytes,
+    which ptxas refuses (found offline by scripts/sass_report.py)."""
+    import re
+
+    t = FB.FlashBf16Tiles(*map(int, tiles.split("/")))
+    size = {"uint16": 2, "float32": 4}
+    kernels = [("dq", FB._dq_source(d, t, True), FB.backward_smem_bytes(d, t)[0]),
+               ("dkv", FB._dkv_source(d, t, True), FB.backward_smem_bytes(d, t)[1])]
+    kernels += [(f"fused split={sp}", FB._dkvq_source(d, t, True, sp), FB.fused_smem_bytes(d, t))
+                for sp in (False, True)]
+    for name, src, launch_bytes in kernels:
+        arrays = [(int(n), ty) for n, ty in re.findall(r"cuda\.shared\.array\((\d+), (\w+)", src)]
+        static = sum(n * size[ty] for n, ty in arrays)
+        dynamic = any(n == 0 for n, _ in arrays)
+        assert static <= FB.STATIC_SMEM, (name, static)
+        assert dynamic == (launch_bytes > FB.STATIC_SMEM), (name, arrays, launch_bytes)
+        if not dynamic:
+            assert static == launch_bytes, (name, static, launch_bytes)
